@@ -1,0 +1,46 @@
+"""dcp_multilevel: faster, smaller, node-loss-tolerant storage for torch.distributed.checkpoint.
+
+Use with DCP as usual::
+
+    import torch.distributed.checkpoint as dcp
+    from dcp_multilevel import MultiLevelReader, MultiLevelWriter
+
+    dcp.save(state_dict, storage_writer=MultiLevelWriter("/ckpt/step-100"))
+    dcp.load(state_dict, storage_reader=MultiLevelReader("/ckpt/step-100"))
+"""
+
+from ._version import __version__
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    ConfigError,
+    CorruptCheckpointError,
+    DcpMultilevelError,
+    ManifestError,
+    RegistryError,
+    TruncatedDataError,
+    UnsafeObjectError,
+    UnsupportedFormatVersionError,
+    UnsupportedStateError,
+)
+from .reader import MultiLevelReader
+from .writer import MultiLevelWriter
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "ChecksumMismatchError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "DcpMultilevelError",
+    "ManifestError",
+    "MultiLevelReader",
+    "MultiLevelWriter",
+    "RegistryError",
+    "TruncatedDataError",
+    "UnsafeObjectError",
+    "UnsupportedFormatVersionError",
+    "UnsupportedStateError",
+    "__version__",
+]

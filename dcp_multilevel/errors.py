@@ -1,0 +1,103 @@
+"""The one error hierarchy of dcp_multilevel.
+
+Every error raised on purpose by this package derives from
+:class:`DcpMultilevelError`, and each subclass also derives from the builtin it
+refines, so ``except FileNotFoundError`` keeps working for callers who do not
+know about us. Messages say what failed, where (checkpoint, tier, file, item)
+and what to do; the same facts are kept as attributes for programs.
+
+Note that DCP wraps exceptions raised inside ``dcp.save`` / ``dcp.load`` into
+``torch.distributed.checkpoint.api.CheckpointException`` (one entry per rank);
+our message is in its text, and the original object in its ``failures``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "ChecksumMismatchError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "DcpMultilevelError",
+    "ManifestError",
+    "RegistryError",
+    "TruncatedDataError",
+    "UnsafeObjectError",
+    "UnsupportedFormatVersionError",
+    "UnsupportedStateError",
+]
+
+
+class DcpMultilevelError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class ConfigError(DcpMultilevelError, ValueError):
+    """An option passed to a writer, reader or tier is invalid."""
+
+
+class RegistryError(DcpMultilevelError, LookupError):
+    """A plugin (tier backend, codec) is unknown, not installed, or registered twice."""
+
+
+class CheckpointNotFoundError(DcpMultilevelError, FileNotFoundError):
+    """No committed checkpoint (no manifest) at the given location."""
+
+    def __init__(self, message: str, *, checkpoint: str) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
+class CheckpointExistsError(DcpMultilevelError, FileExistsError):
+    """A committed checkpoint already exists where a new one would be written."""
+
+    def __init__(self, message: str, *, checkpoint: str) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
+class ManifestError(DcpMultilevelError, ValueError):
+    """A manifest is malformed, inconsistent or hostile (bad paths, bad ranges)."""
+
+    def __init__(self, message: str, *, checkpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
+class UnsupportedFormatVersionError(ManifestError):
+    """The manifest was written in a format version this release cannot read."""
+
+
+class CorruptCheckpointError(DcpMultilevelError, OSError):
+    """Stored bytes do not match what the manifest promises."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        checkpoint: str,
+        file: str | None = None,
+        fqn: str | None = None,
+    ) -> None:
+        # OSError.__init__ with one argument keeps ``str(err) == message``.
+        super().__init__(message)
+        self.checkpoint = checkpoint
+        self.file = file
+        self.fqn = fqn
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """An item's bytes hash to a different value than the manifest records."""
+
+
+class TruncatedDataError(CorruptCheckpointError):
+    """A data file is shorter than the manifest says (or ends mid-item)."""
+
+
+class UnsupportedStateError(DcpMultilevelError, TypeError):
+    """A state_dict value cannot be stored (e.g. an unsupported dtype)."""
+
+
+class UnsafeObjectError(DcpMultilevelError, ValueError):
+    """A non-tensor object in a checkpoint is refused by ``weights_only=True`` loading."""

@@ -1,0 +1,41 @@
+"""Checksums of stored bytes: xxh3-64, written as ``"xxh3_64:<16 hex digits>"``.
+
+xxh3 runs at ~15 GB/s per core here and releases the GIL, so hashing every
+item on write and verifying it on read costs little next to the I/O.
+"""
+
+from __future__ import annotations
+
+import re
+
+import xxhash
+
+__all__ = ["ALGORITHM", "Hasher", "checksum_of", "is_valid_checksum"]
+
+ALGORITHM = "xxh3_64"
+_PATTERN = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
+
+
+class Hasher:
+    """Incremental checksum over several buffers (``update`` then ``hexdigest``)."""
+
+    __slots__ = ("_h",)
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return f"{ALGORITHM}:{self._h.hexdigest()}"
+
+
+def checksum_of(data: bytes | bytearray | memoryview) -> str:
+    """Checksum of one buffer, in manifest form."""
+    return f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(data)}"
+
+
+def is_valid_checksum(value: object) -> bool:
+    """True when ``value`` is a checksum string this release knows how to verify."""
+    return isinstance(value, str) and bool(_PATTERN.match(value))

@@ -1,0 +1,108 @@
+"""The storage-tier interface: a place that holds checkpoint files.
+
+A tier knows files, not DCP: it stores byte files under a root and publishes
+each one atomically. Writers and readers decide what goes where.
+
+Call order for one checkpoint (any rank may be a writer; one rank commits)::
+
+    every writing rank:  with tier.open_write(path) as f: f.write(...)  # repeatedly
+                         (a file appears at ``path`` only when the block exits
+                          without error; on error nothing appears)
+    committing rank:     tier.write_atomic("manifest.json", bytes)  # last: the commit
+                         tier.remove_tree(<old data>)              # only after the commit
+    every reading rank:  tier.read_bytes("manifest.json")
+                         with tier.open_read(path) as r: r.read_into(offset, buffer)
+
+Implementations must be safe to call from several threads at once on
+different paths; two writers on the same path is a caller bug.
+"""
+
+from __future__ import annotations
+
+import abc
+from contextlib import AbstractContextManager
+from typing import Protocol, runtime_checkable
+
+__all__ = ["ReadHandle", "Tier", "WriteHandle"]
+
+
+@runtime_checkable
+class WriteHandle(Protocol):
+    """A file being written; bytes become visible only when its context exits cleanly."""
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append all of ``data`` (never a partial write)."""
+        ...
+
+    def tell(self) -> int:
+        """Bytes written so far."""
+        ...
+
+
+@runtime_checkable
+class ReadHandle(Protocol):
+    """An open, committed file."""
+
+    @property
+    def size(self) -> int:
+        """Size of the file in bytes, as stored."""
+        ...
+
+    def read_into(self, offset: int, out: memoryview) -> int:
+        """Fill ``out`` from ``offset``; return the bytes read (fewer only at end of file)."""
+        ...
+
+
+class Tier(abc.ABC):
+    """A storage level rooted at one location (a directory, a bucket prefix, ...).
+
+    Paths given to methods are relative POSIX paths below the root, already
+    validated by the caller (see ``format.paths.validate_relpath``).
+    """
+
+    #: True when publishing a file is an atomic rename (a crash never leaves a
+    #: half-written file visible under its final name). Object stores: False,
+    #: so their commit is "manifest written last" plus a size check.
+    supports_atomic_rename: bool = False
+
+    @property
+    @abc.abstractmethod
+    def url(self) -> str:
+        """The root of this tier, as a URL (``file:///...``, ``s3://...``)."""
+
+    @abc.abstractmethod
+    def open_write(self, path: str) -> AbstractContextManager[WriteHandle]:
+        """Open ``path`` for writing; publish it on clean exit, discard it on error."""
+
+    @abc.abstractmethod
+    def open_read(self, path: str) -> AbstractContextManager[ReadHandle]:
+        """Open the committed file ``path``; FileNotFoundError when it does not exist."""
+
+    @abc.abstractmethod
+    def exists(self, path: str) -> bool:
+        """True when a committed file or directory exists at ``path``."""
+
+    @abc.abstractmethod
+    def listdir(self, path: str) -> list[str]:
+        """Names directly below directory ``path`` (sorted); empty when it does not exist."""
+
+    @abc.abstractmethod
+    def remove_tree(self, path: str) -> None:
+        """Remove file or directory ``path`` and everything below it; missing is fine."""
+
+    # Conveniences built on the primitives above; backends may override for speed.
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """Publish ``data`` at ``path`` in one step (used for manifests)."""
+        with self.open_write(path) as f:
+            f.write(data)
+
+    def read_bytes(self, path: str) -> bytes:
+        """The whole content of the committed file ``path``."""
+        with self.open_read(path) as r:
+            buf = bytearray(r.size)
+            n = r.read_into(0, memoryview(buf))
+            return bytes(buf[:n])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

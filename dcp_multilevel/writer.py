@@ -1,0 +1,285 @@
+"""MultiLevelWriter: DCP's StorageWriter for dcp_multilevel checkpoints.
+
+Save path (see ``docs/format.md``)::
+
+    all ranks     reset(checkpoint_id) -> set_up_storage_writer -> prepare_local_plan
+    coordinator   prepare_global_plan: refuse to overwrite (unless asked), pick a
+                  fresh save_id shared by every rank
+    all ranks     write_data: raw tensor bytes -> data/<save_id>/<rank>-<n>.bin,
+                  each file written under a temporary name, fsynced, renamed
+    coordinator   finish: manifest.json written last, atomically (the commit),
+                  then data of any earlier save at this location is deleted
+
+DCP calls ``finish`` only when ``write_data`` succeeded on every rank, so a
+failure anywhere leaves no new manifest, and the old one (if any) untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from .errors import CheckpointExistsError, ConfigError, UnsupportedStateError
+from .format import (
+    MANIFEST_NAME,
+    Hasher,
+    ItemLocation,
+    data_file_path,
+    dtype_name,
+    encode_manifest,
+)
+from .format.layout import DATA_DIR
+from .format.tensor_bytes import byte_view, pieces
+from .tiers import Tier, tier_for
+from .tiers.local import TMP_MARKER
+
+__all__ = ["MultiLevelWriter"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankStorage:
+    """``SavePlan.storage_data``: what the coordinator tells each rank."""
+
+    save_id: str
+    rank: int
+
+
+class MultiLevelWriter(StorageWriter):
+    """Write a DCP checkpoint to ``path`` as raw bytes + a JSON manifest.
+
+    Args:
+        path: checkpoint location (a directory path or ``file://`` URL). May be
+            replaced per save by ``dcp.save(..., checkpoint_id=...)``.
+        overwrite: allow replacing a committed checkpoint at ``path``. The old
+            one stays loadable until the new one commits (atomic manifest swap).
+        thread_count: data files written in parallel per rank.
+        sync_files: fsync data and manifest before publishing them. Leave on
+            unless the storage is scratch: without it a crash can commit a
+            manifest that points at data the OS never wrote.
+
+    Raises:
+        ConfigError: on an invalid option.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        thread_count: int = 1,
+        sync_files: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(thread_count, int) or thread_count < 1:
+            raise ConfigError(f"thread_count must be an integer >= 1, got {thread_count!r}")
+        self.overwrite = overwrite
+        self.thread_count = thread_count
+        self.sync_files = sync_files
+        self._set_path(path)
+        self.rank = 0
+        self.is_coordinator = True
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _set_path(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self.tier: Tier = tier_for(self.path, sync=self.sync_files)
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The location this writer saves to."""
+        return self.path
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self._set_path(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not kwargs.get("use_collectives", True):
+            raise ConfigError(
+                "MultiLevelWriter needs dcp.save(..., use_collectives=True) (the default): "
+                "the checkpoint is committed once, by the coordinator, for all ranks"
+            )
+        self.rank = int(kwargs.get("rank") or 0)
+        self.is_coordinator = is_coordinator
+
+    def storage_meta(self) -> StorageMeta:
+        return StorageMeta(checkpoint_id=self.path, save_id=uuid.uuid4().hex)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # Fail before any byte is written if a tensor cannot be stored.
+        for item in plan.items:
+            if item.tensor_data is not None:
+                dtype_name(item.tensor_data.properties.dtype, fqn=item.index.fqn)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if self.tier.exists(MANIFEST_NAME) and not self.overwrite:
+            raise CheckpointExistsError(
+                f"a committed checkpoint already exists at {self.tier.url}; refusing to "
+                "replace it. Save to a new location, or pass MultiLevelWriter(..., "
+                "overwrite=True) to replace it (the old one stays loadable until the new "
+                "one commits).",
+                checkpoint=self.tier.url,
+            )
+        # Only the coordinator runs this and finish(), so it can keep the id.
+        self._save_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}"
+        return [
+            dataclasses.replace(plan, storage_data=_RankStorage(self._save_id, rank))
+            for rank, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        storage: _RankStorage = plan.storage_data
+        buckets = _balance(plan.items, self.thread_count)
+        jobs = [
+            (data_file_path(storage.save_id, storage.rank, n), bucket)
+            for n, bucket in enumerate(buckets)
+        ]
+        # resolve_data may be called from several threads; DefaultSavePlanner's
+        # lookup is a dict read, but torch.save of BYTE_IO items is not reentrant-safe
+        # for every object, so that part is serialized.
+        lock = threading.Lock()
+        if len(jobs) <= 1:
+            results = [r for job in jobs for r in self._write_file(*job, planner, lock)]
+        else:
+            with ThreadPoolExecutor(len(jobs), thread_name_prefix="dcp-ml-write") as pool:
+                futures = [pool.submit(self._write_file, *job, planner, lock) for job in jobs]
+                results = [r for f in futures for r in f.result()]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        locations: dict[MetadataIndex, ItemLocation] = {}
+        files: dict[str, int] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                loc: ItemLocation = wr.storage_data
+                locations[wr.index] = loc
+                files[loc.file] = max(files.get(loc.file, 0), loc.offset + loc.length)
+        doc = encode_manifest(
+            metadata,
+            locations,
+            files,
+            save_id=self._save_id,
+            world_size=len(results),
+            created_unix=time.time(),
+        )
+        self.tier.write_atomic(MANIFEST_NAME, doc)  # the commit
+        logger.info(
+            "committed checkpoint %s: %d items, %d bytes in %d files",
+            self.tier.url,
+            len(locations),
+            sum(files.values()),
+            len(files),
+        )
+        self._sweep(keep=self._save_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            tier_for(checkpoint_id)
+        except (ValueError, LookupError):
+            return False
+        return True
+
+    # ------------------------------------------------------------------ internals
+
+    def _write_file(
+        self, path: str, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock
+    ) -> list[WriteResult]:
+        results = []
+        with self.tier.open_write(path) as out:
+            for item in items:
+                start = out.tell()
+                hasher = Hasher()
+                if item.type == WriteItemType.BYTE_IO:
+                    with lock:
+                        data = planner.resolve_data(item)
+                    if not isinstance(data, io.BytesIO):
+                        raise UnsupportedStateError(
+                            f"planner returned {type(data).__name__} for bytes item "
+                            f"{item.index.fqn!r}; expected io.BytesIO"
+                        )
+                    view = data.getbuffer()
+                else:
+                    view = byte_view(_tensor_for(item, planner.resolve_data(item)))
+                for piece in pieces(view):
+                    hasher.update(piece)
+                    out.write(piece)
+                length = out.tell() - start
+                loc = ItemLocation(path, start, length, length, hasher.hexdigest())
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=length, storage_data=loc)
+                )
+        return results
+
+    def _sweep(self, keep: str) -> None:
+        """Delete data of earlier saves and crash leftovers; never fails the commit."""
+        stale = [f"{DATA_DIR}/{d}" for d in self.tier.listdir(DATA_DIR) if d != keep]
+        stale += [name for name in self.tier.listdir("") if TMP_MARKER in name]
+        for path in stale:
+            try:
+                self.tier.remove_tree(path)
+            except OSError as e:
+                # The checkpoint is committed; leftover bytes only cost space.
+                logger.warning("could not delete stale %s in %s: %s", path, self.tier.url, e)
+
+
+def _tensor_for(item: WriteItem, data: Any) -> torch.Tensor:
+    """The contiguous CPU tensor to store for ``item``, checked against the plan."""
+    fqn = item.index.fqn
+    if not isinstance(data, torch.Tensor):
+        raise UnsupportedStateError(
+            f"planner returned {type(data).__name__} for tensor item {fqn!r}; expected a tensor"
+        )
+    td = item.tensor_data
+    t = data.detach()
+    if t.dtype != td.properties.dtype or tuple(t.shape) != tuple(td.chunk.sizes):
+        raise UnsupportedStateError(
+            f"planner returned a {tuple(t.shape)} {t.dtype} tensor for {fqn!r}, but the plan "
+            f"says {tuple(td.chunk.sizes)} {td.properties.dtype}; a planner that changes "
+            "dtype or shape in resolve_data must change its plan to match"
+        )
+    if t.device.type != "cpu":
+        t = t.cpu()
+    # Non-contiguous views are copied (only their projection is stored).
+    return t.contiguous()
+
+
+def _balance(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Split items into at most ``bins`` non-empty groups of similar byte size (LPT)."""
+    if bins == 1 or len(items) <= 1:
+        return [list(items)] if items else []
+    sizes = {id(i): _nbytes(i) for i in items}
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    loads = [0] * bins
+    for item in sorted(items, key=lambda i: -sizes[id(i)]):
+        k = loads.index(min(loads))
+        buckets[k].append(item)
+        loads[k] += sizes[id(item)]
+    return [b for b in buckets if b]
+
+
+def _nbytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return item.bytes_io_data.nbytes if item.bytes_io_data is not None else 0
+    td = item.tensor_data
+    return math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
