@@ -1,0 +1,53 @@
+"""Shared test helpers: deterministic states covering every dtype, bit-exact checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcp_multilevel.format.dtypes import DTYPE_BY_NAME
+
+
+def random_tensor(shape, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Deterministic tensor of any dtype, random in every bit (fp8/complex32 included)."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    numel = 1
+    for s in shape:
+        numel *= s
+    raw = torch.randint(0, 256, (numel * dtype.itemsize,), generator=g, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert as_bytes(actual) == as_bytes(expected), f"{what}: bytes differ"
+
+
+ALL_DTYPES = sorted(DTYPE_BY_NAME.values(), key=str)
+
+
+@pytest.fixture
+def all_dtypes_state():
+    """A nested state with every storable dtype, 0-d, empty and non-tensor values."""
+    state = {f"t_{str(d).split('.')[-1]}": random_tensor((3, 5), d, seed=i)
+             for i, d in enumerate(ALL_DTYPES)}  # fmt: skip
+    state["scalar"] = torch.tensor(2.5, dtype=torch.float64)
+    state["empty"] = torch.empty(0, 7)
+    state["nested"] = {
+        "layer": {"w": random_tensor((4, 4), torch.bfloat16, 99), "step": 12},
+        "list": [random_tensor((2,), torch.int64, 98), "text", {"deep": 1.5}],
+    }
+    state["info"] = {"name": "run-1", "lr": 3e-4, "tags": ["a", "b"]}
+    return state
+
+
+def rank_errors(exc: BaseException) -> list[BaseException]:
+    """The per-rank exceptions DCP wrapped into a CheckpointException."""
+    return [failure[0] for failure in exc.failures.values()]

@@ -1,0 +1,86 @@
+"""Plugin registry: entry points for real (a fake installed distribution on sys.path)."""
+
+from __future__ import annotations
+
+import textwrap
+from importlib.metadata import entry_points
+
+import pytest
+
+from dcp_multilevel import RegistryError
+from dcp_multilevel._registry import Registry
+from dcp_multilevel.tiers import TIER_BACKENDS, tier_for
+from dcp_multilevel.tiers.local import LocalTier
+
+
+@pytest.fixture
+def fake_distribution(tmp_path, monkeypatch):
+    """Install ``fake_tier_pkg`` (one module + dist-info with an entry point) on sys.path."""
+    (tmp_path / "fake_tier_mod.py").write_text(
+        textwrap.dedent(
+            """
+            from dcp_multilevel.tiers.local import LocalTier
+
+            class FakeTier(LocalTier):
+                def __init__(self, where, **options):
+                    super().__init__(where.split("://", 1)[1], **options)
+            """
+        )
+    )
+    info = tmp_path / "fake_tier_pkg-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-tier-pkg\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[dcp_multilevel.tiers]\nfake = fake_tier_mod:FakeTier\nbroken = no_such_module:X\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    TIER_BACKENDS.refresh()
+    yield tmp_path
+    TIER_BACKENDS.refresh()
+
+
+def test_builtin_file_tier_is_registered_through_the_entry_point_group():
+    (ep,) = [e for e in entry_points(group="dcp_multilevel.tiers") if e.name == "file"]
+    assert ep.value == "dcp_multilevel.tiers.local:LocalTier"
+    assert TIER_BACKENDS.get("file") is LocalTier
+
+
+def test_third_party_tier_is_found_by_url_scheme(fake_distribution):
+    tier = tier_for(f"fake://{fake_distribution}/root")
+    assert type(tier).__name__ == "FakeTier"
+    tier.write_atomic("x.bin", b"1")
+    assert (fake_distribution / "root" / "x.bin").read_bytes() == b"1"
+    assert "fake" in TIER_BACKENDS.names()
+
+
+def test_unimportable_plugin_names_its_entry_point(fake_distribution):
+    with pytest.raises(RegistryError) as info:
+        tier_for("broken://x")
+    assert str(info.value).startswith(
+        "tier backend 'broken' is registered by no_such_module:X but cannot be imported: "
+    )
+
+
+def test_unknown_scheme_lists_known_ones_and_an_install_hint():
+    with pytest.raises(RegistryError) as info:
+        tier_for("gs://bucket/x")
+    assert str(info.value) == (
+        f"unknown tier backend 'gs' (known: {', '.join(TIER_BACKENDS.names())}); install gcsfs "
+        "for gs://. Third-party tier backends register in entry-point group "
+        "'dcp_multilevel.tiers'."
+    )
+    assert isinstance(info.value, LookupError)
+
+
+def test_registering_a_taken_name_needs_clobber():
+    reg: Registry[type] = Registry("dcp_multilevel.tiers", "tier backend")
+    with pytest.raises(RegistryError) as info:
+        reg.register("file", dict)
+    assert str(info.value) == (
+        "tier backend 'file' is already registered; pass clobber=True to replace it"
+    )
+    reg.register("file", dict, clobber=True)
+    assert reg.get("file") is dict
+    reg.register("mine", list)
+    with pytest.raises(RegistryError):
+        reg.register("mine", tuple)
