@@ -21,6 +21,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DcpMultilevelError",
     "ManifestError",
+    "PlanningError",
     "RegistryError",
     "TruncatedDataError",
     "UnsafeObjectError",
@@ -35,6 +36,10 @@ class DcpMultilevelError(Exception):
 
 class ConfigError(DcpMultilevelError, ValueError):
     """An option passed to a writer, reader or tier is invalid."""
+
+
+class PlanningError(DcpMultilevelError, ValueError):
+    """A save plan cannot be built (inconsistent inputs, unequal replicas)."""
 
 
 class RegistryError(DcpMultilevelError, LookupError):

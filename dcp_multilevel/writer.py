@@ -3,12 +3,12 @@
 Save path (see ``docs/format.md``)::
 
     all ranks     reset(checkpoint_id) -> set_up_storage_writer -> prepare_local_plan
-    coordinator   prepare_global_plan: refuse to overwrite (unless asked), pick a
-                  fresh save_id shared by every rank
-    all ranks     write_data: raw tensor bytes -> data/<save_id>/<rank>-<n>.bin,
-                  each file written under a temporary name, fsynced, renamed
+    coordinator   prepare_global_plan: refuse to overwrite (unless asked)
+    all ranks     write_data: raw tensor bytes -> data/<rank>-<n>.<token>.bin
+                  (token: fresh per rank and save), each file written under a
+                  temporary name, fsynced, renamed
     coordinator   finish: manifest.json written last, atomically (the commit),
-                  then data of any earlier save at this location is deleted
+                  then every data file the new manifest does not name is deleted
 
 DCP calls ``finish`` only when ``write_data`` succeeded on every rank, so a
 failure anywhere leaves no new manifest, and the old one (if any) untouched.
@@ -16,7 +16,6 @@ failure anywhere leaves no new manifest, and the old one (if any) untouched.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import logging
 import math
@@ -35,6 +34,7 @@ from torch.futures import Future
 
 from .errors import CheckpointExistsError, ConfigError, UnsupportedStateError
 from .format import (
+    DATA_DIR,
     MANIFEST_NAME,
     Hasher,
     ItemLocation,
@@ -42,7 +42,6 @@ from .format import (
     dtype_name,
     encode_manifest,
 )
-from .format.layout import DATA_DIR
 from .format.tensor_bytes import byte_view, pieces
 from .tiers import Tier, tier_for
 from .tiers.local import TMP_MARKER
@@ -50,14 +49,6 @@ from .tiers.local import TMP_MARKER
 __all__ = ["MultiLevelWriter"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class _RankStorage:
-    """``SavePlan.storage_data``: what the coordinator tells each rank."""
-
-    save_id: str
-    rank: int
 
 
 class MultiLevelWriter(StorageWriter):
@@ -138,20 +129,14 @@ class MultiLevelWriter(StorageWriter):
                 "one commits).",
                 checkpoint=self.tier.url,
             )
-        # Only the coordinator runs this and finish(), so it can keep the id.
-        self._save_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}"
-        return [
-            dataclasses.replace(plan, storage_data=_RankStorage(self._save_id, rank))
-            for rank, plan in enumerate(plans)
-        ]
+        return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        storage: _RankStorage = plan.storage_data
+        # File names come from this rank alone: DCP's plan caching can replay a
+        # cached plan, so storage_data from the coordinator may be stale.
+        token = uuid.uuid4().hex[:16]
         buckets = _balance(plan.items, self.thread_count)
-        jobs = [
-            (data_file_path(storage.save_id, storage.rank, n), bucket)
-            for n, bucket in enumerate(buckets)
-        ]
+        jobs = [(data_file_path(self.rank, n, token), b) for n, b in enumerate(buckets)]
         # resolve_data may be called from several threads; DefaultSavePlanner's
         # lookup is a dict read, but torch.save of BYTE_IO items is not reentrant-safe
         # for every object, so that part is serialized.
@@ -178,7 +163,7 @@ class MultiLevelWriter(StorageWriter):
             metadata,
             locations,
             files,
-            save_id=self._save_id,
+            save_id=f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}",
             world_size=len(results),
             created_unix=time.time(),
         )
@@ -190,7 +175,7 @@ class MultiLevelWriter(StorageWriter):
             sum(files.values()),
             len(files),
         )
-        self._sweep(keep=self._save_id)
+        self._sweep(keep=set(files))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -231,9 +216,10 @@ class MultiLevelWriter(StorageWriter):
                 )
         return results
 
-    def _sweep(self, keep: str) -> None:
+    def _sweep(self, keep: set[str]) -> None:
         """Delete data of earlier saves and crash leftovers; never fails the commit."""
-        stale = [f"{DATA_DIR}/{d}" for d in self.tier.listdir(DATA_DIR) if d != keep]
+        stale = [f"{DATA_DIR}/{n}" for n in self.tier.listdir(DATA_DIR)]
+        stale = [path for path in stale if path not in keep]
         stale += [name for name in self.tier.listdir("") if TMP_MARKER in name]
         for path in stale:
             try:

@@ -38,7 +38,7 @@ def _assert_loads(path, value: float) -> None:
         assert torch.equal(target[f"t{i}"], torch.full((256, 1024), value + i)), f"t{i}"
 
 
-def _data_dirs(path: Path) -> list[str]:
+def _data_files(path: Path) -> list[str]:
     return sorted(os.listdir(path / "data"))
 
 
@@ -55,19 +55,19 @@ def test_saving_over_a_checkpoint_is_refused_by_default(tmp_path):
         "it (the old one stays loadable until the new one commits)."
     )
     assert (tmp_path / "c" / "manifest.json").read_bytes() == before
-    assert len(_data_dirs(tmp_path / "c")) == 1  # refused before writing anything
+    assert _data_files(tmp_path / "c") == [f.split("/")[1] for f in json.loads(before)["files"]]
     _assert_loads(tmp_path / "c", 1)
 
 
 def test_overwrite_replaces_atomically_and_deletes_old_data_after_commit(tmp_path):
     path = tmp_path / "c"
     dcp.save(_state(1), storage_writer=MultiLevelWriter(path))
-    (old_dir,) = _data_dirs(path)
+    (old_file,) = _data_files(path)
     dcp.save(_state(2), storage_writer=MultiLevelWriter(path, overwrite=True))
-    (new_dir,) = _data_dirs(path)
-    assert new_dir != old_dir
+    (new_file,) = _data_files(path)
+    assert new_file != old_file
     manifest = json.loads((path / "manifest.json").read_text())
-    assert all(f.startswith(f"data/{new_dir}/") for f in manifest["files"])
+    assert list(manifest["files"]) == [f"data/{new_file}"]
     _assert_loads(path, 2)
 
 
@@ -88,8 +88,7 @@ def test_failed_overwrite_keeps_the_old_checkpoint_intact(tmp_path):
     assert "No space left on device (injected)" in str(rank_errors(info.value)[0])
     assert (path / "manifest.json").read_bytes() == before
     _assert_loads(path, 1)
-    # The failed save's temporary file was removed; its (empty) directory is swept
-    # by the next successful save.
+    # The failed save's temporary file was removed.
     leftovers = [p for p in (path / "data").rglob("*") if p.is_file()]
     manifest = json.loads(before)
     assert sorted(str(p.relative_to(path)) for p in leftovers) == sorted(manifest["files"])
@@ -132,7 +131,9 @@ def test_sigkill_during_write_data_leaves_previous_checkpoint_and_no_new_one(tmp
     # The next save to the same place succeeds and sweeps the crash leftovers.
     dcp.save(_state(3), storage_writer=MultiLevelWriter(new))
     _assert_loads(new, 3)
-    assert len(_data_dirs(new)) == 1
+    assert [f"data/{f}" for f in _data_files(new)] == list(
+        json.loads((new / "manifest.json").read_text())["files"]
+    )
     assert not [p for p in new.rglob("*") if ".tmp-" in p.name]
 
 

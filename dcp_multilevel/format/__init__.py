@@ -5,7 +5,7 @@ Pure data handling: nothing here does I/O or knows about writers and readers.
 
 from .checksum import Hasher, checksum_of
 from .dtypes import dtype_from_name, dtype_name
-from .layout import data_file_path, data_prefix
+from .layout import DATA_DIR, data_file_path
 from .manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -17,6 +17,7 @@ from .manifest import (
 from .paths import validate_relpath
 
 __all__ = [
+    "DATA_DIR",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "Hasher",
@@ -24,7 +25,6 @@ __all__ = [
     "Manifest",
     "checksum_of",
     "data_file_path",
-    "data_prefix",
     "decode_manifest",
     "dtype_from_name",
     "dtype_name",
