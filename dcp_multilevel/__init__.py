@@ -18,25 +18,31 @@ from .errors import (
     CorruptCheckpointError,
     DcpMultilevelError,
     ManifestError,
+    PlanningError,
     RegistryError,
     TruncatedDataError,
     UnsafeObjectError,
     UnsupportedFormatVersionError,
     UnsupportedStateError,
 )
+from .planner import BalancedSavePlanner
+from .planning import CostModel
 from .reader import MultiLevelReader
 from .writer import MultiLevelWriter
 
 __all__ = [
+    "BalancedSavePlanner",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "ConfigError",
     "CorruptCheckpointError",
+    "CostModel",
     "DcpMultilevelError",
     "ManifestError",
     "MultiLevelReader",
     "MultiLevelWriter",
+    "PlanningError",
     "RegistryError",
     "TruncatedDataError",
     "UnsafeObjectError",

@@ -1,0 +1,304 @@
+"""BalancedSavePlanner: DCP's DefaultSavePlanner with cost-balanced deduplication.
+
+Stock DCP gives each replicated item, whole, to whichever rank has the
+smallest plan so far, in insertion order; one big tensor late in the order
+can make one rank write 2.5x the mean. This planner hands the assignment to
+``planning.partition`` (largest first, splitting big replicated tensors into
+DCP chunks, keeping sub-collections together) and otherwise behaves like the
+default planner, so any ``StorageWriter`` can use it.
+
+Call order (DCP's ``SavePlanner`` protocol; ``dcp.save`` drives it)::
+
+    all ranks     set_up_planner -> create_local_plan
+    coordinator   create_global_plan(all local plans)   # partition happens here
+    all ranks     finish_plan -> resolve_data (per item, from the storage writer)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import math
+from collections import ChainMap, defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import xxhash
+from torch.distributed.checkpoint.default_planner import (
+    DefaultSavePlanner,
+    _validate_global_plan,
+    create_default_global_save_plan,
+)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+
+from .errors import PlanningError
+from .format.tensor_bytes import byte_view
+from .planning import CostModel, Item, PartitionOptions, partition
+
+__all__ = ["BalancedSavePlanner", "parent_group"]
+
+logger = logging.getLogger(__name__)
+
+
+def parent_group(fqn: str) -> str:
+    """Default sub-collection of an item: its FQN without the last component.
+
+    ``model.layer.3.attn.weight`` and ``...attn.bias`` share ``model.layer.3.attn``;
+    ``optim.state.<param>.exp_avg`` and ``.exp_avg_sq`` share ``optim.state.<param>``.
+    """
+    return fqn.rsplit(".", 1)[0] if "." in fqn else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _LocalPlannerData:
+    """Local ``SavePlan.planner_data`` when replicas are verified."""
+
+    mappings: Any
+    digests: dict[MetadataIndex, str]
+
+
+class BalancedSavePlanner(DefaultSavePlanner):
+    """Save planner that balances replicated data across ranks by a cost model.
+
+    Args:
+        cost_model: per-rank cost (``bytes / bandwidth + items * overhead``).
+        epsilon: balance slack; with splitting, max/mean cost is at most
+            ``1 + max(epsilon, (2*min_chunk_bytes + overhead)/target, U/target)``
+            (``U``: largest replicated item that cannot be split), see
+            ``planning/partition.py``.
+        min_chunk_bytes: no piece of a split tensor is smaller than this.
+        split: allow splitting replicated tensors into row (or column) chunks.
+        group_key: maps an FQN to its sub-collection (``None``: no grouping).
+        verify_replicas: before deduplicating, check that every replicated
+            item has the same bytes on every rank that holds it (hashes only
+            travel); raise PlanningError naming the FQN and ranks otherwise.
+        enable_plan_caching: reuse the global plan while local plans do not
+            change (DCP's mechanism); turned off by ``verify_replicas``, whose
+            hashes change every step.
+        flatten_state_dict, flatten_sharded_tensors: as in DefaultSavePlanner.
+    """
+
+    def __init__(
+        self,
+        *,
+        cost_model: CostModel | None = None,
+        epsilon: float = 0.01,
+        min_chunk_bytes: int = 16 << 10,
+        split: bool = True,
+        group_key: Callable[[str], str] | None = parent_group,
+        verify_replicas: bool = False,
+        enable_plan_caching: bool = True,
+        flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
+    ) -> None:
+        super().__init__(
+            flatten_state_dict=flatten_state_dict,
+            flatten_sharded_tensors=flatten_sharded_tensors,
+            enable_plan_caching=enable_plan_caching and not verify_replicas,
+        )
+        self.cost_model = cost_model or CostModel()
+        self.options = PartitionOptions(
+            epsilon=epsilon,
+            min_chunk_bytes=min_chunk_bytes,
+            split=split,
+            group=group_key is not None,
+        )
+        self.group_key = group_key
+        self.verify_replicas = verify_replicas
+        #: The last partition's loads (cost units), for reports and tests.
+        self.last_loads: tuple[int, ...] = ()
+
+    # ------------------------------------------------------------------ local
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        if self.verify_replicas and plan.usable:
+            digests = {item.index: self._digest(item) for item in plan.items}
+            plan = dataclasses.replace(
+                plan, planner_data=_LocalPlannerData(plan.planner_data, digests)
+            )
+            self.plan = plan
+        return plan
+
+    def _digest(self, item: WriteItem) -> str:
+        data = super().resolve_data(item)
+        if isinstance(data, io.BytesIO):
+            return xxhash.xxh3_64_hexdigest(data.getbuffer())
+        t = data.detach()
+        t = (t.cpu() if t.device.type != "cpu" else t).contiguous()
+        return xxhash.xxh3_64_hexdigest(byte_view(t))
+
+    # ------------------------------------------------------------------ global
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        # DefaultSavePlanner routes both its cached and uncached paths through here.
+        if self.verify_replicas:
+            _check_replicas(
+                [
+                    p.planner_data.digests if isinstance(p.planner_data, _LocalPlannerData) else {}
+                    for p in all_plans
+                ]
+            )
+        all_plans = [
+            dataclasses.replace(p, planner_data=p.planner_data.mappings)
+            if isinstance(p.planner_data, _LocalPlannerData)
+            else p
+            for p in all_plans
+        ]
+        balanced = self._balance(all_plans)
+        global_plan, metadata = create_default_global_save_plan(balanced)
+        if self.flatten_state_dict:
+            merged = dict(ChainMap(*[p.planner_data for p in global_plan if p.planner_data]))
+            metadata = dataclasses.replace(metadata, planner_data=merged)
+        errors = _validate_global_plan(global_plan, metadata)
+        if errors:
+            raise PlanningError(f"balanced plan failed DCP's validation: {'; '.join(errors)[:500]}")
+        return global_plan, metadata
+
+    def _balance(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        world = len(all_plans)
+        first: dict[MetadataIndex, WriteItem] = {}
+        owners: dict[MetadataIndex, list[int]] = {}
+        for rank, plan in enumerate(all_plans):
+            for item in plan.items:
+                holders = owners.get(item.index)
+                if holders is None:
+                    owners[item.index] = [rank]
+                    first[item.index] = item
+                else:
+                    holders.append(rank)
+                    _check_same_item(first[item.index], item, holders[0], rank)
+
+        indexes = list(first)
+        items = []
+        for key, index in enumerate(indexes):
+            w = first[index]
+            holders = tuple(owners[index])
+            splittable = (
+                len(holders) > 1
+                and w.type == WriteItemType.TENSOR
+                and w.tensor_data is not None
+                and len(w.tensor_data.chunk.sizes) > 0
+            )
+            td = w.tensor_data
+            items.append(
+                Item(
+                    key=key,
+                    nbytes=_nbytes(w),
+                    owners=holders,
+                    sort_key=f"{index.fqn}@{tuple(index.offset or ())}",
+                    group=self.group_key(index.fqn) if self.group_key else "",
+                    shape=tuple(td.chunk.sizes) if splittable and td else None,
+                    itemsize=td.properties.dtype.itemsize if td else 1,
+                )
+            )
+        result = partition(items, world, self.cost_model, self.options)
+        self.last_loads = result.loads
+
+        per_rank: list[list[tuple[str, WriteItem]]] = [[] for _ in range(world)]
+        for piece in result.pieces:
+            w = first[indexes[piece.key]]
+            if piece.is_split:
+                w = _piece_item(w, piece.offsets, piece.sizes)
+            per_rank[piece.rank].append((items[piece.key].sort_key, w))
+        for entries in per_rank:
+            entries.sort(key=lambda e: (e[0], tuple(e[1].index.offset or ())))
+        return [
+            dataclasses.replace(plan, items=[w for _, w in entries])
+            for plan, entries in zip(all_plans, per_rank, strict=True)
+        ]
+
+    # ------------------------------------------------------------------ resolve
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        obj = self.state_dict.get(write_item.index.fqn) if write_item.tensor_data else None
+        if (
+            write_item.type == WriteItemType.SHARD
+            and type(obj) in (torch.Tensor, torch.nn.Parameter)
+            and write_item.tensor_data is not None
+        ):
+            # A piece of a plain (replicated) tensor that this planner split:
+            # its chunk offsets are relative to the whole tensor.
+            t = obj
+            chunk = write_item.tensor_data.chunk
+            for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+                if size != t.shape[dim]:
+                    t = t.narrow(dim, off, size)
+            return t
+        return super().resolve_data(write_item)
+
+
+def _nbytes(w: WriteItem) -> int:
+    if w.tensor_data is None:
+        return w.bytes_io_data.nbytes if w.bytes_io_data is not None else 0
+    return math.prod(w.tensor_data.chunk.sizes) * w.tensor_data.properties.dtype.itemsize
+
+
+def _piece_item(w: WriteItem, offsets, sizes) -> WriteItem:
+    assert w.tensor_data is not None
+    chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+    return WriteItem(
+        index=MetadataIndex(w.index.fqn, offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=chunk, properties=w.tensor_data.properties, size=w.tensor_data.size
+        ),
+    )
+
+
+def _check_same_item(a: WriteItem, b: WriteItem, rank_a: int, rank_b: int) -> None:
+    """Replicas must agree on what they are, or dedup would silently pick one."""
+    same = a.type == b.type and (
+        (a.tensor_data is None and b.tensor_data is None)
+        or (
+            a.tensor_data is not None
+            and b.tensor_data is not None
+            and a.tensor_data.size == b.tensor_data.size
+            and a.tensor_data.chunk.sizes == b.tensor_data.chunk.sizes
+            and a.tensor_data.properties.dtype == b.tensor_data.properties.dtype
+        )
+    )
+    if not same:
+
+        def describe(w: WriteItem) -> str:
+            if w.tensor_data is None:
+                return "a bytes object"
+            td = w.tensor_data
+            return f"a {tuple(td.chunk.sizes)} {td.properties.dtype} {w.type.name.lower()}"
+
+        raise PlanningError(
+            f"item {a.index.fqn!r} is {describe(a)} on rank {rank_a} but {describe(b)} on "
+            f"rank {rank_b}; every rank must hold the same structure for a replicated item"
+        )
+
+
+def _check_replicas(digests: list[dict[MetadataIndex, str]]) -> None:
+    """Raise when a replicated item hashes differently on the ranks that hold it."""
+    by_index: dict[MetadataIndex, dict[str, list[int]]] = defaultdict(dict)
+    for rank, per_item in enumerate(digests):
+        for index, digest in per_item.items():
+            by_index[index].setdefault(digest, []).append(rank)
+    differing = sorted(
+        ((index, groups) for index, groups in by_index.items() if len(groups) > 1),
+        key=lambda e: (e[0].fqn, tuple(e[0].offset or ())),
+    )
+    if differing:
+        index, groups = differing[0]
+        variants = "; ".join(
+            f"ranks {ranks} hold xxh3 {digest}"
+            for digest, ranks in sorted(groups.items(), key=lambda g: g[1])
+        )
+        more = f" ({len(differing) - 1} more items differ)" if len(differing) > 1 else ""
+        raise PlanningError(
+            f"replicated item {index.fqn!r} is not equal on every rank: {variants}{more}. "
+            "Stock DCP would silently keep one copy; make the replicas equal (e.g. broadcast "
+            "from rank 0) or give them distinct names."
+        )
