@@ -19,23 +19,25 @@ The algorithm, in cost units (byte-equivalents, see ``cost.py``):
    * anything else (bytes objects, sharded chunks, remainders under ``2m``
      bytes) goes whole to ``r``.
 
-**Bound.** Let ``O`` be the largest load of owned items alone and ``U`` the
-largest cost of a replicated item that could not be split. If every
-replicated item is held by all ranks (data parallelism), then::
+**Bound.** Let ``M = ceil(final total cost / n)`` be the mean load rounded up
+(the final total exceeds the initial one by ``h`` per extra piece, so ``M >=
+T``), ``O`` the largest load of owned items alone and ``U`` the largest cost
+of a replicated item that could not be split. If every replicated item is
+held by all ranks (data parallelism), then::
 
-    max_r L_r <= max(O, T + max(s, U))
+    max_r L_r <= max(O, M + max(s, U))
 
-so ``max/mean <= 1 + max(epsilon, (2m + h)/T, U/T)`` whenever ``O <= T``.
+so ``max/mean <= 1 + max(epsilon*T, 2m + h, U) / mean`` whenever ``O <= M``.
 
-*Proof.* Loads only grow, and the sum of current loads never exceeds the
-final total ``n*T``, so when a unit is placed the least-loaded rank has
-``L_r <= T``. A whole placement is made only if ``L_r + c <= T + s``, or for an
-unsplittable item (``L_r + c <= T + U``), or for a remainder under ``2m``
-bytes (``c < 2m + h <= s``). A cut piece has ``k`` slabs of at most ``g = s -
-m - h`` bytes each, where ``k`` is the largest count with ``k*slab + h <= T -
-L_r``, raised to at least ``ceil(m/slab)`` slabs: so ``c <= max(T - L_r, m +
-slab + h)`` and ``L_r + c <= T + s``. Every placement keeps its rank within
-the bound, and a rank's final load is its load after its last placement. ∎
+*Proof.* Loads only grow, so when a unit is placed the least-loaded rank has
+``L_r <= current mean <= M``. A whole placement is made only if ``L_r + c <=
+T + s``, or for an unsplittable item (``L_r + c <= M + U``), or for a
+remainder under ``2m`` bytes (``c < 2m + h <= s``). A cut piece has ``k``
+slabs of at most ``g = s - m - h`` bytes each, where ``k`` is the largest
+count with ``k*slab + h <= T - L_r``, raised to at least ``ceil(m/slab)``
+slabs: so ``c <= max(T - L_r, m + slab + h)`` and ``L_r + c <= max(T, L_r) +
+s <= M + s``. Every placement keeps its rank within the bound, and a rank's
+final load is its load after its last placement. ∎
 
 Complexity: ``O((I + P) log(I + n))`` for ``I`` items, ``P`` pieces and ``n``
 ranks, using a heap of loads (lazy deletion) for units held by all ranks;
@@ -241,11 +243,15 @@ def partition(
         slab = slab_bytes(item.shape, item.itemsize, dim)
         k_min = -(-m // slab) if slab else 1
         remaining = unit.hi - unit.lo
-        if fits or slab > granularity or remaining < 2 * k_min:
+        if fits or slab == 0 or slab > granularity or remaining < 2 * k_min:
             k = remaining
         else:
             budget = target - state.loads[r] - h
             k = min(max(budget // slab, k_min), remaining - k_min)
+        if k == item.shape[dim]:  # the cut would cover everything: place it whole
+            pieces.append(Piece(item.key, r, item.nbytes))
+            state.add(r, c)
+            continue
         offsets = tuple(unit.lo if d == dim else 0 for d in range(len(item.shape)))
         sizes = tuple(k if d == dim else s for d, s in enumerate(item.shape))
         pieces.append(Piece(item.key, r, k * slab, offsets, sizes))
