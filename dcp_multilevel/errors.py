@@ -6,9 +6,13 @@ refines, so ``except FileNotFoundError`` keeps working for callers who do not
 know about us. Messages say what failed, where (checkpoint, tier, file, item)
 and what to do; the same facts are kept as attributes for programs.
 
-Note that DCP wraps exceptions raised inside ``dcp.save`` / ``dcp.load`` into
-``torch.distributed.checkpoint.api.CheckpointException`` (one entry per rank);
-our message is in its text, and the original object in its ``failures``.
+Inside ``dcp.save`` / ``dcp.load``, DCP wraps exceptions into
+``torch.distributed.checkpoint.api.CheckpointException`` (a ``BaseException``;
+one entry per rank in ``.failures``, our message in its text). One exception:
+in ``dcp.load``, DCP catches whatever ``read_metadata`` raises and raises its
+own ``AssertionError`` carrying only our message, so a missing or invalid
+manifest cannot be caught by type there; call ``MultiLevelReader(path)
+.read_metadata()`` first to get the typed error.
 """
 
 from __future__ import annotations
