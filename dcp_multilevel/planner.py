@@ -20,6 +20,8 @@ import dataclasses
 import io
 import logging
 import math
+import uuid
+import weakref
 from collections import ChainMap, defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +36,7 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
     SavePlan,
+    SavePlanner,
     TensorWriteData,
     WriteItem,
     WriteItemType,
@@ -81,7 +84,8 @@ class BalancedSavePlanner(DefaultSavePlanner):
             item has the same bytes on every rank that holds it (hashes only
             travel); raise PlanningError naming the FQN and ranks otherwise.
         enable_plan_caching: reuse the global plan while local plans do not
-            change (DCP's mechanism); turned off by ``verify_replicas``, whose
+            change (DCP's mechanism), per planner instance: reuse one planner
+            across saves to benefit. Turned off by ``verify_replicas``, whose
             hashes change every step.
         flatten_state_dict, flatten_sharded_tensors: as in DefaultSavePlanner.
     """
@@ -113,6 +117,12 @@ class BalancedSavePlanner(DefaultSavePlanner):
         )
         self.group_key = group_key
         self.verify_replicas = verify_replicas
+        # DCP keys its plan cache by class name in class-level dicts, so two
+        # planners (or one planner with two writers) would replay each other's
+        # plans, storage_data included. Scope it to this instance, and drop the
+        # entries when the instance goes away so per-save planners do not leak.
+        self._cached_plans_key = f"{type(self).__name__}:{uuid.uuid4().hex}"
+        weakref.finalize(self, _drop_cached_plans, self._cached_plans_key)
         #: The last partition's loads (cost units), for reports and tests.
         self.last_loads: tuple[int, ...] = ()
 
@@ -234,6 +244,17 @@ class BalancedSavePlanner(DefaultSavePlanner):
                     t = t.narrow(dim, off, size)
             return t
         return super().resolve_data(write_item)
+
+
+def _drop_cached_plans(key: str) -> None:
+    for cache in (
+        SavePlanner._cached_save_plan,
+        SavePlanner._cached_all_plans,
+        SavePlanner._cached_global_plan,
+        SavePlanner._cached_metadata,
+        SavePlanner._cached_final_save_plan,
+    ):
+        cache.pop(key, None)
 
 
 def _nbytes(w: WriteItem) -> int:
