@@ -21,7 +21,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import pickle
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -47,6 +46,7 @@ from .errors import (
     UnsafeObjectError,
 )
 from .format import MANIFEST_NAME, Hasher, ItemLocation, Manifest, decode_manifest
+from .format.objects import load_object
 from .format.tensor_bytes import byte_view, pieces
 from .tiers import ReadHandle, Tier, tier_for
 
@@ -287,26 +287,19 @@ def _chunk_sizes(md: Any, index: MetadataIndex) -> tuple[int, ...]:
     raise KeyError(index)  # unreachable: the manifest decoder matched every item
 
 
-# Exceptions torch.load raises for refused or malformed pickles.
-_LOAD_ERRORS = (pickle.UnpicklingError, RuntimeError, ValueError, TypeError, EOFError,
-                AttributeError, ImportError, KeyError, IndexError)  # fmt: skip
-
-
 def _vetted_bytes(raw: bytes, fqn: str, checkpoint: str) -> io.BytesIO:
     """Re-serialize a stored object after loading it with ``weights_only=True``.
 
     The planner then unpickles only what we produced from an allowed object,
     never the checkpoint's own bytes.
     """
-    try:
-        obj = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
-    except _LOAD_ERRORS as e:
+    obj, refused = load_object(raw)
+    if refused is not None:
         raise UnsafeObjectError(
             f"object {fqn!r} in checkpoint {checkpoint} cannot be loaded with "
-            f"weights_only=True: {str(e).splitlines()[0] if str(e) else type(e).__name__}. "
-            "If you trust this checkpoint and the type is yours, allow it with "
-            "torch.serialization.add_safe_globals([...])."
-        ) from e
+            f"weights_only=True: {refused}. If you trust this checkpoint and the type is "
+            "yours, allow it with torch.serialization.add_safe_globals([...])."
+        )
     out = io.BytesIO()
     torch.save(obj, out)
     out.seek(0)

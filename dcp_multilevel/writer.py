@@ -42,6 +42,7 @@ from .format import (
     dtype_name,
     encode_manifest,
 )
+from .format.objects import load_object
 from .format.tensor_bytes import byte_view, pieces
 from .tiers import Tier, tier_for
 from .tiers.local import TMP_MARKER
@@ -204,6 +205,7 @@ class MultiLevelWriter(StorageWriter):
                             f"{item.index.fqn!r}; expected io.BytesIO"
                         )
                     view = data.getbuffer()
+                    _check_loadable(view, item.index.fqn)
                 else:
                     view = byte_view(_tensor_for(item, planner.resolve_data(item)))
                 for piece in pieces(view):
@@ -227,6 +229,18 @@ class MultiLevelWriter(StorageWriter):
             except OSError as e:
                 # The checkpoint is committed; leftover bytes only cost space.
                 logger.warning("could not delete stale %s in %s: %s", path, self.tier.url, e)
+
+
+def _check_loadable(raw: memoryview, fqn: str) -> None:
+    """Refuse a value the reader would refuse: a checkpoint must load back."""
+    _, refused = load_object(raw)
+    if refused is not None:
+        raise UnsupportedStateError(
+            f"value {fqn!r} cannot be saved: loading it back with weights_only=True would "
+            f"fail ({refused}). Store it as plain Python data (str, int, float, list, dict, "
+            "tensor), or allowlist its type with torch.serialization.add_safe_globals([...]) "
+            "in the saving and the loading process."
+        )
 
 
 def _tensor_for(item: WriteItem, data: Any) -> torch.Tensor:

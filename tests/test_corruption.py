@@ -132,6 +132,7 @@ def test_malicious_object_is_refused_and_never_executed(ckpt, tmp_path):
     assert isinstance(err, UnsafeObjectError)
     assert str(err).startswith(
         f"object 'obj.k' in checkpoint file://{path} cannot be loaded with weights_only=True: "
+        "Unsupported global: GLOBAL io.open was not an allowed global by default."
     )
     assert str(err).endswith(
         "If you trust this checkpoint and the type is yours, allow it with "

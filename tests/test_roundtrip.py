@@ -184,3 +184,21 @@ def test_use_collectives_false_is_refused_with_a_clear_error(tmp_path):
         "MultiLevelWriter needs dcp.save(..., use_collectives=True) (the default): "
         "the checkpoint is committed once, by the coordinator, for all ranks"
     )
+
+
+def test_value_that_could_not_be_loaded_back_is_refused_at_save_time(tmp_path):
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"v": torch.__version__}, storage_writer=MultiLevelWriter(tmp_path / "c"))
+    (err,) = rank_errors(info.value)
+    assert isinstance(err, UnsupportedStateError)
+    assert str(err) == (
+        "value 'v' cannot be saved: loading it back with weights_only=True would fail "
+        "(Unsupported global: GLOBAL torch.torch_version.TorchVersion was not an allowed "
+        "global by default. Please use `torch.serialization.add_safe_globals("
+        "[torch.torch_version.TorchVersion])` or the `torch.serialization.safe_globals("
+        "[torch.torch_version.TorchVersion])` context manager to allowlist this global if you "
+        "trust this class/function.). Store it as plain Python data (str, int, float, list, "
+        "dict, tensor), or allowlist its type with torch.serialization.add_safe_globals([...]) "
+        "in the saving and the loading process."
+    )
+    assert not (tmp_path / "c" / "manifest.json").exists()

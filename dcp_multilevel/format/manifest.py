@@ -22,7 +22,7 @@ Layout (format version 1)::
                             "requires_grad": false,
                             "chunks": [{"offsets": [..], "sizes": [..]}]}
                     | {"type": "bytes"}},
-     "files": {"data/<save_id>/0-0.bin": <size in bytes>},
+     "files": {"data/0-0.<token>.bin": <size in bytes>},
      "items": [{"fqn": "..", "offsets": [..] | null, "file": "..", "pos": 0,
                 "length": 16, "raw_length": 16, "transforms": [],
                 "checksum": "xxh3_64:<hex>"}]}
