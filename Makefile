@@ -1,0 +1,51 @@
+# Developer entry points. `make demo` and `make test` work on a fresh machine:
+# they create the virtual environment on first use.
+
+PYTHON ?= python3
+VENV ?= .venv
+PIP := $(VENV)/bin/python -m pip
+# Pinned on purpose: torch==2.13.0 resolves to the local CPU wheel. Installed
+# *before* the package so pip never resolves the package's plain `torch>=2.13`
+# on its own (that would pull the multi-GB CUDA build from the index).
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+DEMO_OUT ?= demo_out
+
+# Re-install only when the dependencies change (repeated `make test` is fast).
+STAMP := $(VENV)/.stamp-setup
+
+.PHONY: setup test lint format demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(TORCH_SPEC)
+	# Repeat the pin so resolving `.[test]` can never upgrade torch either.
+	$(PIP) install -e '.[test]' $(TORCH_SPEC)
+	touch $@
+
+test: setup
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# Not part of CI: rewrites files in place.
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+demo: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=2 examples/train_demo.py --out $(DEMO_OUT)
+
+bench: setup
+	$(VENV)/bin/python benchmarks/bench_save_load.py
+
+# Removes build and run outputs; keeps the virtual environment (`rm -rf .venv`
+# for a full reset).
+clean:
+	rm -rf $(DEMO_OUT) bench_out build dist .pytest_cache .ruff_cache .hypothesis
+	rm -rf *.egg-info
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
