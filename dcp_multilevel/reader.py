@@ -37,11 +37,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from .codecs import codec_from_descriptor, decode_frames
 from .errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     ConfigError,
+    CorruptCheckpointError,
     ManifestError,
+    RegistryError,
     TruncatedDataError,
     UnsafeObjectError,
 )
@@ -71,6 +74,7 @@ class MultiLevelReader(StorageReader):
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ConfigError(f"thread_count must be an integer >= 1, got {thread_count!r}")
         self.thread_count = thread_count
+        self._decode_pool: ThreadPoolExecutor | None = None
         self._set_path(path)
 
     def _set_path(self, path: str | os.PathLike[str]) -> None:
@@ -182,19 +186,21 @@ class MultiLevelReader(StorageReader):
                     file=file,
                 )
             for req, loc in reqs:
-                if loc.transforms:
-                    raise ManifestError(
-                        f"item {req.storage_index.fqn!r} in {file!r} of checkpoint "
-                        f"{self.tier.url} needs transforms {list(loc.transforms)}, which "
-                        "this release cannot decode; upgrade dcp_multilevel",
-                        checkpoint=self.tier.url,
-                    )
                 if req.type == LoadItemType.BYTE_IO:
                     self._read_bytes_item(handle, file, req, loc, planner)
                 else:
                     self._read_tensor_item(handle, file, req, loc, planner)
 
     def _fill(
+        self, handle: ReadHandle, file: str, fqn: str, loc: ItemLocation, out: memoryview
+    ) -> None:
+        """Put the decoded bytes of ``loc`` (``loc.raw_length`` of them) into ``out``."""
+        if loc.transforms:
+            self._fill_coded(handle, file, fqn, loc, out)
+        else:
+            self._fill_raw(handle, file, fqn, loc, out)
+
+    def _fill_raw(
         self, handle: ReadHandle, file: str, fqn: str, loc: ItemLocation, out: memoryview
     ) -> None:
         """Read ``loc`` into ``out`` piece by piece, verifying the checksum."""
@@ -212,6 +218,73 @@ class MultiLevelReader(StorageReader):
                 )
             hasher.update(piece)
             pos += n
+        self._verify(hasher, file, fqn, loc)
+
+    def _fill_coded(
+        self, handle: ReadHandle, file: str, fqn: str, loc: ItemLocation, out: memoryview
+    ) -> None:
+        """Stream the framed item through its codec into ``out`` (bounded memory)."""
+        if len(loc.transforms) != 1:
+            raise ManifestError(
+                f"item {fqn!r} in {file!r} of checkpoint {self.tier.url} has transforms "
+                f"{list(loc.transforms)}; dcp_multilevel applies exactly one codec per item",
+                checkpoint=self.tier.url,
+            )
+        try:
+            codec = codec_from_descriptor(loc.transforms[0])
+        except RegistryError as e:
+            raise ManifestError(
+                f"item {fqn!r} in {file!r} of checkpoint {self.tier.url} needs codec "
+                f"{loc.transforms[0]!r}: {e}",
+                checkpoint=self.tier.url,
+            ) from None
+        hasher = Hasher()
+        pos, end = loc.offset, loc.offset + loc.length
+
+        def read(n: int) -> memoryview:
+            nonlocal pos
+            if pos + n > end:
+                raise chunk_error(-2, f"frames run past the item's {loc.length} stored bytes")
+            buf = memoryview(bytearray(n))
+            if handle.read_into(pos, buf) != n:
+                raise TruncatedDataError(
+                    f"data file {file!r} of checkpoint {self.tier.url} ended inside item {fqn!r}",
+                    checkpoint=self.tier.url,
+                    file=file,
+                    fqn=fqn,
+                )
+            hasher.update(buf)
+            pos += n
+            return buf
+
+        def chunk_error(index: int, why: str) -> CorruptCheckpointError:
+            where = "framing" if index < 0 else f"chunk {index}"
+            return CorruptCheckpointError(
+                f"compressed item {fqn!r} in {file!r} of checkpoint {self.tier.url} is "
+                f"corrupt: {where}: {why}. Load from another copy.",
+                checkpoint=self.tier.url,
+                file=file,
+                fqn=fqn,
+            )
+
+        decode_frames(
+            read, out, codec, pool=self._codec_pool(), window=2 * self.thread_count,
+            on_chunk_error=chunk_error,
+        )  # fmt: skip
+        if pos != end:
+            raise chunk_error(-2, f"{end - pos} stored bytes follow the last frame")
+        self._verify(hasher, file, fqn, loc)
+
+    def _codec_pool(self) -> ThreadPoolExecutor | None:
+        if self.thread_count == 1:
+            return None
+        if self._decode_pool is None:
+            self._decode_pool = ThreadPoolExecutor(
+                self.thread_count, thread_name_prefix="dcp-ml-decode"
+            )
+        return self._decode_pool
+
+    def _verify(self, hasher: Hasher, file: str, fqn: str, loc: ItemLocation) -> None:
         actual = hasher.hexdigest()
         if actual != loc.checksum:
             raise ChecksumMismatchError(

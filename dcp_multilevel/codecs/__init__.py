@@ -1,0 +1,94 @@
+"""Compression codecs: chunked, multi-threaded zstd and float-aware byte grouping.
+
+Codecs are found by registry name (``dcp_multilevel.zstd``,
+``dcp_multilevel.bytegroup``, ...) through the ``dcp_multilevel.codecs``
+entry-point group; the built-ins register the same way as third-party codecs.
+The manifest records ``<name>/<version>`` per item, so a reader rebuilds the
+codec from the checkpoint alone.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .._registry import Registry
+from ..config import Compression
+from ..errors import RegistryError
+from ..format.tensor_bytes import byte_view
+from .base import Codec, element_layout
+from .pipeline import decode_frames, encode_frames
+
+__all__ = [
+    "CODECS",
+    "Codec",
+    "Compression",
+    "codec_for",
+    "codec_from_descriptor",
+    "compress_tensor",
+    "decode_frames",
+    "decompress_tensor",
+    "element_layout",
+    "encode_frames",
+]
+
+#: registry name -> Codec subclass.
+CODECS: Registry[type[Codec]] = Registry("dcp_multilevel.codecs", "codec")
+
+
+def codec_for(compression: Compression) -> Codec:
+    """The codec instance a writer uses for ``compression``."""
+    return CODECS.get(compression.registry_name)(compression.level)
+
+
+def codec_from_descriptor(descriptor: str) -> Codec:
+    """Rebuild a codec from a manifest descriptor like ``dcp_multilevel.zstd/1``."""
+    name, _, version = descriptor.partition("/")
+    cls = CODECS.get(name)
+    if version != str(cls.version):
+        raise RegistryError(
+            f"codec {name!r} version {version!r} is not readable by the installed codec "
+            f"(version {cls.version}); install a dcp_multilevel release that reads it"
+        )
+    return cls()
+
+
+def compress_tensor(t: torch.Tensor, compression: Compression) -> bytes:
+    """Frame-encode a contiguous CPU tensor (for benchmarks and tools)."""
+    width, rotate = element_layout(t.dtype)
+    codec = codec_for(compression)
+    with ThreadPoolExecutor(compression.threads) as pool:
+        return b"".join(
+            bytes(part)
+            for part in encode_frames(
+                byte_view(t), codec, width=width, rotate=rotate,
+                chunk_size=compression.chunk_size, pool=pool, window=2 * compression.threads,
+            )
+        )  # fmt: skip
+
+
+def decompress_tensor(
+    data: bytes, like: torch.Tensor, *, codec: str = "bytegroup", threads: int = 2
+) -> torch.Tensor:
+    """Decode :func:`compress_tensor` output into a new tensor shaped like ``like``."""
+    out = torch.empty_like(like, memory_format=torch.contiguous_format)
+    view = memoryview(data)
+    pos = 0
+
+    def read(n: int) -> memoryview:
+        nonlocal pos
+        chunk = view[pos : pos + n]
+        if len(chunk) != n:
+            raise ValueError("compressed data ends early")
+        pos += n
+        return chunk
+
+    def error(index: int, why: str) -> Exception:
+        return ValueError(f"chunk {index}: {why}")
+
+    inst = codec_for(Compression(codec=codec))
+    with ThreadPoolExecutor(threads) as pool:
+        decode_frames(read, byte_view(out), inst, pool=pool, window=2 * threads,
+                      on_chunk_error=error)  # fmt: skip
+    return out

@@ -1,0 +1,21 @@
+"""Plain zstd on each chunk (``dcp_multilevel.zstd/1``)."""
+
+from __future__ import annotations
+
+from . import _zstd
+from .base import MIN_SAVING, Codec
+
+__all__ = ["ZstdCodec"]
+
+
+class ZstdCodec(Codec):
+    """zstd at ``level`` on every chunk; chunks that do not shrink are stored raw."""
+
+    name = "dcp_multilevel.zstd"
+
+    def encode(self, chunk: memoryview, width: int, rotate: bool) -> bytes | None:
+        coded = _zstd.compress(chunk, self.level)
+        return coded if len(coded) < len(chunk) * (1 - MIN_SAVING) else None
+
+    def decode(self, payload: memoryview, out: memoryview, width: int, rotate: bool) -> None:
+        out[:] = _zstd.decompress(payload, len(out))

@@ -1,0 +1,122 @@
+"""The framing of a compressed item: a header, independent chunks, a terminator.
+
+::
+
+    header     "DMLF" | version u8 | width u8 | flags u8 | 0 u8 | chunk_size u32 | raw_total u64
+    chunk*     method u8 | 0 u8 x3 | raw_len u32 | stored_len u32 | xxh3_64(payload) u64 | payload
+    terminator a chunk record with raw_len = stored_len = 0
+
+All integers little-endian. ``method`` 0 = payload is the raw bytes, 1 = payload
+is coded by the item's codec (named in the manifest). Every chunk but the last
+holds exactly ``chunk_size`` raw bytes, so chunk ``i`` decodes into
+``out[i*chunk_size:]`` and chunks decode in parallel. ``raw_total`` is
+``UNKNOWN_TOTAL`` when the writer streams without knowing the size (DCP's
+stream-extension path); the manifest's ``raw_length`` bounds it then.
+
+Decoding never trusts a size from the file beyond what the caller's bound
+allows: see :func:`check_chunk`.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+__all__ = [
+    "CHUNK",
+    "HEADER",
+    "MAX_CHUNK_SIZE",
+    "METHOD_CODED",
+    "METHOD_RAW",
+    "UNKNOWN_TOTAL",
+    "ChunkRecord",
+    "FrameError",
+    "FrameHeader",
+    "check_chunk",
+    "pack_chunk",
+    "pack_header",
+    "unpack_chunk",
+    "unpack_header",
+]
+
+MAGIC = b"DMLF"
+VERSION = 1
+HEADER = struct.Struct("<4sBBBxIQ")
+CHUNK = struct.Struct("<BxxxIIQ")
+METHOD_RAW = 0
+METHOD_CODED = 1
+UNKNOWN_TOTAL = 2**64 - 1
+MAX_CHUNK_SIZE = 64 << 20
+FLAG_ROTATE = 1
+
+
+class FrameError(ValueError):
+    """Malformed framing; callers turn it into an error naming checkpoint and item."""
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    width: int
+    flags: int
+    chunk_size: int
+    raw_total: int
+
+    @property
+    def rotate(self) -> bool:
+        return bool(self.flags & FLAG_ROTATE)
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    method: int
+    raw_len: int
+    stored_len: int
+    checksum: int
+
+    @property
+    def is_terminator(self) -> bool:
+        return self.raw_len == 0 and self.stored_len == 0
+
+
+def pack_header(width: int, rotate: bool, chunk_size: int, raw_total: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, width, FLAG_ROTATE if rotate else 0, chunk_size, raw_total)
+
+
+def unpack_header(data: bytes | memoryview) -> FrameHeader:
+    magic, version, width, flags, chunk_size, raw_total = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise FrameError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r})")
+    if version != VERSION:
+        raise FrameError(f"frame version {version} is not supported (this release reads 1)")
+    if width not in (1, 2, 4, 8) or flags & ~FLAG_ROTATE:
+        raise FrameError(f"bad frame width {width} or flags {flags:#x}")
+    if not 0 < chunk_size <= MAX_CHUNK_SIZE or chunk_size % width:
+        raise FrameError(f"bad chunk size {chunk_size}")
+    return FrameHeader(width, flags, chunk_size, raw_total)
+
+
+def pack_chunk(method: int, raw_len: int, stored_len: int, checksum: int) -> bytes:
+    return CHUNK.pack(method, raw_len, stored_len, checksum)
+
+
+def unpack_chunk(data: bytes | memoryview) -> ChunkRecord:
+    return ChunkRecord(*CHUNK.unpack(data))
+
+
+def check_chunk(rec: ChunkRecord, header: FrameHeader, index: int, raw_left: int) -> None:
+    """Validate one chunk record against the header and the bytes still expected.
+
+    ``raw_left`` is how many decoded bytes may still come (from the manifest).
+    """
+    if rec.method not in (METHOD_RAW, METHOD_CODED):
+        raise FrameError(f"chunk {index}: unknown method {rec.method}")
+    expected = min(header.chunk_size, raw_left)
+    if rec.raw_len != expected:
+        raise FrameError(
+            f"chunk {index}: claims {rec.raw_len} raw bytes, expected {expected} "
+            f"({raw_left} bytes left, chunk size {header.chunk_size})"
+        )
+    if rec.raw_len % header.width:
+        raise FrameError(f"chunk {index}: {rec.raw_len} bytes is not a multiple of {header.width}")
+    if rec.method == METHOD_RAW and rec.stored_len != rec.raw_len:
+        raise FrameError(f"chunk {index}: raw chunk stores {rec.stored_len} != {rec.raw_len}")
