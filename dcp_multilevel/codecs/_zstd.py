@@ -34,7 +34,10 @@ def decompress(data: bytes | memoryview, size: int) -> bytes:
     The frame's own content size is checked before anything is allocated, so a
     "decompression bomb" costs nothing.
     """
-    declared = zstandard.frame_content_size(data)
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"zstd frame is corrupt: {e}") from None
     if declared not in (size, zstandard.CONTENTSIZE_UNKNOWN):
         raise ValueError(f"zstd frame declares {declared} bytes, expected {size}")
     dctx = getattr(_local, "dctx", None)

@@ -97,7 +97,7 @@ def decode_frames(
             if rec.is_terminator:
                 break
             try:
-                frames.check_chunk(rec, header, index, len(out) - pos)
+                frames.check_chunk(rec, header, len(out) - pos)
             except frames.FrameError as e:
                 raise on_chunk_error(index, str(e)) from None
             payload = read(rec.stored_len)

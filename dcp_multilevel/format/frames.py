@@ -103,20 +103,20 @@ def unpack_chunk(data: bytes | memoryview) -> ChunkRecord:
     return ChunkRecord(*CHUNK.unpack(data))
 
 
-def check_chunk(rec: ChunkRecord, header: FrameHeader, index: int, raw_left: int) -> None:
+def check_chunk(rec: ChunkRecord, header: FrameHeader, raw_left: int) -> None:
     """Validate one chunk record against the header and the bytes still expected.
 
     ``raw_left`` is how many decoded bytes may still come (from the manifest).
     """
     if rec.method not in (METHOD_RAW, METHOD_CODED):
-        raise FrameError(f"chunk {index}: unknown method {rec.method}")
+        raise FrameError(f"unknown method {rec.method}")
     expected = min(header.chunk_size, raw_left)
     if rec.raw_len != expected:
         raise FrameError(
-            f"chunk {index}: claims {rec.raw_len} raw bytes, expected {expected} "
+            f"claims {rec.raw_len} raw bytes, expected {expected} "
             f"({raw_left} bytes left, chunk size {header.chunk_size})"
         )
     if rec.raw_len % header.width:
-        raise FrameError(f"chunk {index}: {rec.raw_len} bytes is not a multiple of {header.width}")
+        raise FrameError(f"{rec.raw_len} bytes is not a multiple of {header.width}")
     if rec.method == METHOD_RAW and rec.stored_len != rec.raw_len:
-        raise FrameError(f"chunk {index}: raw chunk stores {rec.stored_len} != {rec.raw_len}")
+        raise FrameError(f"raw chunk stores {rec.stored_len} != {rec.raw_len}")
