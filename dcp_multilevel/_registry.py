@@ -34,6 +34,7 @@ class Registry(Generic[T]):
         self.kind = kind
         self._hints = dict(hints or {})
         self._registered: dict[str, T] = {}
+        self._loaded: dict[str, T] = {}  # cache of entry points already imported
         self._entry_points: dict[str, EntryPoint] | None = None
         self._lock = threading.Lock()
 
@@ -66,6 +67,8 @@ class Registry(Generic[T]):
         """The plugin called ``name``; RegistryError listing known names if none."""
         if name in self._registered:
             return self._registered[name]
+        if name in self._loaded:
+            return self._loaded[name]
         ep = self._eps().get(name)
         if ep is None:
             known = ", ".join(self.names()) or "none"
@@ -81,14 +84,14 @@ class Registry(Generic[T]):
             raise RegistryError(
                 f"{self.kind} {name!r} is registered by {ep.value} but cannot be imported: {e}"
             ) from e
-        self._registered.setdefault(name, obj)
-        return self._registered[name]
+        return self._loaded.setdefault(name, obj)
 
     def names(self) -> list[str]:
         """Every name a lookup can resolve (registered or installed), sorted."""
         return sorted(set(self._registered) | set(self._eps()))
 
     def refresh(self) -> None:
-        """Forget the cached entry points (after installing a plugin at run time)."""
+        """Forget entry points and what was loaded from them (after (un)installing plugins)."""
         with self._lock:
             self._entry_points = None
+            self._loaded.clear()

@@ -53,6 +53,10 @@ __all__ = ["MultiLevelWriter"]
 
 logger = logging.getLogger(__name__)
 
+#: Items smaller than this are stored uncoded: framing (60 bytes) and a codec
+#: call cost more than compressing a few biases can save.
+_MIN_CODED_BYTES = 4096
+
 
 class MultiLevelWriter(StorageWriter):
     """Write a DCP checkpoint to ``path`` as raw bytes + a JSON manifest.
@@ -235,7 +239,7 @@ class MultiLevelWriter(StorageWriter):
 
     def _encode(self, view: memoryview, dtype: torch.dtype):
         """``(transforms, pieces to store)`` for one tensor's bytes."""
-        if self._codec is None or self.compression is None or not len(view):
+        if self._codec is None or self.compression is None or len(view) < _MIN_CODED_BYTES:
             return (), pieces(view)
         c = self.compression
         if self._codec_pool is None and c.threads > 1:

@@ -1,4 +1,5 @@
-"""BalancedSavePlanner on real gloo ranks: balance, splitting, resharding, replica checks."""
+"""BalancedSavePlanner on real gloo ranks: balance, splitting, resharding, replica checks,
+and compressed checkpoints resharded across world sizes."""
 
 from __future__ import annotations
 
@@ -100,9 +101,12 @@ def _save_job(rank: int, world: int, root: str) -> dict[str, Any]:
     dcp.save(state, storage_writer=MultiLevelWriter(root_p / "ours"), planner=bytes_only)
     dcp.save(state, storage_writer=MultiLevelWriter(root_p / "stock_planner"))
     dcp.save(state, storage_writer=FileSystemWriter(root_p / "fs"), planner=BalancedSavePlanner())
+    dcp.save(state, storage_writer=MultiLevelWriter(root_p / "compressed", codec="bytegroup"),
+             planner=BalancedSavePlanner())  # fmt: skip
 
     # Load back at the same world size, both formats.
-    for name, reader in [("ours", MultiLevelReader), ("fs", FileSystemReader)]:
+    for name, reader in [("ours", MultiLevelReader), ("fs", FileSystemReader),
+                         ("compressed", MultiLevelReader)]:  # fmt: skip
         blank = _blank(mesh)
         dcp.load(blank, storage_reader=reader(root_p / name))
         _check(blank)
@@ -182,13 +186,14 @@ def test_plan_is_cached_across_saves_and_unequal_replicas_are_named(saved, world
 
 
 def test_balanced_checkpoints_load_with_three_ranks(saved):
-    ckpts = tuple(str(saved[w][0] / n) for w in (2, 4) for n in ("ours", "fs"))
+    ckpts = tuple(str(saved[w][0] / n) for w in (2, 4) for n in ("ours", "fs", "compressed"))
     run_ranks(_load_job, 3, ckpts, timeout=240)
 
 
 def test_balanced_checkpoints_load_in_one_process(saved):
     for w in (2, 4):
-        for name, reader in [("ours", MultiLevelReader), ("fs", FileSystemReader)]:
+        for name, reader in [("ours", MultiLevelReader), ("fs", FileSystemReader),
+                             ("compressed", MultiLevelReader)]:  # fmt: skip
             blank = _blank(None)
             dcp.load(blank, storage_reader=reader(saved[w][0] / name))
             _check(blank)

@@ -84,3 +84,54 @@ def test_registering_a_taken_name_needs_clobber():
     reg.register("mine", list)
     with pytest.raises(RegistryError):
         reg.register("mine", tuple)
+
+
+@pytest.fixture
+def fake_codec_distribution(tmp_path, monkeypatch):
+    """Install ``acme-codec`` (a Codec subclass + entry point) on sys.path."""
+    from dcp_multilevel.codecs import CODECS
+
+    (tmp_path / "acme_codec.py").write_text(
+        textwrap.dedent(
+            """
+            from dcp_multilevel.codecs.base import Codec
+
+            class XorCodec(Codec):
+                name = "acme.xor"
+                version = 3
+
+                def encode(self, chunk, width, rotate):
+                    return bytes(b ^ 0x5A for b in chunk)
+
+                def decode(self, payload, out, width, rotate):
+                    out[:] = bytes(b ^ 0x5A for b in payload)
+            """
+        )
+    )
+    info = tmp_path / "acme_codec-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-codec\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[dcp_multilevel.codecs]\nacme.xor = acme_codec:XorCodec\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    CODECS.refresh()
+    yield tmp_path
+    CODECS.refresh()
+
+
+def test_third_party_codec_saves_and_loads_through_dcp(fake_codec_distribution, tmp_path):
+    import json
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_multilevel import MultiLevelReader, MultiLevelWriter
+
+    state = {"w": torch.arange(5000, dtype=torch.float32)}
+    dcp.save(state, storage_writer=MultiLevelWriter(tmp_path / "c", codec="acme.xor"))
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert manifest["items"][0]["transforms"] == ["acme.xor/3"]
+    loaded = {"w": torch.zeros(5000)}
+    dcp.load(loaded, storage_reader=MultiLevelReader(tmp_path / "c"))
+    assert torch.equal(loaded["w"], state["w"])

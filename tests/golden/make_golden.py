@@ -1,0 +1,36 @@
+"""Write the golden checkpoints in this folder. Run ONCE per new format/codec version.
+
+    python tests/golden/make_golden.py v1
+
+Existing folders are never rewritten: they are what an earlier release wrote,
+and tests/test_golden.py must keep loading them bit-exactly forever.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent))
+from golden_state import golden_state  # noqa: E402
+
+from dcp_multilevel import MultiLevelWriter  # noqa: E402
+
+CODECS = {"raw": None, "zstd": "zstd", "bytegroup": "bytegroup"}
+
+
+def main(version: str) -> None:
+    for name, codec in CODECS.items():
+        path = HERE / f"{version}-{name}"
+        if path.exists():
+            print(f"keeping {path} (golden files are never rewritten)")
+            continue
+        dcp.save(golden_state(), storage_writer=MultiLevelWriter(path, codec=codec))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,28 @@
+"""The state stored in tests/golden/: deterministic, small, every dtype family."""
+
+from __future__ import annotations
+
+import torch
+
+
+def golden_state() -> dict:
+    g = torch.Generator().manual_seed(1234)
+    w = torch.randn(64, 48, generator=g) * 0.02
+    return {
+        "model": {
+            "w": w,
+            "w_bf16": w.to(torch.bfloat16),
+            "w_fp16": w.to(torch.float16),
+            "w_fp64": w.double(),
+            "bias": torch.linspace(-1, 1, 48),
+            "ids": torch.arange(-50, 50, dtype=torch.int64),
+            "mask": torch.arange(30) % 3 == 0,
+            "small": torch.arange(256, dtype=torch.uint8),
+            "fp8": (w[:8] * 10).to(torch.float8_e4m3fn),
+            "complex": torch.complex(w[:4], -w[4:8]),
+            "scalar": torch.tensor(0.5),
+            "empty": torch.empty(0, 4),
+        },
+        "step": 42,
+        "info": {"name": "golden", "lr": 3e-4, "tags": ["a", "b"]},
+    }
