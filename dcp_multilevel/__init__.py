@@ -10,6 +10,7 @@ Use with DCP as usual::
 """
 
 from ._version import __version__
+from .config import Compression
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -35,6 +36,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
+    "Compression",
     "ConfigError",
     "CorruptCheckpointError",
     "CostModel",
