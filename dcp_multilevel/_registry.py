@@ -25,14 +25,11 @@ class Registry(Generic[T]):
     Args:
         group: the entry-point group, e.g. ``"dcp_multilevel.tiers"``.
         kind: what a plugin is, for messages ("tier backend", "codec").
-        hints: names known to exist in other packages -> install hint, so a
-            missing plugin says what to install (as fsspec does for ``s3``).
     """
 
-    def __init__(self, group: str, kind: str, hints: dict[str, str] | None = None) -> None:
+    def __init__(self, group: str, kind: str) -> None:
         self.group = group
         self.kind = kind
-        self._hints = dict(hints or {})
         self._registered: dict[str, T] = {}
         self._loaded: dict[str, T] = {}  # cache of entry points already imported
         self._entry_points: dict[str, EntryPoint] | None = None
@@ -72,10 +69,8 @@ class Registry(Generic[T]):
         ep = self._eps().get(name)
         if ep is None:
             known = ", ".join(self.names()) or "none"
-            hint = self._hints.get(name)
-            extra = f"; {hint}" if hint else ""
             raise RegistryError(
-                f"unknown {self.kind} {name!r} (known: {known}){extra}. Third-party "
+                f"unknown {self.kind} {name!r} (known: {known}). Third-party "
                 f"{self.kind}s register in entry-point group {self.group!r}."
             )
         try:

@@ -27,6 +27,7 @@ __all__ = [
     "ManifestError",
     "PlanningError",
     "RegistryError",
+    "RemoteTierError",
     "TruncatedDataError",
     "UnsafeObjectError",
     "UnsupportedFormatVersionError",
@@ -48,6 +49,25 @@ class PlanningError(DcpMultilevelError, ValueError):
 
 class RegistryError(DcpMultilevelError, LookupError):
     """A plugin (tier backend, codec) is unknown, not installed, or registered twice."""
+
+
+class RemoteTierError(DcpMultilevelError, OSError):
+    """A remote-tier operation kept failing with transient errors until retries ran out.
+
+    The last underlying error is chained as ``__cause__``.
+
+    Attributes:
+        url: the object or prefix the operation was about.
+        operation: ``"upload"``, ``"read"``, ``"stat"``, ``"list"`` or ``"remove"``.
+        attempts: how many times it was tried.
+    """
+
+    def __init__(self, message: str, *, url: str, operation: str, attempts: int) -> None:
+        # OSError.__init__ with one argument keeps ``str(err) == message``.
+        super().__init__(message)
+        self.url = url
+        self.operation = operation
+        self.attempts = attempts
 
 
 class CheckpointNotFoundError(DcpMultilevelError, FileNotFoundError):

@@ -65,21 +65,29 @@ class MultiLevelReader(StorageReader):
         path: checkpoint location (directory path or ``file://`` URL). May be
             replaced per load by ``dcp.load(..., checkpoint_id=...)``.
         thread_count: data files read in parallel per rank.
+        storage_options: options for a remote location's tier and fsspec backend.
 
     Loading needs no other option: the manifest says what is where.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        thread_count: int = 1,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ConfigError(f"thread_count must be an integer >= 1, got {thread_count!r}")
         self.thread_count = thread_count
+        self.storage_options = dict(storage_options or {})
         self._decode_pool: ThreadPoolExecutor | None = None
         self._set_path(path)
 
     def _set_path(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self.tier: Tier = tier_for(self.path)
+        self.tier: Tier = tier_for(self.path, **self.storage_options)
         self._manifest: Manifest | None = None
 
     @property

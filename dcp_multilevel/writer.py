@@ -74,6 +74,8 @@ class MultiLevelWriter(StorageWriter):
             than compression), ``"bytegroup"``, ``"zstd"``, a third-party codec
             name, or a :class:`~dcp_multilevel.config.Compression` with level,
             chunk size and threads. Non-tensor values are stored uncompressed.
+        storage_options: options for a remote location's tier and fsspec
+            backend (``retries``, ``spool_dir``, s3fs ``key``/``endpoint_url``...).
 
     Raises:
         ConfigError: on an invalid option.
@@ -87,6 +89,7 @@ class MultiLevelWriter(StorageWriter):
         thread_count: int = 1,
         sync_files: bool = True,
         codec: Compression | str | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(thread_count, int) or thread_count < 1:
@@ -94,6 +97,7 @@ class MultiLevelWriter(StorageWriter):
         self.overwrite = overwrite
         self.thread_count = thread_count
         self.sync_files = sync_files
+        self.storage_options = dict(storage_options or {})
         self.compression = Compression.of(codec)
         # Resolve now: an unknown codec is a configuration error, not a failed save.
         self._codec = codec_for(self.compression) if self.compression else None
@@ -106,7 +110,7 @@ class MultiLevelWriter(StorageWriter):
 
     def _set_path(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self.tier: Tier = tier_for(self.path, sync=self.sync_files)
+        self.tier: Tier = tier_for(self.path, sync=self.sync_files, **self.storage_options)
 
     @property
     def checkpoint_id(self) -> str:

@@ -7,7 +7,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from dcp_multilevel import RegistryError
+from dcp_multilevel import ConfigError, RegistryError
 from dcp_multilevel._registry import Registry
 from dcp_multilevel.tiers import TIER_BACKENDS, tier_for
 from dcp_multilevel.tiers.local import LocalTier
@@ -61,15 +61,28 @@ def test_unimportable_plugin_names_its_entry_point(fake_distribution):
     )
 
 
-def test_unknown_scheme_lists_known_ones_and_an_install_hint():
+def test_unknown_scheme_lists_known_ones():
     with pytest.raises(RegistryError) as info:
-        tier_for("gs://bucket/x")
+        tier_for("nosuch://bucket/x")
     assert str(info.value) == (
-        f"unknown tier backend 'gs' (known: {', '.join(TIER_BACKENDS.names())}); install gcsfs "
-        "for gs://. Third-party tier backends register in entry-point group "
-        "'dcp_multilevel.tiers'."
+        f"unknown tier backend 'nosuch' (known: {', '.join(TIER_BACKENDS.names())}). "
+        "Third-party tier backends register in entry-point group 'dcp_multilevel.tiers'."
     )
     assert isinstance(info.value, LookupError)
+
+
+def test_other_fsspec_protocols_use_the_remote_tier():
+    tier = tier_for("http://127.0.0.1:9/x")  # built without connecting
+    assert type(tier).__name__ == "RemoteTier"
+
+
+def test_local_paths_refuse_remote_storage_options(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        tier_for(tmp_path, retries=3)
+    assert str(info.value) == (
+        f"options ['retries'] do not apply to the local directory tier at {str(tmp_path)!r} "
+        "(storage options are for remote URLs such as s3://)"
+    )
 
 
 def test_registering_a_taken_name_needs_clobber():

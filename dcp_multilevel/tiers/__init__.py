@@ -9,27 +9,27 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import fsspec
+
 from .._registry import Registry
 from ..config import parse_location
 from .base import ReadHandle, Tier, WriteHandle
+from .remote import RemoteTier
 
 __all__ = ["TIER_BACKENDS", "ReadHandle", "Tier", "WriteHandle", "tier_for"]
 
 #: scheme -> Tier subclass (constructed as ``cls(location_path_or_url, **options)``).
-TIER_BACKENDS: Registry[type[Tier]] = Registry(
-    "dcp_multilevel.tiers",
-    "tier backend",
-    hints={
-        "s3": "remote object-store tiers come with dcp_multilevel's remote tier "
-        "(install s3fs for s3://)",
-        "gs": "install gcsfs for gs://",
-        "az": "install adlfs for az://",
-    },
-)
+TIER_BACKENDS: Registry[type[Tier]] = Registry("dcp_multilevel.tiers", "tier backend")
 
 
 def tier_for(where: str | os.PathLike[str], **options: Any) -> Tier:
-    """Build the tier for a path or URL, choosing the backend by URL scheme."""
+    """Build the tier for a path or URL, choosing the backend by URL scheme.
+
+    Schemes registered in the ``dcp_multilevel.tiers`` group win; any other
+    protocol fsspec knows (``hf://``, ``oci://``, ...) goes to the remote tier.
+    """
     loc = parse_location(where)
+    if loc.scheme not in TIER_BACKENDS.names() and loc.scheme in fsspec.available_protocols():
+        return RemoteTier(loc.url, **options)
     backend = TIER_BACKENDS.get(loc.scheme)
     return backend(loc.path if loc.scheme == "file" else loc.url, **options)

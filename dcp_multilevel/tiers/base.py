@@ -20,6 +20,7 @@ different paths; two writers on the same path is a caller bug.
 from __future__ import annotations
 
 import abc
+import os
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
@@ -96,6 +97,12 @@ class Tier(abc.ABC):
         """Publish ``data`` at ``path`` in one step (used for manifests)."""
         with self.open_write(path) as f:
             f.write(data)
+
+    def put_file(self, local_path: str | os.PathLike[str], path: str) -> None:
+        """Publish the local file ``local_path`` at ``path`` (used to copy between tiers)."""
+        with open(local_path, "rb") as src, self.open_write(path) as dst:
+            while block := src.read(16 << 20):
+                dst.write(block)
 
     def read_bytes(self, path: str) -> bytes:
         """The whole content of the committed file ``path``."""

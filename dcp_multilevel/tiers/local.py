@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..errors import ConfigError
 from .base import Tier
 
 __all__ = ["TMP_MARKER", "LocalTier"]
@@ -71,7 +72,12 @@ class LocalTier(Tier):
 
     supports_atomic_rename = True
 
-    def __init__(self, root: str | os.PathLike[str], *, sync: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, sync: bool = True, **options: object):
+        if options:
+            raise ConfigError(
+                f"options {sorted(options)} do not apply to the local directory tier at "
+                f"{os.fspath(root)!r} (storage options are for remote URLs such as s3://)"
+            )
         root = os.fspath(root)
         if root.startswith("file://"):
             root = root[len("file://") :]

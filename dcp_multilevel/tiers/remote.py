@@ -1,0 +1,457 @@
+"""Remote tier: checkpoint files in any fsspec location (``s3://``, ``gs://``, ``az://``,
+``memory://``, ...), the durable last level.
+
+Object stores have no rename, so a file cannot be written under a temporary
+name and renamed into place, and s3fs file objects have no ``fileno()``. This
+tier therefore publishes every file with a single upload of complete content:
+
+* ``open_write`` spools the caller's bytes to a local temporary file (under
+  ``spool_dir``) and uploads it on clean exit with ``fs.put_file`` (s3fs sends
+  files under 100 MiB as one PUT, larger ones as a parallel multipart upload
+  that it aborts on failure). An error
+  inside the block uploads nothing. Spooling is what makes retries possible:
+  the caller hands its bytes over incrementally and cannot replay them, but a
+  spool file can be uploaded again, as a whole, as often as needed.
+* After every upload the stored object's size is compared with the bytes
+  written; a mismatch counts as a failed attempt (the file is uploaded again),
+  and a mismatch that persists removes the broken object and raises.
+* Every operation is retried on transient errors (connection resets, timeouts,
+  5xx-style ``OSError`` from the backend) with capped exponential backoff and
+  jitter. Errors that retrying cannot fix (missing object, access denied, bad
+  arguments) are raised at once, unchanged; transient errors that outlast the
+  retries become :class:`RemoteTierError`.
+
+Commit on this tier is "manifest written last" (``supports_atomic_rename`` is
+False): a crash can leave data objects without a manifest, never a manifest
+without its data. Incomplete multipart uploads of a crashed process are
+invisible but billed on S3 until aborted; give buckets an
+``AbortIncompleteMultipartUpload`` lifecycle rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import posixpath
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from fsspec.core import url_to_fs
+
+from ..errors import ConfigError, DcpMultilevelError, RegistryError, RemoteTierError
+from .base import Tier
+
+__all__ = ["SPOOL_PREFIX", "RemoteTier"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Prefix of spool files (in ``spool_dir``); any left after a crash are garbage.
+SPOOL_PREFIX = "dcp-ml-spool-"
+
+#: Largest ranged GET issued by ``read_into``: bounds the transient copy held
+#: in memory per read while keeping requests large enough to run at full speed.
+_READ_CHUNK = 64 << 20
+
+#: OSError subclasses and errnos that another attempt cannot fix.
+_PERMANENT_OS_ERRORS = (
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+)
+#: Bad request, access, size limits, not supported, wrong region: s3fs maps S3
+#: error codes onto these errnos, and unlike EIO/EBUSY (5xx, SlowDown) sending
+#: the same request again gets the same answer.
+_PERMANENT_ERRNO_NAMES = (
+    "EINVAL", "EACCES", "EPERM", "EROFS", "ENAMETOOLONG", "EMSGSIZE", "ENOSYS",
+    "ENOTEMPTY", "EREMCHG", "ENOSPC", "EDQUOT",
+)  # fmt: skip
+_PERMANENT_ERRNOS = frozenset(
+    getattr(errno, name) for name in _PERMANENT_ERRNO_NAMES if hasattr(errno, name)
+)
+
+#: Transient error types of optional client libraries, by module. They are only
+#: looked up in ``sys.modules``: a library that was never imported cannot have
+#: raised, and the tier need not import botocore/aiohttp/azure to recognize them.
+_FOREIGN_TRANSIENT = {
+    "botocore.exceptions": ("ConnectionError", "HTTPClientError", "IncompleteReadError"),
+    "aiohttp": ("ClientConnectionError", "ClientPayloadError", "ServerTimeoutError"),
+    "azure.core.exceptions": ("ServiceRequestError", "ServiceResponseError"),
+}
+
+
+class _UploadSizeMismatch(OSError):
+    """The stored object's size differs from the bytes uploaded (retried: re-upload)."""
+
+
+class _SpoolWriteHandle:
+    __slots__ = ("_fd", "_pos")
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._pos = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        mv = memoryview(data).cast("B")
+        while mv:
+            # os.write releases the GIL and may write less than asked.
+            n = os.write(self._fd, mv)
+            mv = mv[n:]
+            self._pos += n
+
+    def tell(self) -> int:
+        return self._pos
+
+
+class _RemoteReadHandle:
+    __slots__ = ("_path", "_rpath", "_tier", "size")
+
+    def __init__(self, tier: RemoteTier, path: str, rpath: str, size: int) -> None:
+        self._tier = tier
+        self._path = path
+        self._rpath = rpath
+        self.size = size
+
+    def read_into(self, offset: int, out: memoryview) -> int:
+        out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        end = min(offset + len(out), self.size)
+        pos = offset
+        fs = self._tier.fs
+        while pos < end:
+            stop = min(end, pos + _READ_CHUNK)
+            data = self._tier._retry(
+                "read",
+                self._path,
+                lambda p=pos, s=stop: fs.cat_file(self._rpath, start=p, end=s),
+            )
+            if not data:
+                break  # the object shrank since it was opened: short read, caller checks
+            data = memoryview(data)[: stop - pos]
+            out[pos - offset : pos - offset + len(data)] = data
+            pos += len(data)
+        return max(0, pos - offset)
+
+
+class RemoteTier(Tier):
+    """A tier at an fsspec URL: ``s3://bucket/prefix``, ``gs://...``, ``memory://...``.
+
+    Args:
+        url: the root of the tier. Objects are stored at ``<url>/<path>``.
+        retries: extra attempts after a transient failure (so ``retries + 1``
+            attempts in all); 0 disables retrying.
+        backoff: seconds before the first retry; doubled for every further one.
+        backoff_max: cap on one wait, in seconds. Each wait is drawn uniformly
+            from ``[d/2, d]`` (jitter: ranks that failed together do not retry in
+            lockstep), where ``d = min(backoff_max, backoff * 2 ** (n - 1))``.
+        spool_dir: local directory for files being written before their upload
+            (default: the system temporary directory). Needs room for the files
+            written concurrently; put it on node-local disk, not tmpfs, for
+            large checkpoints.
+        sync: accepted for interface parity with the local tier and ignored: an
+            object store has made an object durable when its upload returns.
+        **storage_options: passed to the fsspec filesystem (s3fs: ``key``,
+            ``secret``, ``client_kwargs={"endpoint_url": ...}``, ...). Without
+            them the backend's own configuration applies (for S3: the
+            ``AWS_*`` environment variables, including ``AWS_ENDPOINT_URL``).
+
+    Raises:
+        ConfigError: on an invalid option or a URL fsspec cannot open.
+        RegistryError: when the fsspec backend for the URL's scheme is not installed.
+
+    Reads go through ranged GETs; an object is assumed not to change while it
+    is open (data files have unique names and are never rewritten; manifests
+    are read whole with one request).
+    """
+
+    supports_atomic_rename = False
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        retries: int = 5,
+        backoff: float = 0.2,
+        backoff_max: float = 10.0,
+        spool_dir: str | os.PathLike[str] | None = None,
+        sync: bool = True,
+        **storage_options: Any,
+    ) -> None:
+        del sync  # see the docstring: uploads are durable when they return
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+            raise ConfigError(f"RemoteTier retries must be an integer >= 0, got {retries!r}")
+        if not isinstance(backoff, (int, float)) or backoff < 0:
+            raise ConfigError(f"RemoteTier backoff must be a number >= 0, got {backoff!r}")
+        if not isinstance(backoff_max, (int, float)) or backoff_max < backoff:
+            raise ConfigError(
+                f"RemoteTier backoff_max must be a number >= backoff ({backoff!r}), "
+                f"got {backoff_max!r}"
+            )
+        self.retries = retries
+        self.backoff = float(backoff)
+        self.backoff_max = float(backoff_max)
+        self.spool_dir = os.fspath(spool_dir) if spool_dir is not None else None
+        url = os.fspath(url)
+        self._url = url.rstrip("/") if not url.endswith("://") else url
+        scheme = url.split("://", 1)[0] if "://" in url else url
+        try:
+            # fsspec hands out one filesystem per set of options (and process):
+            # tiers built per save share its client and connection pool, which
+            # takes hundreds of milliseconds to create. Its listing cache is
+            # invalidated before every lookup below, so sharing cannot serve
+            # stale answers. ``skip_instance_cache=True`` opts out.
+            self.fs, root = url_to_fs(url, **storage_options)
+        except ImportError as e:
+            raise RegistryError(
+                f"remote tier {self._url} needs the fsspec backend for {scheme!r}, which "
+                f"cannot be imported: {e}"
+            ) from e
+        except ValueError as e:
+            raise ConfigError(f"remote tier {self._url}: fsspec cannot open this URL: {e}") from e
+        self._root = root.rstrip("/")
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    # ------------------------------------------------------------------ Tier API
+
+    @contextmanager
+    def open_write(self, path: str) -> Iterator[_SpoolWriteHandle]:
+        if self.spool_dir is not None:
+            os.makedirs(self.spool_dir, exist_ok=True)
+        fd, spool = tempfile.mkstemp(prefix=SPOOL_PREFIX, dir=self.spool_dir)
+        try:
+            handle = _SpoolWriteHandle(fd)
+            try:
+                yield handle
+            finally:
+                os.close(fd)
+            self.put_file(spool, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(spool)
+
+    def put_file(self, local_path: str | os.PathLike[str], path: str) -> None:
+        """Upload the local file ``local_path`` to ``path`` (retried, size-checked).
+
+        The fast path for copying files that are already on local disk (e.g. a
+        committed L1 checkpoint): no spool copy is made.
+
+        Raises:
+            RemoteTierError: when the upload keeps failing; a wrongly sized
+                object it left behind is removed first.
+        """
+        local_path = os.fspath(local_path)
+        size = os.path.getsize(local_path)
+        rpath = self._path(path)
+
+        def attempt() -> None:
+            self.fs.put_file(local_path, rpath)
+            self._check_size(path, rpath, size)
+
+        self._upload(path, rpath, attempt)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        data = bytes(data) if not isinstance(data, bytes) else data
+        rpath = self._path(path)
+
+        def attempt() -> None:
+            # One PUT of the whole content: the old object stays until it succeeds.
+            self.fs.pipe_file(rpath, data)
+            self._check_size(path, rpath, len(data))
+
+        self._upload(path, rpath, attempt)
+
+    @contextmanager
+    def open_read(self, path: str) -> Iterator[_RemoteReadHandle]:
+        rpath = self._path(path)
+        info = self._stat(path, rpath)
+        if info.get("type") == "directory":
+            raise IsADirectoryError(
+                errno.EISDIR, "is a prefix (directory), not an object", self._object_url(path)
+            )
+        yield _RemoteReadHandle(self, path, rpath, int(info["size"]))
+
+    def read_bytes(self, path: str) -> bytes:
+        # One GET: a consistent snapshot even if the object is being replaced.
+        rpath = self._path(path)
+        try:
+            return self._retry("read", path, lambda: self.fs.cat_file(rpath))
+        except FileNotFoundError:
+            raise self._not_found(path) from None
+
+    def exists(self, path: str) -> bool:
+        # Not fs.exists(): fsspec's default swallows every error and answers
+        # False, which would let an outage look like "no manifest here".
+        try:
+            self._stat(path, self._path(path))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def listdir(self, path: str) -> list[str]:
+        rpath = self._path(path)
+
+        def ls() -> list[dict[str, Any]]:
+            self.fs.invalidate_cache(rpath)
+            return self.fs.ls(rpath, detail=True)
+
+        try:
+            entries = self._retry("list", path, ls)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        names = set()
+        for entry in entries:
+            name = entry["name"].rstrip("/")
+            # Listing an object (not a prefix) returns the object itself; some
+            # backends add a leading "/" (memory), so compare without them.
+            if name.strip("/") == rpath.strip("/"):
+                continue
+            names.add(posixpath.basename(name))
+        return sorted(names)
+
+    def remove_tree(self, path: str) -> None:
+        rpath = self._path(path)
+
+        def rm() -> None:
+            try:
+                self.fs.rm(rpath, recursive=True)
+            except FileNotFoundError:
+                pass  # missing is fine, and a retry after a partial delete finds less
+            finally:
+                self.fs.invalidate_cache(rpath)
+
+        self._retry("remove", path, rm)
+
+    # ------------------------------------------------------------------ internals
+
+    def _path(self, path: str) -> str:
+        """The backend path of ``path`` below the root."""
+        if not path:
+            return self._root or "/"
+        return f"{self._root}/{path}"
+
+    def _object_url(self, path: str) -> str:
+        return f"{self._url}/{path}" if path else self._url
+
+    def _not_found(self, path: str) -> FileNotFoundError:
+        return FileNotFoundError(errno.ENOENT, "no such object", self._object_url(path))
+
+    def _stat(self, path: str, rpath: str) -> dict[str, Any]:
+        def info() -> dict[str, Any]:
+            # A listing cached by an earlier call may predate another writer's upload.
+            self.fs.invalidate_cache(rpath)
+            return self.fs.info(rpath)
+
+        try:
+            return self._retry("stat", path, info)
+        except FileNotFoundError:
+            raise self._not_found(path) from None
+
+    def _check_size(self, path: str, rpath: str, expected: int) -> None:
+        self.fs.invalidate_cache(rpath)
+        try:
+            stored = self.fs.info(rpath).get("size")
+        except FileNotFoundError:
+            # Eventually consistent stores may not list a fresh object yet.
+            stored = None
+        if stored != expected:
+            what = "is missing" if stored is None else f"holds {stored} bytes"
+            raise _UploadSizeMismatch(
+                f"{self._object_url(path)} {what} after its upload, but {expected} bytes "
+                "were written"
+            )
+
+    def _upload(self, path: str, rpath: str, attempt: Callable[[], None]) -> None:
+        try:
+            self._retry("upload", path, attempt)
+        except RemoteTierError as e:
+            if isinstance(e.__cause__, _UploadSizeMismatch):
+                # The object there is ours and wrong: a failed upload leaves nothing.
+                try:
+                    self.fs.rm_file(rpath)
+                except FileNotFoundError:
+                    pass
+                except OSError as rm_error:
+                    logger.warning(
+                        "could not remove wrongly sized %s: %s", self._object_url(path), rm_error
+                    )
+            raise
+
+    def _retry_delay(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
+        cap = min(self.backoff_max, self.backoff * 2 ** (attempt - 1))
+        return cap / 2 + random.uniform(0, cap / 2)
+
+    def _retry(self, operation: str, path: str, fn: Callable[[], T]) -> T:
+        """``fn()``, retried on transient errors; RemoteTierError when they persist."""
+        attempts = self.retries + 1
+        for attempt in range(1, attempts + 1):
+            try:
+                return fn()
+            except Exception as e:
+                if not _is_transient(e):
+                    raise
+                if attempt == attempts:
+                    raise self._gave_up(operation, path, attempts, e) from e
+                delay = self._retry_delay(attempt)
+                logger.warning(
+                    "remote tier: %s %s failed (attempt %d of %d: %s); retrying in %.2f s",
+                    operation,
+                    self._object_url(path),
+                    attempt,
+                    attempts,
+                    _describe(e),
+                    delay,
+                )
+            time.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _gave_up(
+        self, operation: str, path: str, attempts: int, last: BaseException
+    ) -> RemoteTierError:
+        url = self._object_url(path)
+        tries = "attempt" if attempts == 1 else "attempts"
+        return RemoteTierError(
+            f"remote tier: {operation} {url} failed after {attempts} {tries}; last error: "
+            f"{_describe(last)}. The storage may be unreachable, overloaded or "
+            "misconfigured: check the endpoint, network and credentials, and retry; "
+            "RemoteTier(retries=..., backoff=...) sets how long to keep trying.",
+            url=url,
+            operation=operation,
+            attempts=attempts,
+        )
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, _UploadSizeMismatch):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """True when another attempt of the same operation may succeed."""
+    if isinstance(exc, DcpMultilevelError):
+        return False  # ours, already final (e.g. a nested RemoteTierError)
+    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError, _UploadSizeMismatch)):
+        return True
+    if isinstance(exc, OSError):
+        # s3fs turns unrecognized service errors (500, 503, ...) into plain OSError.
+        return not isinstance(exc, _PERMANENT_OS_ERRORS) and exc.errno not in _PERMANENT_ERRNOS
+    foreign: list[type] = []
+    for module_name, names in _FOREIGN_TRANSIENT.items():
+        module = sys.modules.get(module_name)
+        if module is not None:
+            foreign += [t for n in names if isinstance(t := getattr(module, n, None), type)]
+    return isinstance(exc, tuple(foreign))

@@ -1,0 +1,526 @@
+"""Remote (fsspec) tier: the shared conformance suite on memory://, on s3:// against a
+real S3 server on loopback, and on a flaky remote; retries, give-up errors, size
+checks, spooling, and DCP round trips through MultiLevelWriter/Reader."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import fsspec
+import pytest
+import torch.distributed.checkpoint as dcp
+from _faulty_fs import OPERATIONS, FaultyFileSystem
+from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
+from test_roundtrip import assert_state_equal, zeros_like_state
+from test_tiers import TierTests
+
+from dcp_multilevel import ConfigError, MultiLevelReader, MultiLevelWriter, RegistryError
+from dcp_multilevel.errors import DcpMultilevelError
+from dcp_multilevel.tiers import TIER_BACKENDS, Tier, tier_for
+from dcp_multilevel.tiers import remote as remote_mod
+from dcp_multilevel.tiers.remote import SPOOL_PREFIX, RemoteTier, RemoteTierError
+
+if TYPE_CHECKING:
+    from _s3 import S3Server
+
+pytest_plugins = ["_s3"]
+
+#: The advice every give-up message ends with.
+ADVICE = (
+    "The storage may be unreachable, overloaded or misconfigured: check the endpoint, "
+    "network and credentials, and retry; RemoteTier(retries=..., backoff=...) sets how "
+    "long to keep trying."
+)
+
+
+def unique_root() -> str:
+    return f"dcp-ml-{uuid.uuid4().hex[:12]}/root"
+
+
+@pytest.fixture
+def memory_root():
+    """A fresh memory:// root (the memory store is process-global), removed afterwards."""
+    root = unique_root()
+    yield root
+    RemoteTier(f"memory://{root.split('/')[0]}").remove_tree("")
+
+
+def faulty(root: str, *, retries: int = 3, backoff: float = 0.0, **faults) -> RemoteTier:
+    """A RemoteTier on faulty://<root> over memory (or ``target_protocol=...``).
+
+    Its own filesystem instance, so fault counters start at zero.
+    """
+    faults.setdefault("target_protocol", "memory")
+    return RemoteTier(
+        f"faulty://{root}", retries=retries, backoff=backoff, skip_instance_cache=True, **faults
+    )
+
+
+def fs_of(tier: RemoteTier) -> FaultyFileSystem:
+    assert isinstance(tier.fs, FaultyFileSystem)
+    return tier.fs
+
+
+# ---------------------------------------------------------------- conformance suite
+
+
+class RemoteTierTests(TierTests):
+    """Object stores list a key when asked for its "directory": check that is hidden."""
+
+    def test_listdir_of_a_file_is_empty(self, tier):
+        tier.write_atomic("top.bin", b"x")
+        assert tier.listdir("top.bin") == []
+
+    def test_listdir_of_a_directory_holding_its_namesake(self, tier):
+        tier.write_atomic("d/d", b"x")
+        assert tier.listdir("d") == ["d"]
+        assert tier.listdir("d/d") == []
+
+
+class TestMemoryTier(RemoteTierTests):
+    @pytest.fixture
+    def tier(self, memory_root) -> Tier:
+        return RemoteTier(f"memory://{memory_root}", backoff=0)
+
+    def test_url_and_no_atomic_rename(self, memory_root):
+        tier = RemoteTier(f"memory://{memory_root}/")
+        assert tier.url == f"memory://{memory_root}"
+        assert not tier.supports_atomic_rename
+        assert repr(tier) == f"RemoteTier('memory://{memory_root}')"
+
+
+class TestS3Tier(RemoteTierTests):
+    @pytest.fixture
+    def tier(self, s3_server: S3Server, s3_bucket: str) -> Tier:
+        return RemoteTier(f"s3://{s3_bucket}/root", **s3_server.storage_options)
+
+    def test_objects_land_under_the_prefix(self, tier, s3_server, s3_bucket):
+        tier.write_atomic("a/x.bin", b"1")
+        with tier.open_write("a/y.bin") as f:
+            f.write(b"22")
+        assert s3_server.keys(s3_bucket) == ["root/a/x.bin", "root/a/y.bin"]
+
+    def test_credentials_and_endpoint_from_the_environment(self, s3_env, s3_bucket):
+        tier = tier_for(f"s3://{s3_bucket}/env", sync=False)
+        assert type(tier) is RemoteTier
+        tier.write_atomic("m.json", b"{}")
+        assert tier.read_bytes("m.json") == b"{}"
+        assert s3_env.keys(s3_bucket) == ["env/m.json"]
+
+
+class TestFlakyTier(RemoteTierTests):
+    """Every operation fails 30% of the time; retries hide it completely."""
+
+    @pytest.fixture
+    def tier(self, memory_root) -> Tier:
+        rates = dict.fromkeys(OPERATIONS, 0.3)
+        return faulty(memory_root, retries=12, fail_rate=rates, seed=1)
+
+    def test_faults_were_really_injected(self, tier):
+        for i in range(10):
+            tier.write_atomic(f"{i}.bin", b"x")
+            assert tier.read_bytes(f"{i}.bin") == b"x"
+        assert fs_of(tier).injected["pipe_file"] > 0
+        assert fs_of(tier).injected["cat_file"] > 0
+
+
+# ---------------------------------------------------------------- registry and options
+
+
+@pytest.mark.parametrize("scheme", ["s3", "s3a", "gs", "gcs", "az", "abfs", "memory"])
+def test_remote_schemes_are_registered_through_the_entry_point_group(scheme):
+    assert TIER_BACKENDS.get(scheme) is RemoteTier
+
+
+def test_tier_for_builds_a_remote_tier_and_ignores_sync(memory_root):
+    tier = tier_for(f"memory://{memory_root}", sync=False)
+    assert type(tier) is RemoteTier
+    assert tier.url == f"memory://{memory_root}"
+
+
+def test_missing_fsspec_backend_says_what_to_install():
+    try:
+        fsspec.get_filesystem_class("gs")
+    except ImportError as e:
+        fsspec_says = str(e)
+    else:
+        pytest.skip("gcsfs is installed")
+    with pytest.raises(RegistryError) as info:
+        RemoteTier("gs://bucket/x")
+    assert str(info.value) == (
+        "remote tier gs://bucket/x needs the fsspec backend for 'gs', which cannot be "
+        f"imported: {fsspec_says}"
+    )
+
+
+def test_url_fsspec_cannot_open_is_a_config_error():
+    with pytest.raises(ConfigError) as info:
+        RemoteTier("nosuchproto://x")
+    assert str(info.value) == (
+        "remote tier nosuchproto://x: fsspec cannot open this URL: Protocol not known: nosuchproto"
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"retries": -1}, "RemoteTier retries must be an integer >= 0, got -1"),
+        ({"retries": 1.5}, "RemoteTier retries must be an integer >= 0, got 1.5"),
+        ({"backoff": -0.1}, "RemoteTier backoff must be a number >= 0, got -0.1"),
+        (
+            {"backoff": 2, "backoff_max": 1},
+            "RemoteTier backoff_max must be a number >= backoff (2), got 1",
+        ),
+    ],
+)
+def test_invalid_options(options, message):
+    with pytest.raises(ConfigError) as info:
+        RemoteTier("memory://x", **options)
+    assert str(info.value) == message
+
+
+# ---------------------------------------------------------------- retries
+
+
+def _upload(tier):
+    with tier.open_write("d/a.bin") as f:
+        f.write(b"spooled")
+    return "d/a.bin", b"spooled"
+
+
+def _write_atomic(tier):
+    tier.write_atomic("d/a.bin", b"manifest")
+    return "d/a.bin", b"manifest"
+
+
+def _check_read_bytes(tier, clean):
+    clean.write_atomic("d/a.bin", b"whole")
+    assert tier.read_bytes("d/a.bin") == b"whole"
+
+
+def _check_read_into(tier, clean):
+    clean.write_atomic("d/a.bin", b"0123456789")
+    with tier.open_read("d/a.bin") as r:
+        buf = bytearray(4)
+        assert r.read_into(3, memoryview(buf)) == 4
+    assert buf == b"3456"
+
+
+def _check_exists(tier, clean):
+    clean.write_atomic("d/a.bin", b"x")
+    assert tier.exists("d/a.bin")
+    assert tier.exists("d")
+
+
+def _check_listdir(tier, clean):
+    clean.write_atomic("d/b.bin", b"x")
+    clean.write_atomic("d/a.bin", b"x")
+    assert tier.listdir("d") == ["a.bin", "b.bin"]
+
+
+def _check_remove_tree(tier, clean):
+    clean.write_atomic("d/a.bin", b"x")
+    tier.remove_tree("d")
+    assert not clean.exists("d/a.bin")
+
+
+@pytest.mark.parametrize(
+    ("failing", "write"),
+    [("put_file", _upload), ("pipe_file", _write_atomic), ("info", _write_atomic)],
+    ids=["open_write-upload", "write_atomic-put", "write_atomic-size-check"],
+)
+def test_transient_upload_failures_are_retried_as_whole_uploads(memory_root, failing, write):
+    tier = faulty(memory_root, retries=3, fail_first={failing: 3})
+    path, data = write(tier)
+    assert RemoteTier(f"memory://{memory_root}").read_bytes(path) == data
+    assert fs_of(tier).injected[failing] == 3
+
+
+@pytest.mark.parametrize(
+    ("failing", "check"),
+    [
+        ("cat_file", _check_read_bytes),
+        ("cat_file", _check_read_into),
+        ("info", _check_read_into),
+        ("info", _check_exists),
+        ("ls", _check_listdir),
+        ("rm", _check_remove_tree),
+    ],
+    ids=["read_bytes", "read_into", "open_read-stat", "exists", "listdir", "remove_tree"],
+)
+def test_transient_failures_of_every_operation_are_retried(memory_root, failing, check):
+    tier = faulty(memory_root, retries=3, fail_first={failing: 3})
+    check(tier, RemoteTier(f"memory://{memory_root}"))
+    assert fs_of(tier).injected[failing] >= 3
+    assert fs_of(tier).calls[failing] > fs_of(tier).injected[failing]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConnectionError,
+        TimeoutError,
+        lambda m: OSError(f"503 Slow Down: {m}"),  # what s3fs makes of a 5xx it does not map
+        lambda m: EndpointConnectionError(endpoint_url=m),
+        lambda m: ReadTimeoutError(endpoint_url=m),
+    ],
+    ids=["ConnectionError", "TimeoutError", "OSError-5xx", "botocore-connect", "botocore-read"],
+)
+def test_transient_error_kinds(memory_root, error):
+    tier = faulty(memory_root, retries=2, fail_first={"pipe_file": 2}, error=error)
+    tier.write_atomic("m.json", b"{}")
+    assert fs_of(tier).calls["pipe_file"] == 3
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        PermissionError,
+        FileNotFoundError,
+        ValueError,
+        lambda m: OSError(errno.EINVAL, "The requested range is not satisfiable", m),
+    ],
+    ids=["PermissionError", "FileNotFoundError", "ValueError", "OSError-EINVAL"],
+)
+def test_errors_retrying_cannot_fix_are_raised_at_once_unchanged(memory_root, error):
+    tier = faulty(memory_root, retries=5, fail_first={"pipe_file": 1}, error=error)
+    expected = type(error("probe"))
+    with pytest.raises(expected) as info:
+        tier.write_atomic("m.json", b"{}")
+    assert type(info.value) is expected
+    assert fs_of(tier).calls["pipe_file"] == 1
+
+
+def test_missing_object_is_file_not_found_naming_its_url_without_retries(memory_root):
+    tier = faulty(memory_root, retries=5)
+    url = f"faulty://{memory_root}/nope.bin"
+    for action in (tier.read_bytes, lambda p: tier.open_read(p).__enter__()):
+        with pytest.raises(FileNotFoundError) as info:
+            action("nope.bin")
+        assert str(info.value) == f"[Errno 2] no such object: '{url}'"
+    assert not tier.exists("nope.bin")
+    assert fs_of(tier).calls["info"] == 2
+    assert fs_of(tier).calls["cat_file"] == 1
+
+
+def test_a_retry_is_logged(memory_root, caplog):
+    tier = faulty(memory_root, retries=1, fail_first={"cat_file": 1})
+    RemoteTier(f"memory://{memory_root}").write_atomic("m.json", b"{}")
+    with caplog.at_level(logging.WARNING, logger="dcp_multilevel.tiers.remote"):
+        assert tier.read_bytes("m.json") == b"{}"
+    assert caplog.messages == [
+        f"remote tier: read faulty://{memory_root}/m.json failed (attempt 1 of 2: "
+        f"ConnectionError: injected fault: cat_file call 1 ({memory_root}/m.json)); "
+        "retrying in 0.00 s"
+    ]
+
+
+def test_backoff_doubles_with_jitter_up_to_the_cap():
+    tier = RemoteTier("memory://x", backoff=0.2, backoff_max=1.0)
+    for attempt, cap in [(1, 0.2), (2, 0.4), (3, 0.8), (4, 1.0), (30, 1.0)]:
+        delays = [tier._retry_delay(attempt) for _ in range(200)]
+        assert all(cap / 2 <= d <= cap for d in delays), attempt
+        assert len(set(delays)) > 1  # jittered
+
+
+def test_retries_really_wait(memory_root):
+    tier = faulty(memory_root, retries=2, backoff=0.05, fail_first={"pipe_file": 2})
+    start = time.monotonic()
+    tier.write_atomic("m.json", b"{}")
+    # Waits of at least 0.025 s and 0.05 s (half of 0.05 and 0.1, the jitter floor).
+    assert time.monotonic() - start >= 0.075
+
+
+# ---------------------------------------------------------------- giving up
+
+
+def test_remote_that_stays_down_raises_after_all_attempts_and_leaves_nothing(memory_root):
+    tier = faulty(memory_root, retries=2, fail_first={"put_file": 10**9})
+    with pytest.raises(RemoteTierError) as info, tier.open_write("d/x.bin") as f:
+        f.write(b"abc")
+    url = f"faulty://{memory_root}/d/x.bin"
+    assert str(info.value) == (
+        f"remote tier: upload {url} failed after 3 attempts; last error: ConnectionError: "
+        f"injected fault: put_file call 3 ({memory_root}/d/x.bin). {ADVICE}"
+    )
+    err = info.value
+    assert (err.url, err.operation, err.attempts) == (url, "upload", 3)
+    assert isinstance(err, OSError)
+    assert isinstance(err, DcpMultilevelError)
+    assert isinstance(err.__cause__, ConnectionError)
+    assert fs_of(tier).calls["put_file"] == 3
+    clean = RemoteTier(f"memory://{memory_root}")
+    assert not clean.exists("d/x.bin")
+    assert clean.listdir("d") == []
+
+
+@pytest.mark.parametrize(
+    ("operation", "failing", "action"),
+    [
+        ("read", "cat_file", lambda t: t.read_bytes("m.json")),
+        ("stat", "info", lambda t: t.exists("m.json")),
+        ("list", "ls", lambda t: t.listdir("")),
+        ("remove", "rm", lambda t: t.remove_tree("m.json")),
+    ],
+)
+def test_every_operation_gives_up_with_one_error_class(memory_root, operation, failing, action):
+    tier = faulty(memory_root, retries=0, fail_first={failing: 1})
+    with pytest.raises(RemoteTierError) as info:
+        action(tier)
+    path = "" if operation == "list" else "/m.json"
+    target = memory_root + path
+    assert str(info.value) == (
+        f"remote tier: {operation} faulty://{target} failed after 1 attempt; last error: "
+        f"ConnectionError: injected fault: {failing} call 1 ({target}). {ADVICE}"
+    )
+
+
+def test_upload_failure_on_s3_leaves_no_object(s3_server, s3_bucket):
+    tier = faulty(
+        f"{s3_bucket}/root",
+        retries=1,
+        fail_first={"put_file": 10**9},
+        target_protocol="s3",
+        target_options=s3_server.storage_options,
+    )
+    with pytest.raises(RemoteTierError), tier.open_write("data/0.bin") as f:
+        f.write(b"x" * 1000)
+    assert s3_server.keys(s3_bucket) == []
+
+
+# ---------------------------------------------------------------- size check
+
+
+def test_truncated_upload_is_detected_and_uploaded_again(memory_root):
+    tier = faulty(memory_root, retries=2, truncate_puts=1)
+    with tier.open_write("a.bin") as f:
+        f.write(b"0123456789")
+    assert RemoteTier(f"memory://{memory_root}").read_bytes("a.bin") == b"0123456789"
+    assert fs_of(tier).calls["put_file"] == 2
+
+
+def test_upload_that_stays_truncated_fails_and_removes_the_object_on_s3(s3_server, s3_bucket):
+    """A proxy that always drops the last byte: every stored object is one byte short."""
+    tier = faulty(
+        f"{s3_bucket}/root",
+        retries=1,
+        truncate_puts=10**9,
+        target_protocol="s3",
+        target_options=s3_server.storage_options,
+    )
+    with pytest.raises(RemoteTierError) as info:
+        tier.write_atomic("manifest.json", b"0123456789")
+    url = f"faulty://{s3_bucket}/root/manifest.json"
+    assert str(info.value) == (
+        f"remote tier: upload {url} failed after 2 attempts; last error: {url} holds 9 "
+        f"bytes after its upload, but 10 bytes were written. {ADVICE}"
+    )
+    assert fs_of(tier).calls["pipe_file"] == 2
+    assert s3_server.keys(s3_bucket) == []
+
+
+# ---------------------------------------------------------------- spooling and reads
+
+
+def test_writes_spool_locally_and_leave_no_spool_files(memory_root, tmp_path):
+    spool_dir = tmp_path / "spool"  # created on first use
+    tier = faulty(memory_root, retries=0, spool_dir=spool_dir, fail_first={"put_file": 1})
+    with pytest.raises(RemoteTierError), tier.open_write("failed-upload.bin") as f:
+        f.write(b"x")
+    with pytest.raises(RuntimeError, match="boom"), tier.open_write("failed-caller.bin") as f:
+        f.write(b"x")
+        raise RuntimeError("boom")
+    with tier.open_write("ok.bin") as f:
+        f.write(b"x" * 100)
+        (spool,) = spool_dir.iterdir()
+        assert spool.name.startswith(SPOOL_PREFIX)
+        assert spool.stat().st_size == 100
+    assert list(spool_dir.iterdir()) == []
+    assert tier.listdir("") == ["ok.bin"]
+
+
+def test_large_reads_are_split_into_ranged_requests(memory_root, monkeypatch):
+    monkeypatch.setattr(remote_mod, "_READ_CHUNK", 7)
+    tier = faulty(memory_root)
+    data = bytes(range(100))
+    tier.write_atomic("a.bin", data)
+    with tier.open_read("a.bin") as r:
+        buf = bytearray(60)
+        assert r.read_into(3, memoryview(buf)) == 60
+        assert buf == data[3:63]
+        assert fs_of(tier).calls["cat_file"] == 9  # ceil(60 / 7)
+        assert r.read_into(95, memoryview(buf)) == 5  # short only at the end
+        assert buf[:5] == data[95:]
+        assert r.read_into(100, memoryview(buf)) == 0
+
+
+# ---------------------------------------------------------------- DCP round trips
+
+
+def test_dcp_round_trip_on_s3(s3_env, s3_bucket, all_dtypes_state):
+    url = f"s3://{s3_bucket}/run1/step-1"
+    dcp.save(
+        all_dtypes_state,
+        storage_writer=MultiLevelWriter(url, thread_count=2, codec="bytegroup"),
+    )
+    keys = s3_env.keys(s3_bucket)
+    assert "run1/step-1/manifest.json" in keys
+    assert sum(k.startswith("run1/step-1/data/") for k in keys) == 2
+    loaded = zeros_like_state(all_dtypes_state)
+    dcp.load(loaded, storage_reader=MultiLevelReader(url, thread_count=2))
+    assert_state_equal(loaded, all_dtypes_state)
+
+    # Overwrite: the new manifest commits, then the old data objects are swept.
+    dcp.save(all_dtypes_state, storage_writer=MultiLevelWriter(url, overwrite=True))
+    data_keys = [k for k in s3_env.keys(s3_bucket) if k.startswith("run1/step-1/data/")]
+    assert len(data_keys) == 1
+    loaded = zeros_like_state(all_dtypes_state)
+    dcp.load(loaded, storage_reader=MultiLevelReader(url))
+    assert_state_equal(loaded, all_dtypes_state)
+
+
+def test_dcp_round_trip_on_memory(memory_root, all_dtypes_state):
+    url = f"memory://{memory_root}/ckpt"
+    dcp.save(all_dtypes_state, storage_writer=MultiLevelWriter(url))
+    assert MultiLevelReader.validate_checkpoint_id(url)
+    loaded = zeros_like_state(all_dtypes_state)
+    dcp.load(loaded, storage_reader=MultiLevelReader(url))
+    assert_state_equal(loaded, all_dtypes_state)
+
+
+@pytest.fixture
+def faulty_scheme(tmp_path, monkeypatch):
+    """Make faulty:// a tier backend the way a third-party package would (entry point)."""
+    info = tmp_path / "faulty_tier-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: faulty-tier\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[dcp_multilevel.tiers]\nfaulty = dcp_multilevel.tiers.remote:RemoteTier\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    TIER_BACKENDS.refresh()
+    yield
+    TIER_BACKENDS.refresh()
+
+
+def test_dcp_save_and_load_through_a_flaky_remote(
+    faulty_scheme, memory_root, monkeypatch, all_dtypes_state
+):
+    # The writer builds its tier from the URL alone; fsspec's own configuration
+    # carries the fault plan to the filesystem it creates.
+    faults = dict.fromkeys(["info", "put_file", "pipe_file", "cat_file"], 1)
+    conf = {"target_protocol": "memory", "fail_first": faults, "skip_instance_cache": True}
+    monkeypatch.setitem(fsspec.config.conf, "faulty", conf)
+    url = f"faulty://{memory_root}/ckpt"
+    writer = MultiLevelWriter(url)
+    dcp.save(all_dtypes_state, storage_writer=writer)
+    assert dict(fs_of(writer.tier).injected) == dict.fromkeys(["info", "put_file", "pipe_file"], 1)
+    reader = MultiLevelReader(url)
+    loaded = zeros_like_state(all_dtypes_state)
+    dcp.load(loaded, storage_reader=reader)
+    assert_state_equal(loaded, all_dtypes_state)
+    assert fs_of(reader.tier).injected["cat_file"] == 1
