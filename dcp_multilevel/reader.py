@@ -51,7 +51,7 @@ from .errors import (
 from .format import MANIFEST_NAME, Hasher, ItemLocation, Manifest, decode_manifest
 from .format.objects import load_object
 from .format.tensor_bytes import byte_view, pieces
-from .tiers import ReadHandle, Tier, tier_for
+from .tiers import ReadHandle, TierBackend, tier_for
 
 __all__ = ["MultiLevelReader"]
 
@@ -87,7 +87,7 @@ class MultiLevelReader(StorageReader):
 
     def _set_path(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self.tier: Tier = tier_for(self.path, **self.storage_options)
+        self.tier: TierBackend = tier_for(self.path, **self.storage_options)
         self._manifest: Manifest | None = None
 
     @property

@@ -46,7 +46,7 @@ from .format import (
 )
 from .format.objects import load_object
 from .format.tensor_bytes import byte_view, pieces
-from .tiers import Tier, tier_for
+from .tiers import TierBackend, tier_for
 from .tiers.local import TMP_MARKER
 
 __all__ = ["MultiLevelWriter"]
@@ -110,7 +110,7 @@ class MultiLevelWriter(StorageWriter):
 
     def _set_path(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self.tier: Tier = tier_for(self.path, sync=self.sync_files, **self.storage_options)
+        self.tier: TierBackend = tier_for(self.path, sync=self.sync_files, **self.storage_options)
 
     @property
     def checkpoint_id(self) -> str:

@@ -20,7 +20,7 @@ from test_tiers import TierTests
 
 from dcp_multilevel import ConfigError, MultiLevelReader, MultiLevelWriter, RegistryError
 from dcp_multilevel.errors import DcpMultilevelError
-from dcp_multilevel.tiers import TIER_BACKENDS, Tier, tier_for
+from dcp_multilevel.tiers import TIER_BACKENDS, TierBackend, tier_for
 from dcp_multilevel.tiers import remote as remote_mod
 from dcp_multilevel.tiers.remote import SPOOL_PREFIX, RemoteTier, RemoteTierError
 
@@ -83,7 +83,7 @@ class RemoteTierTests(TierTests):
 
 class TestMemoryTier(RemoteTierTests):
     @pytest.fixture
-    def tier(self, memory_root) -> Tier:
+    def tier(self, memory_root) -> TierBackend:
         return RemoteTier(f"memory://{memory_root}", backoff=0)
 
     def test_url_and_no_atomic_rename(self, memory_root):
@@ -95,7 +95,7 @@ class TestMemoryTier(RemoteTierTests):
 
 class TestS3Tier(RemoteTierTests):
     @pytest.fixture
-    def tier(self, s3_server: S3Server, s3_bucket: str) -> Tier:
+    def tier(self, s3_server: S3Server, s3_bucket: str) -> TierBackend:
         return RemoteTier(f"s3://{s3_bucket}/root", **s3_server.storage_options)
 
     def test_objects_land_under_the_prefix(self, tier, s3_server, s3_bucket):
@@ -116,7 +116,7 @@ class TestFlakyTier(RemoteTierTests):
     """Every operation fails 30% of the time; retries hide it completely."""
 
     @pytest.fixture
-    def tier(self, memory_root) -> Tier:
+    def tier(self, memory_root) -> TierBackend:
         rates = dict.fromkeys(OPERATIONS, 0.3)
         return faulty(memory_root, retries=12, fail_rate=rates, seed=1)
 

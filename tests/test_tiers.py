@@ -1,4 +1,4 @@
-"""Tier conformance suite: every tier backend passes the same tests."""
+"""TierBackend conformance suite: every tier backend passes the same tests."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ import threading
 
 import pytest
 
-from dcp_multilevel.tiers import Tier
+from dcp_multilevel.tiers import TierBackend
 from dcp_multilevel.tiers.local import LocalTier
 
 
 class TierTests:
-    """Subclass with a ``tier`` fixture to check a backend against the Tier contract."""
+    """Subclass with a ``tier`` fixture to check a backend against the TierBackend contract."""
 
     @pytest.fixture
-    def tier(self) -> Tier:  # pragma: no cover - overridden
+    def tier(self) -> TierBackend:  # pragma: no cover - overridden
         raise NotImplementedError
 
     def test_written_file_reads_back(self, tier):
@@ -80,7 +80,7 @@ class TierTests:
 
 class TestLocalTier(TierTests):
     @pytest.fixture
-    def tier(self, tmp_path) -> Tier:
+    def tier(self, tmp_path) -> TierBackend:
         return LocalTier(tmp_path / "root")
 
     def test_url_and_file_scheme(self, tmp_path):

@@ -13,16 +13,16 @@ import fsspec
 
 from .._registry import Registry
 from ..config import parse_location
-from .base import ReadHandle, Tier, WriteHandle
+from .base import ReadHandle, TierBackend, WriteHandle
 from .remote import RemoteTier
 
-__all__ = ["TIER_BACKENDS", "ReadHandle", "Tier", "WriteHandle", "tier_for"]
+__all__ = ["TIER_BACKENDS", "ReadHandle", "TierBackend", "WriteHandle", "tier_for"]
 
-#: scheme -> Tier subclass (constructed as ``cls(location_path_or_url, **options)``).
-TIER_BACKENDS: Registry[type[Tier]] = Registry("dcp_multilevel.tiers", "tier backend")
+#: scheme -> TierBackend subclass (constructed as ``cls(location_path_or_url, **options)``).
+TIER_BACKENDS: Registry[type[TierBackend]] = Registry("dcp_multilevel.tiers", "tier backend")
 
 
-def tier_for(where: str | os.PathLike[str], **options: Any) -> Tier:
+def tier_for(where: str | os.PathLike[str], **options: Any) -> TierBackend:
     """Build the tier for a path or URL, choosing the backend by URL scheme.
 
     Schemes registered in the ``dcp_multilevel.tiers`` group win; any other

@@ -24,7 +24,7 @@ import os
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
-__all__ = ["ReadHandle", "Tier", "WriteHandle"]
+__all__ = ["ReadHandle", "TierBackend", "WriteHandle"]
 
 
 @runtime_checkable
@@ -54,7 +54,7 @@ class ReadHandle(Protocol):
         ...
 
 
-class Tier(abc.ABC):
+class TierBackend(abc.ABC):
     """A storage level rooted at one location (a directory, a bucket prefix, ...).
 
     Paths given to methods are relative POSIX paths below the root, already

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ConfigError
-from .base import Tier
+from .base import TierBackend
 
 __all__ = ["TMP_MARKER", "LocalTier"]
 
@@ -60,7 +60,7 @@ class _LocalReadHandle:
         return done
 
 
-class LocalTier(Tier):
+class LocalTier(TierBackend):
     """A tier in a local directory (``/path`` or ``file:///path``).
 
     Args:

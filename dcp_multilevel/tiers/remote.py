@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 from fsspec.core import url_to_fs
 
 from ..errors import ConfigError, DcpMultilevelError, RegistryError, RemoteTierError
-from .base import Tier
+from .base import TierBackend
 
 __all__ = ["SPOOL_PREFIX", "RemoteTier"]
 
@@ -143,7 +143,7 @@ class _RemoteReadHandle:
         return max(0, pos - offset)
 
 
-class RemoteTier(Tier):
+class RemoteTier(TierBackend):
     """A tier at an fsspec URL: ``s3://bucket/prefix``, ``gs://...``, ``memory://...``.
 
     Args:
@@ -224,7 +224,7 @@ class RemoteTier(Tier):
     def url(self) -> str:
         return self._url
 
-    # ------------------------------------------------------------------ Tier API
+    # ------------------------------------------------------------------ TierBackend API
 
     @contextmanager
     def open_write(self, path: str) -> Iterator[_SpoolWriteHandle]:
