@@ -1,15 +1,26 @@
 """MultiLevelReader: DCP's StorageReader for dcp_multilevel checkpoints.
 
+A reader loads ONE checkpoint, which may be stored as several copies on
+different tiers (node-local disk first, then slower ones). Each copy has its
+own manifest, encoding and file layout; their DCP metadata must be identical.
+
 Load path::
 
-    all ranks     reset(checkpoint_id) -> read_metadata (manifest.json, validated)
-                  -> set_up_storage_reader -> prepare_local_plan
+    all ranks     reset(checkpoint_id) -> read_metadata: the manifest of the first
+                  copy, in order, that has a valid one -> set_up_storage_reader
+                  -> prepare_local_plan
     coordinator   prepare_global_plan (unchanged: DCP's planner reshards)
-    all ranks     read_data: per file, items sorted by offset; bytes land straight
-                  in the destination tensor when it is a whole, contiguous CPU
-                  chunk of the stored dtype, otherwise in a scratch buffer that
-                  is narrowed and copied. Every item is verified against its
-                  checksum before the load counts as done (fail closed).
+    all ranks     read_data: from that copy, per file, items sorted by offset;
+                  bytes land straight in the destination tensor when it is a
+                  whole, contiguous CPU chunk of the stored dtype, otherwise in a
+                  scratch buffer that is narrowed and copied. Every item is
+                  verified against its checksum before it is committed (fail
+                  closed). Items that are missing, truncated or corrupt are read
+                  again from the next copy (its manifest loaded and checked
+                  then), and so on down the chain.
+
+Each rank chooses copies on its own: the reader runs no collective. Which
+checkpoint every rank loads is the caller's (the manager's) agreement.
 
 Non-tensor objects are checked with ``torch.load(weights_only=True)`` before
 DCP's planner sees them, because ``DefaultLoadPlanner.load_bytes`` itself
@@ -22,6 +33,7 @@ import io
 import logging
 import os
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
@@ -37,94 +49,179 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .codecs import codec_from_descriptor, decode_frames
+from ._copies import CheckpointCopy
+from ._fallback import Failure, Trail, item_name, metadata_difference
 from .errors import (
-    CheckpointNotFoundError,
-    ChecksumMismatchError,
     ConfigError,
     CorruptCheckpointError,
+    DcpMultilevelError,
     ManifestError,
-    RegistryError,
-    TruncatedDataError,
     UnsafeObjectError,
 )
-from .format import MANIFEST_NAME, Hasher, ItemLocation, Manifest, decode_manifest
+from .format import MANIFEST_NAME, ItemLocation, Manifest
 from .format.objects import load_object
-from .format.tensor_bytes import byte_view, pieces
-from .tiers import ReadHandle, TierBackend, tier_for
+from .format.tensor_bytes import byte_view
+from .tiers import TierBackend, tier_for
 
 __all__ = ["MultiLevelReader"]
 
 logger = logging.getLogger(__name__)
 
+#: Errors that condemn one copy of an item (or of a whole file) but not the
+#: load: the item is read from the next copy. Corruption and missing files are
+#: OSErrors, and so are I/O failures (EIO, a remote that stays down); a
+#: ManifestError here means the copy's item needs a codec that is not installed.
+_COPY_ERRORS = (OSError, ManifestError)
+
 
 class MultiLevelReader(StorageReader):
-    """Read a dcp_multilevel checkpoint from ``path``.
+    """Read a dcp_multilevel checkpoint from ``path``, falling back to other copies.
 
     Args:
-        path: checkpoint location (directory path or ``file://`` URL). May be
-            replaced per load by ``dcp.load(..., checkpoint_id=...)``.
-        thread_count: data files read in parallel per rank.
-        storage_options: options for a remote location's tier and fsspec backend.
+        path: the fastest copy of the checkpoint (directory path or URL, e.g.
+            node-local ``/nvme/run1/step-100``). May be replaced per load by
+            ``dcp.load(..., checkpoint_id=...)`` (only by another spelling of
+            the same location when ``fallbacks`` are given).
+        fallbacks: other copies of the SAME checkpoint on slower tiers, in the
+            order to try them (e.g. ``["s3://bucket/run1/step-100"]``). They may
+            use other codecs and file layouts; their DCP metadata must equal
+            that of the copy in use, or they are not used.
+        thread_count: data files read (and chunks decoded) in parallel per rank.
+        storage_options: options for the tier of ``path``.
+        fallback_storage_options: options for the tier of each fallback, one
+            entry (a dict or None) per fallback; default: none for any.
 
-    Loading needs no other option: the manifest says what is where.
+    Attributes:
+        last_load_sources: after :meth:`read_data`, how many of this rank's
+            items each copy served: ``{copy URL: item count}``, in the order
+            of the copies, only copies that served at least one item (e.g.
+            ``{"file:///nvme/run1/step-100": 41, "s3://bucket/run1/step-100": 1}``).
+        metadata_source: URL of the copy whose manifest :meth:`read_metadata`
+            used, None before.
+
+    Loading needs no other option: each copy's manifest says what is where.
+    A copy is used for an item only if the item's bytes match their checksum:
+    unverified bytes are never committed. Problems that make the load go to
+    another copy are logged as warnings on the ``dcp_multilevel.reader`` logger.
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
         *,
+        fallbacks: Sequence[str | os.PathLike[str]] = (),
         thread_count: int = 1,
         storage_options: dict[str, Any] | None = None,
+        fallback_storage_options: Sequence[dict[str, Any] | None] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ConfigError(f"thread_count must be an integer >= 1, got {thread_count!r}")
+        if isinstance(fallbacks, (str, bytes, os.PathLike)):
+            raise ConfigError(
+                f"fallbacks must be a sequence of locations, got the single location "
+                f"{fallbacks!r}; pass fallbacks=[{fallbacks!r}]"
+            )
+        fallbacks = list(fallbacks)
+        if fallback_storage_options is None:
+            fallback_storage_options = [None] * len(fallbacks)
+        fallback_storage_options = list(fallback_storage_options)
+        if len(fallback_storage_options) != len(fallbacks):
+            raise ConfigError(
+                f"fallback_storage_options has {len(fallback_storage_options)} entries for "
+                f"{len(fallbacks)} fallbacks; give one (a dict or None) per fallback"
+            )
         self.thread_count = thread_count
         self.storage_options = dict(storage_options or {})
+        self._fallbacks = [
+            CheckpointCopy(loc, dict(opts or {}))
+            for loc, opts in zip(fallbacks, fallback_storage_options, strict=True)
+        ]
         self._decode_pool: ThreadPoolExecutor | None = None
+        self.last_load_sources: dict[str, int] = {}
+        self._copies: list[CheckpointCopy] = []
         self._set_path(path)
 
     def _set_path(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-        self.tier: TierBackend = tier_for(self.path, **self.storage_options)
-        self._manifest: Manifest | None = None
+        primary = CheckpointCopy(path, self.storage_options)
+        if self._fallbacks and self._copies:
+            old = self._copies[0].url
+            if primary.url != old:
+                raise ConfigError(
+                    f"this MultiLevelReader reads checkpoint {old} with fallbacks "
+                    f"{[c.url for c in self._fallbacks]}; dcp.load(checkpoint_id=...) asked "
+                    f"for {primary.url}, whose copies it does not know. Build a "
+                    "MultiLevelReader for that checkpoint (with its own fallbacks)."
+                )
+        self.path = primary.location
+        self._copies = [primary, *self._fallbacks]
+        self._new_load()
+
+    def _new_load(self) -> None:
+        """Forget every copy's manifest: the next read_metadata looks again."""
+        for copy in self._copies:
+            copy.forget()
+        self._base: int | None = None  # index of the copy whose manifest steers the load
+        self._trail = Trail(self._copies[0].url)
+        self.metadata_source: str | None = None
 
     @property
     def checkpoint_id(self) -> str:
-        """The location this reader loads from."""
+        """The location of the first copy (the one this reader tries first)."""
         return self.path
+
+    @property
+    def tier(self) -> TierBackend:
+        """The tier of the first copy."""
+        return self._copies[0].tier
+
+    @property
+    def fallbacks(self) -> tuple[str, ...]:
+        """The URLs of the fallback copies, in the order they are tried."""
+        return tuple(c.url for c in self._fallbacks)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             self._set_path(checkpoint_id)
         else:
-            self._manifest = None
+            self._new_load()
 
     # Deliberately no **kwargs: DCP then does not retry with rank-local metadata
     # files, which dcp_multilevel never writes.
     def read_metadata(self) -> Metadata:
-        """Read and validate the manifest; CheckpointNotFoundError if there is none."""
-        try:
-            raw = self.tier.read_bytes(MANIFEST_NAME)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint at {self.tier.url}: {MANIFEST_NAME} is missing "
-                "(a save that did not finish leaves none). Check the path, or load an "
-                "earlier checkpoint.",
-                checkpoint=self.tier.url,
-            ) from None
-        self._manifest = decode_manifest(raw, checkpoint=self.tier.url)
-        md = self._manifest.metadata
-        md.storage_meta = StorageMeta(
-            checkpoint_id=self.path, save_id=self._manifest.save_id, load_id=os.urandom(8).hex()
-        )
-        return md
+        """The DCP metadata from the first copy, in order, with a valid manifest.
+
+        A copy without one is skipped with a warning. When no copy has one, the
+        error is the first copy's, or the first error that is not "missing"
+        when some copy exists but is damaged; with fallbacks its message lists
+        every copy tried and why it failed.
+
+        Raises:
+            CheckpointNotFoundError: no copy has a manifest.
+            ManifestError: a copy's manifest is invalid (and no copy is usable).
+            OSError: a copy's storage could not be read (and no copy is usable).
+        """
+        self._new_load()
+        for i, copy in enumerate(self._copies):
+            try:
+                manifest = copy.manifest()
+            except (DcpMultilevelError, OSError) as e:
+                after = self._copies[i + 1].url if i + 1 < len(self._copies) else None
+                self._trail.skip(copy.url, e, after)
+                continue
+            self._base = i
+            self.metadata_source = copy.url
+            md = manifest.metadata
+            md.storage_meta = StorageMeta(
+                checkpoint_id=copy.location, save_id=manifest.save_id, load_id=os.urandom(8).hex()
+            )
+            return md
+        raise self._trail.no_usable_copy()
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
-        if self._manifest is None or metadata.storage_data is not self._manifest.locations:
+        if self._base is None or metadata.storage_data is not self._manifest().locations:
             # DCP hands back what read_metadata returned; anything else was not
             # validated by us and must not steer reads.
             raise ConfigError(
@@ -139,22 +236,42 @@ class MultiLevelReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        manifest = self._manifest
-        if manifest is None:
+        """Read every item of ``plan``, each from the first copy that has it intact.
+
+        Raises:
+            CorruptCheckpointError, OSError, ManifestError: an item could not be
+                read from any copy; the error is the last copy's (with fallbacks,
+                its message names every copy tried and why each failed).
+            UnsafeObjectError: a non-tensor object is refused by weights_only loading.
+        """
+        if self._base is None:
             raise ConfigError("MultiLevelReader.read_data called before read_metadata")
-        per_file: dict[str, list[tuple[ReadItem, ItemLocation]]] = defaultdict(list)
-        for req in plan.items:
-            loc = manifest.locations[req.storage_index]
-            per_file[loc.file].append((req, loc))
-        jobs = [(f, sorted(reqs, key=lambda r: r[1].offset)) for f, reqs in per_file.items()]
-        if self.thread_count == 1 or len(jobs) <= 1:
-            for job in jobs:
-                self._read_file(*job, planner)
-        else:
-            workers = min(self.thread_count, len(jobs))
-            with ThreadPoolExecutor(workers, thread_name_prefix="dcp-ml-read") as pool:
-                for f in [pool.submit(self._read_file, *job, planner) for job in jobs]:
-                    f.result()
+        self.last_load_sources = {}
+        self._trail.items.clear()
+        pending = list(enumerate(plan.items))
+        for ci in range(self._base, len(self._copies)):
+            if not pending:
+                break
+            copy = self._copies[ci]
+            after = self._copies[ci + 1].url if ci + 1 < len(self._copies) else None
+            unusable = self._unusable(copy) if ci > self._base else None
+            if unusable is not None:
+                self._trail.unusable(copy.url, unusable, [i for i, _ in pending], after)
+                continue
+            served, failures = self._read_from(copy, pending, planner)
+            if served:
+                self.last_load_sources[copy.url] = served
+            self._trail.failed(copy.url, failures, after)
+            pending = [(f.index, f.req) for f in failures]
+        if pending:
+            raise self._trail.unreadable(pending)
+        if len(self.last_load_sources) > 1:
+            logger.info(
+                "dcp_multilevel: loaded %d item(s) of %s: %s",
+                len(plan.items),
+                self._copies[0].url,
+                ", ".join(f"{n} from {url}" for url, n in self.last_load_sources.items()),
+            )
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -167,168 +284,110 @@ class MultiLevelReader(StorageReader):
             return False
         return tier.exists(MANIFEST_NAME)
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ copies
+
+    def _manifest(self) -> Manifest:
+        assert self._base is not None
+        return self._copies[self._base].manifest()
+
+    def _unusable(self, copy: CheckpointCopy) -> Exception | None:
+        """Why fallback ``copy`` cannot serve items of this load, or None if it can."""
+        try:
+            manifest = copy.manifest()
+        except (DcpMultilevelError, OSError) as e:
+            return e
+        assert self._base is not None
+        in_use = self._copies[self._base]
+        diff = metadata_difference(self._manifest().metadata, manifest.metadata)
+        if diff is None:
+            return None
+        return ManifestError(
+            f"the copy at {copy.url} holds another checkpoint than the copy in use "
+            f"({in_use.url}) and is not used: their DCP metadata differ ({diff}). Check "
+            "that the fallbacks name copies of the same checkpoint (same step).",
+            checkpoint=copy.url,
+        )
+
+    # ------------------------------------------------------------------ reading
+
+    def _read_from(
+        self, copy: CheckpointCopy, items: list[tuple[int, ReadItem]], planner: LoadPlanner
+    ) -> tuple[int, list[Failure]]:
+        """Read ``items`` from ``copy``, per file in offset order; (served, failures)."""
+        locations = copy.manifest().locations
+        per_file: dict[str, list[tuple[int, ReadItem, ItemLocation]]] = defaultdict(list)
+        failures: list[Failure] = []
+        for i, req in items:
+            loc = locations.get(req.storage_index)
+            if loc is None:  # unreachable: every copy's metadata was compared
+                err = ManifestError(
+                    f"{copy.url} stores no item {item_name(req)}", checkpoint=copy.url
+                )
+                failures.append(Failure(i, req, MANIFEST_NAME, err, whole_file=False))
+                continue
+            per_file[loc.file].append((i, req, loc))
+        jobs = [(f, sorted(reqs, key=lambda r: r[2].offset)) for f, reqs in per_file.items()]
+        if self.thread_count == 1 or len(jobs) <= 1:
+            results = [self._read_file(copy, *job, planner) for job in jobs]
+        else:
+            workers = min(self.thread_count, len(jobs))
+            with ThreadPoolExecutor(workers, thread_name_prefix="dcp-ml-read") as pool:
+                futures = [pool.submit(self._read_file, copy, *job, planner) for job in jobs]
+                results = [f.result() for f in futures]
+        for _, job_failures in results:
+            failures.extend(job_failures)
+        failures.sort(key=lambda f: f.index)
+        return sum(served for served, _ in results), failures
 
     def _read_file(
-        self, file: str, reqs: list[tuple[ReadItem, ItemLocation]], planner: LoadPlanner
-    ) -> None:
-        assert self._manifest is not None
-        expected = self._manifest.files[file]
+        self,
+        copy: CheckpointCopy,
+        file: str,
+        reqs: list[tuple[int, ReadItem, ItemLocation]],
+        planner: LoadPlanner,
+    ) -> tuple[int, list[Failure]]:
+        """Read ``reqs`` (sorted by offset) from one data file; (served, failures)."""
+        served = 0
+        failures: list[Failure] = []
         with ExitStack() as stack:
             try:
-                handle = stack.enter_context(self.tier.open_read(file))
-            except FileNotFoundError:
-                fqn = reqs[0][0].storage_index.fqn
-                raise TruncatedDataError(
-                    f"data file {file!r} of checkpoint {self.tier.url} is missing "
-                    f"(needed for {fqn!r}); the checkpoint is damaged",
-                    checkpoint=self.tier.url,
-                    file=file,
-                    fqn=fqn,
-                ) from None
-            if handle.size != expected:
-                raise TruncatedDataError(
-                    f"data file {file!r} of checkpoint {self.tier.url} is {handle.size} bytes, "
-                    f"the manifest says {expected}; the checkpoint is damaged",
-                    checkpoint=self.tier.url,
-                    file=file,
-                )
-            for req, loc in reqs:
-                if req.type == LoadItemType.BYTE_IO:
-                    self._read_bytes_item(handle, file, req, loc, planner)
-                else:
-                    self._read_tensor_item(handle, file, req, loc, planner)
+                handle = stack.enter_context(copy.open_file(file, reqs[0][1].storage_index.fqn))
+            except _COPY_ERRORS as e:
+                return 0, [Failure(i, req, file, e, whole_file=True) for i, req, _ in reqs]
+            for n, (i, req, loc) in enumerate(reqs):
+                # Outside the try: a destination of the wrong shape is wrong for
+                # every copy, and so is an object refused by weights_only loading.
+                out, commit = self._destination(copy, req, loc, planner)
+                try:
+                    copy.fill(
+                        handle, req.storage_index.fqn, loc, out,
+                        pool=self._codec_pool(), window=2 * self.thread_count,
+                    )  # fmt: skip
+                except _COPY_ERRORS as e:
+                    if isinstance(e, (CorruptCheckpointError, ManifestError)):
+                        failures.append(Failure(i, req, file, e, whole_file=False))
+                        continue
+                    # An I/O error (EIO, a remote that stays down): do not wait out
+                    # the retries of every further item of this file on this copy.
+                    failures += [Failure(j, r, file, e, whole_file=True) for j, r, _ in reqs[n:]]
+                    break
+                commit()
+                served += 1
+        return served, failures
 
-    def _fill(
-        self, handle: ReadHandle, file: str, fqn: str, loc: ItemLocation, out: memoryview
-    ) -> None:
-        """Put the decoded bytes of ``loc`` (``loc.raw_length`` of them) into ``out``."""
-        if loc.transforms:
-            self._fill_coded(handle, file, fqn, loc, out)
-        else:
-            self._fill_raw(handle, file, fqn, loc, out)
-
-    def _fill_raw(
-        self, handle: ReadHandle, file: str, fqn: str, loc: ItemLocation, out: memoryview
-    ) -> None:
-        """Read ``loc`` into ``out`` piece by piece, verifying the checksum."""
-        hasher = Hasher()
-        pos = loc.offset
-        for piece in pieces(out):
-            n = handle.read_into(pos, piece)
-            if n != len(piece):
-                raise TruncatedDataError(
-                    f"data file {file!r} of checkpoint {self.tier.url} ended at byte {pos + n} "
-                    f"inside item {fqn!r} (bytes {loc.offset}..{loc.offset + loc.length})",
-                    checkpoint=self.tier.url,
-                    file=file,
-                    fqn=fqn,
-                )
-            hasher.update(piece)
-            pos += n
-        self._verify(hasher, file, fqn, loc)
-
-    def _fill_coded(
-        self, handle: ReadHandle, file: str, fqn: str, loc: ItemLocation, out: memoryview
-    ) -> None:
-        """Stream the framed item through its codec into ``out`` (bounded memory)."""
-        if len(loc.transforms) != 1:
-            raise ManifestError(
-                f"item {fqn!r} in {file!r} of checkpoint {self.tier.url} has transforms "
-                f"{list(loc.transforms)}; dcp_multilevel applies exactly one codec per item",
-                checkpoint=self.tier.url,
-            )
-        try:
-            codec = codec_from_descriptor(loc.transforms[0])
-        except RegistryError as e:
-            raise ManifestError(
-                f"item {fqn!r} in {file!r} of checkpoint {self.tier.url} needs codec "
-                f"{loc.transforms[0]!r}: {e}",
-                checkpoint=self.tier.url,
-            ) from None
-        hasher = Hasher()
-        pos, end = loc.offset, loc.offset + loc.length
-
-        def read(n: int) -> memoryview:
-            nonlocal pos
-            if pos + n > end:
-                raise chunk_error(-2, f"frames run past the item's {loc.length} stored bytes")
-            buf = memoryview(bytearray(n))
-            if handle.read_into(pos, buf) != n:
-                raise TruncatedDataError(
-                    f"data file {file!r} of checkpoint {self.tier.url} ended inside item {fqn!r}",
-                    checkpoint=self.tier.url,
-                    file=file,
-                    fqn=fqn,
-                )
-            hasher.update(buf)
-            pos += n
-            return buf
-
-        def chunk_error(index: int, why: str) -> CorruptCheckpointError:
-            where = "framing" if index < 0 else f"chunk {index}"
-            return CorruptCheckpointError(
-                f"compressed item {fqn!r} in {file!r} of checkpoint {self.tier.url} is "
-                f"corrupt: {where}: {why}. Load from another copy.",
-                checkpoint=self.tier.url,
-                file=file,
-                fqn=fqn,
-            )
-
-        decode_frames(
-            read, out, codec, pool=self._codec_pool(), window=2 * self.thread_count,
-            on_chunk_error=chunk_error,
-        )  # fmt: skip
-        if pos != end:
-            raise chunk_error(-2, f"{end - pos} stored bytes follow the last frame")
-        self._verify(hasher, file, fqn, loc)
-
-    def _codec_pool(self) -> ThreadPoolExecutor | None:
-        if self.thread_count == 1:
-            return None
-        if self._decode_pool is None:
-            self._decode_pool = ThreadPoolExecutor(
-                self.thread_count, thread_name_prefix="dcp-ml-decode"
-            )
-        return self._decode_pool
-
-    def _verify(self, hasher: Hasher, file: str, fqn: str, loc: ItemLocation) -> None:
-        actual = hasher.hexdigest()
-        if actual != loc.checksum:
-            raise ChecksumMismatchError(
-                f"checksum mismatch for item {fqn!r} in {file!r} of checkpoint "
-                f"{self.tier.url} (bytes {loc.offset}..{loc.offset + loc.length}): "
-                f"stored {loc.checksum}, read {actual}. The data is corrupt; load from "
-                "another copy.",
-                checkpoint=self.tier.url,
-                file=file,
-                fqn=fqn,
-            )
-
-    def _read_bytes_item(
-        self,
-        handle: ReadHandle,
-        file: str,
-        req: ReadItem,
-        loc: ItemLocation,
-        planner: LoadPlanner,
-    ) -> None:
+    def _destination(
+        self, copy: CheckpointCopy, req: ReadItem, loc: ItemLocation, planner: LoadPlanner
+    ) -> tuple[memoryview, Callable[[], None]]:
+        """Where to read ``req``'s bytes, and how to hand them to DCP once verified."""
         fqn = req.storage_index.fqn
-        buf = bytearray(loc.length)
-        self._fill(handle, file, fqn, loc, memoryview(buf))
-        planner.load_bytes(req, _vetted_bytes(bytes(buf), fqn, self.tier.url))
+        if req.type == LoadItemType.BYTE_IO:
+            buf = bytearray(loc.raw_length)
 
-    def _read_tensor_item(
-        self,
-        handle: ReadHandle,
-        file: str,
-        req: ReadItem,
-        loc: ItemLocation,
-        planner: LoadPlanner,
-    ) -> None:
-        assert self._manifest is not None
-        fqn = req.storage_index.fqn
-        md = self._manifest.metadata.state_dict_metadata[fqn]
+            def commit_bytes() -> None:
+                planner.load_bytes(req, _vetted_bytes(bytes(buf), fqn, copy.url))
+
+            return memoryview(buf), commit_bytes
+        md = copy.manifest().metadata.state_dict_metadata[fqn]
         assert not isinstance(md, BytesStorageMetadata)  # the manifest decoder checked
         dtype = md.properties.dtype
         chunk_sizes = _chunk_sizes(md, req.storage_index)
@@ -341,24 +400,37 @@ class MultiLevelReader(StorageReader):
             and target.is_contiguous()
             and tuple(target.shape) == chunk_sizes
         ):
-            # Fast path: the destination's memory is the read buffer (no copy).
-            self._fill(handle, file, fqn, loc, byte_view(target))
-        else:
-            scratch = torch.empty(loc.raw_length, dtype=torch.uint8)
-            self._fill(handle, file, fqn, loc, byte_view(scratch))
+            # Fast path: the destination's memory is the read buffer (no copy). It
+            # holds unverified bytes until fill() returns; a failed item is read
+            # again (from another copy) or the load fails, so none is committed.
+            return byte_view(target), lambda: planner.commit_tensor(req, target)
+        if tuple(target.shape) != tuple(req.lengths):
+            raise ManifestError(
+                f"item {fqn!r}: destination has shape {tuple(target.shape)} but the "
+                f"checkpoint region has {tuple(req.lengths)}",
+                checkpoint=copy.url,
+            )
+        scratch = torch.empty(loc.raw_length, dtype=torch.uint8)
+
+        def commit_tensor() -> None:
             src = scratch.view(dtype).reshape(chunk_sizes)
             for dim, (start, length) in enumerate(
                 zip(req.storage_offsets, req.lengths, strict=True)
             ):
                 src = src.narrow(dim, start, length)
-            if tuple(target.shape) != tuple(src.shape):
-                raise ManifestError(
-                    f"item {fqn!r}: destination has shape {tuple(target.shape)} but the "
-                    f"checkpoint region has {tuple(src.shape)}",
-                    checkpoint=self.tier.url,
-                )
             target.copy_(src)
-        planner.commit_tensor(req, target)
+            planner.commit_tensor(req, target)
+
+        return byte_view(scratch), commit_tensor
+
+    def _codec_pool(self) -> ThreadPoolExecutor | None:
+        if self.thread_count == 1:
+            return None
+        if self._decode_pool is None:
+            self._decode_pool = ThreadPoolExecutor(
+                self.thread_count, thread_name_prefix="dcp-ml-decode"
+            )
+        return self._decode_pool
 
 
 def _chunk_sizes(md: Any, index: MetadataIndex) -> tuple[int, ...]:
