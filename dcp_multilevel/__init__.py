@@ -10,7 +10,7 @@ Use with DCP as usual::
 """
 
 from ._version import __version__
-from .config import Compression
+from .config import Compression, Tier
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -18,6 +18,7 @@ from .errors import (
     ConfigError,
     CorruptCheckpointError,
     DcpMultilevelError,
+    DrainError,
     ManifestError,
     PlanningError,
     RegistryError,
@@ -27,6 +28,7 @@ from .errors import (
     UnsupportedFormatVersionError,
     UnsupportedStateError,
 )
+from .manager import CheckpointManager, SaveMetrics
 from .planner import BalancedSavePlanner
 from .planning import CostModel
 from .reader import MultiLevelReader
@@ -35,6 +37,7 @@ from .writer import MultiLevelWriter
 __all__ = [
     "BalancedSavePlanner",
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "Compression",
@@ -42,12 +45,15 @@ __all__ = [
     "CorruptCheckpointError",
     "CostModel",
     "DcpMultilevelError",
+    "DrainError",
     "ManifestError",
     "MultiLevelReader",
     "MultiLevelWriter",
     "PlanningError",
     "RegistryError",
     "RemoteTierError",
+    "SaveMetrics",
+    "Tier",
     "TruncatedDataError",
     "UnsafeObjectError",
     "UnsupportedFormatVersionError",

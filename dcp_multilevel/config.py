@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["Compression", "Location", "parse_location"]
+__all__ = ["Compression", "Location", "Tier", "parse_location"]
 
 #: Short names for the built-in codecs (their registry names are namespaced).
 CODEC_ALIASES = {"zstd": "dcp_multilevel.zstd", "bytegroup": "dcp_multilevel.bytegroup"}
@@ -93,3 +94,46 @@ def parse_location(where: str | os.PathLike[str]) -> Location:
             raise ConfigError(f"file URL {text!r} names no path")
         return Location("file", rest, text)
     return Location(scheme, text, text)
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One storage level of a :class:`~dcp_multilevel.manager.CheckpointManager`.
+
+    Attributes:
+        url: root of this level (``/nvme/run1``, ``file:///...``, ``s3://bucket/run1``);
+            checkpoints live in ``<url>/step-<step>/``.
+        every: keep every ``every``-th save on this level (the first level must
+            take every save: ``save`` returns once it is committed there).
+        keep: how many complete checkpoints to retain here (``None``: all).
+        codec: compression on this level (``None``, ``"bytegroup"``, ``"zstd"``,
+            or :class:`Compression`). Local disk is usually faster than
+            compression; remote storage is not.
+        storage_options: options for the level's tier backend / fsspec.
+    """
+
+    url: str
+    every: int = 1
+    keep: int | None = None
+    codec: Compression | str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        parse_location(self.url)
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ConfigError(
+                f"Tier({self.url!r}).every must be an integer >= 1, got {self.every!r}"
+            )
+        if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
+            raise ConfigError(
+                f"Tier({self.url!r}).keep must be None or an integer >= 1 (the newest complete "
+                f"checkpoint is never deleted), got {self.keep!r}"
+            )
+        Compression.of(self.codec)
+
+    def due(self, step: int) -> bool:
+        """Whether the save at ``step`` goes to this level."""
+        return step % self.every == 0
+
+    def checkpoint_url(self, step: int) -> str:
+        return f"{self.url.rstrip('/')}/step-{step}"

@@ -24,6 +24,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "DcpMultilevelError",
+    "DrainError",
     "ManifestError",
     "PlanningError",
     "RegistryError",
@@ -130,3 +131,7 @@ class UnsupportedStateError(DcpMultilevelError, TypeError):
 
 class UnsafeObjectError(DcpMultilevelError, ValueError):
     """A non-tensor object in a checkpoint is refused by ``weights_only=True`` loading."""
+
+
+class DrainError(DcpMultilevelError, RuntimeError):
+    """Copying a committed checkpoint to a higher tier failed; the source is untouched."""

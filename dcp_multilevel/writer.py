@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .codecs import codec_for, element_layout, encode_frames
+from .codecs import MIN_CODED_BYTES, codec_for, element_layout, encode_frames
 from .config import Compression
 from .errors import CheckpointExistsError, ConfigError, UnsupportedStateError
 from .format import (
@@ -52,10 +52,6 @@ from .tiers.local import TMP_MARKER
 __all__ = ["MultiLevelWriter"]
 
 logger = logging.getLogger(__name__)
-
-#: Items smaller than this are stored uncoded: framing (60 bytes) and a codec
-#: call cost more than compressing a few biases can save.
-_MIN_CODED_BYTES = 4096
 
 
 class MultiLevelWriter(StorageWriter):
@@ -105,6 +101,8 @@ class MultiLevelWriter(StorageWriter):
         self._set_path(path)
         self.rank = 0
         self.is_coordinator = True
+        #: Bytes this rank stored in its last write_data (for metrics).
+        self.bytes_written = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -167,6 +165,7 @@ class MultiLevelWriter(StorageWriter):
             with ThreadPoolExecutor(len(jobs), thread_name_prefix="dcp-ml-write") as pool:
                 futures = [pool.submit(self._write_file, *job, planner, lock) for job in jobs]
                 results = [r for f in futures for r in f.result()]
+        self.bytes_written = sum(r.size_in_bytes for r in results)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -243,7 +242,7 @@ class MultiLevelWriter(StorageWriter):
 
     def _encode(self, view: memoryview, dtype: torch.dtype):
         """``(transforms, pieces to store)`` for one tensor's bytes."""
-        if self._codec is None or self.compression is None or len(view) < _MIN_CODED_BYTES:
+        if self._codec is None or self.compression is None or len(view) < MIN_CODED_BYTES:
             return (), pieces(view)
         c = self.compression
         if self._codec_pool is None and c.threads > 1:

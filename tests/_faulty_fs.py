@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,7 @@ class FaultyFileSystem(AbstractFileSystem):
         error: builds the exception to raise from a message (default ConnectionError).
         truncate_puts: how many of the first ``put_file``/``pipe_file`` calls
             store the data one byte short (as a broken proxy would), reporting success.
+        delay: operation -> seconds each call sleeps first (a slow link).
     """
 
     protocol = ("faulty",)
@@ -57,6 +59,7 @@ class FaultyFileSystem(AbstractFileSystem):
         seed: int = 0,
         error: Callable[[str], BaseException] = ConnectionError,
         truncate_puts: int = 0,
+        delay: dict[str, float] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -70,6 +73,7 @@ class FaultyFileSystem(AbstractFileSystem):
         self.fail_rate = dict(fail_rate or {})
         self.error = error
         self.truncate_puts = truncate_puts
+        self.delay = dict(delay or {})
         self.calls: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()
         self._rng = random.Random(seed)
@@ -77,6 +81,8 @@ class FaultyFileSystem(AbstractFileSystem):
 
     def _fault(self, op: str, path: Any) -> None:
         """Count a call of ``op``; raise the configured error if it is chosen to fail."""
+        if self.delay.get(op):
+            time.sleep(self.delay[op])
         with self._lock:
             self.calls[op] += 1
             n = self.calls[op]

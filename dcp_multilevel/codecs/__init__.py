@@ -22,11 +22,13 @@ from .pipeline import decode_frames, encode_frames
 
 __all__ = [
     "CODECS",
+    "MIN_CODED_BYTES",
     "Codec",
     "Compression",
     "codec_for",
     "codec_from_descriptor",
     "compress_tensor",
+    "decode_buffer",
     "decode_frames",
     "decompress_tensor",
     "element_layout",
@@ -68,27 +70,39 @@ def compress_tensor(t: torch.Tensor, compression: Compression) -> bytes:
         )  # fmt: skip
 
 
+#: Items smaller than this are stored uncoded: framing (60 bytes) and a codec call
+#: cost more than compressing a few biases can save.
+MIN_CODED_BYTES = 4096
+
+
+def decode_buffer(
+    data: memoryview, out: memoryview, codec: Codec, on_chunk_error, pool=None, window: int = 4
+) -> None:
+    """Decode one framed item held in memory into ``out`` (exactly ``len(data)`` consumed)."""
+    pos = 0
+
+    def read(n: int) -> memoryview:
+        nonlocal pos
+        if pos + n > len(data):
+            raise on_chunk_error(-2, f"frames run past the item's {len(data)} stored bytes")
+        pos += n
+        return data[pos - n : pos]
+
+    decode_frames(read, out, codec, pool=pool, window=window, on_chunk_error=on_chunk_error)
+    if pos != len(data):
+        raise on_chunk_error(-2, f"{len(data) - pos} stored bytes follow the last frame")
+
+
 def decompress_tensor(
     data: bytes, like: torch.Tensor, *, codec: str = "bytegroup", threads: int = 2
 ) -> torch.Tensor:
     """Decode :func:`compress_tensor` output into a new tensor shaped like ``like``."""
     out = torch.empty_like(like, memory_format=torch.contiguous_format)
-    view = memoryview(data)
-    pos = 0
-
-    def read(n: int) -> memoryview:
-        nonlocal pos
-        chunk = view[pos : pos + n]
-        if len(chunk) != n:
-            raise ValueError("compressed data ends early")
-        pos += n
-        return chunk
 
     def error(index: int, why: str) -> Exception:
         return ValueError(f"chunk {index}: {why}")
 
     inst = codec_for(Compression(codec=codec))
     with ThreadPoolExecutor(threads) as pool:
-        decode_frames(read, byte_view(out), inst, pool=pool, window=2 * threads,
-                      on_chunk_error=error)  # fmt: skip
+        decode_buffer(memoryview(data), byte_view(out), inst, error, pool, 2 * threads)
     return out

@@ -29,7 +29,8 @@ def tier_for(where: str | os.PathLike[str], **options: Any) -> TierBackend:
     protocol fsspec knows (``hf://``, ``oci://``, ...) goes to the remote tier.
     """
     loc = parse_location(where)
-    if loc.scheme not in TIER_BACKENDS.names() and loc.scheme in fsspec.available_protocols():
+    fsspec_knows = loc.scheme in fsspec.available_protocols() or loc.scheme in fsspec.registry
+    if loc.scheme not in TIER_BACKENDS.names() and fsspec_knows:
         return RemoteTier(loc.url, **options)
     backend = TIER_BACKENDS.get(loc.scheme)
     return backend(loc.path if loc.scheme == "file" else loc.url, **options)

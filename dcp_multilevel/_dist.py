@@ -1,0 +1,68 @@
+"""The only module that touches torch.distributed.
+
+Collectives here run on the caller's (main) thread only. Background threads
+coordinate through the c10d store (``store_set`` / ``store_wait_get``), never
+through the trainer's process group: a collective issued from a background
+thread can interleave with the trainer's own and deadlock.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = [
+    "all_gather_object",
+    "barrier",
+    "is_active",
+    "rank",
+    "store_set",
+    "store_wait_get",
+    "world_size",
+]
+
+
+def is_active() -> bool:
+    """True when a default process group is initialized."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_active() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_active() else 1
+
+
+def barrier() -> None:
+    if is_active():
+        dist.barrier()
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (main thread only)."""
+    if not is_active():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
+def store_set(key: str, value: Any) -> None:
+    """Publish a JSON value under ``key`` (safe from any thread)."""
+    _store().set(key, json.dumps(value))
+
+
+def store_wait_get(keys: list[str], timeout_s: float) -> list[Any]:
+    """Wait until every key is set, then return their JSON values (any thread)."""
+    store = _store()
+    store.wait(keys, timedelta(seconds=timeout_s))
+    return [json.loads(store.get(k)) for k in keys]

@@ -1,0 +1,346 @@
+"""Background drain of committed checkpoints from the first tier to higher tiers.
+
+A drain copies one committed checkpoint (``<tier0>/step-N``) to a higher tier
+(``<tierK>/step-N``), re-encoding items when the tiers use different codecs.
+
+Call order (driven by :class:`~dcp_multilevel.manager.CheckpointManager`)::
+
+    every rank, main thread   Drainer.submit(job)         # after the L1 commit
+    every rank, background    copy this rank's data files (data/<rank>-*),
+                              verifying every item's checksum on the way
+    rank != 0, background     publish its new item locations in the c10d store
+    rank 0, background        wait for every rank's locations, then write the
+                              target manifest last (the commit on that tier),
+                              and publish the outcome; the other ranks' drains
+                              end only then, so wait() means "committed" everywhere
+    any thread                Drainer.wait()              # raises DrainError
+
+One worker per target tier: at most one drain per tier is in flight. When a
+save asks for a drain while one is running on that tier, ``policy`` decides:
+``"skip"`` (default: this step is not copied there, and the result says so)
+or ``"wait"`` (the caller blocks until the running drain ends). Background
+threads never use the trainer's process group (see ``_dist.py``).
+
+Limitation: each rank reads the source manifest from its own view of the first
+tier, so the first tier must be visible to all ranks (a shared or single-node
+file system) until partner/erasure tiers make node-local copies restorable.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+from . import _dist
+from .codecs import (
+    MIN_CODED_BYTES,
+    Codec,
+    codec_for,
+    codec_from_descriptor,
+    decode_buffer,
+    element_layout,
+    encode_frames,
+)
+from .config import Compression, Tier
+from .errors import ChecksumMismatchError, CorruptCheckpointError, DrainError
+from .format import (
+    MANIFEST_NAME,
+    Hasher,
+    ItemLocation,
+    checksum_of,
+    data_file_path,
+    decode_manifest,
+    encode_manifest,
+)
+from .tiers import TierBackend, tier_for
+
+__all__ = ["DrainJob", "DrainResult", "Drainer", "drain"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DrainJob:
+    """Copy ``step`` from ``source`` (a checkpoint URL) to ``target`` (a tier)."""
+
+    step: int
+    source: str
+    source_options: dict[str, Any]
+    target: Tier
+    tier_index: int
+    drain_id: str  # identical on every rank for the same drain
+    committed_unix: float  # when the source checkpoint was committed
+
+
+@dataclass
+class DrainResult:
+    """What one drain did on this rank (metrics; the coordinator's says whether it committed)."""
+
+    step: int
+    tier: str
+    bytes_stored: int = 0
+    seconds: float = 0.0
+    lag_seconds: float = 0.0  # source commit -> target commit (coordinator)
+    committed: bool = False
+    skipped: bool = False
+    error: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class Drainer:
+    """Runs drains in the background, one worker per target tier."""
+
+    def __init__(self, *, policy: str = "skip", timeout_s: float = 3600.0) -> None:
+        if policy not in ("skip", "wait"):
+            raise ValueError(f"drain policy must be 'skip' or 'wait', got {policy!r}")
+        self.policy = policy
+        self.timeout_s = timeout_s
+        self._workers: dict[int, ThreadPoolExecutor] = {}
+        # tier index -> (source step, future) of the drain running there
+        self._inflight: dict[int, tuple[int, Future[DrainResult]]] = {}
+        self._lock = threading.Lock()
+        self.results: list[DrainResult] = []
+        self._unreported: list[DrainResult] = []
+
+    def submit(self, job: DrainJob) -> Future[DrainResult] | None:
+        """Start ``job`` in the background; None when skipped by the policy."""
+        with self._lock:
+            _, running = self._inflight.get(job.tier_index, (None, None))
+        if running is not None and not running.done():
+            if self.policy == "skip":
+                result = DrainResult(job.step, job.target.url, skipped=True)
+                logger.warning(
+                    "dcp_multilevel: step %d not copied to %s: the drain of an earlier step "
+                    "is still running (policy 'skip')", job.step, job.target.url,
+                )  # fmt: skip
+                self._record(result)
+                return None
+            running.result()  # policy "wait"; its errors are reported by wait()
+        worker = self._workers.get(job.tier_index)
+        if worker is None:
+            worker = self._workers[job.tier_index] = ThreadPoolExecutor(
+                1, thread_name_prefix=f"dcp-ml-drain-{job.tier_index}"
+            )
+        future = worker.submit(self._run, job)
+        with self._lock:
+            self._inflight[job.tier_index] = (job.step, future)
+        return future
+
+    def inflight_steps(self) -> set[int]:
+        """Source steps being drained right now (retention must not delete them)."""
+        with self._lock:
+            return {step for step, f in self._inflight.values() if not f.done()}
+
+    def wait(self) -> list[DrainResult]:
+        """Block until every drain ended; raise DrainError for any that failed since last time."""
+        with self._lock:
+            futures = [f for _, f in self._inflight.values()]
+        for f in futures:
+            f.result()
+        with self._lock:
+            failed = [r for r in self._unreported if r.error]
+            self._unreported.clear()
+        if failed:
+            raise DrainError(
+                "; ".join(f"step {r.step} to {r.tier}: {r.error}" for r in failed)
+                + ". The first tier still holds these checkpoints."
+            )
+        return list(self.results)
+
+    def close(self) -> None:
+        for worker in self._workers.values():
+            worker.shutdown(wait=True)
+
+    def _run(self, job: DrainJob) -> DrainResult:
+        t0 = time.perf_counter()
+        try:
+            result = drain(job, timeout_s=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - every failure must reach wait() and metrics
+            result = DrainResult(job.step, job.target.url, error=f"{type(e).__name__}: {e}")
+            logger.error("dcp_multilevel: drain of step %d to %s failed: %s",
+                         job.step, job.target.url, result.error)  # fmt: skip
+        result.seconds = time.perf_counter() - t0
+        self._record(result)
+        return result
+
+    def _record(self, result: DrainResult) -> None:
+        with self._lock:
+            self.results.append(result)
+            self._unreported.append(result)
+
+
+def _key(job: DrainJob, rank: int | str) -> str:
+    return f"dcp_multilevel/drain/{job.drain_id}/{rank}"
+
+
+def _publish(job: DrainJob, value: Any) -> None:
+    _dist.store_set(_key(job, _dist.rank()), value)
+
+
+def drain(job: DrainJob, *, timeout_s: float) -> DrainResult:
+    """Copy this rank's share of ``job``; on rank 0 also commit the target manifest.
+
+    Every failure is published in the store (a rank's own key, or rank 0's
+    commit key), so no rank waits out the timeout for a peer that already failed.
+    """
+    rank, world = _dist.rank(), _dist.world_size()
+    try:
+        manifest, target, locations, files = _copy_share(job, rank)
+        result = DrainResult(job.step, job.target.url, bytes_stored=sum(files.values()))
+        if rank == 0:
+            _commit(job, manifest, target, locations, files, result, timeout_s)
+        else:
+            _publish(job, {"locations": _locations_to_json(locations), "files": files})
+            # Done only once rank 0 committed: wait() then means "on the tier" everywhere.
+            (outcome,) = _dist.store_wait_get([_key(job, "commit")], timeout_s)
+            if "error" in outcome:
+                raise DrainError(f"rank 0 could not commit: {outcome['error']}")
+            result.committed = True
+    except Exception as e:
+        if world > 1:
+            key = _key(job, "commit" if rank == 0 else rank)
+            _dist.store_set(key, {"error": f"{type(e).__name__}: {e}"})
+        raise
+    if world > 1 and rank == 0:
+        _dist.store_set(_key(job, "commit"), {"ok": True})
+    return result
+
+
+def _copy_share(job: DrainJob, rank: int):
+    """Copy (and re-encode) the data files ``rank`` wrote; return their new locations."""
+    source = tier_for(job.source, **job.source_options)
+    manifest = decode_manifest(source.read_bytes(MANIFEST_NAME), checkpoint=source.url)
+    target = tier_for(job.target.checkpoint_url(job.step), **job.target.storage_options)
+    compression = Compression.of(job.target.codec)
+    codec = codec_for(compression) if compression else None
+    dtypes = {
+        fqn: None if isinstance(md, BytesStorageMetadata) else md.properties.dtype
+        for fqn, md in manifest.metadata.state_dict_metadata.items()
+    }
+
+    by_file: dict[str, list[tuple[MetadataIndex, ItemLocation]]] = defaultdict(list)
+    for index, loc in manifest.locations.items():
+        if loc.file.split("/")[1].startswith(f"{rank}-"):
+            by_file[loc.file].append((index, loc))
+    token = uuid.uuid4().hex[:16]
+    locations: dict[MetadataIndex, ItemLocation] = {}
+    files: dict[str, int] = {}
+    for n, (file, items) in enumerate(sorted(by_file.items())):
+        out_path = data_file_path(rank, n, token)
+        with source.open_read(file) as src, target.open_write(out_path) as dst:
+            for index, loc in sorted(items, key=lambda e: e[1].offset):
+                start = dst.tell()
+                hasher = Hasher()
+                parts, transforms = _transcode(
+                    src, source, file, index.fqn, loc, dtypes[index.fqn], codec, compression
+                )
+                for part in parts:
+                    hasher.update(part)
+                    dst.write(part)
+                locations[index] = ItemLocation(
+                    out_path, start, dst.tell() - start, loc.raw_length, hasher.hexdigest(),
+                    transforms,
+                )  # fmt: skip
+            files[out_path] = dst.tell()
+    return manifest, target, locations, files
+
+
+def _commit(job, manifest, target, locations, files, result, timeout_s) -> None:
+    """Rank 0: merge every rank's locations and write the target manifest last."""
+    world = _dist.world_size()
+    if world > 1:
+        others = _dist.store_wait_get([_key(job, r) for r in range(1, world)], timeout_s)
+        for r, value in enumerate(others, start=1):
+            if "error" in value:
+                raise DrainError(f"rank {r} failed: {value['error']}")
+            locations.update(_locations_from_json(value["locations"]))
+            files.update(value["files"])
+    missing = set(manifest.locations) - set(locations)
+    if missing:
+        raise DrainError(
+            f"{len(missing)} items were copied by no rank (e.g. {next(iter(missing))})"
+        )
+    doc = encode_manifest(
+        manifest.metadata, locations, files, save_id=manifest.save_id,
+        world_size=manifest.world_size, created_unix=time.time(),
+    )  # fmt: skip
+    target.write_atomic(MANIFEST_NAME, doc)  # the commit on this tier
+    result.committed = True
+    result.bytes_stored = sum(files.values())
+    result.lag_seconds = time.time() - job.committed_unix
+    logger.info("dcp_multilevel: step %d committed on %s (%d bytes, lag %.2f s)",
+                job.step, job.target.url, result.bytes_stored, result.lag_seconds)  # fmt: skip
+
+
+def _transcode(
+    src,
+    source: TierBackend,
+    file: str,
+    fqn: str,
+    loc: ItemLocation,
+    dtype,
+    codec: Codec | None,
+    compression: Compression | None,
+) -> tuple[list[Any], tuple[str, ...]]:
+    """Verified stored bytes of one item, re-encoded for the target tier's codec."""
+    stored = memoryview(bytearray(loc.length))
+    if src.read_into(loc.offset, stored) != loc.length or checksum_of(stored) != loc.checksum:
+        raise ChecksumMismatchError(
+            f"item {fqn!r} in {file!r} of {source.url} does not match its checksum; "
+            "not copying corrupt data",
+            checkpoint=source.url,
+            file=file,
+            fqn=fqn,
+        )
+    wanted = (codec.descriptor,) if codec is not None else ()
+    if loc.transforms == wanted:
+        return [stored], loc.transforms
+    raw = stored
+    if loc.transforms:
+        raw = memoryview(bytearray(loc.raw_length))
+
+        def error(index: int, why: str) -> Exception:
+            return CorruptCheckpointError(
+                f"item {fqn!r} in {file!r} of {source.url}: chunk {index}: {why}",
+                checkpoint=source.url, file=file, fqn=fqn,
+            )  # fmt: skip
+
+        decode_buffer(stored, raw, codec_from_descriptor(loc.transforms[0]), error)
+    if codec is None or compression is None or dtype is None or len(raw) < MIN_CODED_BYTES:
+        return [raw], ()
+    width, rotate = element_layout(dtype)
+    # One thread: a background drain must not take the trainer's cores.
+    frames = encode_frames(raw, codec, width=width, rotate=rotate,
+                           chunk_size=compression.chunk_size, pool=None, window=1)  # fmt: skip
+    return list(frames), wanted
+
+
+def _locations_to_json(locations: dict[MetadataIndex, ItemLocation]) -> list[dict[str, Any]]:
+    return [
+        {"fqn": i.fqn, "offsets": None if i.offset is None else list(i.offset), "file": loc.file,
+         "pos": loc.offset, "length": loc.length, "raw_length": loc.raw_length,
+         "checksum": loc.checksum, "transforms": list(loc.transforms)}
+        for i, loc in locations.items()
+    ]  # fmt: skip
+
+
+def _locations_from_json(items: list[dict[str, Any]]) -> dict[MetadataIndex, ItemLocation]:
+    return {
+        MetadataIndex(d["fqn"], d["offsets"]): ItemLocation(
+            d["file"],
+            d["pos"],
+            d["length"],
+            d["raw_length"],
+            d["checksum"],
+            tuple(d["transforms"]),
+        )
+        for d in items
+    }

@@ -1,0 +1,38 @@
+"""Child process for the drain crash test: commits step 1 remotely, then stalls
+inside the slow upload of step 2 (the parent SIGKILLs it there).
+
+Usage: python _drain_child.py L1_DIR REMOTE_DIR MARKER
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import _faulty_fs  # noqa: F401 - registers faulty://
+from test_manager import state
+
+from dcp_multilevel import CheckpointManager, Tier
+
+
+def main() -> None:
+    l1, remote_dir, marker = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
+    fast = Tier(
+        f"faulty://{remote_dir}/run",
+        storage_options={"target_protocol": "file", "target_options": {"auto_mkdir": True}},
+    )
+    mgr = CheckpointManager([Tier(l1), fast], drain_policy="wait")
+    mgr.save(state(1), step=1)
+    mgr.wait()
+    slow_options = {"target_protocol": "file", "target_options": {"auto_mkdir": True},
+                    "delay": {"put_file": 30.0},
+                    "skip_instance_cache": True}  # fmt: skip
+    slow = Tier(fast.url, storage_options=slow_options)
+    mgr = CheckpointManager([Tier(l1), slow], drain_policy="wait")
+    mgr.save(state(2), step=2)
+    marker.touch()
+    mgr.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""CheckpointManager: tiers, intervals, retention, drains, fallback, node loss, crashes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import _faulty_fs  # noqa: F401 - registers the faulty:// fsspec protocol
+import pytest
+import torch
+from _dist import run_ranks
+from conftest import assert_bit_equal
+
+from dcp_multilevel import (
+    CheckpointManager,
+    CheckpointNotFoundError,
+    ConfigError,
+    DrainError,
+    Tier,
+)
+
+HERE = Path(__file__).parent
+
+
+def state(v: int) -> dict:
+    g = torch.Generator().manual_seed(v)
+    return {
+        "w": torch.randn(256, 256, generator=g) * 0.02,
+        "b": torch.arange(1000) + v,
+        "meta": {"step": v},
+    }
+
+
+def blank() -> dict:
+    return {
+        "w": torch.zeros(256, 256),
+        "b": torch.zeros(1000, dtype=torch.long),
+        "meta": {"step": -1},
+    }
+
+
+def check(loaded: dict, v: int) -> None:
+    expected = state(v)
+    assert_bit_equal(loaded["w"], expected["w"], "w")
+    assert_bit_equal(loaded["b"], expected["b"], "b")
+    assert loaded["meta"] == {"step": v}
+
+
+def memory_url() -> str:
+    return f"memory://dcp-ml-{uuid.uuid4().hex[:8]}/run"
+
+
+def test_first_tier_only_keeps_the_newest_and_loads_latest(tmp_path):
+    mgr = CheckpointManager([Tier(str(tmp_path / "l1"), keep=2)])
+    assert mgr.load_latest(blank()) is None  # fresh start
+    for s in range(1, 6):
+        m = mgr.save(state(s), step=s)
+        assert m.bytes_written > 256 * 256 * 4 and m.blocked_seconds > 0
+    assert mgr.steps(0) == [4, 5]
+    loaded = blank()
+    assert mgr.load_latest(loaded) == 5
+    check(loaded, 5)
+    mgr.close()
+
+
+def test_remote_every_second_save_survives_losing_the_node(tmp_path):
+    remote = memory_url()
+    tiers = [Tier(str(tmp_path / "l1"), keep=1), Tier(remote, every=2, codec="bytegroup")]
+    mgr = CheckpointManager(tiers, drain_policy="wait")
+    for s in range(1, 5):
+        m = mgr.save(state(s), step=s)
+        assert m.drains_started == ([remote] if s % 2 == 0 else [])
+    results = mgr.wait()
+    assert [r.step for r in results if r.committed] == [2, 4]
+    assert all(r.lag_seconds > 0 and r.bytes_stored > 0 for r in results if r.committed)
+    assert mgr.steps(1) == [2, 4]
+    assert mgr.steps(0) == [4]  # step 3 is not due remotely: retention may drop it
+    manifest = json.loads(mgr._backends[1].read_bytes("step-4/manifest.json"))
+    w = next(i for i in manifest["items"] if i["fqn"] == "w")
+    assert w["transforms"] == ["dcp_multilevel.bytegroup/1"] and w["length"] < w["raw_length"]
+    mgr.close()
+
+    shutil.rmtree(tmp_path / "l1")  # the node is replaced: its disk is empty
+    fresh = CheckpointManager(tiers)
+    loaded = blank()
+    assert fresh.load_latest(loaded) == 4
+    check(loaded, 4)
+    assert fresh.last_load_sources == {f"{remote}/step-4": 3}
+    fresh.close()
+
+
+def test_a_remote_only_manager(tmp_path):
+    mgr = CheckpointManager([Tier(memory_url(), codec="zstd")])
+    mgr.save(state(7), step=7)
+    loaded = blank()
+    assert mgr.load_latest(loaded) == 7
+    check(loaded, 7)
+    mgr.close()
+
+
+def test_corrupt_first_tier_falls_back_to_remote_and_says_so(tmp_path, caplog):
+    remote = memory_url()
+    mgr = CheckpointManager([Tier(str(tmp_path / "l1")), Tier(remote)], drain_policy="wait")
+    mgr.save(state(3), step=3)
+    mgr.wait()
+    manifest = json.loads((tmp_path / "l1" / "step-3" / "manifest.json").read_text())
+    w = next(i for i in manifest["items"] if i["fqn"] == "w")
+    data = tmp_path / "l1" / "step-3" / w["file"]
+    raw = bytearray(data.read_bytes())
+    raw[w["pos"] + 100] ^= 0xFF
+    data.write_bytes(raw)
+    loaded = blank()
+    with caplog.at_level(logging.WARNING, logger="dcp_multilevel"):
+        assert mgr.load_latest(loaded) == 3
+    check(loaded, 3)
+    assert f"reading it from {remote}/step-3" in caplog.text
+    assert mgr.last_load_sources[f"{remote}/step-3"] == 1
+    mgr.close()
+
+
+def test_a_missing_requested_step_is_an_error_never_a_fresh_start(tmp_path):
+    mgr = CheckpointManager([Tier(str(tmp_path / "l1"))])
+    mgr.save(state(1), step=1)
+    with pytest.raises(CheckpointNotFoundError) as info:
+        mgr.load(blank(), step=9)
+    assert str(info.value).startswith(
+        f"step 9 has no complete checkpoint on any tier ({tmp_path / 'l1'}: [1] are the newest"
+    )
+    mgr.close()
+
+
+def test_configuration_errors():
+    with pytest.raises(ConfigError, match="must take every save"):
+        CheckpointManager([Tier("/tmp/x", every=2)])
+    with pytest.raises(ConfigError, match=r"keep must be None or an integer >= 1"):
+        Tier("/tmp/x", keep=0)
+
+
+def test_remote_down_keeps_training_and_the_first_tier_and_reports_it(tmp_path):
+    down = dict(retries=0, skip_instance_cache=True,
+                fail_first={"put_file": 10**9, "pipe_file": 10**9})  # fmt: skip
+    remote = Tier("faulty://down/run", storage_options=down)
+    mgr = CheckpointManager([Tier(str(tmp_path / "l1"), keep=1), remote], drain_policy="wait")
+    for s in (1, 2, 3):
+        mgr.save(state(s), step=s)
+    with pytest.raises(DrainError) as info:
+        mgr.wait()
+    assert str(info.value).startswith("step 1 to faulty://down/run: RemoteTierError: remote tier:")
+    assert str(info.value).endswith("The first tier still holds these checkpoints.")
+    assert [r.step for r in mgr.drain_results if r.error] == [1, 2, 3]
+    assert mgr.steps(0) == [1, 2, 3]  # keep=1, but nothing is on the remote yet
+    mgr.close()
+
+
+def test_flaky_remote_succeeds_after_retries(tmp_path):
+    flaky = dict(retries=20, backoff=0.0, skip_instance_cache=True, seed=3,
+                 fail_rate={"put_file": 0.4, "pipe_file": 0.4, "info": 0.2})  # fmt: skip
+    root = f"faulty://flaky-{uuid.uuid4().hex[:6]}/run"
+    mgr = CheckpointManager([Tier(str(tmp_path / "l1")), Tier(root, storage_options=flaky)])
+    mgr.save(state(5), step=5)
+    mgr.wait()
+    assert mgr.steps(1) == [5]
+    shutil.rmtree(tmp_path / "l1")
+    loaded = blank()
+    assert mgr.load_latest(loaded) == 5
+    check(loaded, 5)
+    mgr.close()
+
+
+def test_skip_policy_skips_a_step_while_a_drain_runs_and_retention_spares_inflight(tmp_path):
+    slow = dict(skip_instance_cache=True, delay={"put_file": 0.5})
+    remote = Tier(f"faulty://slow-{uuid.uuid4().hex[:6]}/run", storage_options=slow)
+    mgr = CheckpointManager([Tier(str(tmp_path / "l1"), keep=1), remote])
+    first = mgr.save(state(1), step=1)
+    second = mgr.save(state(2), step=2)  # step 1 is still draining
+    assert first.drains_started == [remote.url]
+    assert second.drains_skipped == [remote.url]
+    assert 1 in mgr.steps(0)  # keep=1, but step 1 is being drained
+    mgr.wait()
+    assert mgr.steps(1) == [1]
+    assert [r.skipped for r in mgr.drain_results] == [True, False]
+    mgr.save(state(3), step=3)
+    mgr.wait()
+    assert mgr.steps(0) == [3]  # step 2 was skipped on purpose: no longer protected
+    mgr.close()
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_drain_then_the_next_run_drains_again(tmp_path):
+    l1, remote_dir = tmp_path / "l1", tmp_path / "remote"
+    marker = tmp_path / "marker"
+    child = subprocess.Popen(
+        [sys.executable, str(HERE / "_drain_child.py"), str(l1), str(remote_dir), str(marker)]
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert child.poll() is None, f"child exited early with {child.returncode}"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)  # inside the (slow) upload of step 2
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    remote = Tier(
+        f"faulty://{remote_dir}/run",
+        storage_options={"target_protocol": "file", "target_options": {"auto_mkdir": True}},
+    )
+    mgr = CheckpointManager([Tier(str(l1)), remote])
+    assert mgr.steps(1) == [1]  # step 2 never committed remotely
+    loaded = blank()
+    assert mgr.load_latest(loaded) == 2  # from the first tier, then re-drains step 2
+    check(loaded, 2)
+    mgr.wait()
+    assert mgr.steps(1) == [1, 2]
+    mgr.close()
+
+
+def _replicated(s: int) -> dict:
+    # Equal on every rank (data parallel); two tensors so that both ranks write data.
+    return {"a": state(1)["w"] + s, "c": state(2)["w"] + s}
+
+
+def _two_rank_job(rank: int, world: int, l1: str, remote: str) -> None:
+    tiers = [Tier(l1, keep=1), Tier(remote, codec="bytegroup")]
+    mgr = CheckpointManager(tiers, drain_policy="wait")
+    for s in (1, 2):
+        mgr.save(_replicated(s), step=s)
+    mgr.wait()  # on every rank: returns once rank 0 committed the remote manifest
+    assert mgr.steps(1) == [1, 2]
+    mgr.close()
+
+
+def _two_rank_load(rank: int, world: int, l1: str, remote: str) -> None:
+    tiers = [Tier(l1, keep=1), Tier(remote, codec="bytegroup")]
+    mgr = CheckpointManager(tiers)
+    loaded = {"a": torch.zeros(256, 256), "c": torch.zeros(256, 256)}
+    assert mgr.load_latest(loaded) == 2
+    expected = _replicated(2)
+    assert torch.equal(loaded["a"], expected["a"]) and torch.equal(loaded["c"], expected["c"])
+    mgr.close()
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_drain_together_and_load_from_remote_after_node_loss(tmp_path):
+    l1, remote = str(tmp_path / "l1"), str(tmp_path / "remote")
+    run_ranks(_two_rank_job, 2, l1, remote, timeout=180)
+    manifest = json.loads((Path(remote) / "step-2" / "manifest.json").read_text())
+    writers = {f.split("/")[1].split("-")[0] for f in manifest["files"]}
+    assert writers == {"0", "1"}  # each rank drained its own data files
+    shutil.rmtree(l1)
+    run_ranks(_two_rank_load, 2, l1, remote, timeout=180)
