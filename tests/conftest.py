@@ -51,3 +51,18 @@ def all_dtypes_state():
 def rank_errors(exc: BaseException) -> list[BaseException]:
     """The per-rank exceptions DCP wrapped into a CheckpointException."""
     return [failure[0] for failure in exc.failures.values()]
+
+
+def install_fake_distribution(root, monkeypatch, name: str, entry_points: str, modules=None):
+    """Put a fake installed distribution on sys.path, as a third-party package would be.
+
+    ``entry_points`` is the text of its ``entry_points.txt``; ``modules`` maps
+    module names to source code placed beside it. Refresh the registries after.
+    """
+    for module, source in (modules or {}).items():
+        (root / f"{module}.py").write_text(source)
+    info = root / f"{name.replace('-', '_')}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(entry_points)
+    monkeypatch.syspath_prepend(str(root))

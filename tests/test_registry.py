@@ -6,6 +6,7 @@ import textwrap
 from importlib.metadata import entry_points
 
 import pytest
+from conftest import install_fake_distribution
 
 from dcp_multilevel import ConfigError, RegistryError
 from dcp_multilevel._registry import Registry
@@ -15,25 +16,21 @@ from dcp_multilevel.tiers.local import LocalTier
 
 @pytest.fixture
 def fake_distribution(tmp_path, monkeypatch):
-    """Install ``fake_tier_pkg`` (one module + dist-info with an entry point) on sys.path."""
-    (tmp_path / "fake_tier_mod.py").write_text(
-        textwrap.dedent(
-            """
-            from dcp_multilevel.tiers.local import LocalTier
+    """Install ``fake-tier-pkg`` (one module + dist-info with an entry point) on sys.path."""
+    source = textwrap.dedent(
+        """
+        from dcp_multilevel.tiers.local import LocalTier
 
-            class FakeTier(LocalTier):
-                def __init__(self, where, **options):
-                    super().__init__(where.split("://", 1)[1], **options)
-            """
-        )
+        class FakeTier(LocalTier):
+            def __init__(self, where, **options):
+                super().__init__(where.split("://", 1)[1], **options)
+        """
     )
-    info = tmp_path / "fake_tier_pkg-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-tier-pkg\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(
-        "[dcp_multilevel.tiers]\nfake = fake_tier_mod:FakeTier\nbroken = no_such_module:X\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    install_fake_distribution(
+        tmp_path, monkeypatch, "fake-tier-pkg",
+        "[dcp_multilevel.tiers]\nfake = fake_tier_mod:FakeTier\nbroken = no_such_module:X\n",
+        {"fake_tier_mod": source},
+    )  # fmt: skip
     TIER_BACKENDS.refresh()
     yield tmp_path
     TIER_BACKENDS.refresh()
@@ -104,30 +101,25 @@ def fake_codec_distribution(tmp_path, monkeypatch):
     """Install ``acme-codec`` (a Codec subclass + entry point) on sys.path."""
     from dcp_multilevel.codecs import CODECS
 
-    (tmp_path / "acme_codec.py").write_text(
-        textwrap.dedent(
-            """
-            from dcp_multilevel.codecs.base import Codec
+    source = textwrap.dedent(
+        """
+        from dcp_multilevel.codecs.base import Codec
 
-            class XorCodec(Codec):
-                name = "acme.xor"
-                version = 3
+        class XorCodec(Codec):
+            name = "acme.xor"
+            version = 3
 
-                def encode(self, chunk, width, rotate):
-                    return bytes(b ^ 0x5A for b in chunk)
+            def encode(self, chunk, width, rotate):
+                return bytes(b ^ 0x5A for b in chunk)
 
-                def decode(self, payload, out, width, rotate):
-                    out[:] = bytes(b ^ 0x5A for b in payload)
-            """
-        )
+            def decode(self, payload, out, width, rotate):
+                out[:] = bytes(b ^ 0x5A for b in payload)
+        """
     )
-    info = tmp_path / "acme_codec-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-codec\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(
-        "[dcp_multilevel.codecs]\nacme.xor = acme_codec:XorCodec\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    install_fake_distribution(
+        tmp_path, monkeypatch, "acme-codec",
+        "[dcp_multilevel.codecs]\nacme.xor = acme_codec:XorCodec\n", {"acme_codec": source},
+    )  # fmt: skip
     CODECS.refresh()
     yield tmp_path
     CODECS.refresh()

@@ -15,6 +15,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from _faulty_fs import OPERATIONS, FaultyFileSystem
 from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
+from conftest import install_fake_distribution
 from test_roundtrip import assert_state_equal, zeros_like_state
 from test_tiers import TierTests
 
@@ -495,13 +496,10 @@ def test_dcp_round_trip_on_memory(memory_root, all_dtypes_state):
 @pytest.fixture
 def faulty_scheme(tmp_path, monkeypatch):
     """Make faulty:// a tier backend the way a third-party package would (entry point)."""
-    info = tmp_path / "faulty_tier-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: faulty-tier\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(
-        "[dcp_multilevel.tiers]\nfaulty = dcp_multilevel.tiers.remote:RemoteTier\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    install_fake_distribution(
+        tmp_path, monkeypatch, "faulty-tier",
+        "[dcp_multilevel.tiers]\nfaulty = dcp_multilevel.tiers.remote:RemoteTier\n",
+    )  # fmt: skip
     TIER_BACKENDS.refresh()
     yield
     TIER_BACKENDS.refresh()

@@ -24,7 +24,7 @@ import os
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
-__all__ = ["ReadHandle", "TierBackend", "WriteHandle"]
+__all__ = ["FdWriteHandle", "ReadHandle", "TierBackend", "WriteHandle"]
 
 
 @runtime_checkable
@@ -52,6 +52,27 @@ class ReadHandle(Protocol):
     def read_into(self, offset: int, out: memoryview) -> int:
         """Fill ``out`` from ``offset``; return the bytes read (fewer only at end of file)."""
         ...
+
+
+class FdWriteHandle:
+    """A :class:`WriteHandle` over an open file descriptor (local files and spool files)."""
+
+    __slots__ = ("_fd", "_pos")
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._pos = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        mv = memoryview(data).cast("B")
+        while mv:
+            # os.write releases the GIL and may write less than asked.
+            n = os.write(self._fd, mv)
+            mv = mv[n:]
+            self._pos += n
+
+    def tell(self) -> int:
+        return self._pos
 
 
 class TierBackend(abc.ABC):

@@ -15,31 +15,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ConfigError
-from .base import TierBackend
+from .base import FdWriteHandle, TierBackend
 
 __all__ = ["TMP_MARKER", "LocalTier"]
 
 #: Infix of temporary files; anything containing it is garbage after a crash.
 TMP_MARKER = ".tmp-"
-
-
-class _LocalWriteHandle:
-    __slots__ = ("_fd", "_pos")
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._pos = 0
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        mv = memoryview(data).cast("B")
-        while mv:
-            # os.write releases the GIL and may write less than asked.
-            n = os.write(self._fd, mv)
-            mv = mv[n:]
-            self._pos += n
-
-    def tell(self) -> int:
-        return self._pos
 
 
 class _LocalReadHandle:
@@ -92,13 +73,13 @@ class LocalTier(TierBackend):
         return self.root / path if path else self.root
 
     @contextmanager
-    def open_write(self, path: str) -> Iterator[_LocalWriteHandle]:
+    def open_write(self, path: str) -> Iterator[FdWriteHandle]:
         final = self._abs(path)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f"{final.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            yield _LocalWriteHandle(fd)
+            yield FdWriteHandle(fd)
             if self.sync:
                 os.fsync(fd)
         except BaseException:

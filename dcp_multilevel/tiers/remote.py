@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 from fsspec.core import url_to_fs
 
 from ..errors import ConfigError, DcpMultilevelError, RegistryError, RemoteTierError
-from .base import TierBackend
+from .base import FdWriteHandle, TierBackend
 
 __all__ = ["SPOOL_PREFIX", "RemoteTier"]
 
@@ -93,25 +93,6 @@ _FOREIGN_TRANSIENT = {
 
 class _UploadSizeMismatch(OSError):
     """The stored object's size differs from the bytes uploaded (retried: re-upload)."""
-
-
-class _SpoolWriteHandle:
-    __slots__ = ("_fd", "_pos")
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._pos = 0
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        mv = memoryview(data).cast("B")
-        while mv:
-            # os.write releases the GIL and may write less than asked.
-            n = os.write(self._fd, mv)
-            mv = mv[n:]
-            self._pos += n
-
-    def tell(self) -> int:
-        return self._pos
 
 
 class _RemoteReadHandle:
@@ -227,12 +208,12 @@ class RemoteTier(TierBackend):
     # ------------------------------------------------------------------ TierBackend API
 
     @contextmanager
-    def open_write(self, path: str) -> Iterator[_SpoolWriteHandle]:
+    def open_write(self, path: str) -> Iterator[FdWriteHandle]:
         if self.spool_dir is not None:
             os.makedirs(self.spool_dir, exist_ok=True)
         fd, spool = tempfile.mkstemp(prefix=SPOOL_PREFIX, dir=self.spool_dir)
         try:
-            handle = _SpoolWriteHandle(fd)
+            handle = FdWriteHandle(fd)
             try:
                 yield handle
             finally:
