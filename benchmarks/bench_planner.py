@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import pickle
+import statistics
 import sys
 import tempfile
 import time
@@ -80,7 +81,7 @@ def _ratio(values: list[int]) -> float:
     return max(values) / mean if mean else 1.0
 
 
-def plan_only(world_sizes: list[int]) -> str:
+def plan_only(world_sizes: list[int], repeat: int) -> str:
     state = bert_adamw_state()
     rows = []
     for n in world_sizes:
@@ -90,10 +91,14 @@ def plan_only(world_sizes: list[int]) -> str:
             # Data parallel: every rank's local plan is the same, and reaches the
             # coordinator unpickled (DCP's gather_object), one object tree per rank.
             blob = pickle.dumps(local)
-            plans = [pickle.loads(blob) for _ in range(n)]  # noqa: S301 - our own bytes
-            t0 = time.perf_counter()
-            global_plan, _ = planner.create_global_plan(plans)
-            seconds = time.perf_counter() - t0
+            times = []
+            for _ in range(repeat):  # median: one run at this scale is mostly noise
+                planner, _ = _local_plan(cls, state)
+                plans = [pickle.loads(blob) for _ in range(n)]  # noqa: S301 - our own bytes
+                t0 = time.perf_counter()
+                global_plan, _ = planner.create_global_plan(plans)
+                times.append(time.perf_counter() - t0)
+            seconds = statistics.median(times)
             nbytes, items = _per_rank(global_plan)
             results[name] = (_ratio(nbytes), _ratio(items), seconds, sum(items))
         s, o = results["stock"], results["ours"]
@@ -182,13 +187,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-ranks", type=int, default=1024)
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--repeat", type=int, default=3, help="plan-only runs per size (median)")
     ap.add_argument("--e2e-ranks", type=int, default=4)
     ap.add_argument("--e2e-scale", type=float, default=1.0, help="fraction of BERT-large layers")
     args = ap.parse_args()
 
     sizes = [2**k for k in range(1, 11) if 2**k <= args.max_ranks]
-    print("## Plan only: BERT-large + AdamW, data parallel (coordinator's create_global_plan)\n")
-    print(plan_only(sizes))
+    print(
+        "## Plan only: BERT-large + AdamW, data parallel (coordinator's create_global_plan, "
+        f"median of {args.repeat})\n"
+    )
+    print(plan_only(sizes, args.repeat))
     if not args.skip_e2e:
         print(f"\n## End to end: {args.e2e_ranks} gloo ranks, replicated BERT-large model state\n")
         print(end_to_end(args.e2e_ranks, args.e2e_scale))

@@ -33,6 +33,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,11 +99,19 @@ class DrainResult:
 class Drainer:
     """Runs drains in the background, one worker per target tier."""
 
-    def __init__(self, *, policy: str = "skip", timeout_s: float = 3600.0) -> None:
+    def __init__(
+        self,
+        *,
+        policy: str = "skip",
+        timeout_s: float = 3600.0,
+        on_committed: Callable[[DrainJob], None] | None = None,
+    ) -> None:
+        """``on_committed(job)`` runs in the drain's worker thread after a commit."""
         if policy not in ("skip", "wait"):
             raise ValueError(f"drain policy must be 'skip' or 'wait', got {policy!r}")
         self.policy = policy
         self.timeout_s = timeout_s
+        self._on_committed = on_committed
         self._workers: dict[int, ThreadPoolExecutor] = {}
         # tier index -> (source step, future) of the drain running there
         self._inflight: dict[int, tuple[int, Future[DrainResult]]] = {}
@@ -169,6 +178,8 @@ class Drainer:
                          job.step, job.target.url, result.error)  # fmt: skip
         result.seconds = time.perf_counter() - t0
         self._record(result)
+        if result.committed and self._on_committed is not None:
+            self._on_committed(job)
         return result
 
     def _record(self, result: DrainResult) -> None:

@@ -10,10 +10,12 @@ Call order (every rank, main thread; the same steps on every rank)::
     mgr.close()                           # also run at interpreter exit (errors logged)
 
 A checkpoint exists on a tier iff ``<tier>/step-<N>/manifest.json`` exists.
-Retention runs on rank 0 after each save: on each tier, keep the newest
+Retention runs on rank 0: for the first tier after each save (local listing
+only), for a higher tier in its drain worker after each commit there, so a
+slow or unreachable remote never stalls ``save``. On each tier keep the newest
 ``keep`` complete checkpoints; on the first tier, never delete a checkpoint
-that is being drained or that a higher tier is due to hold but does not yet
-(a remote outage therefore grows the first tier instead of losing data);
+that is being drained or not known to be on a higher tier that is due to hold
+it (a remote outage therefore grows the first tier instead of losing data);
 never delete the newest complete checkpoint. A checkpoint is deleted manifest
 first, so a half-deleted one is invisible, and directories without a manifest
 older than the newest complete checkpoint are swept as abandoned.
@@ -96,7 +98,13 @@ class CheckpointManager:
             )
         self._backends = [tier_for(t.url, **t.storage_options) for t in self.tiers]
         self._planner = planner or BalancedSavePlanner()
-        self._drainer = Drainer(policy=drain_policy, timeout_s=drain_timeout_s)
+        self._drainer = Drainer(
+            policy=drain_policy, timeout_s=drain_timeout_s, on_committed=self._drained
+        )
+        # Steps known to be committed on each higher tier (from drains and from
+        # load_latest's listing): first-tier retention consults this, never the
+        # remote itself, so a slow or unreachable remote cannot stall save().
+        self._known: dict[int, set[int]] = {i: set() for i in range(len(self.tiers))}
         self._generation = 0
         self._skipped: dict[int, set[int]] = {i: set() for i in range(len(self.tiers))}
         self.metrics: list[SaveMetrics] = []
@@ -130,8 +138,7 @@ class CheckpointManager:
                 else:
                     metrics.drains_started.append(tier.url)
         if _dist.rank() == 0:
-            for i in range(len(self.tiers)):
-                self._retain(i)
+            self._retain(0)  # local listing only; higher tiers: after their drains
         self.metrics.append(metrics)
         logger.info(
             "dcp_multilevel: step %d committed on %s in %.3f s (%.2f GB/s on this rank); "
@@ -169,6 +176,8 @@ class CheckpointManager:
         if not common:
             return None
         step = max(common)
+        for i in range(1, len(self.tiers)):
+            self._known[i].update(everyone[0][i])
         self._load(state_dict, step, views, planner)
         self._resume_drains(everyone[0])
         return step
@@ -225,12 +234,16 @@ class CheckpointManager:
 
     def wait(self) -> list[DrainResult]:
         """Wait for running drains; DrainError if any failed since the last call."""
-        try:
-            return self._drainer.wait()
-        finally:
-            if _dist.rank() == 0:
-                for i in range(1, len(self.tiers)):
-                    self._retain(i)
+        return self._drainer.wait()
+
+    def _drained(self, job: DrainJob) -> None:
+        """In the drain worker, after a commit: remember it; rank 0 applies retention there."""
+        self._known[job.tier_index].add(job.step)
+        if _dist.rank() == 0:
+            try:
+                self._retain(job.tier_index)
+            except OSError as e:  # retention is housekeeping: the drain itself succeeded
+                logger.warning("dcp_multilevel: retention on %s failed: %s", job.target.url, e)
 
     def close(self) -> None:
         """Wait for drains (raising their errors), then stop the workers."""
@@ -249,11 +262,12 @@ class CheckpointManager:
             return
         protected = self._drainer.inflight_steps() | {complete[-1]}
         if index == 0:
+            # Not yet known to be on a tier it is due for: keep it (a remote outage
+            # grows the first tier rather than losing the only copy).
             for j, higher in enumerate(self.tiers[1:], start=1):
-                there = set(self.steps(j))
                 protected |= {
                     s for s in complete
-                    if higher.due(s) and s not in there and s not in self._skipped[j]
+                    if higher.due(s) and s not in self._known[j] and s not in self._skipped[j]
                 }  # fmt: skip
         keep = set(complete[-tier.keep :]) if tier.keep else set(complete)
         for step in complete:

@@ -258,3 +258,22 @@ def test_two_ranks_drain_together_and_load_from_remote_after_node_loss(tmp_path)
     assert writers == {"0", "1"}  # each rank drained its own data files
     shutil.rmtree(l1)
     run_ranks(_two_rank_load, 2, l1, remote, timeout=180)
+
+
+def test_a_remote_failing_every_call_never_stalls_or_breaks_save(tmp_path):
+    ops = ("info", "ls", "cat_file", "pipe_file", "put_file", "rm", "rm_file", "open")
+    dead = dict(retries=0, skip_instance_cache=True, fail_rate=dict.fromkeys(ops, 1.0))
+    slow = dict(skip_instance_cache=True, delay={"ls": 2.0, "info": 2.0})
+    for name, options in [("dead", dead), ("slow", slow)]:
+        remote = Tier(f"faulty://{name}-{uuid.uuid4().hex[:6]}/run", storage_options=options)
+        mgr = CheckpointManager([Tier(str(tmp_path / name), keep=1), remote])
+        for s in (1, 2):
+            t0 = time.perf_counter()
+            mgr.save(state(s), step=s)  # never raises for the remote's sake
+            assert time.perf_counter() - t0 < 1.5, f"{name}: save() waited on the remote"
+        assert mgr.steps(0)[-1] == 2
+        if name == "dead":
+            with pytest.raises(DrainError):
+                mgr.close()
+        else:
+            mgr.close()
