@@ -11,7 +11,7 @@ import threading
 
 import zstandard
 
-__all__ = ["compress", "decompress"]
+__all__ = ["compress", "compress_plane", "decompress"]
 
 _local = threading.local()
 
@@ -25,6 +25,26 @@ def compress(data: bytes | memoryview, level: int) -> bytes:
         cctx = cctxs[level] = zstandard.ZstdCompressor(
             level=level, write_checksum=False, write_content_size=True
         )
+    return cctx.compress(data)
+
+
+# Byte planes of floats have almost no repeated strings to find, only a skewed
+# byte distribution: a minimal match search (tiny hash/chain tables, long
+# minimum match) leaves zstd as little more than its entropy coder, which is
+# ~2.5x faster than level 1 and compresses exponent planes better (measured on
+# MiniLM and BERT+AdamW planes: 0.330 at ~660 MB/s vs 0.362 at ~250 MB/s).
+_PLANE_PARAMS = zstandard.ZstdCompressionParameters(
+    window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7,
+    target_length=0, strategy=zstandard.STRATEGY_FAST,
+    write_checksum=False, write_content_size=True,
+)  # fmt: skip
+
+
+def compress_plane(data: bytes | memoryview) -> bytes:
+    """Compress one byte plane (entropy-coding settings, see ``_PLANE_PARAMS``)."""
+    cctx = getattr(_local, "plane_cctx", None)
+    if cctx is None:
+        cctx = _local.plane_cctx = zstandard.ZstdCompressor(compression_params=_PLANE_PARAMS)
     return cctx.compress(data)
 
 

@@ -10,9 +10,9 @@ pays, the whole chunk is stored raw by the caller (``encode`` returns None).
 Payload layout: ``width`` u8, then per plane ``method u8 | length u32``, then
 the planes' bytes in order (method 0 raw, 1 zstd).
 
-Planes whose first 64 KiB sample does not compress are stored raw without
-compressing the rest: mantissa planes are near-random and zstd spends as long
-on them as on the plane that pays.
+Planes are coded with zstd tuned as an entropy coder (``_zstd.compress_plane``;
+``level`` does not apply). Planes whose first 64 KiB sample does not compress
+are stored raw without compressing the rest: mantissa planes are near-random.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class ByteGroupCodec(Codec):
 
     def encode(self, chunk: memoryview, width: int, rotate: bool) -> bytes | None:
         if width == 1:
-            coded = _zstd.compress(chunk, self.level)
+            coded = _zstd.compress_plane(chunk)
             return self._pack([(1, coded)]) if self._pays(coded, len(chunk)) else None
         n = len(chunk) // width
         values = np.frombuffer(chunk, dtype=np.uint8)
@@ -90,12 +90,10 @@ class ByteGroupCodec(Codec):
         parts: list[tuple[int, bytes | memoryview]] = []
         for p in range(width):
             plane = memoryview(planes[p])
-            if n > 2 * _SAMPLE and not self._pays(
-                _zstd.compress(plane[:_SAMPLE], self.level), _SAMPLE
-            ):
+            if n > 2 * _SAMPLE and not self._pays(_zstd.compress_plane(plane[:_SAMPLE]), _SAMPLE):
                 parts.append((0, plane))
                 continue
-            coded = _zstd.compress(plane, self.level)
+            coded = _zstd.compress_plane(plane)
             parts.append((1, coded) if self._pays(coded, n) else (0, plane))
         if all(method == 0 for method, _ in parts):
             return None
