@@ -142,16 +142,24 @@ def _e2e_rank(rank: int, world: int, root: str, scale: float) -> dict:
     g = torch.Generator().manual_seed(0)
     shapes = bert_pretraining_shapes(BertConfig(num_hidden_layers=max(1, round(24 * scale))))
     state = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
-    out = {}
-    for name, planner in [("stock", DefaultSavePlanner()), ("ours", BalancedSavePlanner())]:
-        path = Path(root) / name
-        dist.barrier()
-        t0 = time.perf_counter()
-        dcp.save(state, storage_writer=MultiLevelWriter(path), planner=planner)
-        rank_seconds = time.perf_counter() - t0
-        dist.barrier()
-        wall = time.perf_counter() - t0
-        out[name] = {"seconds": rank_seconds, "wall": wall}
+    out: dict = {}
+    # Alternate the order and start each save with the disk flushed: otherwise the
+    # second save pays for the first one's dirty-page writeback.
+    for rep in range(2):
+        order = ["stock", "ours"] if rep % 2 == 0 else ["ours", "stock"]
+        for name in order:
+            planner = DefaultSavePlanner() if name == "stock" else BalancedSavePlanner()
+            path = Path(root) / f"{name}-{rep}"
+            os.sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            dcp.save(state, storage_writer=MultiLevelWriter(path), planner=planner)
+            rank_seconds = time.perf_counter() - t0
+            dist.barrier()
+            wall = time.perf_counter() - t0
+            best = out.get(name)
+            if best is None or wall < best["wall"]:
+                out[name] = {"seconds": rank_seconds, "wall": wall, "path": str(path)}
     return out
 
 
@@ -163,7 +171,7 @@ def end_to_end(world: int, scale: float) -> str:
         results = run_ranks(_e2e_rank, world, root, scale, timeout=1800)
         rows = []
         for name in ("stock", "ours"):
-            manifest = json.loads((Path(root) / name / "manifest.json").read_text())
+            manifest = json.loads((Path(results[0][name]["path"]) / "manifest.json").read_text())
             per_rank = [0] * world
             for f, size in manifest["files"].items():
                 per_rank[int(f.split("/")[1].split("-")[0])] += size
@@ -199,7 +207,10 @@ def main() -> None:
     )
     print(plan_only(sizes, args.repeat))
     if not args.skip_e2e:
-        print(f"\n## End to end: {args.e2e_ranks} gloo ranks, replicated BERT-large model state\n")
+        print(
+            f"\n## End to end: {args.e2e_ranks} gloo ranks, replicated BERT-large model state "
+            "(best of 2, alternating order, disk flushed before each save)\n"
+        )
         print(end_to_end(args.e2e_ranks, args.e2e_scale))
 
 
