@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,15 +41,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from . import _dist
-from .codecs import (
-    MIN_CODED_BYTES,
-    Codec,
-    codec_for,
-    codec_from_descriptor,
-    decode_buffer,
-    element_layout,
-    encode_frames,
-)
+from .codecs import Codec, codec_for, codec_from_descriptor, decode_buffer, encode_item
 from .config import Compression, Tier
 from .errors import ChecksumMismatchError, CorruptCheckpointError, DrainError
 from .format import (
@@ -300,7 +292,7 @@ def _transcode(
     dtype,
     codec: Codec | None,
     compression: Compression | None,
-) -> tuple[list[Any], tuple[str, ...]]:
+) -> tuple[Iterable[Any], tuple[str, ...]]:
     """Verified stored bytes of one item, re-encoded for the target tier's codec."""
     stored = memoryview(bytearray(loc.length))
     if src.read_into(loc.offset, stored) != loc.length or checksum_of(stored) != loc.checksum:
@@ -325,13 +317,9 @@ def _transcode(
             )  # fmt: skip
 
         decode_buffer(stored, raw, codec_from_descriptor(loc.transforms[0]), error)
-    if codec is None or compression is None or dtype is None or len(raw) < MIN_CODED_BYTES:
-        return [raw], ()
-    width, rotate = element_layout(dtype)
     # One thread: a background drain must not take the trainer's cores.
-    frames = encode_frames(raw, codec, width=width, rotate=rotate,
-                           chunk_size=compression.chunk_size, pool=None, window=1)  # fmt: skip
-    return list(frames), wanted
+    transforms, parts = encode_item(raw, dtype, codec, compression, pool=None, window=1)
+    return parts, transforms
 
 
 def _locations_to_json(locations: dict[MetadataIndex, ItemLocation]) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .codecs import MIN_CODED_BYTES, codec_for, element_layout, encode_frames
+from .codecs import codec_for, encode_item
 from .config import Compression
 from .errors import CheckpointExistsError, ConfigError, UnsupportedStateError
 from .format import (
@@ -242,18 +242,12 @@ class MultiLevelWriter(StorageWriter):
 
     def _encode(self, view: memoryview, dtype: torch.dtype):
         """``(transforms, pieces to store)`` for one tensor's bytes."""
-        if self._codec is None or self.compression is None or len(view) < MIN_CODED_BYTES:
-            return (), pieces(view)
         c = self.compression
-        if self._codec_pool is None and c.threads > 1:
+        if c is not None and c.threads > 1 and self._codec_pool is None:
             # Reused across saves; its threads exit with the process.
             self._codec_pool = ThreadPoolExecutor(c.threads, thread_name_prefix="dcp-ml-codec")
-        width, rotate = element_layout(dtype)
-        frames = encode_frames(
-            view, self._codec, width=width, rotate=rotate, chunk_size=c.chunk_size,
-            pool=self._codec_pool, window=2 * c.threads,
-        )  # fmt: skip
-        return (self._codec.descriptor,), frames
+        window = 2 * c.threads if c is not None else 1
+        return encode_item(view, dtype, self._codec, c, pool=self._codec_pool, window=window)
 
     def _sweep(self, keep: set[str]) -> None:
         """Delete data of earlier saves and crash leftovers; never fails the commit."""

@@ -9,6 +9,7 @@ codec from the checkpoint alone.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from .._registry import Registry
 from ..config import Compression
 from ..errors import RegistryError
-from ..format.tensor_bytes import byte_view
+from ..format.tensor_bytes import byte_view, pieces
 from .base import Codec, element_layout
 from .pipeline import decode_frames, encode_frames
 
@@ -33,6 +34,7 @@ __all__ = [
     "decompress_tensor",
     "element_layout",
     "encode_frames",
+    "encode_item",
 ]
 
 #: registry name -> Codec subclass.
@@ -73,6 +75,31 @@ def compress_tensor(t: torch.Tensor, compression: Compression) -> bytes:
 #: Items smaller than this are stored uncoded: framing (60 bytes) and a codec call
 #: cost more than compressing a few biases can save.
 MIN_CODED_BYTES = 4096
+
+
+def encode_item(
+    view: memoryview,
+    dtype: torch.dtype | None,
+    codec: Codec | None,
+    compression: Compression | None,
+    *,
+    pool=None,
+    window: int = 1,
+) -> tuple[tuple[str, ...], Iterable[bytes | memoryview]]:
+    """``(transforms, parts to store)`` for one item's raw bytes.
+
+    Stored uncoded (no transforms) without a codec, for non-tensor values
+    (``dtype`` None) and under :data:`MIN_CODED_BYTES`; otherwise framed, lazily:
+    parts are produced as the caller consumes them (bounded by ``window``).
+    """
+    if codec is None or compression is None or dtype is None or len(view) < MIN_CODED_BYTES:
+        return (), pieces(view)
+    width, rotate = element_layout(dtype)
+    frames = encode_frames(
+        view, codec, width=width, rotate=rotate, chunk_size=compression.chunk_size,
+        pool=pool, window=window,
+    )  # fmt: skip
+    return (codec.descriptor,), frames
 
 
 def decode_buffer(
