@@ -28,6 +28,7 @@ from .errors import (
     UnsupportedFormatVersionError,
     UnsupportedStateError,
 )
+from .flush import DrainResult
 from .manager import CheckpointManager, SaveMetrics
 from .planner import BalancedSavePlanner
 from .planning import CostModel
@@ -46,6 +47,7 @@ __all__ = [
     "CostModel",
     "DcpMultilevelError",
     "DrainError",
+    "DrainResult",
     "ManifestError",
     "MultiLevelReader",
     "MultiLevelWriter",

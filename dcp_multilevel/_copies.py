@@ -29,7 +29,54 @@ from .format import MANIFEST_NAME, Hasher, ItemLocation, Manifest, decode_manife
 from .format.tensor_bytes import pieces
 from .tiers import ReadHandle, TierBackend, tier_for
 
-__all__ = ["CheckpointCopy"]
+__all__ = ["COALESCE_BYTES", "CheckpointCopy", "CoalescingReader"]
+
+#: Largest block a CoalescingReader fetches at once (its memory per open file).
+COALESCE_BYTES = 32 << 20
+
+
+class CoalescingReader:
+    """A :class:`ReadHandle` that serves small reads from larger ranged requests.
+
+    Compressed items are read frame record by frame record; on an object
+    store each read would be one ranged GET. This wrapper fetches up to
+    :data:`COALESCE_BYTES` (never past ``limit``) and serves the following
+    reads from memory, so adjacent items and frames cost one request. Reads
+    at least as large as a block go straight to the handle (no copy).
+    Not thread-safe: one per reading thread.
+    """
+
+    __slots__ = ("_buf", "_handle", "_limit", "_start", "requests")
+
+    def __init__(self, handle: ReadHandle, limit: int | None) -> None:
+        self._handle = handle
+        self._limit = handle.size if limit is None else min(limit, handle.size)
+        self._buf = memoryview(b"")
+        self._start = 0
+        self.requests = 0
+
+    @property
+    def size(self) -> int:
+        return self._handle.size
+
+    def read_into(self, offset: int, out: memoryview) -> int:
+        out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        n = len(out)
+        end = offset + n
+        if self._start <= offset and end <= self._start + len(self._buf):
+            out[:] = self._buf[offset - self._start : end - self._start]
+            return n
+        block = min(COALESCE_BYTES, max(0, self._limit - offset))
+        if n >= block:
+            self.requests += 1
+            return self._handle.read_into(offset, out)
+        buf = memoryview(bytearray(block))
+        self.requests += 1
+        got = self._handle.read_into(offset, buf)
+        self._buf, self._start = buf[:got], offset
+        take = min(n, got)
+        out[:take] = self._buf[:take]
+        return take
 
 
 class CheckpointCopy:
@@ -38,14 +85,23 @@ class CheckpointCopy:
     Args:
         location: where the copy is (``/nvme/run1/step-100``, ``s3://b/run1/step-100``).
         storage_options: options for its tier (see :func:`~dcp_multilevel.tiers.tier_for`).
+        manifest_bytes: the copy's ``manifest.json`` as another process read it
+            (a node-local tier whose manifest is on rank 0's node); validated
+            like one read from storage, which is then not asked for it.
 
     Call :meth:`manifest` first (one thread); after it has returned, the read
     methods may be called from several threads at once.
     """
 
-    def __init__(self, location: str | os.PathLike[str], storage_options: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        location: str | os.PathLike[str],
+        storage_options: dict[str, Any],
+        manifest_bytes: bytes | None = None,
+    ) -> None:
         self.location = os.fspath(location)
         self.tier: TierBackend = tier_for(self.location, **storage_options)
+        self._manifest_bytes = manifest_bytes
         self._manifest: Manifest | None = None
         self._error: DcpMultilevelError | OSError | None = None
 
@@ -81,6 +137,8 @@ class CheckpointCopy:
         self._error = None
 
     def _read_manifest(self) -> Manifest:
+        if self._manifest_bytes is not None:
+            return decode_manifest(self._manifest_bytes, checkpoint=self.url)
         try:
             raw = self.tier.read_bytes(MANIFEST_NAME)
         except FileNotFoundError:
@@ -95,10 +153,14 @@ class CheckpointCopy:
     # ------------------------------------------------------------------ data
 
     @contextmanager
-    def open_file(self, file: str, fqn: str) -> Iterator[ReadHandle]:
+    def open_file(self, file: str, fqn: str, limit: int | None = None) -> Iterator[ReadHandle]:
         """Open data file ``file`` after checking it has the size the manifest records.
 
-        ``fqn`` (an item that needs the file) only names it in the error.
+        ``fqn`` (an item that needs the file) only names it in the error. On a
+        tier where every request is a round trip (``prefers_large_reads``),
+        reads are served from blocks of up to :data:`COALESCE_BYTES` fetched
+        in one request each, never past byte ``limit`` (the end of the last
+        item the caller needs; None: the whole file).
 
         Raises:
             TruncatedDataError: the file is missing or has the wrong size.
@@ -115,6 +177,8 @@ class CheckpointCopy:
                     file=file,
                     fqn=fqn,
                 ) from None
+            if self.tier.prefers_large_reads:
+                handle = CoalescingReader(handle, limit)
             if handle.size != expected:
                 raise TruncatedDataError(
                     f"data file {file!r} of checkpoint {self.url} is {handle.size} bytes, "

@@ -17,6 +17,7 @@ import torch.distributed as dist
 __all__ = [
     "all_gather_object",
     "barrier",
+    "broadcast_object",
     "is_active",
     "rank",
     "store_set",
@@ -50,6 +51,15 @@ def all_gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def broadcast_object(obj: Any, src: int) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (main thread only)."""
+    if not is_active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 def _store() -> dist.Store:

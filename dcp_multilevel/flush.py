@@ -6,8 +6,12 @@ A drain copies one committed checkpoint (``<tier0>/step-N``) to a higher tier
 Call order (driven by :class:`~dcp_multilevel.manager.CheckpointManager`)::
 
     every rank, main thread   Drainer.submit(job)         # after the L1 commit
-    every rank, background    copy this rank's data files (data/<rank>-*),
-                              verifying every item's checksum on the way
+    rank 0, background        read the source manifest, publish it in the c10d store
+    rank != 0, background     take the source manifest from the store
+    every rank, background    copy this rank's data files (data/<rank>-*) from its
+                              own view of the first tier, verifying every item's
+                              checksum on the way (``_transfer.py``: verbatim when
+                              the codecs agree, re-encoded otherwise)
     rank != 0, background     publish its new item locations in the c10d store
     rank 0, background        wait for every rank's locations, then write the
                               target manifest last (the commit on that tier),
@@ -21,38 +25,30 @@ save asks for a drain while one is running on that tier, ``policy`` decides:
 or ``"wait"`` (the caller blocks until the running drain ends). Background
 threads never use the trainer's process group (see ``_dist.py``).
 
-Limitation: each rank reads the source manifest from its own view of the first
-tier, so the first tier must be visible to all ranks (a shared or single-node
-file system) until partner/erasure tiers make node-local copies restorable.
+The first tier may be node-local: a rank only reads the data files it wrote
+itself, and the manifest comes from rank 0 through the store. (Restoring from
+a node-local tier after losing a node needs a higher tier holding the step.)
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 import threading
 import time
 import uuid
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from . import _dist
-from .codecs import Codec, codec_for, codec_from_descriptor, decode_buffer, encode_item
+from ._transfer import copy_rank_files
 from .config import Compression, Tier
-from .errors import ChecksumMismatchError, CorruptCheckpointError, DrainError
-from .format import (
-    MANIFEST_NAME,
-    Hasher,
-    ItemLocation,
-    checksum_of,
-    data_file_path,
-    decode_manifest,
-    encode_manifest,
-)
+from .errors import DrainError
+from .format import MANIFEST_NAME, ItemLocation, Manifest, decode_manifest, encode_manifest
 from .tiers import TierBackend, tier_for
 
 __all__ = ["DrainJob", "DrainResult", "Drainer", "drain"]
@@ -87,6 +83,21 @@ class DrainResult:
     error: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def gbps(self) -> float:
+        """Bytes stored on the target per second of this rank's drain, in GB/s."""
+        return self.bytes_stored / self.seconds / 1e9 if self.seconds else 0.0
+
+    def record(self, rank: int) -> dict[str, Any]:
+        """This drain as a metrics record (see ``metrics.py``)."""
+        return {
+            "kind": "drain", "rank": rank, "step": self.step, "tier": self.tier,
+            "bytes": self.bytes_stored, "seconds": self.seconds, "gbps": self.gbps,
+            "lag_seconds": self.lag_seconds, "committed": self.committed,
+            "skipped": self.skipped, "error": self.error, **self.details,
+            "unix": time.time(),
+        }  # fmt: skip
+
 
 class Drainer:
     """Runs drains in the background, one worker per target tier."""
@@ -97,13 +108,17 @@ class Drainer:
         policy: str = "skip",
         timeout_s: float = 3600.0,
         on_committed: Callable[[DrainJob], None] | None = None,
+        on_result: Callable[[DrainResult], None] | None = None,
     ) -> None:
-        """``on_committed(job)`` runs in the drain's worker thread after a commit."""
+        """``on_committed(job)`` runs in the drain's worker thread after a commit;
+        ``on_result(result)`` after every drain (also failed and skipped ones),
+        in the thread that decided it."""
         if policy not in ("skip", "wait"):
             raise ValueError(f"drain policy must be 'skip' or 'wait', got {policy!r}")
         self.policy = policy
         self.timeout_s = timeout_s
         self._on_committed = on_committed
+        self._on_result = on_result
         self._workers: dict[int, ThreadPoolExecutor] = {}
         # tier index -> (source step, future) of the drain running there
         self._inflight: dict[int, tuple[int, Future[DrainResult]]] = {}
@@ -178,6 +193,8 @@ class Drainer:
         with self._lock:
             self.results.append(result)
             self._unreported.append(result)
+        if self._on_result is not None:
+            self._on_result(result)
 
 
 def _key(job: DrainJob, rank: int | str) -> str:
@@ -196,8 +213,20 @@ def drain(job: DrainJob, *, timeout_s: float) -> DrainResult:
     """
     rank, world = _dist.rank(), _dist.world_size()
     try:
-        manifest, target, locations, files = _copy_share(job, rank)
-        result = DrainResult(job.step, job.target.url, bytes_stored=sum(files.values()))
+        source = tier_for(job.source, **job.source_options)
+        manifest = _source_manifest(job, source, rank, world, timeout_s)
+        target = tier_for(job.target.checkpoint_url(job.step), **job.target.storage_options)
+        token = uuid.uuid4().hex[:16]
+        stats = copy_rank_files(
+            manifest, source, target, rank, token, Compression.of(job.target.codec)
+        )
+        result = DrainResult(job.step, job.target.url, bytes_stored=stats.bytes_stored)
+        result.details = {
+            "bytes_read": stats.bytes_read,
+            "files_verbatim": stats.files_verbatim,
+            "files_encoded": stats.files_encoded,
+        }
+        locations, files = stats.locations, stats.files
         if rank == 0:
             _commit(job, manifest, target, locations, files, result, timeout_s)
         else:
@@ -217,43 +246,34 @@ def drain(job: DrainJob, *, timeout_s: float) -> DrainResult:
     return result
 
 
-def _copy_share(job: DrainJob, rank: int):
-    """Copy (and re-encode) the data files ``rank`` wrote; return their new locations."""
-    source = tier_for(job.source, **job.source_options)
-    manifest = decode_manifest(source.read_bytes(MANIFEST_NAME), checkpoint=source.url)
-    target = tier_for(job.target.checkpoint_url(job.step), **job.target.storage_options)
-    compression = Compression.of(job.target.codec)
-    codec = codec_for(compression) if compression else None
-    dtypes = {
-        fqn: None if isinstance(md, BytesStorageMetadata) else md.properties.dtype
-        for fqn, md in manifest.metadata.state_dict_metadata.items()
-    }
+def _source_manifest(
+    job: DrainJob, source: TierBackend, rank: int, world: int, timeout_s: float
+) -> Manifest:
+    """The source checkpoint's manifest, as rank 0 reads it.
 
-    by_file: dict[str, list[tuple[MetadataIndex, ItemLocation]]] = defaultdict(list)
-    for index, loc in manifest.locations.items():
-        if loc.file.split("/")[1].startswith(f"{rank}-"):
-            by_file[loc.file].append((index, loc))
-    token = uuid.uuid4().hex[:16]
-    locations: dict[MetadataIndex, ItemLocation] = {}
-    files: dict[str, int] = {}
-    for n, (file, items) in enumerate(sorted(by_file.items())):
-        out_path = data_file_path(rank, n, token)
-        with source.open_read(file) as src, target.open_write(out_path) as dst:
-            for index, loc in sorted(items, key=lambda e: e[1].offset):
-                start = dst.tell()
-                hasher = Hasher()
-                parts, transforms = _transcode(
-                    src, source, file, index.fqn, loc, dtypes[index.fqn], codec, compression
-                )
-                for part in parts:
-                    hasher.update(part)
-                    dst.write(part)
-                locations[index] = ItemLocation(
-                    out_path, start, dst.tell() - start, loc.raw_length, hasher.hexdigest(),
-                    transforms,
-                )  # fmt: skip
-            files[out_path] = dst.tell()
-    return manifest, target, locations, files
+    Rank 0 publishes the manifest's bytes in the c10d store and the other ranks
+    take them from there: with a node-local first tier only rank 0's node holds
+    the manifest (every node holds its own ranks' data files), and even on a
+    shared one all ranks then copy by the same manifest.
+    """
+    key = _key(job, "manifest")
+    if world == 1:
+        raw = source.read_bytes(MANIFEST_NAME)
+    elif rank == 0:
+        try:
+            raw = source.read_bytes(MANIFEST_NAME)
+        except Exception as e:
+            _dist.store_set(key, {"error": f"{type(e).__name__}: {e}"})
+            raise
+        _dist.store_set(key, {"manifest": base64.b64encode(raw).decode("ascii")})
+    else:
+        (value,) = _dist.store_wait_get([key], timeout_s)
+        if "error" in value:
+            raise DrainError(
+                f"rank 0 could not read the manifest of {source.url}: {value['error']}"
+            )
+        raw = base64.b64decode(value["manifest"])
+    return decode_manifest(raw, checkpoint=source.url)
 
 
 def _commit(job, manifest, target, locations, files, result, timeout_s) -> None:
@@ -281,45 +301,6 @@ def _commit(job, manifest, target, locations, files, result, timeout_s) -> None:
     result.lag_seconds = time.time() - job.committed_unix
     logger.info("dcp_multilevel: step %d committed on %s (%d bytes, lag %.2f s)",
                 job.step, job.target.url, result.bytes_stored, result.lag_seconds)  # fmt: skip
-
-
-def _transcode(
-    src,
-    source: TierBackend,
-    file: str,
-    fqn: str,
-    loc: ItemLocation,
-    dtype,
-    codec: Codec | None,
-    compression: Compression | None,
-) -> tuple[Iterable[Any], tuple[str, ...]]:
-    """Verified stored bytes of one item, re-encoded for the target tier's codec."""
-    stored = memoryview(bytearray(loc.length))
-    if src.read_into(loc.offset, stored) != loc.length or checksum_of(stored) != loc.checksum:
-        raise ChecksumMismatchError(
-            f"item {fqn!r} in {file!r} of {source.url} does not match its checksum; "
-            "not copying corrupt data",
-            checkpoint=source.url,
-            file=file,
-            fqn=fqn,
-        )
-    wanted = (codec.descriptor,) if codec is not None else ()
-    if loc.transforms == wanted:
-        return [stored], loc.transforms
-    raw = stored
-    if loc.transforms:
-        raw = memoryview(bytearray(loc.raw_length))
-
-        def error(index: int, why: str) -> Exception:
-            return CorruptCheckpointError(
-                f"item {fqn!r} in {file!r} of {source.url}: chunk {index}: {why}",
-                checkpoint=source.url, file=file, fqn=fqn,
-            )  # fmt: skip
-
-        decode_buffer(stored, raw, codec_from_descriptor(loc.transforms[0]), error)
-    # One thread: a background drain must not take the trainer's cores.
-    transforms, parts = encode_item(raw, dtype, codec, compression, pool=None, window=1)
-    return parts, transforms
 
 
 def _locations_to_json(locations: dict[MetadataIndex, ItemLocation]) -> list[dict[str, Any]]:

@@ -90,6 +90,11 @@ class MultiLevelReader(StorageReader):
         storage_options: options for the tier of ``path``.
         fallback_storage_options: options for the tier of each fallback, one
             entry (a dict or None) per fallback; default: none for any.
+        primary_manifest: the content of ``path``'s ``manifest.json`` when this
+            process cannot read it there (a node-local tier: the manifest is on
+            rank 0's node, which sends it; see ``CheckpointManager``). It is
+            validated as if read from ``path``; data files this process cannot
+            see there are read from the fallbacks.
 
     Attributes:
         last_load_sources: after :meth:`read_data`, how many of this rank's
@@ -113,6 +118,7 @@ class MultiLevelReader(StorageReader):
         thread_count: int = 1,
         storage_options: dict[str, Any] | None = None,
         fallback_storage_options: Sequence[dict[str, Any] | None] | None = None,
+        primary_manifest: bytes | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(thread_count, int) or thread_count < 1:
@@ -140,10 +146,14 @@ class MultiLevelReader(StorageReader):
         self._decode_pool: ThreadPoolExecutor | None = None
         self.last_load_sources: dict[str, int] = {}
         self._copies: list[CheckpointCopy] = []
+        self._primary_manifest = primary_manifest
+        self._primary_url = CheckpointCopy(path, self.storage_options).url
         self._set_path(path)
 
     def _set_path(self, path: str | os.PathLike[str]) -> None:
         primary = CheckpointCopy(path, self.storage_options)
+        if self._primary_manifest is not None and primary.url == self._primary_url:
+            primary = CheckpointCopy(path, self.storage_options, self._primary_manifest)
         if self._fallbacks and self._copies:
             old = self._copies[0].url
             if primary.url != old:
@@ -300,7 +310,18 @@ class MultiLevelReader(StorageReader):
         in_use = self._copies[self._base]
         diff = metadata_difference(self._manifest().metadata, manifest.metadata)
         if diff is None:
-            return None
+            if manifest.save_id == self._manifest().save_id:
+                return None
+            # Same shapes, another save (e.g. the step saved again by another
+            # run): mixing its items with the copy in use would load a state
+            # that never existed.
+            return ManifestError(
+                f"the copy at {copy.url} holds another save than the copy in use "
+                f"({in_use.url}) and is not used: its save_id is {manifest.save_id!r}, the "
+                f"copy in use has {self._manifest().save_id!r}. Only copies drained from "
+                "the same save can stand in for each other.",
+                checkpoint=copy.url,
+            )
         return ManifestError(
             f"the copy at {copy.url} holds another checkpoint than the copy in use "
             f"({in_use.url}) and is not used: their DCP metadata differ ({diff}). Check "
@@ -349,9 +370,12 @@ class MultiLevelReader(StorageReader):
         """Read ``reqs`` (sorted by offset) from one data file; (served, failures)."""
         served = 0
         failures: list[Failure] = []
+        limit = max(loc.offset + loc.length for _, _, loc in reqs)
         with ExitStack() as stack:
             try:
-                handle = stack.enter_context(copy.open_file(file, reqs[0][1].storage_index.fqn))
+                handle = stack.enter_context(
+                    copy.open_file(file, reqs[0][1].storage_index.fqn, limit)
+                )
             except _COPY_ERRORS as e:
                 return 0, [Failure(i, req, file, e, whole_file=True) for i, req, _ in reqs]
             for n, (i, req, loc) in enumerate(reqs):

@@ -1,8 +1,9 @@
 """Loading one checkpoint from several copies: ``MultiLevelReader(path, fallbacks=[...])``.
 
-The copies are written independently from the same state (one raw, one
-compressed with byte grouping), so they differ in encoding, file names and
-offsets, as copies on different tiers do. Damage to one copy is repaired, item
+Fallback copies are made the way CheckpointManager makes them: one save (raw,
+two files per rank), drained to other tiers with other codecs (byte grouping,
+zstd), so the copies share one save_id and differ in encoding, file names and
+offsets. Damage to one copy is repaired, item
 by item, from the next; what cannot be repaired fails closed, naming every
 copy tried.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +37,9 @@ from dcp_multilevel import (
     ManifestError,
     MultiLevelReader,
     MultiLevelWriter,
+    Tier,
 )
+from dcp_multilevel.flush import DrainJob, drain
 from dcp_multilevel.format import frames
 
 if TYPE_CHECKING:
@@ -102,14 +106,25 @@ class Copy:
         )
 
 
+def drained(source: Path | str, tier_root: str, codec: str | None, **options: Any) -> None:
+    """Copy the step-100 checkpoint at ``source`` to ``<tier_root>/step-100`` (a drain).
+
+    Collective with a process group: every rank calls it with the same arguments.
+    """
+    target = Tier(tier_root, codec=codec, storage_options=options)
+    job = DrainJob(100, str(source), {}, target, 1, f"test-{tier_root}", time.time())
+    assert drain(job, timeout_s=60).committed
+
+
 def save_copies(root: Path, state: dict[str, Any], *, packed_first: bool) -> tuple[Copy, Copy]:
     """(primary, fallback): a raw copy written with two files per rank, a bytegroup one."""
     raw, packed = Copy(root / "nvme" / "step-100"), Copy(root / "remote" / "step-100")
     dcp.save(state, storage_writer=MultiLevelWriter(raw.path, thread_count=2))
-    dcp.save(state, storage_writer=MultiLevelWriter(packed.path, codec="bytegroup"))
-    # The copies really differ in encoding and layout.
+    drained(raw.path, str(root / "remote"), "bytegroup")
+    # The copies really differ in encoding and layout, and are one save.
     assert packed.item("layer.w")["transforms"] and not raw.item("layer.w")["transforms"]
     assert set(raw.manifest()["files"]).isdisjoint(packed.manifest()["files"])
+    assert raw.manifest()["save_id"] == packed.manifest()["save_id"]
     return (packed, raw) if packed_first else (raw, packed)
 
 
@@ -245,7 +260,7 @@ def test_invalid_primary_manifest_takes_metadata_and_data_from_the_fallback(copi
 def test_each_item_goes_down_the_chain_until_a_copy_has_it_intact(tmp_path, logged):
     primary, second = save_copies(tmp_path, make_state(), packed_first=False)
     third = Copy(tmp_path / "archive" / "step-100")
-    dcp.save(make_state(), storage_writer=MultiLevelWriter(third.path, codec="zstd"))
+    drained(primary.path, str(tmp_path / "archive"), "zstd")
     primary.corrupt("layer.w")
     primary.corrupt("emb")
     second.corrupt("emb")
@@ -307,6 +322,40 @@ def test_fallback_of_another_checkpoint_is_not_used(tmp_path, logged):
     assert logged()[-1].startswith(
         f"dcp_multilevel: item 'layer.w' in {primary.item('layer.w')['file']} of "
         f"{primary.url} is corrupt ("
+    )
+
+
+def test_fallback_of_another_save_of_the_same_step_is_not_used(tmp_path, logged):
+    primary, other = Copy(tmp_path / "nvme" / "step-100"), Copy(tmp_path / "remote" / "step-100")
+    dcp.save(make_state(), storage_writer=MultiLevelWriter(primary.path))
+    # Same step, same shapes, another save (e.g. the step saved again by another run).
+    dcp.save(make_state(), storage_writer=MultiLevelWriter(other.path, codec="bytegroup"))
+    archive = Copy(tmp_path / "archive" / "step-100")
+    drained(primary.path, str(tmp_path / "archive"), "zstd")
+    ours, theirs = primary.manifest()["save_id"], other.manifest()["save_id"]
+    assert ours != theirs
+    reason = primary.corrupt("layer.w")
+    err = load_error(primary, other)
+    assert isinstance(err, ChecksumMismatchError)  # the last copy that had the item
+    refusal = (
+        f"the copy at {other.url} holds another save than the copy in use ({primary.url}) "
+        f"and is not used: its save_id is {theirs!r}, the copy in use has {ours!r}. Only "
+        "copies drained from the same save can stand in for each other."
+    )
+    assert str(err) == (
+        f"item 'layer.w' cannot be read from any copy of checkpoint {primary.url}; load an "
+        f"earlier checkpoint. Tried 2 locations, in order: (1) {primary.url}: {reason}; "
+        f"(2) {other.url}: {refusal}"
+    )
+    # With a copy after it, the refused one is skipped with a log line.
+    reader = MultiLevelReader(primary.path, fallbacks=[other.path, archive.path])
+    loaded = zeros_like_state(make_state())
+    dcp.load(loaded, storage_reader=reader)
+    assert_state_equal(loaded, make_state())
+    assert reader.last_load_sources == {primary.url: primary.n_items() - 1, archive.url: 1}
+    assert logged()[-1] == (
+        f"dcp_multilevel: cannot use the copy at {other.url} for 1 item(s) ({refusal}); "
+        f"reading them from {archive.url}"
     )
 
 
@@ -401,10 +450,7 @@ def test_fallback_on_s3_compressed(tmp_path, s3_server: S3Server, s3_bucket, log
     remote = f"s3://{s3_bucket}/run1/step-100"
     options = s3_server.storage_options
     dcp.save(make_state(), storage_writer=MultiLevelWriter(primary.path))
-    dcp.save(
-        make_state(),
-        storage_writer=MultiLevelWriter(remote, codec="bytegroup", storage_options=options),
-    )
+    drained(primary.path, f"s3://{s3_bucket}/run1", "bytegroup", **options)
     if damage == "primary_deleted":
         shutil.rmtree(primary.path)
     else:
@@ -431,7 +477,7 @@ def test_fallback_on_s3_compressed(tmp_path, s3_server: S3Server, s3_bucket, log
 def _two_ranks_fall_back(rank: int, world_size: int, root: str) -> list[dict[str, int]]:
     primary, fallback = Copy(Path(root) / "nvme" / "step-100"), Copy(Path(root) / "s" / "step-100")
     dcp.save(make_state(), storage_writer=MultiLevelWriter(primary.path))
-    dcp.save(make_state(), storage_writer=MultiLevelWriter(fallback.path, codec="bytegroup"))
+    drained(primary.path, str(Path(root) / "s"), "bytegroup")  # each rank copies its files
     sources = []
     for damage in ("one_item_corrupt", "primary_deleted"):
         dist.barrier()

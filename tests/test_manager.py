@@ -277,3 +277,188 @@ def test_a_remote_failing_every_call_never_stalls_or_breaks_save(tmp_path):
                 mgr.close()
         else:
             mgr.close()
+
+
+# --------------------------------------------------------------------------- node-local L1
+
+
+def _node_dir(root: str, rank: int) -> str:
+    # Two "nodes": each rank's first tier is its own directory, invisible to the other.
+    return f"{root}/node{rank}/l1"
+
+
+def _node_local_job(rank: int, world: int, root: str, remote: str) -> None:
+    tiers = [Tier(_node_dir(root, rank), keep=1), Tier(remote, keep=2)]
+    mgr = CheckpointManager(tiers, drain_policy="wait")
+    for s in (1, 2, 3):
+        mgr.save(_replicated(s), step=s)
+        mgr.wait()  # the drain needs rank 0's manifest, which only rank 0's node has
+    assert [r.committed for r in mgr.drain_results] == [True] * 3
+    assert mgr.steps(1) == [2, 3]
+    assert mgr.steps(0) == ([3] if rank == 0 else [])  # manifests: on rank 0's node only
+    assert sorted(Path(_node_dir(root, rank)).iterdir()) == [Path(_node_dir(root, rank), "step-3")]
+    mgr.close()
+
+
+def _node_local_load(rank: int, world: int, root: str, remote: str, step: int) -> dict[str, int]:
+    tiers = [Tier(_node_dir(root, rank), keep=1), Tier(remote, keep=2)]
+    mgr = CheckpointManager(tiers)
+    loaded = {"a": torch.zeros(256, 256), "c": torch.zeros(256, 256)}
+    assert mgr.load_latest(loaded) == step
+    expected = _replicated(step)
+    assert_bit_equal(loaded["a"], expected["a"], "a")
+    assert_bit_equal(loaded["c"], expected["c"], "c")
+    mgr.close()
+    return mgr.last_load_sources
+
+
+@pytest.mark.multiprocess
+def test_node_local_first_tier_drains_and_loads_then_survives_losing_a_node(tmp_path):
+    root, remote = str(tmp_path), str(tmp_path / "remote")
+    run_ranks(_node_local_job, 2, root, remote, timeout=180)
+    assert not (Path(_node_dir(root, 1)) / "step-3" / "manifest.json").exists()
+    manifest = json.loads((Path(remote) / "step-3" / "manifest.json").read_text())
+    assert {f.split("/")[1].split("-")[0] for f in manifest["files"]} == {"0", "1"}
+
+    # Both nodes up: each rank reads its own files from its node, the rest from remote.
+    sources = run_ranks(_node_local_load, 2, root, remote, 3, timeout=180)
+    for rank, used in enumerate(sources):
+        l1 = f"file://{_node_dir(root, rank)}/step-3"
+        assert set(used) == {l1, f"file://{remote}/step-3"} and used[l1] >= 1
+
+    shutil.rmtree(Path(_node_dir(root, 1)).parent)  # node 1 is replaced: an empty disk
+    sources = run_ranks(_node_local_load, 2, root, remote, 3, timeout=180)
+    assert set(sources[1]) == {f"file://{remote}/step-3"}
+
+
+# --------------------------------------------------------------------------- drain copies
+
+
+@pytest.mark.parametrize(
+    ("l1_codec", "remote_codec", "verbatim"),
+    [(None, None, True), ("bytegroup", "bytegroup", True), (None, "bytegroup", False)],
+)
+def test_drain_copies_files_verbatim_when_the_codecs_agree(
+    tmp_path, l1_codec, remote_codec, verbatim
+):
+    remote = memory_url()
+    tiers = [Tier(str(tmp_path / "l1"), codec=l1_codec), Tier(remote, codec=remote_codec)]
+    mgr = CheckpointManager(tiers, drain_policy="wait")
+    mgr.save(state(4), step=4)
+    (result,) = mgr.wait()
+    assert result.committed and result.gbps > 0
+    assert (result.details["files_verbatim"] > 0, result.details["files_encoded"] > 0) == (
+        verbatim, not verbatim,
+    )  # fmt: skip
+    ours = json.loads((tmp_path / "l1" / "step-4" / "manifest.json").read_text())
+    theirs = json.loads(mgr._backends[1].read_bytes("step-4/manifest.json"))
+    assert ours["save_id"] == theirs["save_id"]
+    if verbatim:  # same bytes at the same offsets, under new file names
+        strip = [{k: v for k, v in i.items() if k != "file"} for i in ours["items"]]
+        assert strip == [{k: v for k, v in i.items() if k != "file"} for i in theirs["items"]]
+    mgr.close()
+    shutil.rmtree(tmp_path / "l1")
+    fresh = CheckpointManager(tiers)
+    loaded = blank()
+    assert fresh.load_latest(loaded) == 4
+    check(loaded, 4)
+    fresh.close()
+
+
+@pytest.mark.parametrize("source_kind", ["local", "memory"])
+@pytest.mark.parametrize("codec", [None, "bytegroup"])
+def test_a_drain_refuses_to_copy_an_item_corrupted_on_the_first_tier(tmp_path, source_kind, codec):
+    from dcp_multilevel import MultiLevelWriter
+    from dcp_multilevel.errors import ChecksumMismatchError
+    from dcp_multilevel.flush import DrainJob, drain
+    from dcp_multilevel.tiers import tier_for
+
+    src = str(tmp_path / "l1" / "step-1") if source_kind == "local" else memory_url() + "/step-1"
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state(1), storage_writer=MultiLevelWriter(src))
+    source = tier_for(src)
+    manifest = json.loads(source.read_bytes("manifest.json"))
+    w = next(i for i in manifest["items"] if i["fqn"] == "w")
+    data = bytearray(source.read_bytes(w["file"]))
+    data[w["pos"] + 7] ^= 0x10
+    with source.open_write(w["file"]) as f:
+        f.write(data)
+    target = Tier(str(tmp_path / "remote"), codec=codec)
+    with pytest.raises(ChecksumMismatchError) as info:
+        drain(DrainJob(1, src, {}, target, 1, "corrupt", time.time()), timeout_s=30)
+    assert str(info.value) == (
+        f"item 'w' in {w['file']!r} of {source.url} does not match its checksum; "
+        "not copying corrupt data"
+    )
+    step_dir = tmp_path / "remote" / "step-1"
+    assert not (step_dir / "manifest.json").exists()
+    if codec is None and source_kind == "local":  # the upload it overlapped was removed
+        assert list((step_dir / "data").iterdir()) == []
+
+
+# --------------------------------------------------------------------------- metrics, sweep
+
+
+def test_metrics_are_streamed_to_a_callback_and_a_json_lines_file(tmp_path):
+    records = []
+    path = tmp_path / "metrics" / "rank{rank}.jsonl"
+    tiers = [Tier(str(tmp_path / "l1")), Tier(memory_url(), every=2, codec="bytegroup")]
+    mgr = CheckpointManager(
+        tiers, drain_policy="wait", metrics_path=str(path), on_metrics=records.append
+    )
+    for s in (1, 2):
+        mgr.save(state(s), step=s)
+    mgr.wait()
+    mgr.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in lines] == [("save", 1), ("save", 2), ("drain", 2)]
+    assert [r["step"] for r in records] == [1, 2, 2]
+    save, drained = lines[1], lines[2]
+    assert save["tier"] == tiers[0].url and save["rank"] == 0
+    assert save["bytes"] == mgr.metrics[1].bytes_written > 256 * 256 * 4
+    assert save["blocked_seconds"] >= save["seconds"] > 0 and save["gbps"] > 0
+    assert save["drains_started"] == [tiers[1].url]
+    assert drained["tier"] == tiers[1].url and drained["committed"] is True
+    assert 0 < drained["bytes"] < drained["bytes_read"]  # compressed on the remote
+    assert drained["seconds"] > 0 and drained["lag_seconds"] > 0 and drained["gbps"] > 0
+    assert drained["files_encoded"] >= 1 and drained["error"] is None
+
+
+def test_a_failing_metrics_callback_never_breaks_a_save(tmp_path, caplog):
+    def broken(record):
+        raise RuntimeError("dashboard down")
+
+    mgr = CheckpointManager([Tier(str(tmp_path / "l1"))], on_metrics=broken)
+    with caplog.at_level(logging.WARNING, logger="dcp_multilevel"):
+        mgr.save(state(1), step=1)
+    assert "the on_metrics callback failed: RuntimeError('dashboard down')" in caplog.text
+    mgr.close()
+
+
+def test_abandoned_spool_and_temporary_files_are_swept(tmp_path):
+    import os
+
+    spool, l1 = tmp_path / "spool", tmp_path / "l1"
+    (l1 / "step-1" / "data").mkdir(parents=True)
+    spool.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead_pid = int(dead.stdout)
+    files = {
+        "dead_old": spool / f"dcp-ml-spool-{dead_pid}-abc",
+        "alive_old": spool / f"dcp-ml-spool-{os.getpid()}-def",
+        "dead_new": spool / f"dcp-ml-spool-{dead_pid}-ghi",
+        "other": spool / "unrelated-file",
+        "tmp_old": l1 / "step-1" / "data" / "0-0.x.bin.tmp-123456",
+        "tmp_new": l1 / "step-1" / "manifest.json.tmp-654321",
+    }
+    old = time.time() - 7200
+    for name, f in files.items():
+        f.write_bytes(b"x")
+        if name.endswith("old") or name == "other":
+            os.utime(f, (old, old))
+    remote = Tier(memory_url(), storage_options={"spool_dir": str(spool)})
+    CheckpointManager([Tier(str(l1)), remote], sweep_older_than_s=3600).close()
+    gone = {name for name, f in files.items() if not f.exists()}
+    assert gone == {"dead_old", "tmp_old"}

@@ -522,3 +522,34 @@ def test_dcp_save_and_load_through_a_flaky_remote(
     dcp.load(loaded, storage_reader=reader)
     assert_state_equal(loaded, all_dtypes_state)
     assert fs_of(reader.tier).injected["cat_file"] == 1
+
+
+def test_compressed_items_are_read_with_few_large_ranged_requests(memory_root, monkeypatch):
+    import torch
+
+    from dcp_multilevel import Compression
+    from dcp_multilevel import _copies as copies_mod
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"t{i}": torch.randn(64, 64, generator=g) for i in range(20)}
+    state["big"] = torch.randn(3 << 18, generator=g)  # 3 MiB: three 1 MiB chunks
+    url = f"faulty://{memory_root}/ckpt"
+    options = {"target_protocol": "memory", "skip_instance_cache": True}
+    codec = Compression("bytegroup", chunk_size=1 << 20)
+    dcp.save(state, storage_writer=MultiLevelWriter(url, codec=codec, storage_options=options))
+
+    def gets() -> int:
+        reader = MultiLevelReader(url, storage_options=options)
+        loaded = zeros_like_state(state)
+        dcp.load(loaded, storage_reader=reader)
+        assert_state_equal(loaded, state)
+        return fs_of(reader.tier).calls["cat_file"]
+
+    coalesced = gets()
+    assert coalesced == 2  # the manifest, then the one data file in one ranged GET
+    monkeypatch.setattr(copies_mod, "COALESCE_BYTES", 64 << 10)
+    bounded = gets()
+    monkeypatch.setattr(RemoteTier, "prefers_large_reads", False)
+    one_per_record = gets()  # header, chunk records, payloads, terminators: one GET each
+    assert coalesced < bounded < one_per_record
+    assert one_per_record > 80

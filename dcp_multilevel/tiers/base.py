@@ -87,6 +87,10 @@ class TierBackend(abc.ABC):
     #: so their commit is "manifest written last" plus a size check.
     supports_atomic_rename: bool = False
 
+    #: True when every read request costs a round trip (an HTTP ranged GET):
+    #: readers then fetch adjacent small pieces with one larger request.
+    prefers_large_reads: bool = False
+
     @property
     @abc.abstractmethod
     def url(self) -> str:
@@ -124,6 +128,23 @@ class TierBackend(abc.ABC):
         with open(local_path, "rb") as src, self.open_write(path) as dst:
             while block := src.read(16 << 20):
                 dst.write(block)
+
+    def local_path(self, path: str) -> str | None:
+        """A local file system path of the committed file ``path``, or None.
+
+        Tiers in a local directory return one, so that copies to another tier
+        can upload the file directly (``put_file``) instead of streaming it.
+        """
+        return None
+
+    def sweep(self, older_than_s: float) -> list[str]:
+        """Remove this tier's abandoned temporary data (crash leftovers); return what went.
+
+        Only data older than ``older_than_s`` seconds is touched, so files that
+        a live writer (another rank, another job) is producing are left alone.
+        The default has nothing to sweep.
+        """
+        return []
 
     def read_bytes(self, path: str) -> bytes:
         """The whole content of the committed file ``path``."""

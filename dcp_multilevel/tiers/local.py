@@ -7,8 +7,10 @@ complete under its final name or not there (temporaries are swept later).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +20,8 @@ from ..errors import ConfigError
 from .base import FdWriteHandle, TierBackend
 
 __all__ = ["TMP_MARKER", "LocalTier"]
+
+logger = logging.getLogger(__name__)
 
 #: Infix of temporary files; anything containing it is garbage after a crash.
 TMP_MARKER = ".tmp-"
@@ -101,6 +105,32 @@ class LocalTier(TierBackend):
 
     def exists(self, path: str) -> bool:
         return self._abs(path).exists()
+
+    def local_path(self, path: str) -> str:
+        return str(self._abs(path))
+
+    def sweep(self, older_than_s: float) -> list[str]:
+        """Remove temporary files (``*.tmp-*``) left by crashed writers below the root.
+
+        A live writer's temporary file is recent (its modification time moves
+        with every write), so only files older than ``older_than_s`` go.
+        """
+        removed: list[str] = []
+        cutoff = time.time() - older_than_s
+        for directory, _, names in os.walk(self.root):
+            for name in names:
+                if TMP_MARKER not in name:
+                    continue
+                path = os.path.join(directory, name)
+                try:
+                    if os.lstat(path).st_mtime < cutoff:
+                        os.unlink(path)
+                        removed.append(os.path.relpath(path, self.root))
+                except FileNotFoundError:
+                    continue  # another rank swept it first
+        if removed:
+            logger.info("swept %d abandoned temporary file(s) below %s", len(removed), self.url)
+        return removed
 
     def listdir(self, path: str) -> list[str]:
         try:

@@ -156,6 +156,7 @@ class RemoteTier(TierBackend):
     """
 
     supports_atomic_rename = False
+    prefers_large_reads = True
 
     def __init__(
         self,
@@ -211,7 +212,8 @@ class RemoteTier(TierBackend):
     def open_write(self, path: str) -> Iterator[FdWriteHandle]:
         if self.spool_dir is not None:
             os.makedirs(self.spool_dir, exist_ok=True)
-        fd, spool = tempfile.mkstemp(prefix=SPOOL_PREFIX, dir=self.spool_dir)
+        # The pid in the name lets sweep() tell a live writer's spool from garbage.
+        fd, spool = tempfile.mkstemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-", dir=self.spool_dir)
         try:
             handle = FdWriteHandle(fd)
             try:
@@ -315,6 +317,42 @@ class RemoteTier(TierBackend):
 
         self._retry("remove", path, rm)
 
+    def sweep(self, older_than_s: float) -> list[str]:
+        """Remove spool files abandoned by dead processes from the spool directory.
+
+        A spool file (``dcp-ml-spool-<pid>-*``) goes when it is older than
+        ``older_than_s`` and the process that made it is not running here. The
+        age rule also covers names without a pid and spool directories shared
+        by containers with their own pid namespaces. Objects on the remote
+        itself are not touched here: data of uncommitted checkpoints is removed
+        by the manager's retention, and S3 multipart uploads a crashed process
+        left incomplete need the bucket's ``AbortIncompleteMultipartUpload``
+        lifecycle rule (see docs/tiers.md).
+        """
+        directory = self.spool_dir or tempfile.gettempdir()
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return []
+        cutoff = time.time() - older_than_s
+        removed = []
+        for name in names:
+            if not name.startswith(SPOOL_PREFIX):
+                continue
+            pid_text = name[len(SPOOL_PREFIX) :].split("-", 1)[0]
+            if pid_text.isdigit() and _process_alive(int(pid_text)):
+                continue
+            path = os.path.join(directory, name)
+            try:
+                if os.lstat(path).st_mtime < cutoff:
+                    os.unlink(path)
+                    removed.append(path)
+            except FileNotFoundError:
+                continue  # another process swept it first
+        if removed:
+            logger.info("swept %d abandoned spool file(s) from %s", len(removed), directory)
+        return removed
+
     # ------------------------------------------------------------------ internals
 
     def _path(self, path: str) -> str:
@@ -413,6 +451,18 @@ class RemoteTier(TierBackend):
             operation=operation,
             attempts=attempts,
         )
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only checks that the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
 
 
 def _describe(exc: BaseException) -> str:
