@@ -103,7 +103,8 @@ from _common import (
 )
 from _data import bert_layers, tiny_bert_config
 
-import dcp_multilevel.flush as flush_mod
+import dcp_multilevel._transfer as transfer_mod
+import dcp_multilevel.codecs.pipeline as pipeline_mod
 import dcp_multilevel.tiers.local as local_mod
 import dcp_multilevel.writer as writer_mod
 from dcp_multilevel import CheckpointManager, MultiLevelWriter, Tier
@@ -282,10 +283,13 @@ class Profile:
         self.seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self._undo: list[Callable[[], None]] = []
 
-    @staticmethod
-    def _who() -> str:
+    #: Thread name prefixes of the drain (its worker, copy, upload and codec threads).
+    DRAIN_THREADS = ("dcp-ml-drain", "dcp-ml-copy", "dcp-ml-upload", "dcp-ml-recode")
+
+    @classmethod
+    def _who(cls) -> str:
         name = threading.current_thread().name
-        return "drain" if name.startswith("dcp-ml-drain") else "main"
+        return "drain" if name.startswith(cls.DRAIN_THREADS) else "main"
 
     def add(self, phase: str, seconds: float) -> None:
         with self._lock:
@@ -314,7 +318,7 @@ class Profile:
     def install(self) -> None:
         prof = self
 
-        class TimedHasher(flush_mod.Hasher):
+        class TimedHasher(transfer_mod.Hasher):
             __slots__ = ()
 
             def update(self, data: Any) -> None:
@@ -322,14 +326,15 @@ class Profile:
                 super().update(data)
                 prof.add("hash output", time.perf_counter() - t0)
 
-        for mod in (flush_mod, writer_mod):
+        for mod in (transfer_mod, writer_mod):
             original = mod.Hasher
             mod.Hasher = TimedHasher
             self._undo.append(lambda m=mod, o=original: setattr(m, "Hasher", o))
         self.wrap(local_mod._LocalReadHandle, "read_into", "read L1")
-        self.wrap(flush_mod, "checksum_of", "verify checksum")
-        self.wrap(flush_mod, "decode_buffer", "decode")
-        self.wrap(flush_mod, "encode_frames", "re-encode (1 thread)", materialize=True)
+        self.wrap(transfer_mod, "checksum_of", "verify checksum")
+        self.wrap(transfer_mod, "decode_buffer", "decode")
+        # Summed over the codec pool's threads: may exceed the wall time.
+        self.wrap(pipeline_mod, "encode_chunk", "encode chunks (pool threads)")
         # The remote tier's spool handle (the drain and the direct path write nothing else).
         handle = getattr(remote_mod, "FdWriteHandle", None) or getattr(
             remote_mod, "_SpoolWriteHandle", None

@@ -126,20 +126,42 @@ class Drainer:
         self.results: list[DrainResult] = []
         self._unreported: list[DrainResult] = []
 
-    def submit(self, job: DrainJob) -> Future[DrainResult] | None:
-        """Start ``job`` in the background; None when skipped by the policy."""
+    def busy(self, tier_index: int) -> bool:
+        """True while a drain to tier ``tier_index`` is running."""
         with self._lock:
-            _, running = self._inflight.get(job.tier_index, (None, None))
-        if running is not None and not running.done():
-            if self.policy == "skip":
-                result = DrainResult(job.step, job.target.url, skipped=True)
-                logger.warning(
-                    "dcp_multilevel: step %d not copied to %s: the drain of an earlier step "
-                    "is still running (policy 'skip')", job.step, job.target.url,
-                )  # fmt: skip
-                self._record(result)
-                return None
-            running.result()  # policy "wait"; its errors are reported by wait()
+            _, running = self._inflight.get(tier_index, (None, None))
+        return running is not None and not running.done()
+
+    def finish(self, tier_index: int) -> None:
+        """Block until the drain running to tier ``tier_index`` (if any) ended.
+
+        Its errors are not raised here; :meth:`wait` reports them.
+        """
+        with self._lock:
+            _, running = self._inflight.get(tier_index, (None, None))
+        if running is not None:
+            running.result()  # _run catches every error: this never raises
+
+    def submit(self, job: DrainJob, *, skip: bool | None = None) -> Future[DrainResult] | None:
+        """Start ``job`` in the background; None when it is skipped.
+
+        ``skip``: None lets this Drainer's policy decide (skip, or wait for the
+        running drain, when one is running on the tier). With several ranks the
+        decision must be the same everywhere (a drain needs every rank's share),
+        so the manager takes rank 0's decision and passes it: True skips; False
+        runs, after waiting for a running drain.
+        """
+        if skip is None:
+            skip = self.policy == "skip" and self.busy(job.tier_index)
+        if skip:
+            result = DrainResult(job.step, job.target.url, skipped=True)
+            logger.warning(
+                "dcp_multilevel: step %d not copied to %s: the drain of an earlier step "
+                "is still running (policy 'skip')", job.step, job.target.url,
+            )  # fmt: skip
+            self._record(result)
+            return None
+        self.finish(job.tier_index)
         worker = self._workers.get(job.tier_index)
         if worker is None:
             worker = self._workers[job.tier_index] = ThreadPoolExecutor(

@@ -151,23 +151,33 @@ class CheckpointManager:
         committed = time.time()
         self._generation += 1
         metrics = SaveMetrics(step, first.url, writer.bytes_written, blocked)
-        for i, tier in enumerate(self.tiers[1:], start=1):
-            if tier.due(step):
-                job = DrainJob(step, url, dict(first.storage_options), tier, i,
-                               f"{i}-{step}-{self._generation}", committed)  # fmt: skip
-                if self._drainer.submit(job) is None:
-                    self._skipped[i].add(step)
-                    metrics.drains_skipped.append(tier.url)
-                else:
-                    metrics.drains_started.append(tier.url)
-        # Retention of the first tier: rank 0 decides from its listing (the
-        # manifests are on its node), every rank removes the same steps from its
-        # own view (a node-local first tier holds every node's files apart).
-        removed = self._retain(0) if _dist.rank() == 0 else []
+        due = [i for i in range(1, len(self.tiers)) if self.tiers[i].due(step)]
+        # Rank 0 decides which drains to skip (policy "skip", previous drain still
+        # running) and applies first-tier retention from its listing (its node
+        # has the manifests); every rank follows: a drain needs every rank's
+        # share, and a node-local first tier holds every node's files apart.
+        skip: list[int] = []
+        removed: list[str] = []
+        if _dist.rank() == 0:
+            skip = [i for i in due if self._drainer.policy == "skip" and self._drainer.busy(i)]
+            for i in due:
+                if i not in skip:
+                    self._drainer.finish(i)  # policy "wait": retention then knows its outcome
+            removed = self._retain(0)  # local listing only; higher tiers: after their drains
         if _dist.world_size() > 1:
-            for name in _dist.broadcast_object(removed, 0):
-                if _dist.rank() != 0:
+            skip, removed = _dist.broadcast_object((skip, removed), 0)
+            if _dist.rank() != 0:
+                for name in removed:
                     self._backends[0].remove_tree(name)
+        for i in due:
+            tier = self.tiers[i]
+            job = DrainJob(step, url, dict(first.storage_options), tier, i,
+                           f"{i}-{step}-{self._generation}", committed)  # fmt: skip
+            if self._drainer.submit(job, skip=i in skip) is None:
+                self._skipped[i].add(step)
+                metrics.drains_skipped.append(tier.url)
+            else:
+                metrics.drains_started.append(tier.url)
         metrics.waited_seconds = time.perf_counter() - t0 - blocked
         self.metrics.append(metrics)
         logger.info(
