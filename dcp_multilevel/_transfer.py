@@ -17,9 +17,11 @@ Used by the drain (``flush.py``). Two ways, chosen per source data file:
   then fall back to another copy.
 * **re-encoded**: items are read whole, verified, decoded if needed and encoded
   for the target's codec with the codec's thread pool. The items of one source
-  file are split into output files of about :data:`PART_BYTES` raw bytes, and
-  two output files are processed at once, so that one is uploaded while the
-  next is encoded (``RemoteTier.open_write`` uploads when its block exits).
+  file are split into output files of about :data:`PART_BYTES` raw bytes that
+  form a two-stage pipeline: one output is encoded (by one thread at a time,
+  holding the encode lock, with the codec's pool) while the previous one is
+  uploaded (``RemoteTier.open_write`` uploads when its block exits, after the
+  lock is released).
 
 Nothing here commits: the caller writes the target manifest after every rank
 copied its share; a failed copy leaves objects that no manifest names.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -104,9 +107,11 @@ def copy_rank_files(
         if loc.file.split("/")[1].startswith(f"{rank}-"):
             by_file.setdefault(loc.file, []).append((index, loc))
 
-    tasks: list[Callable[[], tuple[str, dict[MetadataIndex, ItemLocation], int]]] = []
+    # (raw bytes, task): see the ordering below.
+    tasks: list[tuple[int, Callable[[], tuple[str, dict[MetadataIndex, ItemLocation], int]]]] = []
     stats = CopyStats()
     n = 0
+    encode_lock = threading.Lock()
     codec_pool: ThreadPoolExecutor | None = None
     if codec is not None and compression is not None and compression.threads > 1:
         codec_pool = ThreadPoolExecutor(compression.threads, thread_name_prefix="dcp-ml-recode")
@@ -118,20 +123,23 @@ def copy_rank_files(
             out = data_file_path(rank, n, token)
             n += 1
             stats.files_verbatim += 1
-            tasks.append(_bind(_copy_verbatim, source, file, size, items, target, out))
+            tasks.append((size, _bind(_copy_verbatim, source, file, size, items, target, out)))
             continue
         for part in _parts(items):
             out = data_file_path(rank, n, token)
             n += 1
             stats.files_encoded += 1
-            tasks.append(
-                _bind(_recode, source, file, part, target, out, dtypes, codec, compression,
-                      codec_pool)
-            )  # fmt: skip
+            raw = sum(loc.raw_length for _, loc in part)
+            tasks.append((raw, _bind(_recode, source, file, part, target, out, dtypes, codec,
+                                     compression, codec_pool, encode_lock)))  # fmt: skip
     try:
         # Two outputs in flight: one is uploaded while the next is read and encoded.
         with ThreadPoolExecutor(2, thread_name_prefix="dcp-ml-copy") as io_pool:
-            futures = [io_pool.submit(task) for task in tasks]
+            # Smallest first: encoding is faster than uploading, so in this two-stage
+            # pipeline the time to durable is about the first encode plus every
+            # upload (Johnson's rule); a small first output starts the uploads soonest.
+            tasks.sort(key=lambda t: t[0])
+            futures = [io_pool.submit(task) for _, task in tasks]
             try:
                 for f in futures:
                     out, locations, out_size = f.result()
@@ -288,24 +296,28 @@ def _recode(
     codec: Codec | None,
     compression: Compression | None,
     pool: Executor | None,
+    encode_lock: threading.Lock,
 ) -> tuple[str, dict[MetadataIndex, ItemLocation], int]:
     locations: dict[MetadataIndex, ItemLocation] = {}
     window = 2 * compression.threads if compression is not None else 1
-    with source.open_read(file) as src, target.open_write(out) as dst:
-        for index, loc in items:
-            start = dst.tell()
-            hasher = Hasher()
-            parts, transforms = _transcode(
-                src, source, file, index.fqn, loc, dtypes[index.fqn], codec, compression,
-                pool, window,
-            )  # fmt: skip
-            for part in parts:
-                hasher.update(part)
-                dst.write(part)
-            locations[index] = ItemLocation(
-                out, start, dst.tell() - start, loc.raw_length, hasher.hexdigest(), transforms
-            )
-        size = dst.tell()
+    with source.open_read(file) as src, target.open_write(out) as dst:  # noqa: SIM117
+        # One output encodes at a time (the codec pool is shared); the upload,
+        # when the outer block exits, runs outside the lock, beside the next encode.
+        with encode_lock:
+            for index, loc in items:
+                start = dst.tell()
+                hasher = Hasher()
+                parts, transforms = _transcode(
+                    src, source, file, index.fqn, loc, dtypes[index.fqn], codec, compression,
+                    pool, window,
+                )  # fmt: skip
+                for part in parts:
+                    hasher.update(part)
+                    dst.write(part)
+                locations[index] = ItemLocation(
+                    out, start, dst.tell() - start, loc.raw_length, hasher.hexdigest(), transforms
+                )
+            size = dst.tell()
     return out, locations, size
 
 
