@@ -313,10 +313,11 @@ class CheckpointManager:
                 step = pending[-1]
                 self._generation += 1
                 logger.info("dcp_multilevel: resuming the drain of step %d to %s", step, tier.url)
+                # skip=False: the same decision on every rank (wait for a running drain).
                 self._drainer.submit(DrainJob(
                     step, self.tiers[0].checkpoint_url(step), dict(self.tiers[0].storage_options),
                     tier, i, f"{i}-{step}-{self._generation}-resume", time.time(),
-                ))  # fmt: skip
+                ), skip=False)  # fmt: skip
 
     # ------------------------------------------------------------------ lifecycle
 
