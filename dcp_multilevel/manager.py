@@ -205,8 +205,10 @@ class CheckpointManager:
     ) -> int | None:
         """Load the newest checkpoint every rank can reach; None if there is none.
 
-        Collective. Afterwards, checkpoints a higher tier is due to hold but does
-        not (a drain killed with the previous run) are drained again.
+        Collective. Raises CheckpointNotFoundError when checkpoints exist but
+        none is readable by every rank (never a silent fresh start).
+        Afterwards, checkpoints a higher tier is due to hold but does not (a
+        drain killed with the previous run) are drained again.
         """
         views = self._views()
         everyone = _dist.all_gather_object(views)
@@ -219,6 +221,15 @@ class CheckpointManager:
                 self._load(state_dict, step, views, manifest, planner)
                 self._resume_drains(everyone[0])
                 return step
+        if candidates:
+            # Checkpoints exist but no rank set can read them all: never a silent fresh start.
+            raise CheckpointNotFoundError(
+                f"committed checkpoints exist (newest: step {candidates[-1]}), but for each of "
+                f"them some rank cannot reach all of its data files on {self.tiers[0].url} (a "
+                "node-local tier on a lost or new node?) and no higher tier holds it. Restore "
+                "the nodes' disks, or start fresh deliberately with a new tier location.",
+                checkpoint=self.tiers[0].checkpoint_url(candidates[-1]),
+            )
         return None
 
     def load(

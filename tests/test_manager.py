@@ -332,6 +332,27 @@ def test_node_local_first_tier_drains_and_loads_then_survives_losing_a_node(tmp_
     assert set(sources[1]) == {f"file://{remote}/step-3"}
 
 
+def _node_local_only(rank: int, world: int, root: str) -> str:
+    mgr = CheckpointManager([Tier(_node_dir(root, rank))])
+    mgr.save(_replicated(1), step=1)
+    with pytest.raises(CheckpointNotFoundError) as info:
+        mgr.load_latest({"a": torch.zeros(256, 256), "c": torch.zeros(256, 256)})
+    mgr.close()
+    return str(info.value)
+
+
+@pytest.mark.multiprocess
+def test_node_local_steps_no_rank_set_can_read_are_an_error_not_a_fresh_start(tmp_path):
+    messages = run_ranks(_node_local_only, 2, str(tmp_path), timeout=180)
+    for rank, message in enumerate(messages):
+        assert message == (
+            "committed checkpoints exist (newest: step 1), but for each of them some rank "
+            f"cannot reach all of its data files on {_node_dir(str(tmp_path), rank)} (a "
+            "node-local tier on a lost or new node?) and no higher tier holds it. Restore the "
+            "nodes' disks, or start fresh deliberately with a new tier location."
+        )
+
+
 # --------------------------------------------------------------------------- drain copies
 
 
