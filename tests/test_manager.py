@@ -332,6 +332,31 @@ def test_node_local_first_tier_drains_and_loads_then_survives_losing_a_node(tmp_
     assert set(sources[1]) == {f"file://{remote}/step-3"}
 
 
+def _skip_together(rank: int, world: int, root: str) -> list[list[str]]:
+    # Rank 0 applies the remote's retention after each commit; a slow listing keeps
+    # its drain busy after rank 1's has ended. Each rank deciding alone, rank 0 would
+    # skip step 2 and rank 1 would wait forever for rank 0's share of it.
+    options = {"target_protocol": "file", "target_options": {"auto_mkdir": True},
+               "delay": {"ls": 2.0}, "skip_instance_cache": True}  # fmt: skip
+    remote = Tier(f"faulty://{root}/remote", storage_options=options)
+    mgr = CheckpointManager([Tier(_node_dir(root, rank)), remote], drain_timeout_s=30)
+    first = mgr.save(_replicated(1), step=1)
+    time.sleep(1.0)  # rank 1's drain has ended, rank 0's is listing the remote
+    second = mgr.save(_replicated(2), step=2)
+    mgr.wait()
+    mgr.close()
+    return [first.drains_skipped, second.drains_skipped]
+
+
+@pytest.mark.multiprocess
+def test_every_rank_follows_rank_0s_skip_decision(tmp_path):
+    skipped = run_ranks(_skip_together, 2, str(tmp_path), timeout=120)
+    remote = f"faulty://{tmp_path}/remote"
+    assert skipped == [[[], [remote]], [[], [remote]]]
+    assert (tmp_path / "remote" / "step-1" / "manifest.json").exists()
+    assert not (tmp_path / "remote" / "step-2").exists()
+
+
 def _node_local_only(rank: int, world: int, root: str) -> str:
     mgr = CheckpointManager([Tier(_node_dir(root, rank))])
     mgr.save(_replicated(1), step=1)
