@@ -509,3 +509,18 @@ def test_abandoned_spool_and_temporary_files_are_swept(tmp_path):
     CheckpointManager([Tier(str(l1)), remote], sweep_older_than_s=3600).close()
     gone = {name for name, f in files.items() if not f.exists()}
     assert gone == {"dead_old", "tmp_old"}
+
+
+def test_a_remote_first_tier_drains_verbatim_by_streaming(tmp_path):
+    # The source has no local path: files are streamed in blocks and verified on the way.
+    tiers = [Tier(memory_url()), Tier(str(tmp_path / "archive"))]
+    mgr = CheckpointManager(tiers, drain_policy="wait")
+    mgr.save(state(6), step=6)
+    (result,) = mgr.wait()
+    assert result.committed and result.details["files_verbatim"] >= 1
+    mgr.close()
+    fresh = CheckpointManager([Tier(str(tmp_path / "archive"))])
+    loaded = blank()
+    assert fresh.load_latest(loaded) == 6
+    check(loaded, 6)
+    fresh.close()
