@@ -34,26 +34,25 @@ the next ``async_save`` with this writer (:class:`AsyncSaveError`).
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from ._host_buffers import BufferPool, copy_into, staged_nbytes
 from .errors import AsyncSaveError, ConfigError, SaveInFlightError
 
 __all__ = ["AsyncStagingMixin", "BufferPool", "StagingConfig", "background_step"]
 
 logger = logging.getLogger(__name__)
 
-#: Byte alignment of each tensor in a buffer set (cache line; every dtype fits).
-ALIGN = 64
 #: Bytes of the shared failure record a PROCESS-mode daemon copy writes into.
 _STATUS_BYTES = 4096
 #: Thread names of DCP 2.13's THREAD and PROCESS executors (one fresh thread per save).
@@ -79,6 +78,8 @@ class StagingConfig:
             ``None``: when CUDA is available.
         shared_memory: allocate the buffers in shared memory up front, so that
             ``AsyncCheckpointerType.PROCESS`` never moves them on first use.
+        copy_threads: threads copying into the buffers while ``async_save``
+            blocks (``copy_`` releases the GIL); 1: the calling thread only.
     """
 
     budget_bytes: int | None = None
@@ -86,6 +87,7 @@ class StagingConfig:
     wait_timeout_s: float = 3600.0
     pin_memory: bool | None = None
     shared_memory: bool = False
+    copy_threads: int = 2
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and (
@@ -96,147 +98,10 @@ class StagingConfig:
             )
         if self.in_flight not in ("wait", "raise"):
             raise ConfigError(f'in_flight must be "wait" or "raise", got {self.in_flight!r}')
+        if not isinstance(self.copy_threads, int) or self.copy_threads < 1:
+            raise ConfigError(f"copy_threads must be an int >= 1, got {self.copy_threads!r}")
         if not self.wait_timeout_s > 0:
             raise ConfigError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s!r}")
-
-
-# --------------------------------------------------------------------------- buffers
-
-
-class _BufferSet:
-    """One flat host buffer; ``owner`` is the save it is lent to (None: free)."""
-
-    __slots__ = ("flat", "owner")
-
-    def __init__(self, flat: torch.Tensor) -> None:
-        self.flat = flat
-        self.owner: _Ticket | None = None
-
-    @property
-    def capacity(self) -> int:
-        return self.flat.numel()
-
-    def busy(self) -> bool:
-        return self.owner is not None and not self.owner.done()
-
-
-class BufferPool:
-    """At most two flat host buffers, allocated on demand and reused.
-
-    A set is replaced (freed, then allocated larger) only when a bigger state
-    arrives; the total never exceeds ``budget_bytes``.
-    """
-
-    MAX_SETS = 2
-
-    def __init__(self, budget_bytes: int | None, *, pin: bool, shared: bool) -> None:
-        self.budget_bytes = budget_bytes
-        self.pin = pin
-        self.shared = shared
-        self.sets: list[_BufferSet] = []
-        #: Bytes ever allocated, and the most held at once (for tests and metrics).
-        self.allocated_total = 0
-        self.peak_bytes = 0
-
-    @property
-    def held_bytes(self) -> int:
-        return sum(s.capacity for s in self.sets)
-
-    def fits(self, nbytes: int) -> bool:
-        return self.budget_bytes is None or nbytes <= self.budget_bytes
-
-    def try_acquire(self, nbytes: int) -> _BufferSet | None:
-        """A free set of at least ``nbytes``, or None while busy sets leave no room."""
-        free = [s for s in self.sets if not s.busy()]
-        fitting = [s for s in free if s.capacity >= nbytes]
-        if fitting:
-            return min(fitting, key=lambda s: s.capacity)
-        busy_bytes = sum(s.capacity for s in self.sets if s.busy())
-        if self.budget_bytes is not None and busy_bytes + nbytes > self.budget_bytes:
-            return None
-        if free:  # replace the largest free set: frees first, so the peak stays bounded
-            victim = max(free, key=lambda s: s.capacity)
-            self.sets.remove(victim)
-            del victim
-        elif len(self.sets) >= self.MAX_SETS:
-            return None
-        new = _BufferSet(self._allocate(nbytes))
-        self.sets.append(new)
-        return new
-
-    def _allocate(self, nbytes: int) -> torch.Tensor:
-        flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-        if self.shared:
-            flat.share_memory_()
-        self.allocated_total += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes + nbytes)
-        return flat
-
-    def close(self) -> None:
-        self.sets = [s for s in self.sets if s.busy()]
-
-
-def _poolable(t: torch.Tensor) -> bool:
-    return type(t) is torch.Tensor and t.layout == torch.strided and not t.is_quantized
-
-
-def _layout(state: Any) -> int:
-    """Bytes a buffer set needs for every poolable tensor of ``state``."""
-    total = 0
-
-    def visit(v: Any) -> None:
-        nonlocal total
-        if isinstance(v, torch.Tensor):
-            if _poolable(v):
-                total = _aligned(total) + v.numel() * v.element_size()
-        elif isinstance(v, dict):
-            for x in v.values():
-                visit(x)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                visit(x)
-
-    visit(state)
-    return _aligned(total)
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _copy_into(state: Any, flat: torch.Tensor | None) -> Any:
-    """A snapshot of ``state``: tensors copied into views of ``flat`` (None: kept live)."""
-    offset = 0
-    non_blocking = flat is not None and flat.is_pinned()
-
-    def snap(v: Any) -> Any:
-        nonlocal offset
-        if isinstance(v, torch.Tensor):
-            if not _poolable(v):
-                # DTensor, sparse, quantized...: not pooled, staged the stock way.
-                return v.detach().to("cpu", copy=True)
-            if flat is None:
-                return v
-            n = v.numel() * v.element_size()
-            offset = _aligned(offset)
-            dst = flat[offset : offset + n].view(v.dtype).view(v.shape)
-            offset += n
-            # copy_ into memory touched by an earlier save: no page faults.
-            dst.copy_(v.detach(), non_blocking=non_blocking)
-            return dst
-        if isinstance(v, dict):
-            return {k: snap(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [snap(x) for x in v]
-        if isinstance(v, tuple) and not hasattr(v, "_fields"):
-            return tuple(snap(x) for x in v)
-        # Plain values (step counters, RNG state, configs) are part of the snapshot.
-        return copy.deepcopy(v)
-
-    out = snap(state)
-    if non_blocking and torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return out
 
 
 # --------------------------------------------------------------------------- tickets
@@ -314,6 +179,13 @@ class _StagingState:
         self.failure: str | None = None
         # Written by a PROCESS-mode daemon copy of the writer (shared memory).
         self.status = torch.zeros(_STATUS_BYTES, dtype=torch.uint8).share_memory_()
+        # copy_ releases the GIL: while the training thread waits for staging anyway,
+        # more cores copy (threads exit with the process).
+        self.copier = (
+            ThreadPoolExecutor(config.copy_threads, thread_name_prefix="dcp-ml-stage")
+            if config.copy_threads > 1
+            else None
+        )
 
 
 class AsyncStagingMixin(AsyncStager):
@@ -361,7 +233,7 @@ class AsyncStagingMixin(AsyncStager):
                 if time.monotonic() > deadline:
                     raise SaveInFlightError(self._busy_message("never started", cfg))
                 time.sleep(_POLL_S)
-        nbytes = _layout(state_dict)
+        nbytes = staged_nbytes(state_dict)
         write_through = not st.pool.fits(nbytes)
         buffers = None
         while not write_through:
@@ -379,7 +251,8 @@ class AsyncStagingMixin(AsyncStager):
                 raise SaveInFlightError(self._busy_message("did not finish in time", cfg))
         st.seq += 1
         ticket = _Ticket(st.seq, write_through)
-        staged = _StagedDict(_copy_into(state_dict, buffers.flat if buffers else None))
+        flat = buffers.flat if buffers is not None else None
+        staged = _StagedDict(copy_into(state_dict, flat, st.copier))
         staged._ticket = ticket
         staged._stager = self
         if buffers is not None:

@@ -77,8 +77,17 @@ def _mutate(sd: dict) -> None:
 
 
 def _clone(sd: dict) -> dict:
-    return {k: _clone(v) if isinstance(v, dict) else v.clone() if isinstance(v, torch.Tensor) else v
-            for k, v in sd.items()}  # fmt: skip
+    """A byte-exact copy (``clone()`` would normalize bool bytes other than 0 and 1)."""
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out[k] = _clone(v)
+        elif isinstance(v, torch.Tensor):
+            raw = v.reshape(-1).view(torch.uint8).clone()
+            out[k] = raw.view(v.dtype).reshape(v.shape)
+        else:
+            out[k] = v
+    return out
 
 
 def _load(path: Path, like: dict) -> dict:
