@@ -79,10 +79,8 @@ class BufferPool:
         busy_bytes = sum(s.capacity for s in self.sets if s.busy())
         if self.budget_bytes is not None and busy_bytes + nbytes > self.budget_bytes:
             return None
-        if free:  # replace the largest free set: frees first, so the peak stays bounded
-            victim = max(free, key=lambda s: s.capacity)
-            self.sets.remove(victim)
-            del victim
+        if free:  # too small for this state: free them first, so the peak stays bounded
+            self.sets = [s for s in self.sets if s.busy()]
         elif len(self.sets) >= self.MAX_SETS:
             return None
         new = _BufferSet(self._allocate(nbytes))
@@ -90,7 +88,8 @@ class BufferPool:
         return new
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        # Shared memory wins over pinning: DCP's daemon process needs it shared.
+        flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin and not self.shared)
         if self.shared:
             flat.share_memory_()
         self.allocated_total += nbytes

@@ -157,7 +157,7 @@ class _StagedDict(dict):
         # Claim first: the sending thread ending then marks this save done either way.
         stager._claim(ticket)
         if ticket.write_through:
-            raise SaveInFlightError(
+            raise ConfigError(
                 "this state does not fit the staging budget and is written through from "
                 "the live tensors, which needs AsyncCheckpointerType.THREAD; with PROCESS the "
                 "whole staged copy must fit: raise StagingConfig(budget_bytes=...)"

@@ -32,11 +32,13 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_multilevel import (
     AsyncSaveError,
+    ConfigError,
     MultiLevelReader,
     MultiLevelWriter,
     SaveInFlightError,
     StagingConfig,
 )
+from dcp_multilevel._host_buffers import BufferPool
 from dcp_multilevel.format import MANIFEST_NAME
 from dcp_multilevel.format.tensor_bytes import PIECE_BYTES
 
@@ -216,6 +218,24 @@ def _budget_job(rank: int, world: int, root: str, budget: int) -> dict:
     fut.result()
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     _assert_same(_load(Path(root) / "big", expected), expected, "over budget")
+    # PROCESS mode would have to ship the live tensors to DCP's daemon: refused,
+    # before they are moved into shared memory.
+    _setup_daemon_env()
+    fut = dcp.async_save(
+        sd,
+        storage_writer=writer,
+        checkpoint_id=Path(root) / "process",
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+    )
+    with pytest.raises(ConfigError) as err:
+        fut.result()
+    assert str(err.value) == (
+        "this state does not fit the staging budget and is written through from the live "
+        "tensors, which needs AsyncCheckpointerType.THREAD; with PROCESS the whole staged "
+        "copy must fit: raise StagingConfig(budget_bytes=...)"
+    )
+    assert not any(t.is_shared() for t in _tensors(sd))
+    assert not (Path(root) / "process" / MANIFEST_NAME).exists()
     return {"grown": grown, "allocated": writer.staging_pool.allocated_total}
 
 
@@ -225,6 +245,32 @@ def test_state_larger_than_budget_saves_within_budget(tmp_path):
     # Bounded: the whole 48 MiB state was never copied.
     assert res["allocated"] <= budget
     assert res["grown"] <= budget + PIECE_BYTES, f"peak RSS grew by {res['grown'] >> 20} MiB"
+
+
+class _Save:
+    def __init__(self) -> None:
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+
+def test_pool_reuses_two_sets_within_its_budget():
+    pool = BufferPool(3000, pin=False, shared=False)
+    a = pool.try_acquire(1000)
+    a.owner = first = _Save()
+    b = pool.try_acquire(1000)
+    b.owner = second = _Save()
+    assert b is not a and pool.try_acquire(10) is None  # two sets, both busy
+    first.finished = True
+    assert pool.try_acquire(900) is a  # reused, not reallocated
+    assert pool.allocated_total == 2000
+    second.finished = True
+    a.owner = None
+    # Bigger than both free sets: they are freed first, so the budget holds.
+    c = pool.try_acquire(2500)
+    assert [s.capacity for s in pool.sets] == [2500] and c.capacity == 2500
+    assert pool.peak_bytes <= 3000 and not pool.fits(3001)
 
 
 def test_budget_and_policy_are_validated():
