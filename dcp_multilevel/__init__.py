@@ -12,6 +12,7 @@ Use with DCP as usual::
 from ._version import __version__
 from .config import Compression, Tier
 from .errors import (
+    AsyncSaveError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -23,6 +24,7 @@ from .errors import (
     PlanningError,
     RegistryError,
     RemoteTierError,
+    SaveInFlightError,
     TruncatedDataError,
     UnsafeObjectError,
     UnsupportedFormatVersionError,
@@ -33,9 +35,11 @@ from .manager import CheckpointManager, SaveMetrics
 from .planner import BalancedSavePlanner
 from .planning import CostModel
 from .reader import MultiLevelReader
+from .staging import StagingConfig
 from .writer import MultiLevelWriter
 
 __all__ = [
+    "AsyncSaveError",
     "BalancedSavePlanner",
     "CheckpointExistsError",
     "CheckpointManager",
@@ -54,7 +58,9 @@ __all__ = [
     "PlanningError",
     "RegistryError",
     "RemoteTierError",
+    "SaveInFlightError",
     "SaveMetrics",
+    "StagingConfig",
     "Tier",
     "TruncatedDataError",
     "UnsafeObjectError",

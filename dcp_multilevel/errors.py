@@ -18,6 +18,7 @@ manifest cannot be caught by type there; call ``MultiLevelReader(path)
 from __future__ import annotations
 
 __all__ = [
+    "AsyncSaveError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
@@ -29,6 +30,7 @@ __all__ = [
     "PlanningError",
     "RegistryError",
     "RemoteTierError",
+    "SaveInFlightError",
     "TruncatedDataError",
     "UnsafeObjectError",
     "UnsupportedFormatVersionError",
@@ -135,3 +137,21 @@ class UnsafeObjectError(DcpMultilevelError, ValueError):
 
 class DrainError(DcpMultilevelError, RuntimeError):
     """Copying a committed checkpoint to a higher tier failed; the source is untouched."""
+
+
+class AsyncSaveError(DcpMultilevelError, RuntimeError):
+    """An earlier ``dcp.async_save`` of this writer failed in the background.
+
+    Raised by the next ``async_save`` with the same writer (the returned future
+    raised the original error already); nothing of the failed save was committed.
+    The original error's text is in the message.
+    """
+
+    def __init__(self, message: str, *, checkpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
+class SaveInFlightError(DcpMultilevelError, RuntimeError):
+    """A new async save found the writer busy, under the ``in_flight="raise"`` policy
+    (or the wait for a free buffer set timed out under ``"wait"``)."""

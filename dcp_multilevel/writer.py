@@ -46,6 +46,7 @@ from .format import (
 )
 from .format.objects import load_object
 from .format.tensor_bytes import byte_view, pieces
+from .staging import AsyncStagingMixin, StagingConfig, background_step
 from .tiers import TierBackend, tier_for
 from .tiers.local import TMP_MARKER
 
@@ -54,7 +55,7 @@ __all__ = ["MultiLevelWriter"]
 logger = logging.getLogger(__name__)
 
 
-class MultiLevelWriter(StorageWriter):
+class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
     """Write a DCP checkpoint to ``path`` as raw bytes + a JSON manifest.
 
     Args:
@@ -72,6 +73,9 @@ class MultiLevelWriter(StorageWriter):
             chunk size and threads. Non-tensor values are stored uncompressed.
         storage_options: options for a remote location's tier and fsspec
             backend (``retries``, ``spool_dir``, s3fs ``key``/``endpoint_url``...).
+        staging: how ``dcp.async_save`` stages through this writer: buffer budget,
+            in-flight policy (:class:`~dcp_multilevel.staging.StagingConfig`;
+            default: no budget, wait). See ``docs/async.md``.
 
     Raises:
         ConfigError: on an invalid option.
@@ -86,8 +90,10 @@ class MultiLevelWriter(StorageWriter):
         sync_files: bool = True,
         codec: Compression | str | None = None,
         storage_options: dict[str, Any] | None = None,
+        staging: StagingConfig | None = None,
     ) -> None:
         super().__init__()
+        self._init_staging(staging)
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ConfigError(f"thread_count must be an integer >= 1, got {thread_count!r}")
         self.overwrite = overwrite
@@ -104,6 +110,9 @@ class MultiLevelWriter(StorageWriter):
         #: Bytes this rank stored in its last write_data (for metrics).
         self.bytes_written = 0
 
+    #: Not sent to DCP's daemon process (AsyncCheckpointerType.PROCESS).
+    _transient_attrs = ("_staging", "_codec_pool")
+
     # ------------------------------------------------------------------ lifecycle
 
     def _set_path(self, path: str | os.PathLike[str]) -> None:
@@ -116,6 +125,8 @@ class MultiLevelWriter(StorageWriter):
         return self.path
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        # Async saves: wait for this writer's earlier save before any collective.
+        self._claim_for_background()
         if checkpoint_id:
             self._set_path(checkpoint_id)
 
@@ -149,6 +160,7 @@ class MultiLevelWriter(StorageWriter):
             )
         return plans
 
+    @background_step
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         # File names come from this rank alone: DCP's plan caching can replay a
         # cached plan, so storage_data from the coordinator may be stale.
@@ -170,6 +182,7 @@ class MultiLevelWriter(StorageWriter):
         fut.set_result(results)
         return fut
 
+    @background_step
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         locations: dict[MetadataIndex, ItemLocation] = {}
         files: dict[str, int] = {}

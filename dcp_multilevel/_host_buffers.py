@@ -1,0 +1,192 @@
+"""Host buffers for async-save staging: a pool of at most two flat buffers, and the copy.
+
+A buffer set is one flat ``uint8`` host tensor; a staged state is a structure
+of views into it (each tensor at a 64-byte aligned offset). Filling memory that
+an earlier save touched runs at memcpy speed; fresh memory (``clone()``) pays
+a page fault per page on top.
+"""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import Executor
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["ALIGN", "COPY_PIECE", "BufferPool", "Owner", "copy_into", "staged_nbytes"]
+
+#: Byte alignment of each tensor in a buffer set (cache line; every dtype fits).
+ALIGN = 64
+#: Largest piece one copy job moves (pieces of big tensors go to different threads).
+COPY_PIECE = 16 << 20
+
+
+class Owner(Protocol):
+    """The save a buffer set is lent to; the set is free again once it is done."""
+
+    def done(self) -> bool: ...
+
+
+class _BufferSet:
+    """One flat host buffer; ``owner`` is the save it is lent to (None: free)."""
+
+    __slots__ = ("flat", "owner")
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat = flat
+        self.owner: Owner | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.flat.numel()
+
+    def busy(self) -> bool:
+        return self.owner is not None and not self.owner.done()
+
+
+class BufferPool:
+    """At most two flat host buffers, allocated on demand and reused.
+
+    A set is replaced (freed, then allocated larger) only when a bigger state
+    arrives; the total never exceeds ``budget_bytes``.
+    """
+
+    MAX_SETS = 2
+
+    def __init__(self, budget_bytes: int | None, *, pin: bool, shared: bool) -> None:
+        self.budget_bytes = budget_bytes
+        self.pin = pin
+        self.shared = shared
+        self.sets: list[_BufferSet] = []
+        #: Bytes ever allocated, and the most held at once (for tests and metrics).
+        self.allocated_total = 0
+        self.peak_bytes = 0
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(s.capacity for s in self.sets)
+
+    def fits(self, nbytes: int) -> bool:
+        return self.budget_bytes is None or nbytes <= self.budget_bytes
+
+    def try_acquire(self, nbytes: int) -> _BufferSet | None:
+        """A free set of at least ``nbytes``, or None while busy sets leave no room."""
+        free = [s for s in self.sets if not s.busy()]
+        fitting = [s for s in free if s.capacity >= nbytes]
+        if fitting:
+            return min(fitting, key=lambda s: s.capacity)
+        busy_bytes = sum(s.capacity for s in self.sets if s.busy())
+        if self.budget_bytes is not None and busy_bytes + nbytes > self.budget_bytes:
+            return None
+        if free:  # too small for this state: free them first, so the peak stays bounded
+            self.sets = [s for s in self.sets if s.busy()]
+        elif len(self.sets) >= self.MAX_SETS:
+            return None
+        new = _BufferSet(self._allocate(nbytes))
+        self.sets.append(new)
+        return new
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        # Shared memory wins over pinning: DCP's daemon process needs it shared.
+        flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin and not self.shared)
+        if self.shared:
+            flat.share_memory_()
+        self.allocated_total += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes + nbytes)
+        return flat
+
+    def close(self) -> None:
+        self.sets = [s for s in self.sets if s.busy()]
+
+
+def _poolable(t: torch.Tensor) -> bool:
+    return type(t) is torch.Tensor and t.layout == torch.strided and not t.is_quantized
+
+
+def staged_nbytes(state: Any) -> int:
+    """Bytes a buffer set needs for every poolable tensor of ``state``."""
+    total = 0
+
+    def visit(v: Any) -> None:
+        nonlocal total
+        if isinstance(v, torch.Tensor):
+            if _poolable(v):
+                total = _aligned(total) + v.numel() * v.element_size()
+        elif isinstance(v, dict):
+            for x in v.values():
+                visit(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                visit(x)
+
+    visit(state)
+    return _aligned(total)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def copy_into(state: Any, flat: torch.Tensor | None, pool: Executor | None = None) -> Any:
+    """A snapshot of ``state``: tensors copied into views of ``flat`` (None: kept live).
+
+    Contiguous CPU tensors are copied as byte pieces of at most ``COPY_PIECE``,
+    on ``pool``'s threads when given; everything else with one ``copy_``.
+    """
+    offset = 0
+    non_blocking = flat is not None and flat.is_pinned()
+    jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def snap(v: Any) -> Any:
+        nonlocal offset
+        if isinstance(v, torch.Tensor):
+            if not _poolable(v):
+                # DTensor, sparse, quantized...: not pooled, staged the stock way.
+                return v.detach().to("cpu", copy=True)
+            if flat is None:
+                return v
+            n = v.numel() * v.element_size()
+            offset = _aligned(offset)
+            dst = flat[offset : offset + n].view(v.dtype).view(v.shape)
+            offset += n
+            src = v.detach()
+            if (
+                src.device.type == "cpu"
+                and src.is_contiguous()
+                and not (src.is_conj() or src.is_neg())
+            ):
+                if n:
+                    jobs.append((flat[offset - n : offset], src.reshape(-1).view(torch.uint8)))
+            else:  # strided, conjugate or device tensors: copy_ resolves them
+                dst.copy_(src, non_blocking=non_blocking)
+            return dst
+        if isinstance(v, dict):
+            return {k: snap(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [snap(x) for x in v]
+        if isinstance(v, tuple) and not hasattr(v, "_fields"):
+            return tuple(snap(x) for x in v)
+        # Plain values (step counters, RNG state, configs) are part of the snapshot.
+        return copy.deepcopy(v)
+
+    out = snap(state)
+    pieces = [
+        (d[i : i + COPY_PIECE], s[i : i + COPY_PIECE])
+        for d, s in jobs
+        for i in range(0, d.numel(), COPY_PIECE)
+    ]
+    # copy_ into memory touched by an earlier save: no page faults.
+    if pool is not None and len(pieces) > 1:
+        for _ in pool.map(_copy_piece, pieces):
+            pass
+    else:
+        for piece in pieces:
+            _copy_piece(piece)
+    if non_blocking and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out
+
+
+def _copy_piece(piece: tuple[torch.Tensor, torch.Tensor]) -> None:
+    piece[0].copy_(piece[1])

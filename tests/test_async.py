@@ -1,0 +1,377 @@
+"""Async saves through MultiLevelWriter's buffer pool (issue 6), on real gloo ranks.
+
+Each scenario runs in fresh interpreters (``_dist.run_ranks``): PROCESS mode
+needs a process group, and RSS figures need a process of their own.
+
+* snapshot: mutate every tensor right after ``async_save`` returns, three saves
+  in a row (so one is written while the next stages); each checkpoint holds the
+  values of its own step, bit for bit (THREAD and PROCESS, 1 and 2 ranks).
+* RSS: 20 saves; the pool allocates nothing after the second, RSS after the
+  3rd and the 20th agree within 5%.
+* budget: a state larger than the budget saves and loads bit-exact, the pool
+  allocates nothing and the RSS high-water mark grows by less than budget + one chunk.
+* failure: a background write fails; the future raises, the next call raises
+  AsyncSaveError once, no manifest appears, and the call after that commits.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import resource
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from _dist import run_ranks
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from dcp_multilevel import (
+    AsyncSaveError,
+    ConfigError,
+    MultiLevelReader,
+    MultiLevelWriter,
+    SaveInFlightError,
+    StagingConfig,
+)
+from dcp_multilevel._host_buffers import BufferPool
+from dcp_multilevel.format import MANIFEST_NAME
+from dcp_multilevel.format.tensor_bytes import PIECE_BYTES
+
+pytestmark = pytest.mark.multiprocess
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool)
+
+
+def _state(seed: int, scale: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    out: dict = {"step": seed, "opt": {"lr": 0.1 * seed}}
+    for i, dt in enumerate(DTYPES):
+        raw = torch.randint(
+            0, 256, (scale * 4096 * dt.itemsize + i,), generator=g, dtype=torch.uint8
+        )
+        n = raw.numel() // dt.itemsize
+        out[f"w{i}"] = raw[: n * dt.itemsize].view(dt).reshape(n)
+    out["opt"]["m"] = torch.randn(64, 33, generator=g)
+    out["scalar"] = torch.tensor(float(seed))
+    return out
+
+
+def _tensors(sd: dict):
+    for v in sd.values():
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, dict):
+            yield from _tensors(v)
+
+
+def _mutate(sd: dict) -> None:
+    """What a training step does: change every tensor in place (and the counters)."""
+    for t in _tensors(sd):
+        t.view(-1).view(torch.uint8).bitwise_not_()
+    sd["step"] = -1
+    if "opt" in sd:
+        sd["opt"]["lr"] = -1.0
+
+
+def _clone(sd: dict) -> dict:
+    """A byte-exact copy (``clone()`` would normalize bool bytes other than 0 and 1)."""
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out[k] = _clone(v)
+        elif isinstance(v, torch.Tensor):
+            raw = v.reshape(-1).view(torch.uint8).clone()
+            out[k] = raw.view(v.dtype).reshape(v.shape)
+        else:
+            out[k] = v
+    return out
+
+
+def _load(path: Path, like: dict) -> dict:
+    out = _clone(like)
+    for t in _tensors(out):
+        t.zero_()
+    dcp.load(out, storage_reader=MultiLevelReader(path))
+    return out
+
+
+def _assert_same(actual: dict, expected: dict, what: str) -> None:
+    for k, v in expected.items():
+        a = actual[k]
+        if isinstance(v, dict):
+            _assert_same(a, v, f"{what}.{k}")
+        elif isinstance(v, torch.Tensor):
+            assert a.dtype == v.dtype and a.shape == v.shape, f"{what}.{k}"
+            assert torch.equal(a.view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), (
+                f"{what}.{k}: bytes differ"
+            )
+        else:
+            assert a == v, f"{what}.{k}: {a!r} != {v!r}"
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _setup_daemon_env() -> None:
+    # DCP's PROCESS executor rendezvous through MASTER_ADDR (no resolvable host name here).
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    # run_ranks starts ranks as daemonic processes, which may not start children;
+    # DCP's PROCESS executor starts one (itself daemonic: it dies with the rank).
+    multiprocessing.current_process().daemon = False
+
+
+# --------------------------------------------------------------------------- snapshot
+
+
+def _snapshot_job(rank: int, world: int, root: str, mode: str) -> int:
+    _setup_daemon_env()
+    kind = AsyncCheckpointerType[mode]
+    writer = MultiLevelWriter(Path(root) / "unused")
+    sd = _state(1000)  # replicated (data parallel): DCP dedups equal FQNs across ranks
+    expected, futures = [], []
+    for step in range(3):
+        for t in _tensors(sd):  # a new step's values, same tensors
+            t.view(-1).view(torch.uint8).add_(step + 1)
+        sd["step"] = step
+        sd["opt"]["lr"] = 0.5 * step
+        expected.append(_clone(sd))
+        futures.append(
+            dcp.async_save(
+                sd,
+                storage_writer=writer,
+                checkpoint_id=Path(root) / f"s{step}",
+                async_checkpointer_type=kind,
+            )
+        )
+        _mutate(sd)  # right after async_save returns
+    for f in futures:
+        f.result()
+    pool = writer.staging_pool
+    assert len(pool.sets) <= 2 and pool.peak_bytes <= 2 * pool.sets[0].capacity
+    dist.barrier()
+    for step in range(3):
+        got = _load(Path(root) / f"s{step}", expected[step])
+        _assert_same(got, expected[step], f"rank {rank} step {step}")
+    return rank
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("mode", ["THREAD", "PROCESS"])
+def test_staged_copy_is_the_step_it_was_taken_at(tmp_path, mode, world):
+    assert run_ranks(_snapshot_job, world, str(tmp_path), mode, timeout=240) == list(range(world))
+
+
+# --------------------------------------------------------------------------- RSS
+
+
+def _rss_job(rank: int, world: int, root: str) -> dict:
+    sd = {f"p{i}": torch.randn(1 << 20) for i in range(16)}  # 64 MiB
+    writer = MultiLevelWriter(Path(root) / "c", overwrite=True, sync_files=False)
+    rss, allocated, fut = {}, [], None
+    for n in range(1, 21):
+        fut = dcp.async_save(sd, storage_writer=writer)
+        for t in sd.values():
+            t.mul_(1.0001)
+        if n in (3, 20):
+            fut.result()
+            rss[n] = _rss()
+        allocated.append(writer.staging_pool.allocated_total)
+    fut.result()
+    return {"rss": rss, "allocated": allocated}
+
+
+def test_twenty_async_saves_keep_memory_flat(tmp_path):
+    (res,) = run_ranks(_rss_job, 1, str(tmp_path), timeout=240)
+    allocated = res["allocated"]
+    assert allocated[1] == allocated[-1], f"pool allocated after the 2nd save: {allocated}"
+    assert allocated[-1] <= 2 * (64 << 20) + 16 * 64
+    r3, r20 = res["rss"][3], res["rss"][20]
+    assert abs(r20 - r3) <= 0.05 * r3, (
+        f"RSS after save 3: {r3 >> 20} MiB, after 20: {r20 >> 20} MiB"
+    )
+
+
+# --------------------------------------------------------------------------- budget
+
+
+def _budget_job(rank: int, world: int, root: str, budget: int) -> dict:
+    sd = {f"p{i}": torch.randn(1 << 20) for i in range(12)}  # 48 MiB, 4 MiB each
+    sd["step"] = 12
+    expected = _clone(sd)
+    writer = MultiLevelWriter(
+        Path(root) / "big", sync_files=False, staging=StagingConfig(budget_bytes=budget)
+    )
+    # Warm up everything a first save pulls in (imports, threads) with a tiny state.
+    dcp.async_save(
+        {"x": torch.ones(4)}, storage_writer=writer, checkpoint_id=Path(root) / "w"
+    ).result()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    fut = dcp.async_save(sd, storage_writer=writer, checkpoint_id=Path(root) / "big")
+    _mutate(sd)
+    fut.result()
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    _assert_same(_load(Path(root) / "big", expected), expected, "over budget")
+    # PROCESS mode would have to ship the live tensors to DCP's daemon: refused,
+    # before they are moved into shared memory.
+    _setup_daemon_env()
+    fut = dcp.async_save(
+        sd,
+        storage_writer=writer,
+        checkpoint_id=Path(root) / "process",
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+    )
+    with pytest.raises(ConfigError) as err:
+        fut.result()
+    assert str(err.value) == (
+        "this state does not fit the staging budget and is written through from the live "
+        "tensors, which needs AsyncCheckpointerType.THREAD; with PROCESS the whole staged "
+        "copy must fit: raise StagingConfig(budget_bytes=...)"
+    )
+    assert not any(t.is_shared() for t in _tensors(sd))
+    assert not (Path(root) / "process" / MANIFEST_NAME).exists()
+    return {"grown": grown, "allocated": writer.staging_pool.allocated_total}
+
+
+def test_state_larger_than_budget_saves_within_budget(tmp_path):
+    budget = 8 << 20
+    (res,) = run_ranks(_budget_job, 1, str(tmp_path), budget, timeout=180)
+    # Bounded: the whole 48 MiB state was never copied.
+    assert res["allocated"] <= budget
+    assert res["grown"] <= budget + PIECE_BYTES, f"peak RSS grew by {res['grown'] >> 20} MiB"
+
+
+class _Save:
+    def __init__(self) -> None:
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+
+def test_pool_reuses_two_sets_within_its_budget():
+    pool = BufferPool(3000, pin=False, shared=False)
+    a = pool.try_acquire(1000)
+    a.owner = first = _Save()
+    b = pool.try_acquire(1000)
+    b.owner = second = _Save()
+    assert b is not a and pool.try_acquire(10) is None  # two sets, both busy
+    first.finished = True
+    assert pool.try_acquire(900) is a  # reused, not reallocated
+    assert pool.allocated_total == 2000
+    second.finished = True
+    a.owner = None
+    # Bigger than both free sets: they are freed first, so the budget holds.
+    c = pool.try_acquire(2500)
+    assert [s.capacity for s in pool.sets] == [2500] and c.capacity == 2500
+    assert pool.peak_bytes <= 3000 and not pool.fits(3001)
+
+
+def test_budget_and_policy_are_validated():
+    with pytest.raises(ValueError, match='in_flight must be "wait" or "raise"'):
+        StagingConfig(in_flight="queue")
+    with pytest.raises(ValueError, match="budget_bytes must be None or an int >= 0"):
+        StagingConfig(budget_bytes=-1)
+
+
+# --------------------------------------------------------------------------- in flight
+
+
+def test_raise_policy_refuses_a_third_save_while_two_are_taken(tmp_path):
+    sd = {"w": torch.randn(1 << 18)}
+    writer = MultiLevelWriter(tmp_path / "c", staging=StagingConfig(in_flight="raise"))
+    # A staged save whose background thread never started holds its set.
+    first = writer.stage(sd)
+    second_blocked = None
+    try:
+        _pretend_running(writer)
+        second_blocked = writer.stage(sd)
+        _pretend_running(writer)
+        with pytest.raises(SaveInFlightError) as err:
+            writer.stage(sd)
+        assert str(err.value) == (
+            f"async save to {tmp_path / 'c'}: an earlier save with this writer is still being "
+            "written (policy in_flight='raise', wait_timeout_s=3600.0); at most one save is "
+            "written and one queued per writer. Wait for the returned future before saving "
+            'again, or use StagingConfig(in_flight="wait").'
+        )
+    finally:
+        _RELEASE.set()
+    del first, second_blocked
+
+
+_RELEASE = threading.Event()
+
+
+def _pretend_running(writer: MultiLevelWriter) -> None:
+    """The last staged save now runs in a background thread that blocks until released."""
+    t = threading.Thread(target=_RELEASE.wait, daemon=True)
+    t.start()
+    writer._current.thread = t
+    writer._current.started = True
+
+
+# --------------------------------------------------------------------------- failure
+
+
+def _failure_job(rank: int, world: int, root: str, mode: str) -> str:
+    _setup_daemon_env()
+    kind = AsyncCheckpointerType[mode]
+    ckpt = Path(root) / "c"
+    if rank == 0:
+        ckpt.mkdir()
+        (ckpt / "data").write_text("a file where the data directory goes")
+    dist.barrier()
+    writer = MultiLevelWriter(ckpt)
+    sd = _state(7)
+    fut = dcp.async_save(sd, storage_writer=writer, async_checkpointer_type=kind)
+    with pytest.raises(BaseException) as err:
+        fut.result()
+    assert "data" in str(err.value)
+    assert not (ckpt / MANIFEST_NAME).exists()
+    with pytest.raises(AsyncSaveError) as again:
+        dcp.async_save(sd, storage_writer=writer, async_checkpointer_type=kind)
+    text = str(again.value)
+    assert text.startswith(
+        "the previous async save with this writer failed in the background (write_data failed "
+        f"on rank {rank}: "
+    ), text
+    assert text.endswith(
+        "); nothing of it was committed. Fix the cause and save again; this error is raised once."
+    )
+    dist.barrier()
+    if rank == 0:
+        (ckpt / "data").unlink()
+    dist.barrier()
+    expected = _clone(sd)
+    dcp.async_save(sd, storage_writer=writer, async_checkpointer_type=kind).result()
+    dist.barrier()
+    _assert_same(_load(ckpt, expected), expected, "after the failure")
+    return "ok"
+
+
+@pytest.mark.parametrize("mode", ["THREAD", "PROCESS"])
+def test_background_failure_surfaces_and_commits_nothing(tmp_path, mode):
+    assert run_ranks(_failure_job, 2, str(tmp_path), mode, timeout=240) == ["ok", "ok"]
+
+
+def test_queued_saves_commit_in_order(tmp_path):
+    """Two saves to one location: the later one's data is what stays."""
+    writer = MultiLevelWriter(tmp_path / "c", overwrite=True)
+    sd = {"w": torch.zeros(1 << 16)}
+    futures = []
+    for step in range(4):
+        sd["w"].fill_(step)
+        futures.append(dcp.async_save(sd, storage_writer=writer))
+        time.sleep(0)  # let nothing else happen: saves queue behind each other
+    for f in futures:
+        f.result()
+    out = {"w": torch.empty(1 << 16)}
+    dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c"))
+    assert torch.equal(out["w"], torch.full((1 << 16,), 3.0))
