@@ -9,12 +9,22 @@ a page fault per page on top.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["ALIGN", "COPY_PIECE", "BufferPool", "Owner", "copy_into", "staged_nbytes"]
+__all__ = [
+    "ALIGN",
+    "COPY_PIECE",
+    "BufferPool",
+    "Owner",
+    "copy_into",
+    "iter_tensors",
+    "select_wave",
+    "staged_nbytes",
+]
 
 #: Byte alignment of each tensor in a buffer set (cache line; every dtype fits).
 ALIGN = 64
@@ -104,35 +114,65 @@ def _poolable(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor and t.layout == torch.strided and not t.is_quantized
 
 
+def iter_tensors(state: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of a nested state, in the order ``copy_into`` visits them."""
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for x in state.values():
+            yield from iter_tensors(x)
+    elif isinstance(state, (list, tuple)):
+        for x in state:
+            yield from iter_tensors(x)
+
+
+def _poolable_tensors(state: Any) -> list[torch.Tensor]:
+    return [t for t in iter_tensors(state) if _poolable(t)]
+
+
 def staged_nbytes(state: Any) -> int:
     """Bytes a buffer set needs for every poolable tensor of ``state``."""
     total = 0
-
-    def visit(v: Any) -> None:
-        nonlocal total
-        if isinstance(v, torch.Tensor):
-            if _poolable(v):
-                total = _aligned(total) + v.numel() * v.element_size()
-        elif isinstance(v, dict):
-            for x in v.values():
-                visit(x)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                visit(x)
-
-    visit(state)
+    for t in _poolable_tensors(state):
+        total = _aligned(total) + t.numel() * t.element_size()
     return _aligned(total)
+
+
+def select_wave(state: Any, capacity: int) -> tuple[set[int], int]:
+    """The tensors of an over-budget ``state`` to stage: ``(ids, bytes needed)``.
+
+    First fit, largest first, within ``capacity`` bytes: the tensors left out
+    are written straight from the live state while the training thread waits,
+    so staging the most bytes keeps that wait shortest.
+    """
+    chosen: set[int] = set()
+    total = 0
+    tensors = sorted(_poolable_tensors(state), key=lambda t: -t.numel() * t.element_size())
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        # Each staged tensor may cost up to ALIGN - 1 bytes of padding before it.
+        if n and total + n + ALIGN <= capacity:
+            chosen.add(id(t))
+            total += n + ALIGN
+    return chosen, _aligned(total) if chosen else 0
 
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def copy_into(state: Any, flat: torch.Tensor | None, pool: Executor | None = None) -> Any:
+def copy_into(
+    state: Any,
+    flat: torch.Tensor | None,
+    pool: Executor | None = None,
+    only: set[int] | None = None,
+) -> Any:
     """A snapshot of ``state``: tensors copied into views of ``flat`` (None: kept live).
 
-    Contiguous CPU tensors are copied as byte pieces of at most ``COPY_PIECE``,
-    on ``pool``'s threads when given; everything else with one ``copy_``.
+    ``only``: ids of the poolable tensors to copy (see :func:`select_wave`);
+    the others are kept live. Contiguous CPU tensors are copied as byte pieces
+    of at most ``COPY_PIECE``, on ``pool``'s threads when given; everything
+    else with one ``copy_``.
     """
     offset = 0
     non_blocking = flat is not None and flat.is_pinned()
@@ -144,7 +184,7 @@ def copy_into(state: Any, flat: torch.Tensor | None, pool: Executor | None = Non
             if not _poolable(v):
                 # DTensor, sparse, quantized...: not pooled, staged the stock way.
                 return v.detach().to("cpu", copy=True)
-            if flat is None:
+            if flat is None or (only is not None and id(v) not in only):
                 return v
             n = v.numel() * v.element_size()
             offset = _aligned(offset)

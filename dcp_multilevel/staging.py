@@ -6,7 +6,7 @@ an :class:`~torch.distributed.checkpoint.staging.AsyncStager`. Order of calls
 
     training thread   W.stage(sd)              copy sd into a free buffer set, return the copy
                       executor.execute_save()  hand the copy to a background thread/process
-                      W.synchronize_staging()  returns at once, except in write-through mode
+                      W.synchronize_staging()  returns (over budget: once live data is written)
     background        THREAD:  W.reset() ... W.write_data() -> W.finish() on this object
                       PROCESS: the copy and W are pickled to DCP's daemon process,
                                which runs the same save on its copy of W
@@ -23,10 +23,12 @@ waits (``in_flight="wait"``) or raises :class:`SaveInFlightError`
 before its first collective, so saves commit in order.
 
 Budget: the pool never holds more than ``budget_bytes``. A state that does not
-fit is written *through*: ``async_save`` blocks until this rank's data is
-written straight from the live tensors (no copy, so no extra memory beyond the
-writer's chunk), and only then returns. Write-through needs THREAD mode: with
-PROCESS the whole staged copy must cross to the daemon process.
+fit is saved in two waves: the largest tensors that fit are staged, the others
+stay live. The writer writes the live ones first, straight from the training
+state, and ``async_save`` returns once they are written; the staged wave is
+written in the background. Extra memory stays within the budget plus the
+writer's chunk. Live tensors need THREAD mode: with PROCESS the whole staged
+copy must cross to the daemon process.
 
 Failures: a background failure raises in the future DCP returns and, once, from
 the next ``async_save`` with this writer (:class:`AsyncSaveError`).
@@ -46,7 +48,7 @@ from typing import Any, Literal
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from ._host_buffers import BufferPool, copy_into, staged_nbytes
+from ._host_buffers import BufferPool, copy_into, iter_tensors, select_wave, staged_nbytes
 from .errors import AsyncSaveError, ConfigError, SaveInFlightError
 
 __all__ = ["AsyncStagingMixin", "BufferPool", "StagingConfig", "background_step"]
@@ -68,7 +70,7 @@ class StagingConfig:
     Args:
         budget_bytes: most host memory the buffer pool may hold (both sets
             together); ``None``: no limit (two sets of the state's size). A state
-            larger than this is written through (see module docs).
+            larger than this is saved in two waves (see module docs).
         in_flight: what a save does when both buffer sets are taken by earlier
             saves: ``"wait"`` until one is free, or ``"raise"``
             :class:`~dcp_multilevel.errors.SaveInFlightError`.
@@ -124,6 +126,9 @@ class _Ticket:
         self.started = False  # its background part began (reset / pickling)
         self.dropped = False  # DCP let go of the staged dict
         self.written = threading.Event()  # this rank's write_data returned
+        #: Storage pointers of the tensors written through from the live state.
+        self.live: frozenset[int] = frozenset()
+        self.live_written = threading.Event()  # every live tensor is on disk
 
     def claimed(self) -> bool:
         return self.thread is not None or self.dropped
@@ -234,9 +239,14 @@ class AsyncStagingMixin(AsyncStager):
                     raise SaveInFlightError(self._busy_message("never started", cfg))
                 time.sleep(_POLL_S)
         nbytes = staged_nbytes(state_dict)
-        write_through = not st.pool.fits(nbytes)
+        wave: set[int] | None = None  # None: stage every tensor
+        if not st.pool.fits(nbytes):
+            # Two waves: what the budget holds is staged; the rest is written
+            # first, straight from the live tensors, while this thread waits.
+            wave, nbytes = select_wave(state_dict, st.pool.budget_bytes or 0)
+        write_through = wave is not None
         buffers = None
-        while not write_through:
+        while nbytes:
             with st.lock:
                 st.tickets = [t for t in st.tickets if not t.done()]
                 buffers = st.pool.try_acquire(nbytes)
@@ -252,7 +262,9 @@ class AsyncStagingMixin(AsyncStager):
         st.seq += 1
         ticket = _Ticket(st.seq, write_through)
         flat = buffers.flat if buffers is not None else None
-        staged = _StagedDict(copy_into(state_dict, flat, st.copier))
+        staged = _StagedDict(copy_into(state_dict, flat, st.copier, only=wave))
+        if write_through:
+            ticket.live = _live_storages(state_dict, staged)
         staged._ticket = ticket
         staged._stager = self
         if buffers is not None:
@@ -268,7 +280,7 @@ class AsyncStagingMixin(AsyncStager):
         """Called by ``async_save`` right after it submitted the save.
 
         Identifies the background thread DCP just started for this save (each
-        async_save starts one), and blocks write-through saves until written.
+        async_save starts one), and blocks an over-budget save until its live tensors are written.
         """
         t, st = self._current, self._staging
         if t is None or st is None:
@@ -281,7 +293,9 @@ class AsyncStagingMixin(AsyncStager):
                 t.thread = new[0]
         self._threads_before = ()
         if t.write_through:
-            while not t.written.wait(0.05):
+            # Released once every live tensor is written (the writer's
+            # live-first order), or when the whole write ended.
+            while not (t.live_written.wait(0.05) or t.written.is_set()):
                 if t.done():
                     break
 
@@ -339,6 +353,17 @@ class AsyncStagingMixin(AsyncStager):
         with st.lock:
             return next((t for t in st.tickets if t.thread is me), None)
 
+    def _live_storages(self) -> frozenset[int]:
+        """Storage pointers of live tensors this thread's save writes through (or none)."""
+        t = self._ticket_of_this_thread()
+        return t.live if t is not None else frozenset()
+
+    def _note_live_written(self) -> None:
+        """The writer wrote every live tensor: the training thread may go on."""
+        t = self._ticket_of_this_thread()
+        if t is not None:
+            t.live_written.set()
+
     def _note_written(self) -> None:
         t = self._ticket_of_this_thread()
         if t is not None:
@@ -388,6 +413,15 @@ class AsyncStagingMixin(AsyncStager):
         state["_current"] = None
         state["_threads_before"] = ()
         return state
+
+
+def _live_storages(state: dict[str, Any], staged: dict[str, Any]) -> frozenset[int]:
+    """Storage pointers of the tensors ``staged`` still shares with ``state``."""
+    # A staged value that is the very object of the live state was not copied.
+    live = {id(t) for t in iter_tensors(state)}
+    return frozenset(
+        t.untyped_storage().data_ptr() for t in iter_tensors(staged) if id(t) in live and t.numel()
+    )
 
 
 def _mark_dropped(ticket: _Ticket) -> None:

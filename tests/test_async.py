@@ -8,8 +8,10 @@ needs a process group, and RSS figures need a process of their own.
   values of its own step, bit for bit (THREAD and PROCESS, 1 and 2 ranks).
 * RSS: 20 saves; the pool allocates nothing after the second, RSS after the
   3rd and the 20th agree within 5%.
-* budget: a state larger than the budget saves and loads bit-exact, the pool
-  allocates nothing and the RSS high-water mark grows by less than budget + one chunk.
+* budget: a state larger than the budget saves in two waves (the largest
+  tensors that fit are staged, the rest written first from the live state) and
+  loads bit-exact after every tensor was mutated; the pool stays within the
+  budget and the RSS high-water mark grows by less than budget + one chunk.
 * failure: a background write fails; the future raises, the next call raises
   AsyncSaveError once, no manifest appears, and the call after that commits.
 """
@@ -38,7 +40,7 @@ from dcp_multilevel import (
     SaveInFlightError,
     StagingConfig,
 )
-from dcp_multilevel._host_buffers import BufferPool
+from dcp_multilevel._host_buffers import ALIGN, BufferPool, copy_into, select_wave
 from dcp_multilevel.format import MANIFEST_NAME
 from dcp_multilevel.format.tensor_bytes import PIECE_BYTES
 
@@ -242,8 +244,8 @@ def _budget_job(rank: int, world: int, root: str, budget: int) -> dict:
 def test_state_larger_than_budget_saves_within_budget(tmp_path):
     budget = 8 << 20
     (res,) = run_ranks(_budget_job, 1, str(tmp_path), budget, timeout=180)
-    # Bounded: the whole 48 MiB state was never copied.
-    assert res["allocated"] <= budget
+    # Two waves: one 4 MiB tensor staged, the other 44 MiB written from the live state.
+    assert 4 << 20 < res["allocated"] <= budget
     assert res["grown"] <= budget + PIECE_BYTES, f"peak RSS grew by {res['grown'] >> 20} MiB"
 
 
@@ -271,6 +273,22 @@ def test_pool_reuses_two_sets_within_its_budget():
     c = pool.try_acquire(2500)
     assert [s.capacity for s in pool.sets] == [2500] and c.capacity == 2500
     assert pool.peak_bytes <= 3000 and not pool.fits(3001)
+
+
+def test_over_budget_wave_stages_the_largest_tensors_that_fit():
+    sd = {"a": torch.ones(100), "b": {"c": torch.ones(300), "d": [torch.ones(50)]}, "n": 3}
+    a, c, d = sd["a"], sd["b"]["c"], sd["b"]["d"][0]
+    ids, nbytes = select_wave(sd, 1200 + 400 + 2 * ALIGN)  # c (1200 B) and a (400 B)
+    assert ids == {id(c), id(a)} and nbytes <= 1200 + 400 + 2 * ALIGN
+    flat = torch.zeros(nbytes, dtype=torch.uint8)
+    staged = copy_into(sd, flat, only=ids)
+    assert staged["b"]["d"][0] is d  # left live
+    assert staged["a"] is not a and staged["b"]["c"] is not c
+    a.add_(1)
+    c.add_(1)
+    assert staged["a"].eq(1).all() and staged["b"]["c"].eq(1).all()
+    assert staged["a"].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    assert select_wave(sd, ALIGN) == (set(), 0)  # nothing fits: all live
 
 
 def test_budget_and_policy_are_validated():
