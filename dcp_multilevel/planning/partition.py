@@ -105,23 +105,6 @@ class Partition:
         return out
 
 
-@dataclass
-class _Unit:
-    """A queue entry: a group of whole items, or an item's unplaced range [lo, hi)."""
-
-    items: tuple[Item, ...]
-    lo: int = 0
-    hi: int = 0
-    dim: int | None = None  # set once an item has been cut
-
-    def nbytes(self) -> int:
-        if self.dim is None:
-            return sum(i.nbytes for i in self.items)
-        (item,) = self.items
-        assert item.shape is not None
-        return (self.hi - self.lo) * slab_bytes(item.shape, item.itemsize, self.dim)
-
-
 class _Loads:
     """Per-rank loads with O(log n) argmin over all ranks (heap, lazy deletion)."""
 
@@ -166,11 +149,25 @@ def partition(
     world_size: int,
     cost: CostModel | None = None,
     options: PartitionOptions | None = None,
+    *,
+    check: bool = True,
 ) -> Partition:
-    """Assign every item (whole or in pieces) to one rank; see the module docstring."""
+    """Assign every item (whole or in pieces) to one rank; see the module docstring.
+
+    Args:
+        check: validate ``items`` first (unique keys, sorted in-range owners,
+            shapes that match sizes). A caller that builds items from data it
+            has already checked (``planner.py``) may skip it.
+
+    Raises:
+        PlanningError: on inconsistent items (with ``check``).
+    """
     cost = cost or CostModel()
     options = options or PartitionOptions()
-    _validate(items, world_size)
+    if check:
+        _validate(items, world_size)
+    elif world_size < 1:
+        raise PlanningError(f"world_size must be >= 1, got {world_size}")
     h = cost.overhead_bytes
     m = options.min_chunk_bytes
 
@@ -179,84 +176,97 @@ def partition(
     replicated: list[Item] = []
     for item in items:
         if len(item.owners) == 1:
-            pieces.append(Piece(item.key, item.owners[0], item.nbytes))
-            loads[item.owners[0]] += cost.cost(item.nbytes)
+            r = item.owners[0]
+            pieces.append(Piece(item.key, r, item.nbytes))
+            loads[r] += item.nbytes + h
         else:
             replicated.append(item)
 
-    total = sum(loads) + sum(cost.cost(i.nbytes) for i in replicated)
+    total = sum(loads) + sum(i.nbytes for i in replicated) + h * len(replicated)
     target = -(-total // world_size)
     slack = max(math.ceil(options.epsilon * target), 2 * m + h)
+    limit = target + slack
     granularity = slack - m - h
     state = _Loads(loads)
 
-    queue: list[tuple[int, str, int, _Unit]] = []
+    # Queue entries are plain tuples (-cost, sort_key, seq, items, lo, hi, dim):
+    # a group of whole items (dim None), or an item's unplaced slab range
+    # [lo, hi) along dim once it has been cut. seq is unique, so comparison
+    # never reaches the items.
     seq = itertools.count()
-
-    def push(unit: _Unit) -> None:
-        n = unit.nbytes()
-        c = cost.cost(n, len(unit.items))
-        heapq.heappush(queue, (-c, unit.items[0].sort_key, next(seq), unit))
-
+    queue: list[tuple] = []
     if options.group:
         groups: dict[tuple[str, tuple[int, ...]], list[Item]] = {}
         for item in replicated:
             groups.setdefault((item.group, item.owners), []).append(item)
-        for (name, _), members in sorted(groups.items(), key=lambda kv: kv[0]):
+        for (name, _), members in groups.items():
             if name and len(members) > 1:
-                push(_Unit(tuple(sorted(members, key=lambda i: i.sort_key))))
+                members.sort(key=lambda i: i.sort_key)
+                c = sum(i.nbytes for i in members) + h * len(members)
+                queue.append((-c, members[0].sort_key, next(seq), tuple(members), 0, 0, None))
             else:
-                for item in members:
-                    push(_Unit((item,)))
+                for i in members:
+                    queue.append((-(i.nbytes + h), i.sort_key, next(seq), (i,), 0, 0, None))
     else:
-        for item in replicated:
-            push(_Unit((item,)))
+        for i in replicated:
+            queue.append((-(i.nbytes + h), i.sort_key, next(seq), (i,), 0, 0, None))
+    # Seq numbers follow input order, which may differ between callers; pop
+    # order must not. Renumber after sorting on (cost, sort_key), which with
+    # unique sort keys is a total order of the initial units.
+    queue.sort(key=lambda e: (e[0], e[1]))
+    queue = [(e[0], e[1], n, *e[3:]) for n, e in enumerate(queue)]
+    seq = itertools.count(len(queue))
+    # A sorted list is already a heap.
 
     while queue:
-        neg_cost, _, _, unit = heapq.heappop(queue)
+        neg_cost, sort_key, _, unit, lo, hi, dim = heapq.heappop(queue)
         c = -neg_cost
-        owners = unit.items[0].owners
-        r = state.argmin(owners)
-        fits = state.loads[r] + c <= target + slack
-        if len(unit.items) > 1:
+        item = unit[0]
+        r = state.argmin(item.owners)
+        fits = state.loads[r] + c <= limit
+        if len(unit) > 1:
             if fits:
-                for item in unit.items:
-                    pieces.append(Piece(item.key, r, item.nbytes))
+                for i in unit:
+                    pieces.append(Piece(i.key, r, i.nbytes))
                 state.add(r, c)
             else:
-                for item in unit.items:
-                    push(_Unit((item,)))
+                for i in unit:
+                    entry = (-(i.nbytes + h), i.sort_key, next(seq), (i,), 0, 0, None)
+                    heapq.heappush(queue, entry)
             continue
 
-        (item,) = unit.items
-        dim = unit.dim
-        if dim is None and not fits and options.split and item.shape is not None:
+        if dim is None:
+            if fits or not options.split or item.shape is None:
+                pieces.append(Piece(item.key, r, item.nbytes))
+                state.add(r, c)
+                continue
             dim = choose_split_dim(item.shape, item.itemsize, granularity)
-            if dim is not None:
-                unit = _Unit(unit.items, 0, item.shape[dim], dim)
-        if unit.dim is None:  # whole item
-            pieces.append(Piece(item.key, r, item.nbytes))
-            state.add(r, c)
-            continue
+            if dim is None:
+                pieces.append(Piece(item.key, r, item.nbytes))
+                state.add(r, c)
+                continue
+            lo, hi = 0, item.shape[dim]
 
-        assert item.shape is not None
-        slab = slab_bytes(item.shape, item.itemsize, dim)
+        shape = item.shape
+        assert shape is not None
+        slab = slab_bytes(shape, item.itemsize, dim)
         k_min = -(-m // slab) if slab else 1
-        remaining = unit.hi - unit.lo
+        remaining = hi - lo
         if fits or slab == 0 or slab > granularity or remaining < 2 * k_min:
             k = remaining
         else:
             budget = target - state.loads[r] - h
             k = min(max(budget // slab, k_min), remaining - k_min)
-        if k == item.shape[dim]:  # the cut would cover everything: place it whole
+        if k == shape[dim]:  # the cut would cover everything: place it whole
             pieces.append(Piece(item.key, r, item.nbytes))
             state.add(r, c)
             continue
-        offsets = tuple(unit.lo if d == dim else 0 for d in range(len(item.shape)))
-        sizes = tuple(k if d == dim else s for d, s in enumerate(item.shape))
+        offsets = tuple(lo if d == dim else 0 for d in range(len(shape)))
+        sizes = tuple(k if d == dim else s for d, s in enumerate(shape))
         pieces.append(Piece(item.key, r, k * slab, offsets, sizes))
-        state.add(r, cost.cost(k * slab))
+        state.add(r, k * slab + h)
         if k < remaining:
-            push(_Unit(unit.items, unit.lo + k, unit.hi, dim))
+            rest = (hi - lo - k) * slab + h
+            heapq.heappush(queue, (-rest, sort_key, next(seq), unit, lo + k, hi, dim))
 
     return Partition(tuple(pieces), tuple(state.loads), target, slack)
