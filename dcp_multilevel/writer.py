@@ -23,7 +23,9 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from typing import Any
 
 import torch
@@ -32,7 +34,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .codecs import codec_for, encode_item
+from .codecs import EncodeJob, codec_for, encode_items, item_layout
 from .config import Compression
 from .errors import CheckpointExistsError, ConfigError, UnsupportedStateError
 from .format import (
@@ -45,13 +47,17 @@ from .format import (
     encode_manifest,
 )
 from .format.objects import load_object
-from .format.tensor_bytes import byte_view, pieces
+from .format.tensor_bytes import byte_view
 from .tiers import TierBackend, tier_for
 from .tiers.local import TMP_MARKER
 
 __all__ = ["MultiLevelWriter"]
 
 logger = logging.getLogger(__name__)
+
+#: Chunks in flight per codec thread: enough to keep every thread busy while
+#: the writer thread hashes and writes (a few MiB each; bounds memory).
+_WINDOW_PER_THREAD = 3
 
 
 class MultiLevelWriter(StorageWriter):
@@ -209,45 +215,65 @@ class MultiLevelWriter(StorageWriter):
     def _write_file(
         self, path: str, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock
     ) -> list[WriteResult]:
+        """Write ``items`` to one data file, coding ahead in the pool while writing.
+
+        ``encode_items`` keeps a window of chunks from this item and the next
+        ones in the codec pool, so coding overlaps the hashing and writing
+        done here; memory stays bounded by that window.
+        """
         results = []
-        with self.tier.open_write(path) as out:
-            for item in items:
+        c = self.compression
+        pool = self._pool()
+        coded = encode_items(
+            self._jobs(items, planner, lock), self._codec,
+            chunk_size=c.chunk_size if c else 0, pool=pool,
+            window=_WINDOW_PER_THREAD * c.threads if c and pool else 1,
+        )  # fmt: skip
+        with self.tier.open_write(path) as out, closing(coded):
+            for job, parts in coded:
                 start = out.tell()
                 hasher = Hasher()
-                if item.type == WriteItemType.BYTE_IO:
-                    with lock:
-                        data = planner.resolve_data(item)
-                    if not isinstance(data, io.BytesIO):
-                        raise UnsupportedStateError(
-                            f"planner returned {type(data).__name__} for bytes item "
-                            f"{item.index.fqn!r}; expected io.BytesIO"
-                        )
-                    view = data.getbuffer()
-                    _check_loadable(view, item.index.fqn)
-                    transforms: tuple[str, ...] = ()
-                    stored = pieces(view)
-                else:
-                    tensor = _tensor_for(item, planner.resolve_data(item))
-                    view = byte_view(tensor)
-                    transforms, stored = self._encode(view, tensor.dtype)
-                for piece in stored:
+                for piece in parts:
                     hasher.update(piece)
                     out.write(piece)
                 length = out.tell() - start
-                loc = ItemLocation(path, start, length, len(view), hasher.hexdigest(), transforms)
+                transforms = () if job.layout is None else (self._codec.descriptor,)  # type: ignore[union-attr]
+                raw = len(job.view)
+                loc = ItemLocation(path, start, length, raw, hasher.hexdigest(), transforms)
                 results.append(
-                    WriteResult(index=item.index, size_in_bytes=length, storage_data=loc)
+                    WriteResult(index=job.key.index, size_in_bytes=length, storage_data=loc)
                 )
         return results
 
-    def _encode(self, view: memoryview, dtype: torch.dtype):
-        """``(transforms, pieces to store)`` for one tensor's bytes."""
+    def _jobs(
+        self, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock
+    ) -> Iterator[EncodeJob]:
+        """Each item's bytes and how to store them, resolved as the coder asks for them."""
+        for item in items:
+            if item.type == WriteItemType.BYTE_IO:
+                with lock:
+                    data = planner.resolve_data(item)
+                if not isinstance(data, io.BytesIO):
+                    raise UnsupportedStateError(
+                        f"planner returned {type(data).__name__} for bytes item "
+                        f"{item.index.fqn!r}; expected io.BytesIO"
+                    )
+                view = data.getbuffer()
+                _check_loadable(view, item.index.fqn)
+                yield EncodeJob(item, view, None)
+            else:
+                tensor = _tensor_for(item, planner.resolve_data(item))
+                view = byte_view(tensor)
+                layout = item_layout(view, tensor.dtype, self._codec, self.compression)
+                yield EncodeJob(item, view, layout)
+
+    def _pool(self) -> ThreadPoolExecutor | None:
+        """The codec pool (None: code inline), reused across saves."""
         c = self.compression
         if c is not None and c.threads > 1 and self._codec_pool is None:
-            # Reused across saves; its threads exit with the process.
+            # Its threads exit with the process.
             self._codec_pool = ThreadPoolExecutor(c.threads, thread_name_prefix="dcp-ml-codec")
-        window = 2 * c.threads if c is not None else 1
-        return encode_item(view, dtype, self._codec, c, pool=self._codec_pool, window=window)
+        return self._codec_pool
 
     def _sweep(self, keep: set[str]) -> None:
         """Delete data of earlier saves and crash leftovers; never fails the commit."""
