@@ -29,7 +29,7 @@ class Compression:
 
     codec: str = "bytegroup"
     level: int = 1
-    chunk_size: int = 4 << 20
+    chunk_size: int = 1 << 20
     threads: int = 2
 
     def __post_init__(self) -> None:

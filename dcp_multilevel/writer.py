@@ -225,7 +225,7 @@ class MultiLevelWriter(StorageWriter):
         c = self.compression
         pool = self._pool()
         coded = encode_items(
-            self._jobs(items, planner, lock), self._codec,
+            self._jobs(path, items, planner, lock), self._codec,
             chunk_size=c.chunk_size if c else 0, pool=pool,
             window=_WINDOW_PER_THREAD * c.threads if c and pool else 1,
         )  # fmt: skip
@@ -246,7 +246,7 @@ class MultiLevelWriter(StorageWriter):
         return results
 
     def _jobs(
-        self, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock
+        self, path: str, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock
     ) -> Iterator[EncodeJob]:
         """Each item's bytes and how to store them, resolved as the coder asks for them."""
         for item in items:
@@ -260,12 +260,12 @@ class MultiLevelWriter(StorageWriter):
                     )
                 view = data.getbuffer()
                 _check_loadable(view, item.index.fqn)
-                yield EncodeJob(item, view, None)
+                yield EncodeJob(item, view, None, f"item {item.index.fqn!r} of {path}")
             else:
                 tensor = _tensor_for(item, planner.resolve_data(item))
                 view = byte_view(tensor)
                 layout = item_layout(view, tensor.dtype, self._codec, self.compression)
-                yield EncodeJob(item, view, layout)
+                yield EncodeJob(item, view, layout, f"item {item.index.fqn!r} of {path}")
 
     def _pool(self) -> ThreadPoolExecutor | None:
         """The codec pool (None: code inline), reused across saves."""

@@ -47,7 +47,7 @@ _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 #: Values sampled per chunk to decide which planes to compress: _SLICES slices
 #: spread over the chunk (one slice at the start misjudges tensors whose first
 #: rows differ, e.g. the rarely trained rows of an embedding).
-_SAMPLE_VALUES = 32 << 10
+_SAMPLE_VALUES = 16 << 10
 _SLICES = 8
 #: A plane is compressed when its sample saves at least this fraction; looser
 #: than MIN_SAVING, as a sample only estimates the whole plane.

@@ -41,11 +41,15 @@ def encode_chunk(codec: Codec, chunk: memoryview, width: int, rotate: int) -> tu
 
 @dataclass(frozen=True)
 class EncodeJob:
-    """One item to store: ``layout`` ``(width, rotate)`` to frame it, or None to store it as is."""
+    """One item to store: ``layout`` ``(width, rotate)`` to frame it, or None to store it as is.
+
+    ``name`` says what the item is in error notes (e.g. ``"item 'w' of data/0-0.bin"``).
+    """
 
     key: Any
     view: memoryview
     layout: tuple[int, int] | None
+    name: str = "item"
 
 
 @dataclass
@@ -119,14 +123,26 @@ def encode_items(
         yield frames.pack_header(width, rotate, step, len(view))
         for index, start in enumerate(item.starts):
             if pool is None:
-                yield from encode_chunk(codec, view[start : start + step], width, rotate)  # type: ignore[arg-type]
+                try:
+                    record, payload = encode_chunk(codec, view[start : start + step], width, rotate)  # type: ignore[arg-type]
+                except Exception as e:
+                    e.add_note(f"while coding chunk {index} of {item.job.name}")
+                    raise
+                yield record
+                yield payload
                 continue
             if index == item.next_chunk:  # not submitted yet: this item is the one fed
                 fill()
             future = item.futures.popleft()
             in_flight -= 1
             fill()  # keep the pool busy while this chunk is waited for and written
-            yield from future.result()
+            try:
+                record, payload = future.result()
+            except Exception as e:
+                e.add_note(f"while coding chunk {index} of {item.job.name}")
+                raise
+            yield record
+            yield payload
         yield frames.pack_chunk(frames.METHOD_RAW, 0, 0, 0)
 
     try:
