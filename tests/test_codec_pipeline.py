@@ -209,3 +209,18 @@ def test_save_with_threads_fails_cleanly_on_a_coding_error_and_saves_again(tmp_p
         if key != "note":
             assert_bit_equal(loaded[key], value, key)
     assert loaded["note"] == {"step": 1}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rotate"),
+    [(d, r) for d in (torch.bfloat16, torch.float32, torch.float64) for r in (0, 1, 3, 7, 8, 13)]
+    + [(torch.bfloat16, 15), (torch.float32, 31), (torch.float64, 63)],
+)
+def test_every_rotation_a_frame_can_hold_round_trips(dtype, rotate):
+    t = _structured(5000, dtype, rotate)
+    width = dtype.itemsize
+    payload = ByteGroupCodec().encode(byte_view(t), width, rotate)
+    assert payload is not None
+    out = torch.empty_like(t)
+    ByteGroupCodec().decode(memoryview(payload), byte_view(out), width, rotate)
+    assert_bit_equal(out, t, f"rotate {rotate}")

