@@ -103,6 +103,27 @@ def _interleave(planes: np.ndarray, dest: np.ndarray, width: int) -> None:
         words |= planes[p]
 
 
+def _join(planes: list[np.ndarray], words: np.ndarray, rotate: int) -> None:
+    """Inverse of :func:`_planes` for rotations under 8 bits, straight into ``words``.
+
+    Rotating right by ``rotate`` moves plane ``p >= 1`` to bit ``8p - rotate``
+    and splits plane 0 into its top bits (the word's low bits) and its low
+    ``rotate`` bits (the word's top bits).
+    """
+    width = len(planes)
+    tmp = _scratch("join_tmp", words.nbytes).view(words.dtype)
+    np.left_shift(planes[width - 1], 8 * (width - 1) - rotate, out=words, dtype=words.dtype)
+    for p in range(width - 2, 0, -1):
+        np.left_shift(planes[p], 8 * p - rotate, out=tmp, dtype=words.dtype)
+        np.bitwise_or(words, tmp, out=words)
+    low = _scratch("join_low", len(planes[0]))
+    np.right_shift(planes[0], rotate, out=low)
+    np.bitwise_or(words, low, out=words, casting="unsafe")
+    if rotate:
+        np.left_shift(planes[0], 8 * width - rotate, out=tmp, dtype=words.dtype)
+        np.bitwise_or(words, tmp, out=words)
+
+
 def _planes(values: np.ndarray, width: int, rotate: int, name: str) -> np.ndarray:
     """The ``(width, n)`` byte planes of ``values`` (uint8, rotated first), per-thread buffer.
 
@@ -189,7 +210,7 @@ class ByteGroupCodec(Codec):
         if len(payload) < table_end:
             raise ValueError("payload ends inside its plane table")
         pos = table_end
-        planes = _scratch("dec_planes", len(out)).reshape(width, n)
+        planes: list[np.ndarray] = []  # views of the payload or of zstd's output: no copies
         for p in range(width):
             method, length = _PLANE.unpack_from(payload, 1 + p * _PLANE.size)
             data = payload[pos : pos + length]
@@ -199,9 +220,9 @@ class ByteGroupCodec(Codec):
             if method == 0:
                 if length != n:
                     raise ValueError(f"raw plane {p} has {length} bytes, expected {n}")
-                planes[p] = np.frombuffer(data, dtype=np.uint8)
+                planes.append(np.frombuffer(data, dtype=np.uint8))
             elif method == 1:
-                planes[p] = np.frombuffer(_zstd.decompress(data, n), dtype=np.uint8)
+                planes.append(np.frombuffer(_zstd.decompress(data, n), dtype=np.uint8))
             else:
                 raise ValueError(f"plane {p} has unknown method {method}")
         if pos != len(payload):
@@ -209,14 +230,13 @@ class ByteGroupCodec(Codec):
         dest = np.frombuffer(out, dtype=np.uint8)
         if width == 1:
             dest[:] = planes[0]
-            return
-        if rotate:
+        elif rotate >= 8:
             grouped = _scratch("dec_rot", len(out))
             _interleave(planes, grouped, width)
             t = _UINT[width]
             _rotate(grouped.view(t), dest.view(t), rotate, left=False)
         else:
-            _interleave(planes, dest, width)
+            _join(planes, dest.view(_UINT[width]), rotate)
 
     @staticmethod
     def _pack(parts: list[tuple[int, bytes | memoryview]]) -> bytes:
