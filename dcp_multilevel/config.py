@@ -23,13 +23,16 @@ class Compression:
         codec: ``"bytegroup"`` (float-aware byte planes + zstd), ``"zstd"``, or the
             registry name of a third-party codec.
         level: zstd level (1 is fast; higher levels gain little on floats).
-        chunk_size: bytes per independently coded chunk (1-64 MiB).
-        threads: chunks coded in parallel per writer.
+        chunk_size: bytes per independently coded chunk (1-64 MiB). The 1 MiB
+            default splits even small tensors across threads and keeps each
+            chunk's planes in cache; 4 MiB chunks changed the ratio by ~0.01 %.
+        threads: chunks coded in parallel per writer (from the tensor being
+            written and the next ones, while it is written).
     """
 
     codec: str = "bytegroup"
     level: int = 1
-    chunk_size: int = 4 << 20
+    chunk_size: int = 1 << 20
     threads: int = 2
 
     def __post_init__(self) -> None:

@@ -23,7 +23,9 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from typing import Any
 
 import torch
@@ -32,7 +34,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .codecs import codec_for, encode_item
+from .codecs import EncodeJob, codec_for, encode_items, item_layout
 from .config import Compression
 from .errors import CheckpointExistsError, ConfigError, UnsupportedStateError
 from .format import (
@@ -45,7 +47,7 @@ from .format import (
     encode_manifest,
 )
 from .format.objects import load_object
-from .format.tensor_bytes import byte_view, pieces
+from .format.tensor_bytes import byte_view
 from .staging import AsyncStagingMixin, StagingConfig, background_step
 from .tiers import TierBackend, tier_for
 from .tiers.local import TMP_MARKER
@@ -53,6 +55,10 @@ from .tiers.local import TMP_MARKER
 __all__ = ["MultiLevelWriter"]
 
 logger = logging.getLogger(__name__)
+
+#: Chunks in flight per codec thread: enough to keep every thread busy while
+#: the writer thread hashes and writes (a few MiB each; bounds memory).
+_WINDOW_PER_THREAD = 3
 
 
 class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
@@ -166,16 +172,25 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
         # cached plan, so storage_data from the coordinator may be stale.
         token = uuid.uuid4().hex[:16]
         buckets = _balance(plan.items, self.thread_count)
+        # An async save over its staging budget left some tensors live (see
+        # staging.py): write those first, and let training go on once they are.
+        live = _live_items(plan.items, planner, self._live_storages())
+        if live:
+            for bucket in buckets:
+                bucket.sort(key=lambda item: item.index not in live)
+        countdown = _Countdown(live, self._note_live_written)
         jobs = [(data_file_path(self.rank, n, token), b) for n, b in enumerate(buckets)]
         # resolve_data may be called from several threads; DefaultSavePlanner's
         # lookup is a dict read, but torch.save of BYTE_IO items is not reentrant-safe
         # for every object, so that part is serialized.
         lock = threading.Lock()
         if len(jobs) <= 1:
-            results = [r for job in jobs for r in self._write_file(*job, planner, lock)]
+            results = [r for job in jobs for r in self._write_file(*job, planner, lock, countdown)]
         else:
             with ThreadPoolExecutor(len(jobs), thread_name_prefix="dcp-ml-write") as pool:
-                futures = [pool.submit(self._write_file, *job, planner, lock) for job in jobs]
+                futures = [
+                    pool.submit(self._write_file, *job, planner, lock, countdown) for job in jobs
+                ]
                 results = [r for f in futures for r in f.result()]
         self.bytes_written = sum(r.size_in_bytes for r in results)
         fut: Future[list[WriteResult]] = Future()
@@ -220,47 +235,73 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
     # ------------------------------------------------------------------ internals
 
     def _write_file(
-        self, path: str, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock
+        self,
+        path: str,
+        items: list[WriteItem],
+        planner: SavePlanner,
+        lock: threading.Lock,
+        countdown: _Countdown,
     ) -> list[WriteResult]:
+        """Write ``items`` to one data file, coding ahead in the pool while writing.
+
+        ``encode_items`` keeps a window of chunks from this item and the next
+        ones in the codec pool, so coding overlaps the hashing and writing
+        done here; memory stays bounded by that window.
+        """
         results = []
-        with self.tier.open_write(path) as out:
-            for item in items:
+        c = self.compression
+        pool = self._pool()
+        coded = encode_items(
+            self._jobs(path, items, planner, lock), self._codec,
+            chunk_size=c.chunk_size if c else 0, pool=pool,
+            window=_WINDOW_PER_THREAD * c.threads if c and pool else 1,
+        )  # fmt: skip
+        with self.tier.open_write(path) as out, closing(coded):
+            for job, parts in coded:
                 start = out.tell()
                 hasher = Hasher()
-                if item.type == WriteItemType.BYTE_IO:
-                    with lock:
-                        data = planner.resolve_data(item)
-                    if not isinstance(data, io.BytesIO):
-                        raise UnsupportedStateError(
-                            f"planner returned {type(data).__name__} for bytes item "
-                            f"{item.index.fqn!r}; expected io.BytesIO"
-                        )
-                    view = data.getbuffer()
-                    _check_loadable(view, item.index.fqn)
-                    transforms: tuple[str, ...] = ()
-                    stored = pieces(view)
-                else:
-                    tensor = _tensor_for(item, planner.resolve_data(item))
-                    view = byte_view(tensor)
-                    transforms, stored = self._encode(view, tensor.dtype)
-                for piece in stored:
+                for piece in parts:
                     hasher.update(piece)
                     out.write(piece)
                 length = out.tell() - start
-                loc = ItemLocation(path, start, length, len(view), hasher.hexdigest(), transforms)
+                transforms = () if job.layout is None else (self._codec.descriptor,)  # type: ignore[union-attr]
+                raw = len(job.view)
+                loc = ItemLocation(path, start, length, raw, hasher.hexdigest(), transforms)
                 results.append(
-                    WriteResult(index=item.index, size_in_bytes=length, storage_data=loc)
+                    WriteResult(index=job.key.index, size_in_bytes=length, storage_data=loc)
                 )
+                countdown.written(job.key.index)
         return results
 
-    def _encode(self, view: memoryview, dtype: torch.dtype):
-        """``(transforms, pieces to store)`` for one tensor's bytes."""
+    def _jobs(
+        self, path: str, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock
+    ) -> Iterator[EncodeJob]:
+        """Each item's bytes and how to store them, resolved as the coder asks for them."""
+        for item in items:
+            if item.type == WriteItemType.BYTE_IO:
+                with lock:
+                    data = planner.resolve_data(item)
+                if not isinstance(data, io.BytesIO):
+                    raise UnsupportedStateError(
+                        f"planner returned {type(data).__name__} for bytes item "
+                        f"{item.index.fqn!r}; expected io.BytesIO"
+                    )
+                view = data.getbuffer()
+                _check_loadable(view, item.index.fqn)
+                yield EncodeJob(item, view, None, f"item {item.index.fqn!r} of {path}")
+            else:
+                tensor = _tensor_for(item, planner.resolve_data(item))
+                view = byte_view(tensor)
+                layout = item_layout(view, tensor.dtype, self._codec, self.compression)
+                yield EncodeJob(item, view, layout, f"item {item.index.fqn!r} of {path}")
+
+    def _pool(self) -> ThreadPoolExecutor | None:
+        """The codec pool (None: code inline), reused across saves."""
         c = self.compression
         if c is not None and c.threads > 1 and self._codec_pool is None:
-            # Reused across saves; its threads exit with the process.
+            # Its threads exit with the process.
             self._codec_pool = ThreadPoolExecutor(c.threads, thread_name_prefix="dcp-ml-codec")
-        window = 2 * c.threads if c is not None else 1
-        return encode_item(view, dtype, self._codec, c, pool=self._codec_pool, window=window)
+        return self._codec_pool
 
     def _sweep(self, keep: set[str]) -> None:
         """Delete data of earlier saves and crash leftovers; never fails the commit."""
@@ -306,6 +347,47 @@ def _tensor_for(item: WriteItem, data: Any) -> torch.Tensor:
         t = t.cpu()
     # Non-contiguous views are copied (only their projection is stored).
     return t.contiguous()
+
+
+class _Countdown:
+    """Calls ``done`` once every index in ``pending`` was written (thread-safe)."""
+
+    def __init__(self, pending: set[MetadataIndex], done: Callable[[], None]) -> None:
+        self._pending = set(pending)
+        self._done = done
+        self._lock = threading.Lock()
+        if not self._pending:
+            done()
+
+    def written(self, index: MetadataIndex) -> None:
+        if not self._pending:
+            return
+        with self._lock:
+            if index not in self._pending:
+                return
+            self._pending.discard(index)
+            last = not self._pending
+        if last:
+            self._done()
+
+
+def _live_items(
+    items: list[WriteItem], planner: SavePlanner, live: frozenset[int]
+) -> set[MetadataIndex]:
+    """Indexes of the tensor items whose data is still the training state's memory."""
+    if not live:
+        return set()
+    found = set()
+    for item in items:
+        if item.type != WriteItemType.BYTE_IO:
+            data = planner.resolve_data(item)
+            if (
+                isinstance(data, torch.Tensor)
+                and data.numel()
+                and data.untyped_storage().data_ptr() in live
+            ):
+                found.add(item.index)
+    return found
 
 
 def _balance(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:

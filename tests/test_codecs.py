@@ -22,7 +22,6 @@ from dcp_multilevel import ConfigError, CorruptCheckpointError, MultiLevelReader
 from dcp_multilevel.codecs import (
     CODECS,
     decode_frames,
-    element_layout,
     encode_frames,
 )
 from dcp_multilevel.codecs.bytegroup import ByteGroupCodec
@@ -40,7 +39,7 @@ CODEC_CLASSES = [ByteGroupCodec, ZstdCodec]
 
 
 def _encode(t: torch.Tensor, codec, chunk_size: int, pool=None) -> bytes:
-    width, rotate = element_layout(t.dtype)
+    width, rotate = codec.layout(t.dtype)
     parts = encode_frames(byte_view(t), codec, width=width, rotate=rotate,
                           chunk_size=chunk_size, pool=pool, window=4)  # fmt: skip
     return b"".join(bytes(p) for p in parts)

@@ -9,6 +9,7 @@ codec from the checkpoint alone.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,13 +20,14 @@ from ..config import Compression
 from ..errors import RegistryError
 from ..format.tensor_bytes import byte_view, pieces
 from .base import Codec, element_layout
-from .pipeline import decode_frames, encode_frames
+from .pipeline import EncodeJob, decode_frames, encode_frames, encode_items
 
 __all__ = [
     "CODECS",
     "MIN_CODED_BYTES",
     "Codec",
     "Compression",
+    "EncodeJob",
     "codec_for",
     "codec_from_descriptor",
     "compress_tensor",
@@ -35,6 +37,9 @@ __all__ = [
     "element_layout",
     "encode_frames",
     "encode_item",
+    "encode_items",
+    "item_layout",
+    "shared_pool",
 ]
 
 #: registry name -> Codec subclass.
@@ -50,7 +55,7 @@ def codec_from_descriptor(descriptor: str) -> Codec:
     """Rebuild a codec from a manifest descriptor like ``dcp_multilevel.zstd/1``."""
     name, _, version = descriptor.partition("/")
     cls = CODECS.get(name)
-    if version != str(cls.version):
+    if not cls.reads(version):
         raise RegistryError(
             f"codec {name!r} version {version!r} is not readable by the installed codec "
             f"(version {cls.version}); install a dcp_multilevel release that reads it"
@@ -58,23 +63,55 @@ def codec_from_descriptor(descriptor: str) -> Codec:
     return cls()
 
 
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def shared_pool(threads: int) -> ThreadPoolExecutor | None:
+    """A process-wide coding pool of ``threads`` workers (None for 1: code inline).
+
+    Reused by every call, so tools that code one tensor per call do not start
+    threads per call; its threads exit with the interpreter.
+    """
+    if threads <= 1:
+        return None
+    with _pools_lock:
+        pool = _pools.get(threads)
+        if pool is None:
+            pool = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="dcp-ml-codec")
+        return pool
+
+
 def compress_tensor(t: torch.Tensor, compression: Compression) -> bytes:
     """Frame-encode a contiguous CPU tensor (for benchmarks and tools)."""
-    width, rotate = element_layout(t.dtype)
     codec = codec_for(compression)
-    with ThreadPoolExecutor(compression.threads) as pool:
-        return b"".join(
-            bytes(part)
-            for part in encode_frames(
-                byte_view(t), codec, width=width, rotate=rotate,
-                chunk_size=compression.chunk_size, pool=pool, window=2 * compression.threads,
-            )
-        )  # fmt: skip
+    width, rotate = codec.layout(t.dtype)
+    parts = encode_frames(
+        byte_view(t), codec, width=width, rotate=rotate, chunk_size=compression.chunk_size,
+        pool=shared_pool(compression.threads), window=2 * compression.threads,
+    )  # fmt: skip
+    return b"".join(parts)
 
 
 #: Items smaller than this are stored uncoded: framing (60 bytes) and a codec call
 #: cost more than compressing a few biases can save.
 MIN_CODED_BYTES = 4096
+
+
+def item_layout(
+    view: memoryview,
+    dtype: torch.dtype | None,
+    codec: Codec | None,
+    compression: Compression | None,
+) -> tuple[int, int] | None:
+    """``(width, rotate)`` to frame an item with, or None to store it uncoded.
+
+    Uncoded without a codec, for non-tensor values (``dtype`` None) and under
+    :data:`MIN_CODED_BYTES`.
+    """
+    if codec is None or compression is None or dtype is None or len(view) < MIN_CODED_BYTES:
+        return None
+    return codec.layout(dtype)
 
 
 def encode_item(
@@ -88,13 +125,14 @@ def encode_item(
 ) -> tuple[tuple[str, ...], Iterable[bytes | memoryview]]:
     """``(transforms, parts to store)`` for one item's raw bytes.
 
-    Stored uncoded (no transforms) without a codec, for non-tensor values
-    (``dtype`` None) and under :data:`MIN_CODED_BYTES`; otherwise framed, lazily:
-    parts are produced as the caller consumes them (bounded by ``window``).
+    Stored uncoded (no transforms) as :func:`item_layout` says; otherwise framed,
+    lazily: parts are produced as the caller consumes them (bounded by ``window``).
     """
-    if codec is None or compression is None or dtype is None or len(view) < MIN_CODED_BYTES:
+    layout = item_layout(view, dtype, codec, compression)
+    if layout is None:
         return (), pieces(view)
-    width, rotate = element_layout(dtype)
+    assert codec is not None and compression is not None  # item_layout checked
+    width, rotate = layout
     frames = encode_frames(
         view, codec, width=width, rotate=rotate, chunk_size=compression.chunk_size,
         pool=pool, window=window,
@@ -130,6 +168,5 @@ def decompress_tensor(
         return ValueError(f"chunk {index}: {why}")
 
     inst = codec_for(Compression(codec=codec))
-    with ThreadPoolExecutor(threads) as pool:
-        decode_buffer(memoryview(data), byte_view(out), inst, error, pool, 2 * threads)
+    decode_buffer(memoryview(data), byte_view(out), inst, error, shared_pool(threads), 2 * threads)
     return out

@@ -1,14 +1,15 @@
 """The codec interface: how one chunk of raw bytes is coded and decoded.
 
-Call order: the writer's threads call ``encode`` once per chunk, in any
-order; the reader's threads call ``decode`` once per coded chunk. A codec keeps
-no state between calls (per-thread zstd contexts live in ``_zstd.py``), so one
-instance serves every thread.
+Call order: the writer asks ``layout(dtype)`` once per item, then its threads
+call ``encode`` once per chunk, in any order; the reader's threads call
+``decode`` once per coded chunk. A codec keeps no state between calls
+(per-thread zstd contexts live in ``_zstd.py``), so one instance serves every
+thread.
 
 A chunk is described by ``width`` (bytes per value plane: the element size,
-or the component size of complex numbers) and ``rotate`` (floating point:
-rotate each value left by one bit so the whole exponent lands in the top
-byte and the sign joins the mantissa). Both are recorded in the frame header
+or the component size of complex numbers) and ``rotate`` (bits each value is
+rotated left before it is split into planes: for floats, so that the bits that
+barely vary share a plane). Both are recorded in the frame header
 (``format/frames.py``), so decoding needs nothing but the bytes.
 """
 
@@ -27,32 +28,52 @@ MIN_SAVING = 1 / 64
 
 
 class Codec(abc.ABC):
-    """Codes chunks. Subclasses set ``name`` (the registry name) and ``version``."""
+    """Codes chunks. Subclasses set ``name`` (the registry name) and ``version``.
+
+    ``version`` is what a writer records; ``read_versions`` (default: just
+    ``version``) are the recorded versions this class decodes, so a codec that
+    changes its coding keeps reading what its earlier versions wrote.
+    """
 
     name: ClassVar[str]
     version: ClassVar[int] = 1
+    read_versions: ClassVar[frozenset[int] | None] = None
 
     def __init__(self, level: int = 1) -> None:
         self.level = level
 
     @property
     def descriptor(self) -> str:
-        """What the manifest records, e.g. ``dcp_multilevel.bytegroup/1``."""
+        """What the manifest records, e.g. ``dcp_multilevel.bytegroup/2``."""
         return f"{self.name}/{self.version}"
 
+    @classmethod
+    def reads(cls, version: str) -> bool:
+        """Whether a chunk recorded as ``<name>/<version>`` is decodable by this class."""
+        readable = cls.read_versions or frozenset({cls.version})
+        return version.isdigit() and int(version) in readable
+
+    def layout(self, dtype: torch.dtype) -> tuple[int, int]:
+        """``(width, rotate)`` for values of ``dtype`` (see the module docstring)."""
+        return element_layout(dtype)
+
     @abc.abstractmethod
-    def encode(self, chunk: memoryview, width: int, rotate: bool) -> bytes | None:
+    def encode(self, chunk: memoryview, width: int, rotate: int) -> bytes | None:
         """The coded payload of ``chunk``, or ``None`` when coding does not pay."""
 
     @abc.abstractmethod
-    def decode(self, payload: memoryview, out: memoryview, width: int, rotate: bool) -> None:
+    def decode(self, payload: memoryview, out: memoryview, width: int, rotate: int) -> None:
         """Decode ``payload`` into exactly ``len(out)`` bytes; ValueError if it cannot."""
 
 
-def element_layout(dtype: torch.dtype) -> tuple[int, bool]:
-    """``(width, rotate)`` for values of ``dtype``."""
+def element_layout(dtype: torch.dtype) -> tuple[int, int]:
+    """``(width, rotate)`` of version-1 codecs: floats rotated by one bit.
+
+    One bit moves the sign below the mantissa, so the top plane of fp32/bf16/
+    fp64 holds (the top of) the exponent.
+    """
     if dtype.is_complex:
-        return dtype.itemsize // 2, True
+        return dtype.itemsize // 2, 1
     if dtype.is_floating_point and dtype.itemsize > 1:
-        return dtype.itemsize, True
-    return dtype.itemsize, False
+        return dtype.itemsize, 1
+    return dtype.itemsize, 0

@@ -1,18 +1,32 @@
-"""Float-aware byte grouping (``dcp_multilevel.bytegroup/1``).
+"""Float-aware byte grouping (``dcp_multilevel.bytegroup/2``; reads ``/1`` too).
 
 A chunk of ``width``-byte values is split into ``width`` planes: plane ``p``
-holds byte ``p`` of every value. For floats each value is first rotated left by
-one bit, so the top plane holds exactly the exponent (low entropy: weights
-cluster in a few binades) and the sign joins the near-random mantissa. Each
-plane is compressed with zstd only if that pays, else stored raw; if no plane
-pays, the whole chunk is stored raw by the caller (``encode`` returns None).
+holds byte ``p`` of every value. Floats are first rotated left by ``rotate``
+bits (recorded in the frame header). Each plane is compressed with zstd only
+if that pays, else stored raw; if no plane pays, the whole chunk is stored raw
+by the caller (``encode`` returns None).
+
+Rotation: version 1 rotated by one bit (the top plane is the exponent, the
+sign joins the mantissa). Version 2 rotates fp32 and bf16 by three: the top
+plane then holds the low six exponent bits and the top two mantissa bits,
+and the two top exponent bits, which barely vary in weights and optimizer
+states (values well inside (2**-63, 2)), join the sign at the bottom of the
+lowest plane. That plane then compresses instead of being stored raw, and the
+top mantissa bits, skewed within each binade, are coded together with the
+exponent. Measured (plane-wise zstd, 1 MiB chunks) on MiniLM and 1-layer
+BERT-large + AdamW: fp32 0.8198 -> 0.8172 and 0.8201 -> 0.8175, bf16 0.6656
+-> 0.6617 and 0.6403 -> 0.6350; 2 and 4 bits were worse than 3, and fp16
+(5 exponent bits) does best with 1.
 
 Payload layout: ``width`` u8, then per plane ``method u8 | length u32``, then
 the planes' bytes in order (method 0 raw, 1 zstd).
 
 Planes are coded with zstd tuned as an entropy coder (``_zstd.compress_plane``;
-``level`` does not apply). Planes whose first 64 KiB sample does not compress
-are stored raw without compressing the rest: mantissa planes are near-random.
+``level`` does not apply). A sample of the chunk (a few spread slices) is
+transformed first: planes whose sample does not compress are stored raw
+without compressing the rest (mantissa planes are near-random), and a chunk
+none of whose planes pays is rejected before the whole chunk is transformed,
+so random data costs almost nothing.
 """
 
 from __future__ import annotations
@@ -21,15 +35,25 @@ import struct
 import threading
 
 import numpy as np
+import torch
 
 from . import _zstd
-from .base import MIN_SAVING, Codec
+from .base import MIN_SAVING, Codec, element_layout
 
 __all__ = ["ByteGroupCodec"]
 
 _PLANE = struct.Struct("<BI")
-_SAMPLE = 64 << 10
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+#: Values sampled per chunk to decide which planes to compress: _SLICES slices
+#: spread over the chunk (one slice at the start misjudges tensors whose first
+#: rows differ, e.g. the rarely trained rows of an embedding).
+_SAMPLE_VALUES = 16 << 10
+_SLICES = 8
+#: A plane is compressed when its sample saves at least this fraction; looser
+#: than MIN_SAVING, as a sample only estimates the whole plane.
+_SAMPLE_SAVING = MIN_SAVING / 2
+#: Rotation (bits) of version 2 per float dtype; others use version 1's.
+_ROTATE_V2 = {torch.float32: 3, torch.bfloat16: 3, torch.complex64: 3}
 _local = threading.local()
 
 
@@ -42,19 +66,28 @@ def _scratch(name: str, nbytes: int) -> np.ndarray:
     return buf[:nbytes]
 
 
-def _rotate(src: np.ndarray, dst: np.ndarray, width: int, left: bool) -> None:
-    """Rotate each ``width``-byte value of ``src`` by one bit into ``dst`` (uint8 arrays)."""
-    t = _UINT[width]
-    bits = 8 * width - 1
-    x, y = src.view(t), dst.view(t)
-    tmp = _scratch("rot_tmp", src.nbytes).view(t)
-    if left:
-        np.left_shift(x, 1, out=y)
-        np.right_shift(x, bits, out=tmp)
-    else:
-        np.right_shift(x, 1, out=y)
-        np.left_shift(x, bits, out=tmp)
-    np.bitwise_or(y, tmp, out=y)
+def _rotate(words: np.ndarray, out: np.ndarray, bits: int, left: bool) -> None:
+    """Rotate each unsigned word of ``words`` by ``bits`` into ``out`` (same dtype)."""
+    tmp = _scratch("rot_tmp", words.nbytes).view(words.dtype)
+    total = 8 * words.itemsize
+    first, second = (np.left_shift, np.right_shift) if left else (np.right_shift, np.left_shift)
+    first(words, bits, out=out)
+    second(words, total - bits, out=tmp)
+    np.bitwise_or(out, tmp, out=out)
+
+
+def _split(words: np.ndarray, planes: np.ndarray) -> None:
+    """Byte ``p`` of every word into ``planes[p]`` (little-endian).
+
+    A shift and a truncating copy per plane run ~1.5-3x faster than a
+    transposing copy, whose stride-``width`` byte reads defeat the cache.
+    """
+    # Only for rotations of 8 bits or more (never written by this codec).
+    tmp = _scratch("split_tmp", words.nbytes).view(words.dtype)
+    np.copyto(planes[0], words, casting="unsafe")
+    for p in range(1, len(planes)):
+        np.right_shift(words, 8 * p, out=tmp)
+        np.copyto(planes[p], tmp, casting="unsafe")
 
 
 def _interleave(planes: np.ndarray, dest: np.ndarray, width: int) -> None:
@@ -70,36 +103,105 @@ def _interleave(planes: np.ndarray, dest: np.ndarray, width: int) -> None:
         words |= planes[p]
 
 
+def _join(planes: list[np.ndarray], words: np.ndarray, rotate: int) -> None:
+    """Inverse of :func:`_planes` for rotations under 8 bits, straight into ``words``.
+
+    Rotating right by ``rotate`` moves plane ``p >= 1`` to bit ``8p - rotate``
+    and splits plane 0 into its top bits (the word's low bits) and its low
+    ``rotate`` bits (the word's top bits).
+    """
+    width = len(planes)
+    tmp = _scratch("join_tmp", words.nbytes).view(words.dtype)
+    np.left_shift(planes[width - 1], 8 * (width - 1) - rotate, out=words, dtype=words.dtype)
+    for p in range(width - 2, 0, -1):
+        np.left_shift(planes[p], 8 * p - rotate, out=tmp, dtype=words.dtype)
+        np.bitwise_or(words, tmp, out=words)
+    low = _scratch("join_low", len(planes[0]))
+    np.right_shift(planes[0], rotate, out=low)
+    np.bitwise_or(words, low, out=words, casting="unsafe")
+    if rotate:
+        np.left_shift(planes[0], 8 * width - rotate, out=tmp, dtype=words.dtype)
+        np.bitwise_or(words, tmp, out=words)
+
+
+def _planes(values: np.ndarray, width: int, rotate: int, name: str) -> np.ndarray:
+    """The ``(width, n)`` byte planes of ``values`` (uint8, rotated first), per-thread buffer.
+
+    For rotations under 8 bits, plane ``p >= 1`` is the word shifted right by
+    ``8p - rotate`` and plane 0 ORs the low byte shifted left with the top
+    ``rotate`` bits: each written straight into its plane (a truncating
+    ufunc output), ~1.5x faster than rotating the words first.
+    """
+    n = len(values) // width
+    words = values.view(_UINT[width])
+    planes = _scratch(name, len(values)).reshape(width, n)
+    if rotate >= 8:
+        rotated = _scratch(name + "_rot", len(values)).view(_UINT[width])
+        _rotate(words, rotated, rotate, left=True)
+        _split(rotated, planes)
+        return planes
+    for p in range(1, width):
+        np.right_shift(words, 8 * p - rotate, out=planes[p], casting="unsafe")
+    np.left_shift(words, rotate, out=planes[0], casting="unsafe")
+    if rotate:
+        top = _scratch(name + "_top", n)
+        np.right_shift(words, 8 * width - rotate, out=top, casting="unsafe")
+        np.bitwise_or(planes[0], top, out=planes[0])
+    return planes
+
+
+def _pays(coded_len: int, raw_len: int, saving: float = MIN_SAVING) -> bool:
+    return coded_len < raw_len * (1 - saving)
+
+
 class ByteGroupCodec(Codec):
     """Byte planes (exponent-aligned for floats), each zstd-compressed when it pays."""
 
     name = "dcp_multilevel.bytegroup"
+    version = 2
+    read_versions = frozenset({1, 2})
 
-    def encode(self, chunk: memoryview, width: int, rotate: bool) -> bytes | None:
+    def layout(self, dtype: torch.dtype) -> tuple[int, int]:
+        width, rotate = element_layout(dtype)
+        return width, _ROTATE_V2.get(dtype, rotate)
+
+    def encode(self, chunk: memoryview, width: int, rotate: int) -> bytes | None:
         if width == 1:
             coded = _zstd.compress_plane(chunk)
-            return self._pack([(1, coded)]) if self._pays(coded, len(chunk)) else None
-        n = len(chunk) // width
+            return self._pack([(1, coded)]) if _pays(len(coded), len(chunk)) else None
         values = np.frombuffer(chunk, dtype=np.uint8)
-        if rotate:
-            rotated = _scratch("enc_rot", len(chunk))
-            _rotate(values, rotated, width, left=True)
-            values = rotated
-        planes = _scratch("enc_planes", len(chunk)).reshape(width, n)
-        np.copyto(planes, values.reshape(n, width).T)
+        n = len(values) // width
+        worth = self._sample(values, width, rotate)
+        if worth is not None and not any(worth):
+            return None
+        planes = _planes(values, width, rotate, "enc_planes")
         parts: list[tuple[int, bytes | memoryview]] = []
         for p in range(width):
             plane = memoryview(planes[p])
-            if n > 2 * _SAMPLE and not self._pays(_zstd.compress_plane(plane[:_SAMPLE]), _SAMPLE):
-                parts.append((0, plane))
-                continue
-            coded = _zstd.compress_plane(plane)
-            parts.append((1, coded) if self._pays(coded, n) else (0, plane))
+            coded = _zstd.compress_plane(plane) if worth is None or worth[p] else None
+            parts.append((1, coded) if coded is not None and _pays(len(coded), n) else (0, plane))
         if all(method == 0 for method, _ in parts):
             return None
         return self._pack(parts)
 
-    def decode(self, payload: memoryview, out: memoryview, width: int, rotate: bool) -> None:
+    @staticmethod
+    def _sample(values: np.ndarray, width: int, rotate: int) -> list[bool] | None:
+        """Per plane: does a sample of it compress? None when the chunk is too small to sample."""
+        n = len(values) // width
+        if n < 4 * _SAMPLE_VALUES:
+            return None
+        rows = values.reshape(n, width)
+        step, size = n // _SLICES, _SAMPLE_VALUES // _SLICES
+        sample = _scratch("sample", _SAMPLE_VALUES * width).reshape(_SLICES, size, width)
+        for i in range(_SLICES):
+            sample[i] = rows[i * step : i * step + size]
+        planes = _planes(sample.reshape(-1), width, rotate, "sample_planes")
+        return [
+            _pays(len(_zstd.compress_plane(planes[p])), _SAMPLE_VALUES, _SAMPLE_SAVING)
+            for p in range(width)
+        ]
+
+    def decode(self, payload: memoryview, out: memoryview, width: int, rotate: int) -> None:
         nplanes = payload[0]
         if nplanes != width:
             raise ValueError(f"payload has {nplanes} planes, the frame says width {width}")
@@ -108,7 +210,7 @@ class ByteGroupCodec(Codec):
         if len(payload) < table_end:
             raise ValueError("payload ends inside its plane table")
         pos = table_end
-        planes = _scratch("dec_planes", len(out)).reshape(width, n)
+        planes: list[np.ndarray] = []  # views of the payload or of zstd's output: no copies
         for p in range(width):
             method, length = _PLANE.unpack_from(payload, 1 + p * _PLANE.size)
             data = payload[pos : pos + length]
@@ -118,9 +220,9 @@ class ByteGroupCodec(Codec):
             if method == 0:
                 if length != n:
                     raise ValueError(f"raw plane {p} has {length} bytes, expected {n}")
-                planes[p] = np.frombuffer(data, dtype=np.uint8)
+                planes.append(np.frombuffer(data, dtype=np.uint8))
             elif method == 1:
-                planes[p] = np.frombuffer(_zstd.decompress(data, n), dtype=np.uint8)
+                planes.append(np.frombuffer(_zstd.decompress(data, n), dtype=np.uint8))
             else:
                 raise ValueError(f"plane {p} has unknown method {method}")
         if pos != len(payload):
@@ -128,17 +230,13 @@ class ByteGroupCodec(Codec):
         dest = np.frombuffer(out, dtype=np.uint8)
         if width == 1:
             dest[:] = planes[0]
-            return
-        if rotate:
+        elif rotate >= 8:
             grouped = _scratch("dec_rot", len(out))
             _interleave(planes, grouped, width)
-            _rotate(grouped, dest, width, left=False)
+            t = _UINT[width]
+            _rotate(grouped.view(t), dest.view(t), rotate, left=False)
         else:
-            _interleave(planes, dest, width)
-
-    @staticmethod
-    def _pays(coded: bytes, raw_len: int) -> bool:
-        return len(coded) < raw_len * (1 - MIN_SAVING)
+            _join(planes, dest.view(_UINT[width]), rotate)
 
     @staticmethod
     def _pack(parts: list[tuple[int, bytes | memoryview]]) -> bytes:

@@ -41,7 +41,7 @@ class CodecExtension(StreamTransformExtension):
 
     @classmethod
     def from_descriptor(cls, version: str) -> CodecExtension:  # type: ignore[override]
-        if version != str(cls.codec_cls.version):
+        if not cls.codec_cls.reads(version):
             raise ValueError(
                 f"{cls.codec_cls.name} version {version!r} is not supported by this "
                 f"dcp_multilevel (it reads version {cls.codec_cls.version}); upgrade it"
@@ -86,7 +86,7 @@ class _FrameWriter(io.RawIOBase):
 
     def write(self, b) -> int:  # type: ignore[override]
         if not self._started:
-            self._out.write(frames.pack_header(1, False, _STREAM_CHUNK, frames.UNKNOWN_TOTAL))
+            self._out.write(frames.pack_header(1, 0, _STREAM_CHUNK, frames.UNKNOWN_TOTAL))
             self._started = True
         self._buf += memoryview(b).cast("B")
         while len(self._buf) >= _STREAM_CHUNK:

@@ -1,32 +1,173 @@
-"""Chunked, multi-threaded coding of one item into frames (``format/frames.py``).
+"""Chunked, multi-threaded coding into frames (``format/frames.py``).
 
-Encoding reads the source memory chunk by chunk (no copy of the tensor) and
-keeps at most ``2 * threads`` chunks in flight, yielding framed bytes in order;
-decoding reads chunk records through a callback and writes each chunk straight
-into its slice of the destination. Memory is bounded by the window, never by
-the item's size. zstd and numpy release the GIL, so threads really overlap.
+Encoding reads the source memory chunk by chunk (no copy of the tensor).
+:func:`encode_items` codes a *stream* of items: it keeps up to ``window``
+chunks in flight in the pool, taken from the item being written and the items
+after it, so small tensors (most are one chunk or less) are coded in parallel
+and ahead of the writer, and yields each item's framed bytes in order.
+Memory is bounded by the window, never by an item's size.
+
+Decoding reads chunk records through a callback and writes each chunk straight
+into its slice of the destination. zstd and numpy release the GIL, so threads
+really overlap.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from typing import Any
 
 import xxhash
 
 from ..format import frames
+from ..format.tensor_bytes import pieces
 from .base import Codec
 
-__all__ = ["decode_frames", "encode_chunk", "encode_frames"]
+__all__ = ["EncodeJob", "decode_frames", "encode_chunk", "encode_frames", "encode_items"]
+
+Part = bytes | memoryview
 
 
-def encode_chunk(codec: Codec, chunk: memoryview, width: int, rotate: bool) -> list:
-    """One framed chunk: ``[record, payload]`` (payload raw when coding does not pay)."""
+def encode_chunk(codec: Codec, chunk: memoryview, width: int, rotate: int) -> tuple[bytes, Part]:
+    """One framed chunk: ``(record, payload)`` (payload raw when coding does not pay)."""
     coded = codec.encode(chunk, width, rotate)
     method, payload = (frames.METHOD_RAW, chunk) if coded is None else (frames.METHOD_CODED, coded)
     checksum = xxhash.xxh3_64_intdigest(payload)
-    return [frames.pack_chunk(method, len(chunk), len(payload), checksum), payload]
+    return frames.pack_chunk(method, len(chunk), len(payload), checksum), payload
+
+
+@dataclass(frozen=True)
+class EncodeJob:
+    """One item to store: ``layout`` ``(width, rotate)`` to frame it, or None to store it as is.
+
+    ``name`` says what the item is in error notes (e.g. ``"item 'w' of data/0-0.bin"``).
+    """
+
+    key: Any
+    view: memoryview
+    layout: tuple[int, int] | None
+    name: str = "item"
+
+
+@dataclass
+class _Item:
+    job: EncodeJob
+    starts: range
+    next_chunk: int = 0  # first chunk not yet submitted
+    futures: deque[Future] = field(default_factory=deque)
+
+    @property
+    def submitted_all(self) -> bool:
+        return self.next_chunk == len(self.starts)
+
+
+def encode_items(
+    jobs: Iterable[EncodeJob],
+    codec: Codec | None,
+    *,
+    chunk_size: int,
+    pool: Executor | None,
+    window: int,
+) -> Iterator[tuple[EncodeJob, Iterator[Part]]]:
+    """Yield ``(job, parts)`` per job, in order; ``parts`` are the bytes to store.
+
+    Each ``parts`` iterator must be consumed before the next item is taken.
+    ``jobs`` is pulled lazily, up to about ``window`` items ahead of the one
+    being consumed (what the caller does to produce a job, e.g. DCP's
+    ``resolve_data``, runs in the consuming thread). An error from a job or a
+    chunk is raised by the ``parts`` (or the iteration) where it surfaces;
+    chunks still queued are then cancelled.
+    """
+    source = iter(jobs)
+    queue: deque[_Item] = deque()  # items taken from ``source`` and not yet consumed
+    feed = 0  # index in ``queue`` of the first item with chunks left to submit
+    in_flight = 0  # submitted futures not yet taken by the consumer
+    exhausted = False
+
+    def fill() -> None:
+        """Submit chunks, in item order, until ``window`` are in flight."""
+        nonlocal feed, in_flight, exhausted
+        while pool is not None and in_flight < window:
+            if feed == len(queue):
+                # Also bounds items resolved ahead when they have nothing to code.
+                if exhausted or len(queue) > window:
+                    return
+                job = next(source, None)
+                if job is None:
+                    exhausted = True
+                    return
+                queue.append(_item(job, chunk_size))
+                continue
+            item = queue[feed]
+            if item.submitted_all:
+                feed += 1
+                continue
+            start = item.starts[item.next_chunk]
+            width, rotate = item.job.layout  # type: ignore[misc]  # framed items only
+            chunk = item.job.view[start : start + item.starts.step]
+            item.futures.append(pool.submit(encode_chunk, codec, chunk, width, rotate))
+            item.next_chunk += 1
+            in_flight += 1
+
+    def parts(item: _Item) -> Iterator[Part]:
+        nonlocal in_flight
+        view, layout = item.job.view, item.job.layout
+        if layout is None:
+            yield from pieces(view)
+            return
+        width, rotate = layout
+        step = item.starts.step
+        yield frames.pack_header(width, rotate, step, len(view))
+        for index, start in enumerate(item.starts):
+            if pool is None:
+                try:
+                    record, payload = encode_chunk(codec, view[start : start + step], width, rotate)  # type: ignore[arg-type]
+                except Exception as e:
+                    e.add_note(f"while coding chunk {index} of {item.job.name}")
+                    raise
+                yield record
+                yield payload
+                continue
+            if index == item.next_chunk:  # not submitted yet: this item is the one fed
+                fill()
+            future = item.futures.popleft()
+            in_flight -= 1
+            fill()  # keep the pool busy while this chunk is waited for and written
+            try:
+                record, payload = future.result()
+            except Exception as e:
+                e.add_note(f"while coding chunk {index} of {item.job.name}")
+                raise
+            yield record
+            yield payload
+        yield frames.pack_chunk(frames.METHOD_RAW, 0, 0, 0)
+
+    try:
+        while True:
+            fill()
+            if not queue:
+                job = None if exhausted else next(source, None)
+                if job is None:
+                    return
+                queue.append(_item(job, chunk_size))
+            item = queue[0]
+            yield item.job, parts(item)
+            queue.popleft()
+            feed = max(0, feed - 1)
+    finally:
+        for item in queue:
+            for f in item.futures:
+                f.cancel()
+
+
+def _item(job: EncodeJob, chunk_size: int) -> _Item:
+    if job.layout is None:
+        return _Item(job, range(0))
+    size = chunk_size - chunk_size % job.layout[0]
+    return _Item(job, range(0, len(job.view), size))
 
 
 def encode_frames(
@@ -34,28 +175,15 @@ def encode_frames(
     codec: Codec,
     *,
     width: int,
-    rotate: bool,
+    rotate: int,
     chunk_size: int,
     pool: Executor | None,
     window: int,
-) -> Iterator[bytes | memoryview]:
-    """Yield the framed encoding of ``view`` (header, chunks, terminator), in order."""
-    chunk_size -= chunk_size % width
-    yield frames.pack_header(width, rotate, chunk_size, len(view))
-    starts = range(0, len(view), chunk_size)
-    if pool is None:
-        for start in starts:
-            yield from encode_chunk(codec, view[start : start + chunk_size], width, rotate)
-    else:
-        pending: deque[Future] = deque()
-        for start in starts:
-            chunk = view[start : start + chunk_size]
-            pending.append(pool.submit(encode_chunk, codec, chunk, width, rotate))
-            if len(pending) >= window:
-                yield from pending.popleft().result()
-        while pending:
-            yield from pending.popleft().result()
-    yield frames.pack_chunk(frames.METHOD_RAW, 0, 0, 0)
+) -> Iterator[Part]:
+    """Yield the framed encoding of one item (header, chunks, terminator), in order."""
+    job = EncodeJob(None, view, (width, rotate))
+    for _, parts in encode_items([job], codec, chunk_size=chunk_size, pool=pool, window=window):
+        yield from parts
 
 
 def _decode_chunk(

@@ -13,9 +13,9 @@ class ZstdCodec(Codec):
 
     name = "dcp_multilevel.zstd"
 
-    def encode(self, chunk: memoryview, width: int, rotate: bool) -> bytes | None:
+    def encode(self, chunk: memoryview, width: int, rotate: int) -> bytes | None:
         coded = _zstd.compress(chunk, self.level)
         return coded if len(coded) < len(chunk) * (1 - MIN_SAVING) else None
 
-    def decode(self, payload: memoryview, out: memoryview, width: int, rotate: bool) -> None:
+    def decode(self, payload: memoryview, out: memoryview, width: int, rotate: int) -> None:
         out[:] = _zstd.decompress(payload, len(out))

@@ -2,11 +2,15 @@
 
 ::
 
-    header     "DMLF" | version u8 | width u8 | flags u8 | 0 u8 | chunk_size u32 | raw_total u64
+    header     "DMLF" | version u8 | width u8 | rotate u8 | 0 u8 | chunk_size u32 | raw_total u64
     chunk*     method u8 | 0 u8 x3 | raw_len u32 | stored_len u32 | xxh3_64(payload) u64 | payload
     terminator a chunk record with raw_len = stored_len = 0
 
-All integers little-endian. ``method`` 0 = payload is the raw bytes, 1 = payload
+All integers little-endian. ``rotate``: bits each value was rotated left
+before coding. Version 1 headers hold it as a flag (bit 0: one bit); version 2
+headers hold the count (written only when it is more than 1, so a stream that
+version 1 can describe stays readable by releases that only know version 1).
+``method`` 0 = payload is the raw bytes, 1 = payload
 is coded by the item's codec (named in the manifest). Every chunk but the last
 holds exactly ``chunk_size`` raw bytes, so chunk ``i`` decodes into
 ``out[i*chunk_size:]`` and chunks decode in parallel. ``raw_total`` is
@@ -29,6 +33,8 @@ __all__ = [
     "METHOD_CODED",
     "METHOD_RAW",
     "UNKNOWN_TOTAL",
+    "VERSION",
+    "VERSION_2",
     "ChunkRecord",
     "FrameError",
     "FrameHeader",
@@ -41,6 +47,7 @@ __all__ = [
 
 MAGIC = b"DMLF"
 VERSION = 1
+VERSION_2 = 2
 HEADER = struct.Struct("<4sBBBxIQ")
 CHUNK = struct.Struct("<BxxxIIQ")
 METHOD_RAW = 0
@@ -57,13 +64,9 @@ class FrameError(ValueError):
 @dataclass(frozen=True)
 class FrameHeader:
     width: int
-    flags: int
+    rotate: int  # bits
     chunk_size: int
     raw_total: int
-
-    @property
-    def rotate(self) -> bool:
-        return bool(self.flags & FLAG_ROTATE)
 
 
 @dataclass(frozen=True)
@@ -78,21 +81,33 @@ class ChunkRecord:
         return self.raw_len == 0 and self.stored_len == 0
 
 
-def pack_header(width: int, rotate: bool, chunk_size: int, raw_total: int) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, width, FLAG_ROTATE if rotate else 0, chunk_size, raw_total)
+def pack_header(width: int, rotate: int, chunk_size: int, raw_total: int) -> bytes:
+    if not 0 <= rotate < 8 * width:
+        raise ValueError(f"cannot rotate {width}-byte values by {rotate} bits")
+    if rotate <= 1:
+        return HEADER.pack(MAGIC, VERSION, width, rotate and FLAG_ROTATE, chunk_size, raw_total)
+    return HEADER.pack(MAGIC, VERSION_2, width, rotate, chunk_size, raw_total)
 
 
 def unpack_header(data: bytes | memoryview) -> FrameHeader:
     magic, version, width, flags, chunk_size, raw_total = HEADER.unpack(data)
     if magic != MAGIC:
         raise FrameError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r})")
-    if version != VERSION:
-        raise FrameError(f"frame version {version} is not supported (this release reads 1)")
-    if width not in (1, 2, 4, 8) or flags & ~FLAG_ROTATE:
-        raise FrameError(f"bad frame width {width} or flags {flags:#x}")
+    if version not in (VERSION, VERSION_2):
+        raise FrameError(f"frame version {version} is not supported (this release reads 1, 2)")
+    if width not in (1, 2, 4, 8):
+        raise FrameError(f"bad frame width {width}")
+    if version == VERSION:
+        if flags & ~FLAG_ROTATE:
+            raise FrameError(f"bad frame flags {flags:#x}")
+        rotate = flags & FLAG_ROTATE
+    else:
+        rotate = flags
+        if not 1 < rotate < 8 * width:
+            raise FrameError(f"bad rotation {rotate} for width {width}")
     if not 0 < chunk_size <= MAX_CHUNK_SIZE or chunk_size % width:
         raise FrameError(f"bad chunk size {chunk_size}")
-    return FrameHeader(width, flags, chunk_size, raw_total)
+    return FrameHeader(width, rotate, chunk_size, raw_total)
 
 
 def pack_chunk(method: int, raw_len: int, stored_len: int, checksum: int) -> bytes:

@@ -1,6 +1,7 @@
 """Write the golden checkpoints in this folder. Run ONCE per new format/codec version.
 
-    python tests/golden/make_golden.py v1
+    python tests/golden/make_golden.py v1                # every codec
+    python tests/golden/make_golden.py v2 bytegroup      # only the codecs that changed
 
 Existing folders are never rewritten: they are what an earlier release wrote,
 and tests/test_golden.py must keep loading them bit-exactly forever.
@@ -22,8 +23,10 @@ from dcp_multilevel import MultiLevelWriter  # noqa: E402
 CODECS = {"raw": None, "zstd": "zstd", "bytegroup": "bytegroup"}
 
 
-def main(version: str) -> None:
+def main(version: str, names: list[str]) -> None:
     for name, codec in CODECS.items():
+        if names and name not in names:
+            continue
         path = HERE / f"{version}-{name}"
         if path.exists():
             print(f"keeping {path} (golden files are never rewritten)")
@@ -33,4 +36,4 @@ def main(version: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])
