@@ -47,6 +47,7 @@ bench: setup
 	$(VENV)/bin/python benchmarks/bench_planner.py
 	$(VENV)/bin/python benchmarks/bench_codecs.py
 	$(VENV)/bin/python benchmarks/bench_manager.py
+	$(VENV)/bin/python benchmarks/bench_async.py
 
 # Removes build and run outputs; keeps the virtual environment (`rm -rf .venv`
 # for a full reset).

@@ -46,11 +46,11 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_variant(variant: str, gb: float, saves: int, root: Path) -> dict:
+def run_variant(variant: str, gb: float, saves: int, root: Path, budget_gb: float) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from dcp_multilevel import MultiLevelWriter
+    from dcp_multilevel import MultiLevelWriter, StagingConfig
 
     torch.set_num_threads(1)
     sizes = [8, 16, 32, 64]
@@ -85,7 +85,13 @@ def run_variant(variant: str, gb: float, saves: int, root: Path) -> dict:
         memcpy.append(src.numel() * 4 / GB / (time.perf_counter() - t0))
     del src, dst
 
-    writer = MultiLevelWriter(root / "unused", sync_files=True) if variant == "ours" else None
+    writer = None
+    if variant != "stock":
+        # "ours-budget": a budget below the state's size (two waves, see docs/async.md).
+        budget = int(budget_gb * GB) if variant == "ours-budget" else None
+        writer = MultiLevelWriter(
+            root / "unused", sync_files=True, staging=StagingConfig(budget_bytes=budget)
+        )
     idle = [timed_step(k) for k in range(300)]
     blocked, inflight, rss = [], [], []
     k = 0
@@ -141,19 +147,27 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--root", type=Path, default=None, help="checkpoint directory (a temp dir)")
-    ap.add_argument("--variant", choices=["stock", "ours"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--budget-gb",
+        type=float,
+        default=0.0,
+        help="also run ours with StagingConfig(budget_bytes=this) (0: skip)",
+    )
+    ap.add_argument("--variant", choices=["stock", "ours", "ours-budget"], help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None, help="write all raw figures here")
     args = ap.parse_args()
     if args.variant:
-        print(json.dumps(run_variant(args.variant, args.gb, args.saves, args.root)))
+        print(json.dumps(run_variant(args.variant, args.gb, args.saves, args.root, args.budget_gb)))
         return
     root = args.root or Path(tempfile.mkdtemp(prefix="bench-async-"))
     root.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[dict]] = {"stock": [], "ours": []}
+    variants = ["stock", "ours"] + (["ours-budget"] if args.budget_gb else [])
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
     for rep in range(args.repeats):
-        order = ["stock", "ours"] if rep % 2 == 0 else ["ours", "stock"]
+        order = variants if rep % 2 == 0 else variants[::-1]
         for v in order:
             cmd = [sys.executable, __file__, "--variant", v, "--gb", str(args.gb)]
+            cmd += ["--budget-gb", str(args.budget_gb)]
             cmd += ["--saves", str(args.saves), "--root", str(root)]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             runs[v].append(json.loads(out.strip().splitlines()[-1]))
@@ -180,10 +194,12 @@ def main() -> None:
     ]
     state_gb = runs["ours"][0]["state_bytes"] / GB
     print(f"\nstate {state_gb:.2f} GB, {args.saves} saves, {args.repeats} repeats (medians)\n")
-    print("| figure | stock FileSystemWriter | MultiLevelWriter |")
-    print("|---|---:|---:|")
+    heads = {"stock": "stock FileSystemWriter", "ours": "MultiLevelWriter"}
+    heads["ours-budget"] = f"MultiLevelWriter, budget {args.budget_gb:g} GB"
+    print("| figure | " + " | ".join(heads[v] for v in variants) + " |")
+    print("|---|" + "---:|" * len(variants))
     for label, key, fmt in rows:
-        print(f"| {label} | {fmt.format(med('stock', key))} | {fmt.format(med('ours', key))} |")
+        print(f"| {label} | " + " | ".join(fmt.format(med(v, key)) for v in variants) + " |")
     ratio = med("stock", "blocked_s") / med("ours", "blocked_s")
     share = med("ours", "staging_gbps") / med("ours", "memcpy_gbps")
     goals = [
