@@ -49,6 +49,7 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from ._host_buffers import BufferPool, copy_into, iter_tensors, select_wave, staged_nbytes
+from ._priority import lower_thread_priority
 from .errors import AsyncSaveError, ConfigError, SaveInFlightError
 
 __all__ = ["AsyncStagingMixin", "BufferPool", "StagingConfig", "background_step"]
@@ -82,6 +83,9 @@ class StagingConfig:
             ``AsyncCheckpointerType.PROCESS`` never moves them on first use.
         copy_threads: threads copying into the buffers while ``async_save``
             blocks (``copy_`` releases the GIL); 1: the calling thread only.
+        background_nice: nice value (Linux) of the thread writing an async
+            save, and of the threads it starts, so that on busy cores the
+            training loop runs first; 0: leave priorities alone.
     """
 
     budget_bytes: int | None = None
@@ -90,6 +94,7 @@ class StagingConfig:
     pin_memory: bool | None = None
     shared_memory: bool = False
     copy_threads: int = 2
+    background_nice: int = 10
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and (
@@ -102,6 +107,10 @@ class StagingConfig:
             raise ConfigError(f'in_flight must be "wait" or "raise", got {self.in_flight!r}')
         if not isinstance(self.copy_threads, int) or self.copy_threads < 1:
             raise ConfigError(f"copy_threads must be an int >= 1, got {self.copy_threads!r}")
+        if not isinstance(self.background_nice, int) or not 0 <= self.background_nice <= 19:
+            raise ConfigError(
+                f"background_nice must be an int from 0 to 19, got {self.background_nice!r}"
+            )
         if not self.wait_timeout_s > 0:
             raise ConfigError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s!r}")
 
@@ -440,6 +449,10 @@ def background_step(method):
     def wrapper(self, *args, **kwargs):
         step = method.__name__
         ticket = self._ticket_of_this_thread()  # None: not an async save in this process
+        daemon_copy = self._staging is None and self._status is not None  # PROCESS mode
+        if step == "write_data" and (ticket is not None or daemon_copy):
+            # The thread (DCP starts one per async save) only writes this save.
+            lower_thread_priority(self._staging_config.background_nice)
         try:
             result = method(self, *args, **kwargs)
         except BaseException as e:

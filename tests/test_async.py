@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _dist import run_ranks
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_multilevel import (
@@ -296,6 +297,36 @@ def test_budget_and_policy_are_validated():
         StagingConfig(in_flight="queue")
     with pytest.raises(ValueError, match="budget_bytes must be None or an int >= 0"):
         StagingConfig(budget_bytes=-1)
+    with pytest.raises(ValueError, match="background_nice must be an int from 0 to 19, got 20"):
+        StagingConfig(background_nice=20)
+
+
+class _PriorityProbe(DefaultSavePlanner):
+    """Records the nice value of the thread resolving (writing) each item."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[int] = set()
+
+    def resolve_data(self, write_item):
+        self.seen.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return super().resolve_data(write_item)
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice is Linux-only")
+@pytest.mark.parametrize("nice", [0, 12])
+def test_async_write_runs_at_background_priority(tmp_path, nice):
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    sd = {"w": torch.randn(1000), "b": torch.arange(10)}
+    writer = MultiLevelWriter(tmp_path / "c", staging=StagingConfig(background_nice=nice))
+    probe = _PriorityProbe()
+    dcp.async_save(sd, storage_writer=writer, planner=probe, checkpoint_id=tmp_path / "c").result()
+    assert probe.seen == {max(base, nice)}
+    # The training thread keeps its priority, and so does a synchronous save.
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+    probe = _PriorityProbe()
+    dcp.save(sd, storage_writer=writer, planner=probe, checkpoint_id=tmp_path / "d")
+    assert probe.seen == {base}
 
 
 # --------------------------------------------------------------------------- in flight
