@@ -9,6 +9,7 @@ codec from the checkpoint alone.
 
 from __future__ import annotations
 
+import io
 import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,14 +21,17 @@ from ..config import Compression
 from ..errors import RegistryError
 from ..format.tensor_bytes import byte_view, pieces
 from .base import Codec, element_layout
-from .pipeline import EncodeJob, decode_frames, encode_frames, encode_items
+from .pipeline import BufferPool, EncodeJob, decode_frames, encode_frames, encode_items
 
 __all__ = [
     "CODECS",
     "MIN_CODED_BYTES",
+    "MIN_SPLIT_CHUNK",
+    "BufferPool",
     "Codec",
     "Compression",
     "EncodeJob",
+    "balanced_chunk_size",
     "codec_for",
     "codec_from_descriptor",
     "compress_tensor",
@@ -82,15 +86,50 @@ def shared_pool(threads: int) -> ThreadPoolExecutor | None:
         return pool
 
 
+#: Payload buffers reused by every :func:`compress_tensor` call.
+_TOOL_BUFFERS = BufferPool()
+#: :func:`compress_tensor` splits a tensor into chunks no smaller than this to
+#: give every thread work.
+MIN_SPLIT_CHUNK = 128 << 10
+
+
+def balanced_chunk_size(nbytes: int, compression: Compression) -> int:
+    """The chunk size that splits ``nbytes`` into a multiple of ``threads`` chunks.
+
+    Chunks are at most ``compression.chunk_size`` and at least
+    :data:`MIN_SPLIT_CHUNK` (bytes; multiples of 4 KiB), so that one tensor
+    coded on its own keeps every thread busy: a 0.6 MB tensor in one 1 MiB
+    chunk, or 2.4 MB in chunks of 1, 1 and 0.4 MB, leaves a second thread idle.
+    """
+    size, threads = compression.chunk_size, compression.threads
+    if threads <= 1 or nbytes <= MIN_SPLIT_CHUNK:
+        return size
+    count = -(-nbytes // size)
+    count = -(-count // threads) * threads
+    even = -(-nbytes // count)
+    even = -(-even // 4096) * 4096
+    return min(size, max(MIN_SPLIT_CHUNK, even))
+
+
 def compress_tensor(t: torch.Tensor, compression: Compression) -> bytes:
-    """Frame-encode a contiguous CPU tensor (for benchmarks and tools)."""
+    """Frame-encode a contiguous CPU tensor (for benchmarks and tools).
+
+    Chunks are sized by :func:`balanced_chunk_size`; payload buffers are
+    reused across calls and the frames are written straight into the result.
+    """
     codec = codec_for(compression)
     width, rotate = codec.layout(t.dtype)
+    view = byte_view(t)
     parts = encode_frames(
-        byte_view(t), codec, width=width, rotate=rotate, chunk_size=compression.chunk_size,
+        view, codec, width=width, rotate=rotate,
+        chunk_size=balanced_chunk_size(len(view), compression),
         pool=shared_pool(compression.threads), window=2 * compression.threads,
+        buffers=_TOOL_BUFFERS,
     )  # fmt: skip
-    return b"".join(parts)
+    out = io.BytesIO()
+    for part in parts:  # each payload buffer is reused once the next part is pulled
+        out.write(part)
+    return out.getvalue()  # no copy: BytesIO hands over its buffer
 
 
 #: Items smaller than this are stored uncoded: framing (60 bytes) and a codec call
