@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import zstandard
 from conftest import assert_bit_equal, random_tensor, rank_errors
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -317,3 +318,15 @@ def test_compress_tensor_round_trips_with_split_chunks_and_reused_buffers(n, thr
         if n:
             header = frames.unpack_header(blob[: frames.HEADER.size])
             assert header.chunk_size == balanced_chunk_size(t.nbytes, c)
+
+
+def test_decompress_into_takes_exactly_the_frame_size_it_is_given():
+    data = bytes(range(256)) * 64
+    frame = zstandard.ZstdCompressor().compress(data)
+    out = bytearray(len(data))
+    _zstd.decompress_into(frame, memoryview(out))
+    assert out == data
+    with pytest.raises(ValueError, match="zstd frame declares 16384 bytes, expected 16383"):
+        _zstd.decompress_into(frame, memoryview(out)[:-1])
+    with pytest.raises(ValueError, match="zstd frame ends after 0 of the 16384 bytes expected"):
+        _zstd.decompress_into(frame[:-5], memoryview(out))

@@ -238,7 +238,8 @@ class ByteGroupCodec(Codec):
         if len(payload) < table_end:
             raise ValueError("payload ends inside its plane table")
         pos = table_end
-        planes: list[np.ndarray] = []  # views of the payload or of zstd's output: no copies
+        planes: list[np.ndarray] = []  # views of the payload or of this thread's scratch
+        scratch = _scratch("dec_planes", len(out)).reshape(width, n)
         for p in range(width):
             method, length = _PLANE.unpack_from(payload, 1 + p * _PLANE.size)
             data = payload[pos : pos + length]
@@ -250,7 +251,8 @@ class ByteGroupCodec(Codec):
                     raise ValueError(f"raw plane {p} has {length} bytes, expected {n}")
                 planes.append(np.frombuffer(data, dtype=np.uint8))
             elif method == 1:
-                planes.append(np.frombuffer(_zstd.decompress(data, n), dtype=np.uint8))
+                _zstd.decompress_into(data, memoryview(scratch[p]))
+                planes.append(scratch[p])
             else:
                 raise ValueError(f"plane {p} has unknown method {method}")
         if pos != len(payload):
