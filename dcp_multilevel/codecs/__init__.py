@@ -123,15 +123,17 @@ def compress_tensor(t: torch.Tensor, compression: Compression) -> memoryview:
     width, rotate = codec.layout(t.dtype)
     view = byte_view(t)
     chunk_size = balanced_chunk_size(len(view), compression)
+    count = -(-len(view) // chunk_size)
+    # One chunk: code it here; handing it to a pool thread only adds a wake-up.
+    pool = shared_pool(compression.threads) if count > 1 else None
     parts = encode_frames(
         view, codec, width=width, rotate=rotate, chunk_size=chunk_size,
-        pool=shared_pool(compression.threads), window=2 * compression.threads,
+        pool=pool, window=2 * compression.threads,
         buffers=_TOOL_BUFFERS,
     )  # fmt: skip
     # Frames never exceed the raw bytes plus their records: write them into one
     # uninitialized buffer of that bound (a growing BytesIO spent a quarter of
     # the time reallocating); pages past the end are never touched.
-    count = -(-len(view) // max(1, chunk_size))
     out = np.empty(frames.HEADER.size + (count + 1) * frames.CHUNK.size + len(view), np.uint8)
     dest, pos = memoryview(out), 0
     for part in parts:  # each payload buffer is reused once the next part is pulled
