@@ -9,15 +9,24 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import zstandard
 from conftest import assert_bit_equal, random_tensor, rank_errors
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_codecs import _decode, _encode, _structured
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_multilevel import MultiLevelReader, MultiLevelWriter, RegistryError
 from dcp_multilevel.codecs import (
     CODECS,
+    MIN_SPLIT_CHUNK,
+    BufferPool,
     EncodeJob,
+    _zstd,
+    balanced_chunk_size,
     codec_from_descriptor,
+    compress_tensor,
+    decompress_tensor,
     element_layout,
     encode_items,
 )
@@ -124,12 +133,13 @@ def _jobs(seed: int) -> list[EncodeJob]:
     return jobs
 
 
-def _coded(jobs, pool, window, chunk_size=1 << 18) -> list[bytes]:
+def _coded(jobs, pool, window, chunk_size=1 << 18, buffers=None) -> list[bytes]:
     """Each job's stored bytes; ``jobs`` is handed over as an iterator (pulled lazily)."""
     out = []
     coding = encode_items(
-        iter(jobs), ByteGroupCodec(), chunk_size=chunk_size, pool=pool, window=window
-    )
+        iter(jobs), ByteGroupCodec(), chunk_size=chunk_size, pool=pool, window=window,
+        buffers=buffers,
+    )  # fmt: skip
     for job, parts in coding:
         assert job is jobs[len(out)]
         out.append(b"".join(bytes(p) for p in parts))
@@ -153,11 +163,11 @@ class _Poisoned(ByteGroupCodec):
     name = "test.poisoned"
     calls = 0
 
-    def encode(self, chunk, width, rotate):
+    def encode_into(self, chunk, width, rotate, out):
         type(self).calls += 1
         if len(chunk) >= 4 and np.frombuffer(chunk[:4], np.float32)[0] == 12345.0:
             raise ValueError("injected coding failure")
-        return super().encode(chunk, width, rotate)
+        return super().encode_into(chunk, width, rotate, out)
 
 
 def test_error_in_the_middle_surfaces_in_order_and_stops_coding():
@@ -224,3 +234,99 @@ def test_every_rotation_a_frame_can_hold_round_trips(dtype, rotate):
     out = torch.empty_like(t)
     ByteGroupCodec().decode(memoryview(payload), byte_view(out), width, rotate)
     assert_bit_equal(out, t, f"rotate {rotate}")
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_reused_payload_buffers_code_exactly_as_fresh_ones(window):
+    jobs = _jobs(7)
+    fresh = _coded(jobs, None, 1)
+    buffers = BufferPool()
+    with ThreadPoolExecutor(2) as pool:
+        assert _coded(jobs, pool, window, buffers=buffers) == fresh
+    assert _coded(jobs, None, 1, buffers=buffers) == fresh
+    assert len(buffers.take(1 << 18)) > 1 << 18  # an idle payload buffer, not a fresh one
+
+
+def test_buffer_pool_reuses_fitting_buffers_and_bounds_what_it_keeps():
+    buffers = BufferPool(keep_bytes=3000)
+    a = buffers.take(1000)
+    buffers.give(a)
+    assert buffers.take(900) is a  # fits (not over twice the size): reused
+    buffers.give(a)
+    assert buffers.take(400) is not a  # over twice the size asked: not handed out
+    assert buffers.take(1000) is a
+    buffers.give(np.empty(2500, np.uint8))
+    buffers.give(np.empty(2500, np.uint8))  # over keep_bytes: dropped
+    assert len(buffers.take(2500)) == 2500 and len(buffers.take(2500)) == 2500
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int16, torch.uint8])
+def test_encode_into_writes_what_encode_returns(dtype):
+    t = _structured(300_000, dtype, 5)  # fp32: 1.2 MB, sampled
+    codec, chunk = ByteGroupCodec(), byte_view(t)
+    width, rotate = codec.layout(dtype)
+    out = bytearray(codec.payload_bound(len(chunk), width))
+    n = codec.encode_into(chunk, width, rotate, memoryview(out))
+    assert n is not None and bytes(out[:n]) == codec.encode(chunk, width, rotate)
+    with pytest.raises(ValueError, match="under the payload bound"):
+        codec.encode_into(chunk, width, rotate, memoryview(out)[:-1])
+
+
+def test_plane_compressed_into_a_buffer_decodes_and_too_small_a_buffer_says_so():
+    plane = np.frombuffer(byte_view(_structured(100_000, torch.int16, 1)), np.uint8)
+    out = bytearray(_zstd.plane_bound(len(plane)))
+    n = _zstd.compress_plane_into(plane, memoryview(out))
+    assert n is not None and n < len(plane) // 2
+    assert _zstd.decompress(memoryview(out)[:n], len(plane)) == plane.tobytes()
+    assert _zstd.compress_plane_into(plane, memoryview(out)[: n - 1]) is None
+    assert _zstd.compress_plane_into(plane, memoryview(out)[:n]) is None  # full: maybe cut
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    nbytes=st.integers(0, 200 << 20),
+    chunk_mib=st.integers(1, 64),
+    threads=st.integers(1, 8),
+)
+def test_balanced_chunks_fill_every_thread_within_the_size_limits(nbytes, chunk_mib, threads):
+    c = Compression(chunk_size=chunk_mib << 20, threads=threads)
+    size = balanced_chunk_size(nbytes, c)
+    assert MIN_SPLIT_CHUNK <= size <= c.chunk_size and size % 4096 == 0
+
+    def ceil(a: int, b: int) -> int:
+        return -(-a // b)
+
+    count = ceil(nbytes, size)
+    if threads > 1 and nbytes > MIN_SPLIT_CHUNK and size not in (MIN_SPLIT_CHUNK, c.chunk_size):
+        assert count % threads == 0, (count, threads)
+    # Never more chunks than the next multiple of threads above the unsplit count.
+    assert count <= ceil(ceil(nbytes, c.chunk_size), threads) * threads or size == MIN_SPLIT_CHUNK
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "n", [0, 1000, (MIN_SPLIT_CHUNK >> 2) + 1, 150_000, 262_144 + 77, 700_001]
+)  # fp32 values: under a split, just over, 0.6 MB, 1 MiB + 308 B, 2.8 MB
+def test_compress_tensor_round_trips_with_split_chunks_and_reused_buffers(n, threads):
+    c = Compression(threads=threads)
+    for dtype in (torch.float32, torch.bfloat16):
+        t = _structured(n, dtype, n)
+        blob = bytes(compress_tensor(t, c))
+        again = compress_tensor(t, c)  # reused buffers: same bytes
+        assert blob == bytes(again)
+        assert_bit_equal(decompress_tensor(blob, t, threads=threads), t, f"{n} {dtype}")
+        if n:
+            header = frames.unpack_header(blob[: frames.HEADER.size])
+            assert header.chunk_size == balanced_chunk_size(t.nbytes, c)
+
+
+def test_decompress_into_takes_exactly_the_frame_size_it_is_given():
+    data = bytes(range(256)) * 64
+    frame = zstandard.ZstdCompressor().compress(data)
+    out = bytearray(len(data))
+    _zstd.decompress_into(frame, memoryview(out))
+    assert out == data
+    with pytest.raises(ValueError, match="zstd frame declares 16384 bytes, expected 16383"):
+        _zstd.decompress_into(frame, memoryview(out)[:-1])
+    with pytest.raises(ValueError, match="zstd frame ends after 0 of the 16384 bytes expected"):
+        _zstd.decompress_into(frame[:-5], memoryview(out))

@@ -11,7 +11,14 @@ import threading
 
 import zstandard
 
-__all__ = ["compress", "compress_plane", "decompress"]
+__all__ = [
+    "compress",
+    "compress_plane",
+    "compress_plane_into",
+    "decompress",
+    "decompress_into",
+    "plane_bound",
+]
 
 _local = threading.local()
 
@@ -48,6 +55,28 @@ def compress_plane(data: bytes | memoryview) -> bytes:
     return cctx.compress(data)
 
 
+def plane_bound(size: int) -> int:
+    """Room that always holds the frame of a ``size``-byte plane (zstd's compress bound + slack)."""
+    return size + (size >> 8) + 1024
+
+
+def compress_plane_into(data: bytes | memoryview, out: memoryview) -> int | None:
+    """Compress one byte plane into ``out``; its length, or None if it does not fit.
+
+    Streams through the thread's plane context straight into the caller's
+    buffer: ``compress`` returns a new bytes object per call, and allocating
+    (and page-faulting) a fresh ~plane-sized buffer per plane cost more than
+    a third of the coding time. Same settings as :func:`compress_plane`.
+    """
+    cctx = getattr(_local, "plane_cctx", None)
+    if cctx is None:
+        cctx = _local.plane_cctx = zstandard.ZstdCompressor(compression_params=_PLANE_PARAMS)
+    reader = cctx.stream_reader(data, size=len(data))
+    n = reader.readinto(out)
+    # A full ``out`` may hold a cut frame (readinto stops when out is full).
+    return n if n < len(out) else None
+
+
 def decompress(data: bytes | memoryview, size: int) -> bytes:
     """Decompress one frame that must hold exactly ``size`` bytes.
 
@@ -70,3 +99,37 @@ def decompress(data: bytes | memoryview, size: int) -> bytes:
     if len(out) != size:
         raise ValueError(f"zstd frame holds {len(out)} bytes, expected {size}")
     return out
+
+
+def decompress_into(data: bytes | memoryview, out: memoryview) -> None:
+    """Decompress one frame that must hold exactly ``len(out)`` bytes, into ``out``.
+
+    Like :func:`decompress` (sizes checked before anything is written), but
+    into the caller's buffer instead of a new bytes object per plane.
+    """
+    size = len(out)
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"zstd frame is corrupt: {e}") from None
+    if declared not in (size, zstandard.CONTENTSIZE_UNKNOWN):
+        raise ValueError(f"zstd frame declares {declared} bytes, expected {size}")
+    dctx = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = zstandard.ZstdDecompressor()
+    got = extra = 0
+    try:
+        reader = dctx.stream_reader(data, read_across_frames=False)
+        while got < size:
+            n = reader.readinto(out[got:])
+            if not n:
+                break
+            got += n
+        if got == size:  # the frame must end here
+            extra = reader.readinto(bytearray(1))
+    except zstandard.ZstdError as e:
+        raise ValueError(f"zstd frame is corrupt: {e}") from None
+    if extra:
+        raise ValueError(f"zstd frame holds more than {size} bytes, expected {size}")
+    if got != size:
+        raise ValueError(f"zstd frame ends after {got} of the {size} bytes expected")

@@ -1,8 +1,9 @@
 """The codec interface: how one chunk of raw bytes is coded and decoded.
 
 Call order: the writer asks ``layout(dtype)`` once per item, then its threads
-call ``encode`` once per chunk, in any order; the reader's threads call
-``decode`` once per coded chunk. A codec keeps no state between calls
+call ``payload_bound`` and ``encode_into`` (which defaults to ``encode``) once
+per chunk, in any order; the reader's threads call ``decode`` once per coded
+chunk. A codec keeps no state between calls
 (per-thread zstd contexts live in ``_zstd.py``), so one instance serves every
 thread.
 
@@ -60,6 +61,25 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def encode(self, chunk: memoryview, width: int, rotate: int) -> bytes | None:
         """The coded payload of ``chunk``, or ``None`` when coding does not pay."""
+
+    def payload_bound(self, raw_len: int, width: int) -> int:
+        """Bytes of buffer :meth:`encode_into` needs for a chunk of ``raw_len`` bytes."""
+        return raw_len + (raw_len >> 8) + 1024
+
+    def encode_into(
+        self, chunk: memoryview, width: int, rotate: int, out: memoryview
+    ) -> int | None:
+        """Code ``chunk`` into ``out`` (at least :meth:`payload_bound` bytes).
+
+        Returns the payload's length, or ``None`` when coding does not pay. The
+        pipeline calls this, with buffers it reuses across chunks; the default
+        copies what :meth:`encode` returns (override it to code in place).
+        """
+        coded = self.encode(chunk, width, rotate)
+        if coded is None or len(coded) > len(out):
+            return None
+        out[: len(coded)] = coded
+        return len(coded)
 
     @abc.abstractmethod
     def decode(self, payload: memoryview, out: memoryview, width: int, rotate: int) -> None:

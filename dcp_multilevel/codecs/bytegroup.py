@@ -165,24 +165,52 @@ class ByteGroupCodec(Codec):
         width, rotate = element_layout(dtype)
         return width, _ROTATE_V2.get(dtype, rotate)
 
+    def payload_bound(self, raw_len: int, width: int) -> int:
+        # The table, then every plane but the last at most raw (a coded plane
+        # that does not pay is overwritten by the raw one), the last at most
+        # its zstd bound while it is being compressed.
+        return 1 + width * _PLANE.size + raw_len + _zstd.plane_bound(raw_len // max(width, 1))
+
     def encode(self, chunk: memoryview, width: int, rotate: int) -> bytes | None:
-        if width == 1:
-            coded = _zstd.compress_plane(chunk)
-            return self._pack([(1, coded)]) if _pays(len(coded), len(chunk)) else None
+        out = np.empty(self.payload_bound(len(chunk), width), dtype=np.uint8)
+        n = self.encode_into(chunk, width, rotate, memoryview(out))
+        return None if n is None else out[:n].tobytes()
+
+    def encode_into(
+        self, chunk: memoryview, width: int, rotate: int, out: memoryview
+    ) -> int | None:
+        """Code ``chunk`` into ``out``: table, then each plane coded or raw, in place.
+
+        Zstd writes each plane's frame straight into ``out`` (no per-plane
+        buffer); a plane that does not pay is overwritten by its raw bytes.
+        """
+        if len(out) < self.payload_bound(len(chunk), width):
+            raise ValueError(f"output buffer of {len(out)} bytes is under the payload bound")
         values = np.frombuffer(chunk, dtype=np.uint8)
-        n = len(values) // width
-        worth = self._sample(values, width, rotate)
-        if worth is not None and not any(worth):
-            return None
-        planes = _planes(values, width, rotate, "enc_planes")
-        parts: list[tuple[int, bytes | memoryview]] = []
+        if width == 1:
+            planes = values.reshape(1, -1)
+            worth: list[bool] | None = None
+        else:
+            worth = self._sample(values, width, rotate)
+            if worth is not None and not any(worth):
+                return None
+            planes = _planes(values, width, rotate, "enc_planes")
+        n = planes.shape[1]
+        out[0] = width
+        pos = 1 + width * _PLANE.size
+        coded_any = False
         for p in range(width):
-            plane = memoryview(planes[p])
-            coded = _zstd.compress_plane(plane) if worth is None or worth[p] else None
-            parts.append((1, coded) if coded is not None and _pays(len(coded), n) else (0, plane))
-        if all(method == 0 for method, _ in parts):
-            return None
-        return self._pack(parts)
+            plane = planes[p]
+            method, length = 0, n
+            if worth is None or worth[p]:
+                k = _zstd.compress_plane_into(plane, out[pos : pos + _zstd.plane_bound(n)])
+                if k is not None and _pays(k, n):
+                    method, length, coded_any = 1, k, True
+            if method == 0:
+                out[pos : pos + n] = plane
+            _PLANE.pack_into(out, 1 + p * _PLANE.size, method, length)
+            pos += length
+        return pos if coded_any else None
 
     @staticmethod
     def _sample(values: np.ndarray, width: int, rotate: int) -> list[bool] | None:
@@ -196,10 +224,10 @@ class ByteGroupCodec(Codec):
         for i in range(_SLICES):
             sample[i] = rows[i * step : i * step + size]
         planes = _planes(sample.reshape(-1), width, rotate, "sample_planes")
-        return [
-            _pays(len(_zstd.compress_plane(planes[p])), _SAMPLE_VALUES, _SAMPLE_SAVING)
-            for p in range(width)
-        ]
+        # Only the size matters: a buffer that holds what pays (no bytes object per plane).
+        room = memoryview(_scratch("sample_out", _SAMPLE_VALUES))
+        room = room[: int(_SAMPLE_VALUES * (1 - _SAMPLE_SAVING))]
+        return [_zstd.compress_plane_into(planes[p], room) is not None for p in range(width)]
 
     def decode(self, payload: memoryview, out: memoryview, width: int, rotate: int) -> None:
         nplanes = payload[0]
@@ -210,7 +238,8 @@ class ByteGroupCodec(Codec):
         if len(payload) < table_end:
             raise ValueError("payload ends inside its plane table")
         pos = table_end
-        planes: list[np.ndarray] = []  # views of the payload or of zstd's output: no copies
+        planes: list[np.ndarray] = []  # views of the payload or of this thread's scratch
+        scratch = _scratch("dec_planes", len(out)).reshape(width, n)
         for p in range(width):
             method, length = _PLANE.unpack_from(payload, 1 + p * _PLANE.size)
             data = payload[pos : pos + length]
@@ -222,7 +251,8 @@ class ByteGroupCodec(Codec):
                     raise ValueError(f"raw plane {p} has {length} bytes, expected {n}")
                 planes.append(np.frombuffer(data, dtype=np.uint8))
             elif method == 1:
-                planes.append(np.frombuffer(_zstd.decompress(data, n), dtype=np.uint8))
+                _zstd.decompress_into(data, memoryview(scratch[p]))
+                planes.append(scratch[p])
             else:
                 raise ValueError(f"plane {p} has unknown method {method}")
         if pos != len(payload):
@@ -237,8 +267,3 @@ class ByteGroupCodec(Codec):
             _rotate(grouped.view(t), dest.view(t), rotate, left=False)
         else:
             _join(planes, dest.view(_UINT[width]), rotate)
-
-    @staticmethod
-    def _pack(parts: list[tuple[int, bytes | memoryview]]) -> bytes:
-        table = bytes([len(parts)]) + b"".join(_PLANE.pack(m, len(d)) for m, d in parts)
-        return b"".join([table, *(data for _, data in parts)])

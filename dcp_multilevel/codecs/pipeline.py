@@ -5,7 +5,9 @@ Encoding reads the source memory chunk by chunk (no copy of the tensor).
 chunks in flight in the pool, taken from the item being written and the items
 after it, so small tensors (most are one chunk or less) are coded in parallel
 and ahead of the writer, and yields each item's framed bytes in order.
-Memory is bounded by the window, never by an item's size.
+Memory is bounded by the window, never by an item's size. Codecs write each
+payload into a buffer the pipeline hands them (``Codec.encode_into``); with a
+:class:`BufferPool` those buffers are reused instead of allocated per chunk.
 
 Decoding reads chunk records through a callback and writes each chunk straight
 into its slice of the destination. zstd and numpy release the GIL, so threads
@@ -14,29 +16,90 @@ really overlap.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from ..format import frames
 from ..format.tensor_bytes import pieces
 from .base import Codec
 
-__all__ = ["EncodeJob", "decode_frames", "encode_chunk", "encode_frames", "encode_items"]
+__all__ = [
+    "BufferPool",
+    "EncodeJob",
+    "decode_frames",
+    "encode_chunk",
+    "encode_frames",
+    "encode_items",
+]
 
 Part = bytes | memoryview
 
 
-def encode_chunk(codec: Codec, chunk: memoryview, width: int, rotate: int) -> tuple[bytes, Part]:
-    """One framed chunk: ``(record, payload)`` (payload raw when coding does not pay)."""
-    coded = codec.encode(chunk, width, rotate)
-    method, payload = (frames.METHOD_RAW, chunk) if coded is None else (frames.METHOD_CODED, coded)
+class BufferPool:
+    """Payload buffers reused across chunks (thread-safe).
+
+    Every chunk needs a payload buffer about its size; a fresh one per chunk
+    (0.25-1 MiB) is mapped, page-faulted and unmapped by the allocator each
+    time, which cost more than a third of the coding time and serialized the
+    coding threads. Keeps at most ``keep_bytes`` of idle buffers.
+    """
+
+    def __init__(self, keep_bytes: int = 32 << 20) -> None:
+        self._free: list[np.ndarray] = []
+        self._kept = 0
+        self._keep = keep_bytes
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> np.ndarray:
+        """An idle buffer of ``size`` to ``2 * size`` bytes, else a new one (uninitialized)."""
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if size <= len(buf) <= 2 * size:
+                    self._kept -= len(buf)
+                    return self._free.pop(i)
+        return _empty(size)
+
+    def give(self, buf: np.ndarray) -> None:
+        """Hand ``buf`` back once nothing reads it any more."""
+        with self._lock:
+            if self._kept + len(buf) <= self._keep:
+                self._free.append(buf)
+                self._kept += len(buf)
+
+
+def _empty(size: int) -> np.ndarray:
+    # Not a bytearray: that zero-fills memory every payload overwrites anyway.
+    return np.empty(size, dtype=np.uint8)
+
+
+def encode_chunk(
+    codec: Codec, chunk: memoryview, width: int, rotate: int, buffers: BufferPool | None = None
+) -> tuple[bytes, Part, np.ndarray | None]:
+    """One framed chunk: ``(record, payload, buffer)``.
+
+    The payload is raw (a view of ``chunk``) when coding does not pay, else a
+    view of ``buffer``: taken from ``buffers`` (to give back once the payload
+    is consumed) or fresh when ``buffers`` is None.
+    """
+    size = codec.payload_bound(len(chunk), width)
+    buf = buffers.take(size) if buffers is not None else _empty(size)
+    n = codec.encode_into(chunk, width, rotate, memoryview(buf))
+    if n is None or n >= len(chunk):  # coded but no smaller: raw reads faster
+        if buffers is not None:
+            buffers.give(buf)
+        method, payload, buf = frames.METHOD_RAW, chunk, None
+    else:
+        method, payload = frames.METHOD_CODED, memoryview(buf)[:n]
     checksum = xxhash.xxh3_64_intdigest(payload)
-    return frames.pack_chunk(method, len(chunk), len(payload), checksum), payload
+    record = frames.pack_chunk(method, len(chunk), len(payload), checksum)
+    return record, payload, (buf if buffers is not None else None)
 
 
 @dataclass(frozen=True)
@@ -71,10 +134,14 @@ def encode_items(
     chunk_size: int,
     pool: Executor | None,
     window: int,
+    buffers: BufferPool | None = None,
 ) -> Iterator[tuple[EncodeJob, Iterator[Part]]]:
     """Yield ``(job, parts)`` per job, in order; ``parts`` are the bytes to store.
 
     Each ``parts`` iterator must be consumed before the next item is taken.
+    With ``buffers``, payload buffers are reused: a part is valid only until
+    the next one is pulled, so the consumer must write or copy each part first
+    (as a file's ``write`` does); without, parts stay valid.
     ``jobs`` is pulled lazily, up to about ``window`` items ahead of the one
     being consumed (what the caller does to produce a job, e.g. DCP's
     ``resolve_data``, runs in the consuming thread). An error from a job or a
@@ -108,7 +175,7 @@ def encode_items(
             start = item.starts[item.next_chunk]
             width, rotate = item.job.layout  # type: ignore[misc]  # framed items only
             chunk = item.job.view[start : start + item.starts.step]
-            item.futures.append(pool.submit(encode_chunk, codec, chunk, width, rotate))
+            item.futures.append(pool.submit(encode_chunk, codec, chunk, width, rotate, buffers))
             item.next_chunk += 1
             in_flight += 1
 
@@ -122,27 +189,26 @@ def encode_items(
         step = item.starts.step
         yield frames.pack_header(width, rotate, step, len(view))
         for index, start in enumerate(item.starts):
-            if pool is None:
-                try:
-                    record, payload = encode_chunk(codec, view[start : start + step], width, rotate)  # type: ignore[arg-type]
-                except Exception as e:
-                    e.add_note(f"while coding chunk {index} of {item.job.name}")
-                    raise
-                yield record
-                yield payload
-                continue
-            if index == item.next_chunk:  # not submitted yet: this item is the one fed
-                fill()
-            future = item.futures.popleft()
-            in_flight -= 1
-            fill()  # keep the pool busy while this chunk is waited for and written
+            if pool is not None:
+                if index == item.next_chunk:  # not submitted yet: this item is the one fed
+                    fill()
+                future = item.futures.popleft()
+                in_flight -= 1
+                fill()  # keep the pool busy while this chunk is waited for and written
             try:
-                record, payload = future.result()
+                if pool is None:
+                    chunk = view[start : start + step]
+                    record, payload, buf = encode_chunk(codec, chunk, width, rotate, buffers)  # type: ignore[arg-type]
+                else:
+                    record, payload, buf = future.result()
             except Exception as e:
                 e.add_note(f"while coding chunk {index} of {item.job.name}")
                 raise
             yield record
             yield payload
+            if buf is not None:  # the consumer is done with the payload: reuse its buffer
+                del payload
+                buffers.give(buf)  # type: ignore[union-attr]
         yield frames.pack_chunk(frames.METHOD_RAW, 0, 0, 0)
 
     try:
@@ -179,10 +245,17 @@ def encode_frames(
     chunk_size: int,
     pool: Executor | None,
     window: int,
+    buffers: BufferPool | None = None,
 ) -> Iterator[Part]:
-    """Yield the framed encoding of one item (header, chunks, terminator), in order."""
+    """Yield the framed encoding of one item (header, chunks, terminator), in order.
+
+    ``buffers``: as for :func:`encode_items` (parts then valid until the next).
+    """
     job = EncodeJob(None, view, (width, rotate))
-    for _, parts in encode_items([job], codec, chunk_size=chunk_size, pool=pool, window=window):
+    coded = encode_items(
+        [job], codec, chunk_size=chunk_size, pool=pool, window=window, buffers=buffers
+    )
+    for _, parts in coded:
         yield from parts
 
 
