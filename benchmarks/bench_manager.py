@@ -650,6 +650,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the throttled remote stores its objects (default: a new "
                    "directory in /dev/shm if there is one, so the simulated remote does not "
                    "load the local disk that L1 and the spool use; else under --root)")  # fmt: skip
+    p.add_argument("--spool-dir", type=Path, default=None,
+                   help="where remote tiers spool files before upload (default: under "
+                   "--root, the disk L1 uses)")  # fmt: skip
     p.add_argument("--verify-all", action="store_true",
                    help="check the load after losing L1 in every cell (default: every "
                    "throttled cell, only the first s3 cell: moto copies the whole object "
@@ -687,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     own_root = args.root is None
     root = Path(tempfile.mkdtemp(prefix="bench-manager-")) if own_root else args.root
     root.mkdir(parents=True, exist_ok=True)
-    spool = root / "spool"
+    spool = args.spool_dir if args.spool_dir is not None else root / "spool"
     shm = Path("/dev/shm")
     if args.remote_dir is not None:
         remote_dir = args.remote_dir
