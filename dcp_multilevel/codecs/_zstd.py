@@ -77,12 +77,8 @@ def compress_plane_into(data: bytes | memoryview, out: memoryview) -> int | None
     return n if n < len(out) else None
 
 
-def decompress(data: bytes | memoryview, size: int) -> bytes:
-    """Decompress one frame that must hold exactly ``size`` bytes.
-
-    The frame's own content size is checked before anything is allocated, so a
-    "decompression bomb" costs nothing.
-    """
+def _checked_decompressor(data: bytes | memoryview, size: int) -> zstandard.ZstdDecompressor:
+    """This thread's decompressor, once the frame's declared size is checked to be ``size``."""
     try:
         declared = zstandard.frame_content_size(data)
     except zstandard.ZstdError as e:
@@ -92,6 +88,16 @@ def decompress(data: bytes | memoryview, size: int) -> bytes:
     dctx = getattr(_local, "dctx", None)
     if dctx is None:
         dctx = _local.dctx = zstandard.ZstdDecompressor()
+    return dctx
+
+
+def decompress(data: bytes | memoryview, size: int) -> bytes:
+    """Decompress one frame that must hold exactly ``size`` bytes.
+
+    The frame's own content size is checked before anything is allocated, so a
+    "decompression bomb" costs nothing.
+    """
+    dctx = _checked_decompressor(data, size)
     try:
         out = dctx.decompress(data, max_output_size=size)
     except zstandard.ZstdError as e:
@@ -108,15 +114,7 @@ def decompress_into(data: bytes | memoryview, out: memoryview) -> None:
     into the caller's buffer instead of a new bytes object per plane.
     """
     size = len(out)
-    try:
-        declared = zstandard.frame_content_size(data)
-    except zstandard.ZstdError as e:
-        raise ValueError(f"zstd frame is corrupt: {e}") from None
-    if declared not in (size, zstandard.CONTENTSIZE_UNKNOWN):
-        raise ValueError(f"zstd frame declares {declared} bytes, expected {size}")
-    dctx = getattr(_local, "dctx", None)
-    if dctx is None:
-        dctx = _local.dctx = zstandard.ZstdDecompressor()
+    dctx = _checked_decompressor(data, size)
     got = extra = 0
     try:
         reader = dctx.stream_reader(data, read_across_frames=False)
