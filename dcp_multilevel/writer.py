@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .codecs import EncodeJob, codec_for, encode_items, item_layout
+from .codecs import BufferPool, EncodeJob, codec_for, encode_items, item_layout
 from .config import Compression
 from .errors import CheckpointExistsError, ConfigError, UnsupportedStateError
 from .format import (
@@ -110,6 +110,9 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
         # Resolve now: an unknown codec is a configuration error, not a failed save.
         self._codec = codec_for(self.compression) if self.compression else None
         self._codec_pool: ThreadPoolExecutor | None = None
+        # Coded-chunk payloads, reused across chunks and saves: each part is
+        # written (copied by the tier) before the next one is coded into it.
+        self._payload_buffers = BufferPool() if self._codec is not None else None
         self._set_path(path)
         self.rank = 0
         self.is_coordinator = True
@@ -117,7 +120,7 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
         self.bytes_written = 0
 
     #: Not sent to DCP's daemon process (AsyncCheckpointerType.PROCESS).
-    _transient_attrs = ("_staging", "_codec_pool")
+    _transient_attrs = ("_staging", "_codec_pool", "_payload_buffers")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -255,6 +258,7 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
             self._jobs(path, items, planner, lock), self._codec,
             chunk_size=c.chunk_size if c else 0, pool=pool,
             window=_WINDOW_PER_THREAD * c.threads if c and pool else 1,
+            buffers=self._payload_buffers,
         )  # fmt: skip
         with self.tier.open_write(path) as out, closing(coded):
             for job, parts in coded:

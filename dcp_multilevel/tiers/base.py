@@ -32,7 +32,11 @@ class WriteHandle(Protocol):
     """A file being written; bytes become visible only when its context exits cleanly."""
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Append all of ``data`` (never a partial write)."""
+        """Append all of ``data`` (never a partial write).
+
+        ``data`` may be reused by the caller once this returns (the writer
+        recycles coded-chunk buffers): copy it, never keep a reference.
+        """
         ...
 
     def tell(self) -> int:
