@@ -137,7 +137,7 @@ class _Ticket:
         self.written = threading.Event()  # this rank's write_data returned
         #: Storage pointers of the tensors written through from the live state.
         self.live: frozenset[int] = frozenset()
-        self.live_written = threading.Event()  # every live tensor is on disk
+        self.live_written = threading.Event()  # every live tensor is in its data file
 
     def claimed(self) -> bool:
         return self.thread is not None or self.dropped
