@@ -273,7 +273,7 @@ class AsyncStagingMixin(AsyncStager):
         flat = buffers.flat if buffers is not None else None
         staged = _StagedDict(copy_into(state_dict, flat, st.copier, only=wave))
         if write_through:
-            ticket.live = _live_storages(state_dict, staged)
+            ticket.live = _uncopied_storages(state_dict, staged)
         staged._ticket = ticket
         staged._stager = self
         if buffers is not None:
@@ -373,11 +373,6 @@ class AsyncStagingMixin(AsyncStager):
         if t is not None:
             t.live_written.set()
 
-    def _note_written(self) -> None:
-        t = self._ticket_of_this_thread()
-        if t is not None:
-            t.written.set()
-
     def _note_failure(self, step: str, exc: BaseException, ticket: _Ticket | None) -> None:
         text = f"{step} failed on rank {getattr(self, 'rank', '?')}: {type(exc).__name__}: {exc}"
         if self._staging is None and self._status is not None:
@@ -424,7 +419,7 @@ class AsyncStagingMixin(AsyncStager):
         return state
 
 
-def _live_storages(state: dict[str, Any], staged: dict[str, Any]) -> frozenset[int]:
+def _uncopied_storages(state: dict[str, Any], staged: dict[str, Any]) -> frozenset[int]:
     """Storage pointers of the tensors ``staged`` still shares with ``state``."""
     # A staged value that is the very object of the live state was not copied.
     live = {id(t) for t in iter_tensors(state)}
