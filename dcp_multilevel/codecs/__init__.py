@@ -21,7 +21,7 @@ from ..config import Compression
 from ..errors import RegistryError
 from ..format import frames
 from ..format.tensor_bytes import byte_view, pieces
-from .base import Codec, element_layout
+from .base import MIN_CODED_BYTES, Codec, element_layout
 from .pipeline import BufferPool, EncodeJob, decode_frames, encode_frames, encode_items
 
 __all__ = [
@@ -108,9 +108,13 @@ def balanced_chunk_size(nbytes: int, compression: Compression) -> int:
         return size
     count = -(-nbytes // size)
     count = -(-count // threads) * threads
+    while count > 1 and nbytes / count < MIN_SPLIT_CHUNK:
+        # Fewer, even chunks: 0.6 MB as 512 + 88 KiB keeps one thread busy
+        # anyway, and pays a pool hand-off for the small one.
+        count -= 1
     even = -(-nbytes // count)
     even = -(-even // 4096) * 4096
-    return min(size, max(MIN_SPLIT_CHUNK, even))
+    return min(size, even)
 
 
 def compress_tensor(t: torch.Tensor, compression: Compression) -> memoryview:
@@ -135,16 +139,13 @@ def compress_tensor(t: torch.Tensor, compression: Compression) -> memoryview:
     # uninitialized buffer of that bound (a growing BytesIO spent a quarter of
     # the time reallocating); pages past the end are never touched.
     out = np.empty(frames.HEADER.size + (count + 1) * frames.CHUNK.size + len(view), np.uint8)
-    dest, pos = memoryview(out), 0
+    pos = 0
     for part in parts:  # each payload buffer is reused once the next part is pulled
-        dest[pos : pos + len(part)] = part
+        # numpy copies with the GIL released (a memoryview slice copy holds it,
+        # and stalls the coding threads for the whole copy).
+        out[pos : pos + len(part)] = np.frombuffer(part, np.uint8)
         pos += len(part)
-    return dest[:pos]  # keeps ``out`` alive
-
-
-#: Items smaller than this are stored uncoded: framing (60 bytes) and a codec call
-#: cost more than compressing a few biases can save.
-MIN_CODED_BYTES = 4096
+    return memoryview(out)[:pos]  # keeps ``out`` alive
 
 
 def item_layout(

@@ -21,7 +21,12 @@ from typing import ClassVar
 
 import torch
 
-__all__ = ["Codec", "element_layout"]
+__all__ = ["MIN_CODED_BYTES", "Codec", "element_layout"]
+
+#: Items and chunks smaller than this are stored uncoded: framing (60 bytes) and
+#: a codec call cost more than compressing a few biases (or an item's short
+#: last chunk) can save.
+MIN_CODED_BYTES = 4096
 
 #: Below this saving a coded chunk is stored raw: decoding it would cost time for
 #: (almost) nothing. 1/64 = 1.6 %.

@@ -28,7 +28,7 @@ import xxhash
 
 from ..format import frames
 from ..format.tensor_bytes import pieces
-from .base import Codec
+from .base import MIN_CODED_BYTES, Codec
 
 __all__ = [
     "BufferPool",
@@ -88,11 +88,14 @@ def encode_chunk(
     view of ``buffer``: taken from ``buffers`` (to give back once the payload
     is consumed) or fresh when ``buffers`` is None.
     """
-    size = codec.payload_bound(len(chunk), width)
-    buf = buffers.take(size) if buffers is not None else _empty(size)
-    n = codec.encode_into(chunk, width, rotate, memoryview(buf))
+    if len(chunk) < MIN_CODED_BYTES:  # an item's short tail, or a tool's tiny tensor
+        n, buf = None, None
+    else:
+        size = codec.payload_bound(len(chunk), width)
+        buf = buffers.take(size) if buffers is not None else _empty(size)
+        n = codec.encode_into(chunk, width, rotate, memoryview(buf))
     if n is None or n >= len(chunk):  # coded but no smaller: raw reads faster
-        if buffers is not None:
+        if buffers is not None and buf is not None:
             buffers.give(buf)
         method, payload, buf = frames.METHOD_RAW, chunk, None
     else:
