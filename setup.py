@@ -1,0 +1,22 @@
+"""Builds the optional native byte-plane kernels; everything else is in pyproject.toml.
+
+``optional=True``: where no C compiler is at hand the install still succeeds,
+and the bytegroup codec runs its numpy fallback (same bytes, slower with
+several threads; ``dcp_multilevel.codecs.bytegroup.NATIVE`` says which).
+"""
+
+import sys
+
+from setuptools import Extension, setup
+
+flags = [] if sys.platform == "win32" else ["-O3", "-std=c11"]
+setup(
+    ext_modules=[
+        Extension(
+            "dcp_multilevel.codecs._planes",
+            ["dcp_multilevel/codecs/_planes.c"],
+            extra_compile_args=flags,
+            optional=True,
+        )
+    ]
+)

@@ -1,0 +1,169 @@
+"""The C byte-plane kernels (``codecs/_planes.c``) against their numpy fallback.
+
+The two must write the same bytes: a checkpoint written by an install built
+without a compiler reads anywhere, and the other way round.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_bit_equal
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dcp_multilevel.codecs import bytegroup
+from dcp_multilevel.codecs.bytegroup import ByteGroupCodec
+
+native = bytegroup._native
+needs_native = pytest.mark.skipif(native is None, reason="built without the C kernels")
+
+
+def test_the_c_kernels_are_built():
+    # CI builds them (setup.py); an install without a compiler falls back to
+    # numpy silently, so make that visible where it must not happen.
+    if os.environ.get("DCP_ML_ALLOW_NO_NATIVE") == "1":
+        pytest.skip("DCP_ML_ALLOW_NO_NATIVE=1")
+    assert bytegroup.NATIVE, "dcp_multilevel.codecs._planes did not build (no C compiler?)"
+
+
+@pytest.fixture
+def numpy_only(monkeypatch):
+    """Run the bytegroup codec on its numpy fallback, as a build without a compiler does."""
+    monkeypatch.setattr(bytegroup, "_native", None)
+
+
+def _encode(data: np.ndarray, width: int, rotate: int) -> bytes | None:
+    codec = ByteGroupCodec()
+    out = np.empty(codec.payload_bound(data.nbytes, width), np.uint8)
+    n = codec.encode_into(
+        memoryview(data.reshape(-1).view(np.uint8)), width, rotate, memoryview(out)
+    )
+    return None if n is None else out[:n].tobytes()
+
+
+def _decode(payload: bytes, nbytes: int, width: int, rotate: int) -> bytes:
+    out = bytearray(nbytes)
+    ByteGroupCodec().decode(memoryview(payload), memoryview(out), width, rotate)
+    return bytes(out)
+
+
+def _values(kind: str, n: int, dtype: torch.dtype, seed: int) -> np.ndarray:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "weights":
+        t = (torch.randn(n, generator=gen) * 0.02).to(dtype)
+    elif kind == "ones":
+        t = torch.ones(n, dtype=dtype)
+    elif kind == "arange":
+        t = torch.arange(n).to(dtype)
+    else:  # random bytes
+        t = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=gen)
+        return t.numpy()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+DTYPES = [
+    torch.float32, torch.bfloat16, torch.float16, torch.float64,
+    torch.int16, torch.int32, torch.int64,
+]  # fmt: skip
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["weights", "ones", "arange", "random"])
+@pytest.mark.parametrize("n", [1, 5, 4099, 70_000])  # 70k values: sampled in slices
+def test_native_and_numpy_code_the_same_bytes_and_read_each_other(dtype, kind, n, monkeypatch):
+    width, rotate = ByteGroupCodec().layout(dtype)
+    data = _values(kind, n, dtype, seed=n)
+    fast = _encode(data, width, rotate)
+    monkeypatch.setattr(bytegroup, "_native", None)
+    slow = _encode(data, width, rotate)
+    assert fast == slow, f"{dtype} {kind} n={n}: the C kernels coded other bytes than numpy"
+    if kind == "random" and n > 1000:
+        assert fast is None  # near-random planes are rejected, not stored coded
+    if fast is None:
+        return
+    assert _decode(fast, data.nbytes, width, rotate) == data.tobytes()  # numpy reads C
+    monkeypatch.setattr(bytegroup, "_native", native)
+    assert _decode(slow, data.nbytes, width, rotate) == data.tobytes()  # C reads numpy
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(
+    width=st.sampled_from([1, 2, 4, 8]),
+    data=st.data(),
+    n=st.integers(0, 3000),
+)
+def test_split_and_join_match_numpy_for_every_rotation(width, data, n):
+    rotate = data.draw(st.integers(0, 8 * width - 1)) if width > 1 else 0
+    raw = np.frombuffer(data.draw(st.binary(min_size=n * width, max_size=n * width)), np.uint8)
+    planes = np.empty((width, n), np.uint8)
+    assert native.split(raw, planes, width, rotate) == (1 << width) - 1
+    if width > 1:
+        want = bytegroup._planes_np(raw, width, rotate, "test_planes")
+        assert planes.tobytes() == want.tobytes()
+    back = np.empty(n * width, np.uint8)
+    native.join(list(planes), back, width, rotate)
+    assert back.tobytes() == raw.tobytes()
+
+
+@needs_native
+def test_split_judges_planes_like_numpy_and_skips_the_split_when_none_pays(monkeypatch):
+    rng = np.random.default_rng(1)
+    weights = (rng.standard_normal(300_000) * 0.02).astype(np.float32).view(np.uint8)
+    noise = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    for values in (weights, noise):
+        planes, worth = bytegroup._split_judged(values, 4, 3, "test_judged")
+        monkeypatch.setattr(bytegroup, "_native", None)
+        planes_np, worth_np = bytegroup._split_judged(values, 4, 3, "test_judged_np")
+        monkeypatch.setattr(bytegroup, "_native", native)
+        assert worth == worth_np
+        if any(worth):
+            assert planes.tobytes() == planes_np.tobytes()
+    # Trained-like weights: the exponent plane pays, the low mantissa bytes do not.
+    _, worth = bytegroup._split_judged(weights, 4, 3, "test_judged")
+    assert worth[3] and not worth[1]
+    # Noise: nothing pays, and the planes are left as they were.
+    dst = np.full(len(noise), 7, np.uint8)
+    assert native.split(noise, dst, 4, 3, 16 << 10, 1 / 128) == 0
+    assert (dst == 7).all()
+
+
+@needs_native
+def test_kernels_reject_bad_arguments_with_what_is_wrong():
+    buf = np.zeros(64, np.uint8)
+    with pytest.raises(ValueError, match="width must be 1, 2, 4 or 8, not 3"):
+        native.split(buf, buf.copy(), 3, 0)
+    with pytest.raises(ValueError, match=r"rotate must be in \[0, 16\), not 16"):
+        native.split(buf, buf.copy(), 2, 16)
+    with pytest.raises(ValueError, match="63 bytes are not whole 4-byte values"):
+        native.split(buf[:63], buf.copy(), 4, 0)
+    with pytest.raises(ValueError, match="plane buffer of 32 bytes, need 64"):
+        native.split(buf, np.zeros(32, np.uint8), 4, 0)
+    with pytest.raises(ValueError, match="sample must be 0 or at least 8 values"):
+        native.split(buf, buf.copy(), 4, 0, 3)
+    with pytest.raises(ValueError, match="need a sequence of 4 planes"):
+        native.join([buf[:16]] * 3, buf.copy(), 4, 0)
+    with pytest.raises(ValueError, match="plane 2 has 15 bytes, expected 16"):
+        native.join([buf[:16], buf[:16], buf[:15], buf[:16]], buf.copy(), 4, 0)
+    with pytest.raises(TypeError):
+        native.split(buf, bytes(64), 4, 0)  # read-only output
+
+
+def test_codec_round_trips_on_the_numpy_fallback(numpy_only):
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        t = (
+            (torch.randn(70_000) * 0.02).to(dtype)
+            if dtype.is_floating_point
+            else torch.arange(70_000)
+        )
+        width, rotate = ByteGroupCodec().layout(dtype)
+        data = t.view(torch.uint8).numpy()
+        coded = _encode(data, width, rotate)
+        assert coded is not None and len(coded) < data.nbytes
+        back = torch.frombuffer(bytearray(_decode(coded, data.nbytes, width, rotate)), dtype=dtype)
+        assert_bit_equal(back, t, str(dtype))
