@@ -11,14 +11,16 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_OUT ?= demo_out
 
-# Re-install only when the dependencies change (repeated `make test` is fast).
+# Re-install only when the dependencies or the C extension change (repeated
+# `make test` is fast; the editable install builds the extension in place).
 STAMP := $(VENV)/.stamp-setup
+NATIVE_SRC := setup.py dcp_multilevel/codecs/_planes.c
 
 .PHONY: setup test lint format demo bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(NATIVE_SRC)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install $(TORCH_SPEC)
 	# Repeat the pin so resolving `.[test]` can never upgrade torch either.
@@ -54,4 +56,6 @@ bench: setup
 clean:
 	rm -rf $(DEMO_OUT) bench_out build dist .pytest_cache .ruff_cache .hypothesis
 	rm -rf *.egg-info
+	find dcp_multilevel -name "*.so" -delete  # the C extension; `make setup` rebuilds it
+	rm -f $(STAMP)
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -30,8 +30,9 @@ rejected outright, so random data costs almost nothing. For floats the
 judge is the sample's byte entropy: zstd finds almost no matches in float
 planes, so it codes them close to their entropy (the same ratios as
 compressing the sample with zstd on MiniLM and 1-layer BERT+AdamW, fp32 and
-bf16, for ~40 instead of ~150 us per 1 MiB chunk). Integer planes can hold repeats (``arange``, padding) that only
-a match finder sees, so their sample is compressed with zstd.
+bf16, for ~40 instead of ~150 us per 1 MiB chunk). Integer planes can hold
+repeats (``arange``, padding) that only a match finder sees, so their sample
+is compressed with zstd.
 
 Splitting, joining and the entropy sample run in ``_planes.c`` with the GIL
 released (one call each per chunk). Builds without a C compiler fall back to
