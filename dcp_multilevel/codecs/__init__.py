@@ -22,7 +22,14 @@ from ..errors import RegistryError
 from ..format import frames
 from ..format.tensor_bytes import byte_view, pieces
 from .base import MIN_CODED_BYTES, Codec, element_layout
-from .pipeline import BufferPool, EncodeJob, decode_frames, encode_frames, encode_items
+from .pipeline import (
+    BufferPool,
+    EncodeJob,
+    decode_frames,
+    encode_chunk,
+    encode_frames,
+    encode_items,
+)
 
 __all__ = [
     "CODECS",
@@ -120,25 +127,31 @@ def balanced_chunk_size(nbytes: int, compression: Compression) -> int:
 def compress_tensor(t: torch.Tensor, compression: Compression) -> memoryview:
     """Frame-encode a contiguous CPU tensor (for benchmarks and tools); a bytes-like view.
 
-    Chunks are sized by :func:`balanced_chunk_size`; payload buffers are
-    reused across calls and the frames are written straight into the result.
+    Chunks are sized by :func:`balanced_chunk_size`. Coded inline (one chunk,
+    or one thread), each chunk is coded straight into the result; from the
+    pool, into reused payload buffers that are then copied into it.
     """
     codec = codec_for(compression)
     width, rotate = codec.layout(t.dtype)
     view = byte_view(t)
     chunk_size = balanced_chunk_size(len(view), compression)
     count = -(-len(view) // chunk_size)
+    # Frames never exceed the raw bytes plus their records, but a chunk is
+    # coded into room of its payload bound: the last one may reach past the
+    # raw size by that slack. Pages never written are never touched.
+    slack = codec.payload_bound(min(chunk_size, len(view)), width) - min(chunk_size, len(view))
+    size = frames.HEADER.size + (count + 1) * frames.CHUNK.size + len(view) + max(0, slack)
+    out = np.empty(size, np.uint8)
+    header = frames.pack_header(width, rotate, chunk_size, len(view))
     # One chunk: code it here; handing it to a pool thread only adds a wake-up.
     pool = shared_pool(compression.threads) if count > 1 else None
+    if pool is None:
+        return _code_in_place(out, header, view, codec, width, rotate, chunk_size)
     parts = encode_frames(
         view, codec, width=width, rotate=rotate, chunk_size=chunk_size,
         pool=pool, window=2 * compression.threads,
         buffers=_TOOL_BUFFERS,
     )  # fmt: skip
-    # Frames never exceed the raw bytes plus their records: write them into one
-    # uninitialized buffer of that bound (a growing BytesIO spent a quarter of
-    # the time reallocating); pages past the end are never touched.
-    out = np.empty(frames.HEADER.size + (count + 1) * frames.CHUNK.size + len(view), np.uint8)
     pos = 0
     for part in parts:  # each payload buffer is reused once the next part is pulled
         # numpy copies with the GIL released (a memoryview slice copy holds it,
@@ -146,6 +159,32 @@ def compress_tensor(t: torch.Tensor, compression: Compression) -> memoryview:
         out[pos : pos + len(part)] = np.frombuffer(part, np.uint8)
         pos += len(part)
     return memoryview(out)[:pos]  # keeps ``out`` alive
+
+
+def _code_in_place(
+    out: np.ndarray,
+    header: bytes,
+    view: memoryview,
+    codec: Codec,
+    width: int,
+    rotate: int,
+    chunk_size: int,
+) -> memoryview:
+    """The frames of ``view`` coded chunk by chunk straight into ``out`` (no payload copy)."""
+    dest = memoryview(out)
+    dest[: len(header)] = header
+    pos = len(header)
+    for start in range(0, len(view), chunk_size):
+        chunk = view[start : start + chunk_size]
+        at = pos + frames.CHUNK.size
+        record, payload, _ = encode_chunk(codec, chunk, width, rotate, into=dest[at:])
+        dest[pos:at] = record
+        if payload.obj is not out:  # stored raw: the bytes are still in the tensor
+            out[at : at + len(payload)] = np.frombuffer(payload, np.uint8)
+        pos = at + len(payload)
+    end = frames.pack_chunk(frames.METHOD_RAW, 0, 0, 0)
+    dest[pos : pos + len(end)] = end
+    return dest[: pos + len(end)]
 
 
 def item_layout(

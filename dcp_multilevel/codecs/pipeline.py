@@ -80,26 +80,35 @@ def _empty(size: int) -> np.ndarray:
 
 
 def encode_chunk(
-    codec: Codec, chunk: memoryview, width: int, rotate: int, buffers: BufferPool | None = None
+    codec: Codec,
+    chunk: memoryview,
+    width: int,
+    rotate: int,
+    buffers: BufferPool | None = None,
+    into: memoryview | None = None,
 ) -> tuple[bytes, Part, np.ndarray | None]:
     """One framed chunk: ``(record, payload, buffer)``.
 
     The payload is raw (a view of ``chunk``) when coding does not pay, else a
-    view of ``buffer``: taken from ``buffers`` (to give back once the payload
-    is consumed) or fresh when ``buffers`` is None.
+    view of where it was coded: ``into`` when given (at least
+    ``codec.payload_bound`` bytes; buffer None), else ``buffer``, taken from
+    ``buffers`` (to give back once the payload is consumed) or fresh.
     """
+    buf = None
     if len(chunk) < MIN_CODED_BYTES:  # an item's short tail, or a tool's tiny tensor
-        n, buf = None, None
+        n = None
     else:
-        size = codec.payload_bound(len(chunk), width)
-        buf = buffers.take(size) if buffers is not None else _empty(size)
-        n = codec.encode_into(chunk, width, rotate, memoryview(buf))
+        if into is None:
+            size = codec.payload_bound(len(chunk), width)
+            buf = buffers.take(size) if buffers is not None else _empty(size)
+            into = memoryview(buf)
+        n = codec.encode_into(chunk, width, rotate, into)
     if n is None or n >= len(chunk):  # coded but no smaller: raw reads faster
         if buffers is not None and buf is not None:
             buffers.give(buf)
         method, payload, buf = frames.METHOD_RAW, chunk, None
     else:
-        method, payload = frames.METHOD_CODED, memoryview(buf)[:n]
+        method, payload = frames.METHOD_CODED, into[:n]  # type: ignore[index]
     checksum = xxhash.xxh3_64_intdigest(payload)
     record = frames.pack_chunk(method, len(chunk), len(payload), checksum)
     return record, payload, (buf if buffers is not None else None)
