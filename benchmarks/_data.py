@@ -59,6 +59,12 @@ def minilm_state() -> State:
 
     The one integer buffer (``embeddings.position_ids``, 4 KB of int64) is left
     out: the benchmark is about float checkpoints and ZipNN handles floats only.
+
+    The tensors are copied into process memory, as a training job's state is:
+    ``load_file`` maps the file, and this VM's kernel pages cold mapped pages
+    out (DAMON ``pageout``), so codecs reading the mapping directly re-read
+    parts of the file from disk inside their timed calls while a codec handed
+    copies (ZipNN) does not.
     """
     path = minilm_path()
     if path.suffix == ".safetensors":
@@ -67,7 +73,11 @@ def minilm_state() -> State:
         state = load_file(path)
     else:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    return {k: t.contiguous() for k, t in state.items() if t.is_floating_point()}
+    return {
+        k: t.clone(memory_format=torch.contiguous_format)
+        for k, t in state.items()
+        if t.is_floating_point()
+    }
 
 
 # --------------------------------------------------------------------------- BERT + AdamW
