@@ -9,13 +9,16 @@ import sys
 
 from setuptools import Extension, setup
 
-flags = [] if sys.platform == "win32" else ["-O3", "-std=c11"]
+# No FMA contraction: the plane judge must round like bytegroup.py's fallback.
+flags = [] if sys.platform == "win32" else ["-O3", "-std=gnu11", "-ffp-contract=off"]
 setup(
     ext_modules=[
         Extension(
             "dcp_multilevel.codecs._planes",
             ["dcp_multilevel/codecs/_planes.c"],
             extra_compile_args=flags,
+            # dlopen, for libzstd at import (see _planes.c); in libc on recent glibc.
+            libraries=[] if sys.platform == "win32" else ["dl"],
             optional=True,
         )
     ]

@@ -35,9 +35,13 @@ repeats (``arange``, padding) that only a match finder sees, so their sample
 is compressed with zstd.
 
 Splitting, joining and the entropy sample run in ``_planes.c`` with the GIL
-released (one call each per chunk). Builds without a C compiler fall back to
-numpy (:data:`NATIVE` is False): same bytes, but ~30 short numpy calls per
-chunk that each retake the GIL, so a second coding thread gains little.
+released (one call each per chunk). Where a libzstd is found at import
+(:data:`NATIVE_ZSTD`), a float chunk's whole coding, zstd included, is one
+call: every GIL hand-off between coding threads waits on waking the other
+thread, and on small chunks those waits cost more than the second thread
+gained. Builds without a C compiler fall back to numpy (:data:`NATIVE` is
+False): same bytes, but ~30 short numpy calls per chunk that each retake the
+GIL, so a second coding thread gains little.
 """
 
 from __future__ import annotations
@@ -57,10 +61,14 @@ try:
 except ImportError:  # built without a C compiler (setup.py: optional)
     _native = None
 
-__all__ = ["NATIVE", "ByteGroupCodec"]
+__all__ = ["NATIVE", "NATIVE_ZSTD", "ByteGroupCodec"]
 
 #: Whether the C plane kernels are in use (see the module docstring).
 NATIVE = _native is not None
+#: Whether they also run zstd (a libzstd was found): a float chunk is then
+#: coded in one call, one GIL release.
+NATIVE_ZSTD = NATIVE and bool(_native.HAS_ZSTD)
+_native_zstd = NATIVE_ZSTD  # tests switch this off to compare the two paths
 
 _PLANE = struct.Struct("<BI")
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -274,6 +282,11 @@ class ByteGroupCodec(Codec):
         if len(out) < self.payload_bound(len(chunk), width):
             raise ValueError(f"output buffer of {len(out)} bytes is under the payload bound")
         values = np.frombuffer(chunk, dtype=np.uint8)
+        if rotate and width > 1 and _native_zstd and _native is not None:  # float: all in C
+            planes = _scratch("enc_planes", len(values))
+            return _native.encode(
+                values, out, planes, width, rotate, _SAMPLE_VALUES, _SAMPLE_SAVING, MIN_SAVING
+            )
         if width == 1:
             planes = values.reshape(1, -1)
             worth: list[bool] | None = None
