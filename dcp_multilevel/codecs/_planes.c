@@ -5,11 +5,14 @@
  * threads every retake can wait on the other thread, so a second thread
  * added 10 % instead of doubling throughput (measured on 1 MiB fp32
  * chunks). Here each step is one call that releases the GIL for its whole
- * loop. bytegroup.py keeps a numpy version of every function, with the
- * same results byte for byte, for installs built without a C compiler.
+ * loop. bytegroup.py keeps a numpy version of split, join and the plane
+ * judge, with the same results byte for byte, for installs built without a
+ * C compiler.
  *
  * encode() does a float chunk's whole coding in one call: judge, split, and
- * zstd on the planes that pay, writing the payload bytegroup.py describes.
+ * zstd on the planes that pay, writing the payload bytegroup.py describes:
+ * the same plane choices as the Python path, and the same bytes where the
+ * libzstd found is python-zstandard's release.
  * It calls libzstd's stable API, found at import with dlopen (python-zstandard
  * links its copy statically and exports nothing). Without a libzstd,
  * HAS_ZSTD is False and bytegroup.py calls zstd through python-zstandard,
@@ -230,7 +233,6 @@ done:
     PyBuffer_Release(&dst);
     return result;
 }
-
 
 /* ---------------------------------------------------------------- libzstd */
 
