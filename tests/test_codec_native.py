@@ -7,6 +7,7 @@ without a compiler reads anywhere, and the other way round.
 from __future__ import annotations
 
 import os
+import struct
 
 import numpy as np
 import pytest
@@ -220,3 +221,35 @@ def test_codec_round_trips_on_the_numpy_fallback(numpy_only):
         assert coded is not None and len(coded) < data.nbytes
         back = torch.frombuffer(bytearray(_decode(coded, data.nbytes, width, rotate)), dtype=dtype)
         assert_bit_equal(back, t, str(dtype))
+
+
+def _payload(planes: list[tuple[int, bytes]]) -> bytes:
+    """A bytegroup payload from ``(method, bytes)`` per plane."""
+    table = b"".join(struct.pack("<BI", method, len(data)) for method, data in planes)
+    return bytes([len(planes)]) + table + b"".join(data for _, data in planes)
+
+
+def test_hostile_plane_frames_are_clear_errors():
+    # Decoding stays on python-zstandard whatever the coding path: a plane's
+    # frame is checked before anything is written.
+    n = 4096
+    plane = bytes(range(256)) * (n // 256)
+    frame = zstandard.ZstdCompressor().compress(plane)
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 * n))
+    raw = (0, plane)
+    cases = [
+        ([raw, (1, bomb)], r"zstd frame declares 262144 bytes, expected 4096"),
+        ([raw, (1, b"\x28\xb5\x2f\xfd" + b"junk" * 8)], "zstd frame is corrupt"),
+        ([raw, (1, b"not a zstd frame at all")], "zstd frame is corrupt"),
+        ([raw, (1, frame[:-6])], "zstd frame ends after"),
+        ([raw, (1, zstandard.ZstdCompressor().compress(plane[:-1]))], "4095"),
+    ]
+    for planes, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ByteGroupCodec().decode(
+                memoryview(_payload(planes)), memoryview(bytearray(2 * n)), 2, 0
+            )
+    # And a well-formed payload decodes, raw and zstd planes mixed.
+    out = bytearray(2 * n)
+    ByteGroupCodec().decode(memoryview(_payload([raw, (1, frame)])), memoryview(out), 2, 0)
+    assert out[0::2] == plane and out[1::2] == plane
