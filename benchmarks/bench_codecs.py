@@ -296,6 +296,10 @@ class CodecResult:
 @dataclass
 class SaveResult:
     save_s: list[float] = field(default_factory=list)
+    # This process's CPU seconds per save, user and system: the system share is
+    # the kernel's write path (page cache), which swings with the disk's state.
+    user_s: list[float] = field(default_factory=list)
+    sys_s: list[float] = field(default_factory=list)
     disk_bytes: int = 0
     files: int = 0
     other_cpu: list[float] = field(default_factory=list)
@@ -367,9 +371,13 @@ class Runner:
         writer = saver.writer(path)
         self._idle()
         before = cpu_snapshot()
+        times = os.times()
         t0 = time.perf_counter()
         dcp.save(state, storage_writer=writer)
         res.save_s.append(time.perf_counter() - t0)
+        after = os.times()
+        res.user_s.append(after.user - times.user)
+        res.sys_s.append(after.system - times.system)
         res.other_cpu.append(other_cpu_fraction(before, cpu_snapshot()))
         res.disk_bytes, res.files = tree_nbytes(path)
         if verify:  # outside the clock: a broken save must not pass as a fast one
@@ -465,7 +473,10 @@ def codec_table(
 def save_table(
     results: dict[str, dict[str, SaveResult]], raw: dict[str, int], stat: Stat = median
 ) -> str:
-    headers = ["set", "writer", "save s", "MB/s", "on disk MB", "files", "vs ours codec=None"]
+    headers = [
+        "set", "writer", "save s", "MB/s", "on disk MB", "files", "vs ours codec=None",
+        "CPU user s", "CPU sys s",
+    ]  # fmt: skip
     rows = []
     for set_name, per_saver in results.items():
         ref = per_saver.get("ours codec=None")
@@ -481,6 +492,8 @@ def save_table(
                     _fmt(r.disk_bytes / MB, 1),
                     r.files,
                     _x(s / ref_s),
+                    _fmt(stat(r.user_s), 2) if r.user_s else "n/a",
+                    _fmt(stat(r.sys_s), 2) if r.sys_s else "n/a",
                 ]
             )
     return markdown_table(headers, rows)
