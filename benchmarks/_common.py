@@ -444,7 +444,8 @@ def machine_info(root: str | os.PathLike[str]) -> dict[str, str]:
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     """A GitHub markdown table; numbers right-aligned."""
     rows = [[str(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    # max() of a list: a table with no rows (e.g. `--codecs ''`) is just its header.
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     align = ["---:" if i else ":---" for i in range(len(headers))]
     lines = [
         "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |",
