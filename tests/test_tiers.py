@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+import os
+import sys
 import threading
 
 import pytest
 
-from dcp_multilevel.tiers import TierBackend
+from dcp_multilevel.tiers import TierBackend, _writeback
 from dcp_multilevel.tiers.local import LocalTier
 
 
@@ -86,3 +89,53 @@ class TestLocalTier(TierTests):
     def test_url_and_file_scheme(self, tmp_path):
         assert LocalTier(f"file://{tmp_path}").url == f"file://{tmp_path}"
         assert LocalTier(tmp_path).supports_atomic_rename
+
+
+# ------------------------------------------------------------- early writeback
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_writeback_can_be_started_on_a_file_but_not_on_a_pipe(tmp_path):
+    assert _writeback.available()
+    fd = os.open(tmp_path / "f.bin", os.O_WRONLY | os.O_CREAT)
+    try:
+        os.write(fd, b"x" * 8192)
+        assert _writeback.start_writeback(fd, 0, 8192)
+        assert not _writeback.start_writeback(fd, 0, 0)  # nothing to ask for
+    finally:
+        os.close(fd)
+    read, write = os.pipe()
+    try:
+        assert not _writeback.start_writeback(write, 0, 4096)  # refused, never raised
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_local_files_ask_for_writeback_stride_by_stride_when_they_are_fsynced(
+    tmp_path, monkeypatch, sync
+):
+    asked: list[tuple[int, int]] = []
+    real = _writeback.start_writeback
+
+    def spy(fd: int, offset: int, nbytes: int) -> bool:
+        asked.append((offset, nbytes))
+        return real(fd, offset, nbytes)
+
+    monkeypatch.setattr(_writeback, "start_writeback", spy)
+    monkeypatch.setattr(_writeback, "WRITEBACK_STRIDE", 1 << 16)
+    tier = LocalTier(tmp_path, sync=sync)
+    block = bytes(range(256)) * 100  # 25,600 B: strides end mid-write
+    with tier.open_write("data.bin") as f:
+        for _ in range(20):
+            f.write(block)
+    assert tier.read_bytes("data.bin") == block * 20
+    if not sync or not _writeback.available():
+        assert asked == []  # scratch files (no fsync) are left to the kernel
+        return
+    # Contiguous requests from 0, each at least a stride, none past what was written.
+    ends = list(itertools.accumulate(n for _, n in asked))
+    assert [offset for offset, _ in asked] == [0, *ends[:-1]]
+    assert all(n >= 1 << 16 for _, n in asked)
+    assert sum(n for _, n in asked) <= len(block) * 20 < sum(n for _, n in asked) + (1 << 16)

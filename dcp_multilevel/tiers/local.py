@@ -83,7 +83,8 @@ class LocalTier(TierBackend):
         tmp = final.with_name(f"{final.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            yield FdWriteHandle(fd)
+            # Early writeback only where the file is fsynced at the end.
+            yield FdWriteHandle(fd, early_writeback=self.sync)
             if self.sync:
                 os.fsync(fd)
         except BaseException:
