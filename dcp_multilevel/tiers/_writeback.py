@@ -19,7 +19,6 @@ happens: it is a hint, and the final fsync still makes the file durable.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 
 __all__ = ["WRITEBACK_STRIDE", "available", "start_writeback"]
@@ -35,8 +34,9 @@ def _load():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.sync_file_range
+        # The process's own symbols, libc's included: find_library would run
+        # ldconfig in a subprocess at import.
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
