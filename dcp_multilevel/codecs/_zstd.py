@@ -13,9 +13,7 @@ import zstandard
 
 __all__ = [
     "compress",
-    "compress_plane",
     "compress_plane_into",
-    "decompress",
     "decompress_into",
     "plane_bound",
 ]
@@ -47,14 +45,6 @@ _PLANE_PARAMS = zstandard.ZstdCompressionParameters(
 )  # fmt: skip
 
 
-def compress_plane(data: bytes | memoryview) -> bytes:
-    """Compress one byte plane (entropy-coding settings, see ``_PLANE_PARAMS``)."""
-    cctx = getattr(_local, "plane_cctx", None)
-    if cctx is None:
-        cctx = _local.plane_cctx = zstandard.ZstdCompressor(compression_params=_PLANE_PARAMS)
-    return cctx.compress(data)
-
-
 def plane_bound(size: int) -> int:
     """Room that always holds the frame of a ``size``-byte plane (zstd's compress bound + slack)."""
     return size + (size >> 8) + 1024
@@ -66,7 +56,7 @@ def compress_plane_into(data: bytes | memoryview, out: memoryview) -> int | None
     Streams through the thread's plane context straight into the caller's
     buffer: ``compress`` returns a new bytes object per call, and allocating
     (and page-faulting) a fresh ~plane-sized buffer per plane cost more than
-    a third of the coding time. Same settings as :func:`compress_plane`.
+    a third of the coding time. Entropy-coding settings: ``_PLANE_PARAMS``.
     """
     cctx = getattr(_local, "plane_cctx", None)
     if cctx is None:
@@ -91,27 +81,12 @@ def _checked_decompressor(data: bytes | memoryview, size: int) -> zstandard.Zstd
     return dctx
 
 
-def decompress(data: bytes | memoryview, size: int) -> bytes:
-    """Decompress one frame that must hold exactly ``size`` bytes.
-
-    The frame's own content size is checked before anything is allocated, so a
-    "decompression bomb" costs nothing.
-    """
-    dctx = _checked_decompressor(data, size)
-    try:
-        out = dctx.decompress(data, max_output_size=size)
-    except zstandard.ZstdError as e:
-        raise ValueError(f"zstd frame is corrupt: {e}") from None
-    if len(out) != size:
-        raise ValueError(f"zstd frame holds {len(out)} bytes, expected {size}")
-    return out
-
-
 def decompress_into(data: bytes | memoryview, out: memoryview) -> None:
     """Decompress one frame that must hold exactly ``len(out)`` bytes, into ``out``.
 
-    Like :func:`decompress` (sizes checked before anything is written), but
-    into the caller's buffer instead of a new bytes object per plane.
+    The frame's own content size is checked before anything is written, so a
+    "decompression bomb" costs nothing; the output goes straight into the
+    caller's buffer.
     """
     size = len(out)
     dctx = _checked_decompressor(data, size)

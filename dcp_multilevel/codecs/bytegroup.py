@@ -21,7 +21,7 @@ BERT-large + AdamW: fp32 0.8198 -> 0.8172 and 0.8201 -> 0.8175, bf16 0.6656
 Payload layout: ``width`` u8, then per plane ``method u8 | length u32``, then
 the planes' bytes in order (method 0 raw, 1 zstd).
 
-Planes are coded with zstd tuned as an entropy coder (``_zstd.compress_plane``;
+Planes are coded with zstd tuned as an entropy coder (``_zstd._PLANE_PARAMS``;
 ``level`` does not apply). Which planes are worth it is judged on a sample of
 the chunk (a few spread slices) before the chunk is split: planes whose
 sample does not compress are stored raw without compressing the rest

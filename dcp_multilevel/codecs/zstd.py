@@ -18,4 +18,4 @@ class ZstdCodec(Codec):
         return coded if len(coded) < len(chunk) * (1 - MIN_SAVING) else None
 
     def decode(self, payload: memoryview, out: memoryview, width: int, rotate: int) -> None:
-        out[:] = _zstd.decompress(payload, len(out))
+        _zstd.decompress_into(payload, out)
