@@ -114,11 +114,9 @@ def balanced_chunk_size(nbytes: int, compression: Compression) -> int:
     if threads <= 1 or nbytes <= MIN_SPLIT_CHUNK:
         return size
     count = -(-nbytes // size)
-    count = -(-count // threads) * threads
-    while count > 1 and nbytes / count < MIN_SPLIT_CHUNK:
-        # Fewer, even chunks: 0.6 MB as 512 + 88 KiB keeps one thread busy
-        # anyway, and pays a pool hand-off for the small one.
-        count -= 1
+    # No more chunks than keep each at MIN_SPLIT_CHUNK: 0.6 MB as 512 + 88 KiB
+    # keeps one thread busy anyway, and pays a pool hand-off for the small one.
+    count = min(-(-count // threads) * threads, max(1, nbytes // MIN_SPLIT_CHUNK))
     even = -(-nbytes // count)
     even = -(-even // 4096) * 4096
     return min(size, even)
@@ -139,7 +137,8 @@ def compress_tensor(t: torch.Tensor, compression: Compression) -> memoryview:
     # Frames never exceed the raw bytes plus their records, but a chunk is
     # coded into room of its payload bound: the last one may reach past the
     # raw size by that slack. Pages never written are never touched.
-    slack = codec.payload_bound(min(chunk_size, len(view)), width) - min(chunk_size, len(view))
+    largest = min(chunk_size, len(view))
+    slack = codec.payload_bound(largest, width) - largest
     size = frames.HEADER.size + (count + 1) * frames.CHUNK.size + len(view) + max(0, slack)
     out = np.empty(size, np.uint8)
     header = frames.pack_header(width, rotate, chunk_size, len(view))
