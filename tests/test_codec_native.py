@@ -17,7 +17,7 @@ from conftest import assert_bit_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_multilevel.codecs import bytegroup
+from dcp_multilevel.codecs import _zstd, bytegroup
 from dcp_multilevel.codecs.bytegroup import ByteGroupCodec
 
 native = bytegroup._native
@@ -33,6 +33,19 @@ def test_the_c_kernels_are_built_and_found_libzstd():
     assert bytegroup.NATIVE, "dcp_multilevel.codecs._planes did not build (no C compiler?)"
     assert bytegroup.NATIVE_ZSTD, "_planes.c found no libzstd.so.1 to dlopen"
     assert native.ZSTD_VERSION >= 10400
+
+
+@pytest.mark.skipif(not bytegroup.NATIVE_ZSTD, reason="no libzstd found")
+def test_c_plane_settings_are_the_python_ones():
+    # _planes.c repeats _zstd._PLANE_PARAMS with zstd's parameter numbers: a
+    # change to one must reach the other, or the two paths code differently.
+    names = {
+        101: "window_log", 102: "hash_log", 103: "chain_log", 104: "search_log",
+        105: "min_match", 106: "target_length", 107: "strategy",
+        200: "write_content_size", 201: "write_checksum",
+    }  # fmt: skip
+    c_params = {names[key]: value for key, value in native.PLANE_PARAMS}
+    assert c_params == {name: getattr(_zstd._PLANE_PARAMS, name) for name in names.values()}
 
 
 @pytest.fixture

@@ -414,6 +414,20 @@ PyMODINIT_FUNC PyInit__planes(void) {
 #ifdef HAVE_DLOPEN
     load_zstd();
     version = zstd_version;
+    /* PLANE_PARAMS: ((zstd parameter, value), ...), for tests to hold them
+     * equal to _zstd._PLANE_PARAMS, their Python twin. */
+    size_t count = sizeof PLANE_PARAMS / sizeof *PLANE_PARAMS;
+    PyObject *params = PyTuple_New((Py_ssize_t)count);
+    for (size_t i = 0; params && i < count; i++) {
+        PyObject *pair = Py_BuildValue("(ii)", PLANE_PARAMS[i][0], PLANE_PARAMS[i][1]);
+        if (!pair) Py_CLEAR(params);
+        else PyTuple_SET_ITEM(params, (Py_ssize_t)i, pair);
+    }
+    if (!params || PyModule_AddObject(m, "PLANE_PARAMS", params) < 0) {
+        Py_XDECREF(params);
+        Py_DECREF(m);
+        return NULL;
+    }
 #endif
     /* ZSTD_VERSION: libzstd's version number (e.g. 10504), 0 when none was found. */
     if (PyModule_AddIntConstant(m, "ZSTD_VERSION", (long)version) < 0 ||
