@@ -5,10 +5,17 @@ from __future__ import annotations
 import torch
 
 
-def golden_state() -> dict:
+def golden_state(version: int = 3) -> dict:
+    """The state a ``v<version>-*`` golden checkpoint holds.
+
+    Later versions add tensors (never change earlier ones), so each golden
+    folder is compared with the state its release wrote: v3 adds ``sq``, an
+    Adam ``exp_avg_sq``-like positive tensor whose planes take the third
+    bytegroup/3 plane method.
+    """
     g = torch.Generator().manual_seed(1234)
     w = torch.randn(64, 48, generator=g) * 0.02
-    return {
+    state = {
         "model": {
             "w": w,
             "w_bf16": w.to(torch.bfloat16),
@@ -26,3 +33,6 @@ def golden_state() -> dict:
         "step": 42,
         "info": {"name": "golden", "lr": 3e-4, "tags": ["a", "b"]},
     }
+    if version >= 3:
+        state["model"]["sq"] = (w * w).contiguous()
+    return state

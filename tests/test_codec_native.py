@@ -56,7 +56,7 @@ def numpy_only(monkeypatch):
 
 
 def _methods(payload: bytes) -> list[int]:
-    """The per-plane methods (0 raw, 1 zstd) of a bytegroup payload."""
+    """The per-plane methods (0 raw, 1 zstd, 2/3 split) of a bytegroup payload."""
     return [payload[1 + 5 * p] for p in range(payload[0])]
 
 
@@ -85,6 +85,10 @@ def _values(kind: str, n: int, dtype: torch.dtype, seed: int) -> np.ndarray:
     gen = torch.Generator().manual_seed(seed)
     if kind == "weights":
         t = (torch.randn(n, generator=gen) * 0.02).to(dtype)
+    elif kind == "positive":  # like Adam's exp_avg_sq: the sign never changes
+        t = (torch.randn(n, generator=gen) * 0.02).abs().to(dtype)
+    elif kind == "bf16-valued":  # low mantissa bits all zero: zstd beats a split
+        t = (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16).to(dtype)
     elif kind == "ones":
         t = torch.ones(n, dtype=dtype)
     elif kind == "arange":
@@ -104,7 +108,7 @@ DTYPES = [
 @needs_native
 @pytest.mark.parametrize("path", ["split-in-C", "all-in-C"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["weights", "ones", "arange", "random"])
+@pytest.mark.parametrize("kind", ["weights", "positive", "bf16-valued", "ones", "arange", "random"])
 @pytest.mark.parametrize("n", [1, 5, 4099, 70_000])  # 70k values: sampled in slices
 def test_native_and_numpy_code_the_same_bytes_and_read_each_other(
     path, dtype, kind, n, monkeypatch
@@ -144,7 +148,7 @@ def test_split_and_join_match_numpy_for_every_rotation(width, data, n):
     rotate = data.draw(st.integers(0, 8 * width - 1)) if width > 1 else 0
     raw = np.frombuffer(data.draw(st.binary(min_size=n * width, max_size=n * width)), np.uint8)
     planes = np.empty((width, n), np.uint8)
-    assert native.split(raw, planes, width, rotate) == (1 << width) - 1
+    assert native.split(raw, planes, width, rotate) == sum(1 << 4 * p for p in range(width))
     if width > 1:
         want = bytegroup._planes_np(raw, width, rotate, "test_planes")
         assert planes.tobytes() == want.tobytes()
@@ -158,17 +162,24 @@ def test_split_judges_planes_like_numpy_and_skips_the_split_when_none_pays(monke
     rng = np.random.default_rng(1)
     weights = (rng.standard_normal(300_000) * 0.02).astype(np.float32).view(np.uint8)
     noise = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
-    for values in (weights, noise):
-        planes, worth = bytegroup._split_judged(values, 4, 3, "test_judged")
+    positive = np.abs(weights.view(np.float32)).view(np.uint8)
+    bf16_valued = weights.copy()
+    bf16_valued.view(np.uint32)[:] &= 0xFFFF0000
+    for values in (weights, positive, bf16_valued, noise):
+        planes, methods = bytegroup._split_judged(values, 4, 3, "test_judged")
         monkeypatch.setattr(bytegroup, "_native", None)
-        planes_np, worth_np = bytegroup._split_judged(values, 4, 3, "test_judged_np")
+        planes_np, methods_np = bytegroup._split_judged(values, 4, 3, "test_judged_np")
         monkeypatch.setattr(bytegroup, "_native", native)
-        assert worth == worth_np
-        if any(worth):
+        assert methods == methods_np
+        if any(methods):
             assert planes.tobytes() == planes_np.tobytes()
-    # Trained-like weights: the exponent plane pays, the low mantissa bytes do not.
-    _, worth = bytegroup._split_judged(weights, 4, 3, "test_judged")
-    assert worth[3] and not worth[1]
+    # Plane 3 (exponent) goes to zstd, the low mantissa bytes stay raw, and
+    # plane 0 (five mantissa bits over sign and top exponent bits) is split:
+    # its low 2 bits where the sign is random, its low 3 where it never changes.
+    assert bytegroup._split_judged(weights, 4, 3, "t")[1] == [2, 0, 0, 1]
+    assert bytegroup._split_judged(positive, 4, 3, "t")[1] == [3, 0, 0, 1]
+    # Values with zero low mantissa bits: plane 0 is all structure, zstd wins.
+    assert bytegroup._split_judged(bf16_valued, 4, 3, "t")[1][0] == 1
     # Noise: nothing pays, and the planes are left as they were.
     dst = np.full(len(noise), 7, np.uint8)
     assert native.split(noise, dst, 4, 3, 16 << 10, 1 / 128) == 0
@@ -194,6 +205,10 @@ def test_kernels_reject_bad_arguments_with_what_is_wrong():
         native.join([buf[:16], buf[:16], buf[:15], buf[:16]], buf.copy(), 4, 0)
     with pytest.raises(TypeError):
         native.split(buf, bytes(64), 4, 0)  # read-only output
+    with pytest.raises(ValueError, match="split method must be 2 or 3, not 1"):
+        native.split_plane(buf, buf.copy(), buf.copy(), 1)
+    with pytest.raises(ValueError, match="a split of 64 bytes has 48 high and 16 low bytes"):
+        native.join_plane(buf[:48], buf[:15], buf.copy(), 2)
     if native.HAS_ZSTD:
         big = np.zeros(1 << 16, np.uint8)
         with pytest.raises(ValueError, match="too small for 65536 bytes"):
@@ -208,17 +223,63 @@ def test_one_call_codes_a_float_chunk_that_zstd_reads():
     values = (rng.standard_normal(1 << 18) * 0.02).astype(np.float32).view(np.uint8)
     codec = ByteGroupCodec()
     out = np.empty(codec.payload_bound(values.nbytes, 4), np.uint8)
-    planes = np.empty(values.nbytes, np.uint8)
+    planes = np.empty(values.nbytes + values.nbytes // 8 + 8, np.uint8)
     n = native.encode(values, out, planes, 4, 3, 1 << 14, 1 / 128, 1 / 64)
     assert n is not None and n < 0.9 * values.nbytes
-    assert _methods(out[:n].tobytes()) == [1, 0, 0, 1]  # exponent-bearing planes coded
+    assert _methods(out[:n].tobytes()) == [2, 0, 0, 1]  # exponent-bearing planes coded
     assert _decode(out[:n].tobytes(), values.nbytes, 4, 3) == values.tobytes()
     noise = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
     out = np.empty(codec.payload_bound(noise.nbytes, 4), np.uint8)
     assert (
-        native.encode(noise, out, np.empty(noise.nbytes, np.uint8), 4, 3, 1 << 14, 0.01, 0.01)
+        native.encode(noise, out, np.empty(2 * noise.nbytes, np.uint8), 4, 3, 1 << 14, 0.01, 0.01)
         is None
     )
+
+
+@needs_native
+@settings(max_examples=80, deadline=None)
+@given(method=st.sampled_from([2, 3]), plane=st.binary(max_size=200))
+def test_split_planes_match_numpy_and_join_back(method, plane):
+    # Sizes 0..200 cover every tail: a segment count that is not a multiple
+    # of 4 or 8 leaves some segments one slot short.
+    data = np.frombuffer(plane, np.uint8)
+    high_len, low_len = bytegroup.split_sizes(len(data), method)
+    high, low = np.empty(high_len, np.uint8), np.empty(low_len, np.uint8)
+    native.split_plane(data, high, low, method)
+    want_high, want_low = (a.copy() for a in _numpy_split(data, method))
+    assert high.tobytes() == want_high.tobytes() and low.tobytes() == want_low.tobytes()
+    back = np.empty(len(data), np.uint8)
+    native.join_plane(high, low, back, method)
+    assert back.tobytes() == plane
+    back_np = np.empty(len(data), np.uint8)
+    saved = bytegroup._native
+    bytegroup._native = None
+    try:
+        bytegroup._join_plane(high, low, back_np, method)
+    finally:
+        bytegroup._native = saved
+    assert back_np.tobytes() == plane
+
+
+def _numpy_split(data: np.ndarray, method: int) -> tuple[np.ndarray, np.ndarray]:
+    saved = bytegroup._native
+    bytegroup._native = None
+    try:
+        return bytegroup._split_plane(data, method)
+    finally:
+        bytegroup._native = saved
+
+
+def test_split_keeps_the_low_bits_apart_from_the_raw_high_bits():
+    # Plane bytes 0b111111_01 (high 6 bits all set, low 2 bits 01): the raw
+    # part is all ones, the low stream repeats 01 four to a byte.
+    plane = np.full(8, 0b11111101, np.uint8)
+    high, low = _numpy_split(plane, 2)
+    assert high.tobytes() == b"\xff" * 6 and low.tobytes() == bytes([0b01010101]) * 2
+    plane = np.full(8, 0b00000110, np.uint8)  # low 3 bits 110, high 5 bits 0
+    high, low = _numpy_split(plane, 3)
+    assert high.tobytes() == b"\0" * 5 and low.tobytes() == bytes([0x66]) * 4
+    assert bytegroup.split_sizes(9, 2) == (9, 3) and bytegroup.split_sizes(9, 3) == (10, 8)
 
 
 def test_codec_round_trips_on_the_numpy_fallback(numpy_only):
@@ -257,12 +318,24 @@ def test_hostile_plane_frames_are_clear_errors():
         ([raw, (1, frame[:-6])], "zstd frame ends after"),
         ([raw, (1, zstandard.ZstdCompressor().compress(plane[:-1]))], "4095"),
     ]
+    high, low = _numpy_split(np.frombuffer(plane, np.uint8), 2)
+    low_frame = zstandard.ZstdCompressor().compress(low.tobytes())
+    cases += [
+        ([raw, (2, high.tobytes()[:-1])], "split plane 1 has 3071 bytes, under its 3072 raw"),
+        ([raw, (2, high.tobytes() + low_frame[:-4])], "zstd frame ends after"),
+        # Method 3 keeps 2560 raw bytes of 4096 and a 2048-byte low stream.
+        ([raw, (3, bytes(2560) + low_frame)], "zstd frame declares 1024 bytes, expected 2048"),
+        ([raw, (4, plane)], "plane 1 has unknown method 4"),
+    ]
     for planes, message in cases:
         with pytest.raises(ValueError, match=message):
             ByteGroupCodec().decode(
                 memoryview(_payload(planes)), memoryview(bytearray(2 * n)), 2, 0
             )
-    # And a well-formed payload decodes, raw and zstd planes mixed.
+    # And a well-formed payload decodes, raw, zstd and split planes mixed.
     out = bytearray(2 * n)
     ByteGroupCodec().decode(memoryview(_payload([raw, (1, frame)])), memoryview(out), 2, 0)
+    assert out[0::2] == plane and out[1::2] == plane
+    split = (2, high.tobytes() + low_frame)
+    ByteGroupCodec().decode(memoryview(_payload([split, raw])), memoryview(out), 2, 0)
     assert out[0::2] == plane and out[1::2] == plane

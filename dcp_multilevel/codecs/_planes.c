@@ -76,10 +76,10 @@ static void split_words(const uint8_t *restrict src, uint8_t *restrict dst, Py_s
     }
 }
 
-/* Estimated entropy-coded size, in bits, of `total` bytes counted in `hist`. */
-static double entropy_bits(const uint32_t *hist, double total) {
+/* Estimated entropy-coded size, in bits, of `total` symbols counted in `hist`. */
+static double entropy_bits(const uint32_t *hist, int symbols, double total) {
     double bits = total * log2(total);
-    for (int b = 0; b < 256; b++)
+    for (int b = 0; b < symbols; b++)
         if (hist[b]) bits -= hist[b] * log2((double)hist[b]);
     return bits;
 }
@@ -106,11 +106,24 @@ static void count_bytes(const uint8_t *src, Py_ssize_t count, int width, int r,
     }
 }
 
-/* Bit mask of the planes whose sampled byte entropy saves at least `saving`. */
-static unsigned long worth_mask(const uint8_t *src, Py_ssize_t n, int width, int rotate,
-                                Py_ssize_t sample, double saving) {
+/* The cheapest method (split 2, then split 3, then zstd: the low streams are
+ * 1/4 and 1/2 of the plane) whose estimate is within 1/SPLIT_SLACK byte per
+ * value of the smallest is chosen: a sample's byte entropy underestimates by
+ * up to ~0.01 bit per value (255 symbols seen in 16k values), a split's raw
+ * bits are exact, and zstd's Huffman codes land above the entropy anyway. */
+#define SPLIT_SLACK 256.0
+
+/* The method of each plane, in nibble p of the result (a "plan"): 0 stores
+ * the plane raw, 1 codes it with zstd, 2 and 3 split it (split_plane). Judged
+ * on the sampled byte entropy, the plane's estimated coded size in bytes:
+ * zstd finds almost no matches in float planes and codes them close to that.
+ * A split costs its raw high bits plus the entropy of its low bits, and far
+ * less time than zstd on the whole plane, so it wins near-ties (SPLIT_SLACK).
+ * A plane is coded at all only if its best estimate saves `saving`. */
+static unsigned long judge(const uint8_t *src, Py_ssize_t n, int width, int rotate,
+                           Py_ssize_t sample, double saving) {
     uint32_t hist[4][8][256];
-    unsigned long mask = 0;
+    unsigned long plan = 0;
     Py_ssize_t counted;
     memset(hist, 0, sizeof hist);
     if (n < 4 * sample) {
@@ -123,19 +136,164 @@ static unsigned long worth_mask(const uint8_t *src, Py_ssize_t n, int width, int
         counted = size * SLICES;
     }
     for (int p = 0; p < width && counted; p++) {
-        for (int b = 0; b < 256; b++)
-            hist[0][p][b] += hist[1][p][b] + hist[2][p][b] + hist[3][p][b];
-        if (entropy_bits(hist[0][p], (double)counted) / 8 < counted * (1 - saving))
-            mask |= 1ul << p;
+        uint32_t low2[4] = {0}, low3[8] = {0};
+        double total = (double)counted;
+        for (int b = 0; b < 256; b++) {
+            uint32_t c = hist[0][p][b] + hist[1][p][b] + hist[2][p][b] + hist[3][p][b];
+            hist[0][p][b] = c;
+            low2[b & 3] += c;
+            low3[b & 7] += c;
+        }
+        double coded = entropy_bits(hist[0][p], 256, total) / 8;
+        double split2 = total * 6.0 / 8.0 + entropy_bits(low2, 4, total) / 8;
+        double split3 = total * 5.0 / 8.0 + entropy_bits(low3, 8, total) / 8;
+        double least = coded < split2 ? coded : split2;
+        least = split3 < least ? split3 : least;
+        double near = least + total / SPLIT_SLACK;
+        unsigned long method = split2 <= near ? 2 : split3 <= near ? 3 : 1;
+        if (least < total * (1 - saving)) plan |= method << (4 * p);
     }
-    return mask;
+    return plan;
 }
 
-/* split(src, dst, width, rotate, sample=0, saving=0.0) -> mask
+/* Split methods (bytegroup/3). A float plane whose structure is in its low
+ * k bits (k = 2 or 3: with rotate 3, plane 0 ends in the sign and the two top
+ * exponent bits, above five near-random mantissa bits) is stored as its high
+ * 8 - k bits packed raw, then a zstd frame of its low k bits. Only the low
+ * stream is entropy-coded, so coding the plane costs a fraction of zstd on all
+ * of it. The plane's n values are cut into S segments of Q = ceil(n / S)
+ * (value q*Q + j is slot j of segment q; past n, values are 0), so every
+ * loop reads and writes contiguous runs:
+ *   k = 2: S = 4, high 3Q bytes, low Q bytes:
+ *     high[q*Q + j] = s_q >> 2 | (s_3 >> (2 + 2q) & 3) << 6      (q = 0, 1, 2)
+ *     low[j] = s_0 & 3 | (s_1 & 3) << 2 | (s_2 & 3) << 4 | (s_3 & 3) << 6
+ *   k = 3: S = 8, high 5Q bytes, low 4Q bytes; t = s_5 >> 3 | (s_6 >> 3) << 5 | (s_7 >> 3) << 10:
+ *     high[q*Q + j] = s_q >> 3 | (t >> 3q & 7) << 5               (q = 0 .. 4)
+ *     low[r*Q + j] = s_r & 7 | (s_{r+4} & 7) << 4                  (r = 0 .. 3)
+ * where s_q is value q*Q + j. bytegroup.py's numpy fallback writes the same. */
+static Py_ssize_t split_segment(int method, Py_ssize_t n) {
+    return method == 2 ? (n + 3) / 4 : (n + 7) / 8;
+}
+static Py_ssize_t split_high_len(int method, Py_ssize_t n) {
+    return (method == 2 ? 3 : 5) * split_segment(method, n);
+}
+static Py_ssize_t split_low_len(int method, Py_ssize_t n) {
+    return (method == 2 ? 1 : 4) * split_segment(method, n);
+}
+
+/* One slot of each method: s[] the segments' values, h[] and l[] the high and
+ * low bytes. For method 3, t's 15 bits are taken three at a time in byte
+ * arithmetic (t = s5 >> 3 | (s6 >> 3) << 5 | (s7 >> 3) << 10), so the loops
+ * below vectorize in byte lanes. */
+static inline void split2_slot(const uint8_t *s, uint8_t *h, uint8_t *l) {
+    h[0] = (uint8_t)(s[0] >> 2 | (s[3] >> 2 & 3) << 6);
+    h[1] = (uint8_t)(s[1] >> 2 | (s[3] >> 4 & 3) << 6);
+    h[2] = (uint8_t)(s[2] >> 2 | (s[3] >> 6) << 6);
+    l[0] = (uint8_t)((s[0] & 3) | (s[1] & 3) << 2 | (s[2] & 3) << 4 | (s[3] & 3) << 6);
+}
+
+static inline void join2_slot(const uint8_t *h, const uint8_t *l, uint8_t *s) {
+    s[0] = (uint8_t)((h[0] & 63) << 2 | (l[0] & 3));
+    s[1] = (uint8_t)((h[1] & 63) << 2 | (l[0] >> 2 & 3));
+    s[2] = (uint8_t)((h[2] & 63) << 2 | (l[0] >> 4 & 3));
+    s[3] = (uint8_t)((h[0] >> 6 | (h[1] >> 6) << 2 | (h[2] >> 6) << 4) << 2 | l[0] >> 6);
+}
+
+static inline void split3_slot(const uint8_t *s, uint8_t *h, uint8_t *l) {
+    uint8_t t[5] = {
+        (uint8_t)(s[5] >> 3 & 7),
+        (uint8_t)((s[5] >> 6) | (s[6] >> 3 & 1) << 2),
+        (uint8_t)(s[6] >> 4 & 7),
+        (uint8_t)((s[6] >> 7) | (s[7] >> 3 & 3) << 1),
+        (uint8_t)(s[7] >> 5),
+    };
+    for (int q = 0; q < 5; q++) h[q] = (uint8_t)(s[q] >> 3 | t[q] << 5);
+    for (int r = 0; r < 4; r++) l[r] = (uint8_t)((s[r] & 7) | (s[r + 4] & 7) << 4);
+}
+
+static inline void join3_slot(const uint8_t *h, const uint8_t *l, uint8_t *s) {
+    for (int q = 0; q < 5; q++) s[q] = (uint8_t)((h[q] & 31) << 3);
+    s[5] = (uint8_t)(((h[0] >> 5) | (h[1] >> 5 & 3) << 3) << 3);
+    s[6] = (uint8_t)(((h[1] >> 7) | (h[2] >> 5) << 1 | (h[3] >> 5 & 1) << 4) << 3);
+    s[7] = (uint8_t)(((h[3] >> 6) | (h[4] >> 5) << 2) << 3);
+    for (int r = 0; r < 4; r++) s[r] |= l[r] & 7, s[r + 4] |= l[r] >> 4 & 7;
+}
+
+/* Segments never overlap, but with up to 17 streams GCC gives up proving it
+ * at run time and leaves the loop scalar (~10x slower): say so. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_ALIAS _Pragma("GCC ivdep")
+#elif defined(__clang__)
+#define NO_ALIAS _Pragma("clang loop vectorize(assume_safety)")
+#else
+#define NO_ALIAS
+#endif
+
+/* Slots [0, full) lie inside the plane in every segment: no bounds checks there. */
+static Py_ssize_t full_slots(Py_ssize_t n, Py_ssize_t Q, int segments) {
+    Py_ssize_t full = n - (segments - 1) * Q;
+    return full < 0 ? 0 : full;
+}
+
+#define SPLIT_LOOP_BODY(SEGS, HIGH, LOW, SLOT, CHECKED)                        \
+    {                                                                          \
+        uint8_t sv[SEGS], hv[HIGH], lv[LOW];                                   \
+        for (int q = 0; q < SEGS; q++)                                         \
+            sv[q] = !(CHECKED) || q * Q + j < n ? p[q * Q + j] : 0;            \
+        SLOT(sv, hv, lv);                                                      \
+        for (int q = 0; q < HIGH; q++) high[q * Q + j] = hv[q];                \
+        for (int r = 0; r < LOW; r++) low[r * Q + j] = lv[r];                  \
+    }
+
+static void split_plane(const uint8_t *restrict p, Py_ssize_t n, int method,
+                        uint8_t *restrict high, uint8_t *restrict low) {
+    Py_ssize_t Q = split_segment(method, n), j = 0;
+    if (method == 2) {
+        Py_ssize_t full = full_slots(n, Q, 4);
+        NO_ALIAS for (; j < full; j++)
+            SPLIT_LOOP_BODY(4, 3, 1, split2_slot, 0)
+        for (; j < Q; j++) SPLIT_LOOP_BODY(4, 3, 1, split2_slot, 1)
+    } else {
+        Py_ssize_t full = full_slots(n, Q, 8);
+        NO_ALIAS for (; j < full; j++)
+            SPLIT_LOOP_BODY(8, 5, 4, split3_slot, 0)
+        for (; j < Q; j++) SPLIT_LOOP_BODY(8, 5, 4, split3_slot, 1)
+    }
+}
+
+#define JOIN_LOOP_BODY(SEGS, HIGH, LOW, SLOT, CHECKED)                         \
+    {                                                                          \
+        uint8_t sv[SEGS], hv[HIGH], lv[LOW];                                   \
+        for (int q = 0; q < HIGH; q++) hv[q] = high[q * Q + j];                \
+        for (int r = 0; r < LOW; r++) lv[r] = low[r * Q + j];                  \
+        SLOT(hv, lv, sv);                                                      \
+        for (int q = 0; q < SEGS; q++)                                         \
+            if (!(CHECKED) || q * Q + j < n) p[q * Q + j] = sv[q];             \
+    }
+
+/* The inverse of split_plane, into p (n bytes). */
+static void join_plane(const uint8_t *restrict high, const uint8_t *restrict low, Py_ssize_t n,
+                       int method, uint8_t *restrict p) {
+    Py_ssize_t Q = split_segment(method, n), j = 0;
+    if (method == 2) {
+        Py_ssize_t full = full_slots(n, Q, 4);
+        NO_ALIAS for (; j < full; j++)
+            JOIN_LOOP_BODY(4, 3, 1, join2_slot, 0)
+        for (; j < Q; j++) JOIN_LOOP_BODY(4, 3, 1, join2_slot, 1)
+    } else {
+        Py_ssize_t full = full_slots(n, Q, 8);
+        NO_ALIAS for (; j < full; j++)
+            JOIN_LOOP_BODY(8, 5, 4, join3_slot, 0)
+        for (; j < Q; j++) JOIN_LOOP_BODY(8, 5, 4, join3_slot, 1)
+    }
+}
+
+/* split(src, dst, width, rotate, sample=0, saving=0.0) -> plan
  *
- * With `sample` > 0, first judges the planes on a sample (worth_mask) and
- * splits only if one is worth coding: one call, one GIL release per chunk.
- * Returns the mask (all planes when `sample` is 0); 0 means dst is untouched. */
+ * With `sample` > 0, first judges the planes on a sample (judge) and splits
+ * only if one is worth coding: one call, one GIL release per chunk. Returns
+ * the plan, each plane's method in its nibble (1 for every plane when
+ * `sample` is 0); 0 means dst is untouched. */
 static PyObject *split(PyObject *self, PyObject *args) {
     Py_buffer src, dst;
     int width, rotate;
@@ -157,16 +315,73 @@ static PyObject *split(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "sample must be 0 or at least %d values", SLICES);
         goto done;
     }
-    unsigned long mask = width == 8 ? 0xfful : (1ul << width) - 1;
+    unsigned long plan = 0;
+    for (int p = 0; p < width; p++) plan |= 1ul << (4 * p);
     Py_BEGIN_ALLOW_THREADS
     Py_ssize_t n = src.len / width;
-    if (sample) mask = worth_mask(src.buf, n, width, rotate, sample, saving);
-    if (mask) split_words(src.buf, dst.buf, n, width, rotate);
+    if (sample) plan = judge(src.buf, n, width, rotate, sample, saving);
+    if (plan) split_words(src.buf, dst.buf, n, width, rotate);
     Py_END_ALLOW_THREADS
-    result = PyLong_FromUnsignedLong(mask);
+    result = PyLong_FromUnsignedLong(plan);
 done:
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
+    return result;
+}
+
+static int check_split_method(int method) {
+    if (method != 2 && method != 3) {
+        PyErr_Format(PyExc_ValueError, "split method must be 2 or 3, not %d", method);
+        return -1;
+    }
+    return 0;
+}
+
+/* split_plane(plane, high, low, method): a plane's split form (split_plane above). */
+static PyObject *py_split_plane(PyObject *self, PyObject *args) {
+    Py_buffer plane, high, low;
+    int method;
+    if (!PyArg_ParseTuple(args, "y*w*w*i", &plane, &high, &low, &method)) return NULL;
+    PyObject *result = NULL;
+    if (check_split_method(method) < 0) goto done;
+    Py_ssize_t n = plane.len;
+    if (high.len != split_high_len(method, n) || low.len != split_low_len(method, n)) {
+        PyErr_Format(PyExc_ValueError, "a split of %zd bytes has %zd high and %zd low bytes",
+                     n, split_high_len(method, n), split_low_len(method, n));
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    split_plane(plane.buf, n, method, high.buf, low.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&plane);
+    PyBuffer_Release(&high);
+    PyBuffer_Release(&low);
+    return result;
+}
+
+/* join_plane(high, low, plane, method): the inverse of split_plane, into plane. */
+static PyObject *py_join_plane(PyObject *self, PyObject *args) {
+    Py_buffer high, low, plane;
+    int method;
+    if (!PyArg_ParseTuple(args, "y*y*w*i", &high, &low, &plane, &method)) return NULL;
+    PyObject *result = NULL;
+    if (check_split_method(method) < 0) goto done;
+    Py_ssize_t n = plane.len;
+    if (high.len != split_high_len(method, n) || low.len != split_low_len(method, n)) {
+        PyErr_Format(PyExc_ValueError, "a split of %zd bytes has %zd high and %zd low bytes",
+                     n, split_high_len(method, n), split_low_len(method, n));
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    join_plane(high.buf, low.buf, n, method, plane.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&high);
+    PyBuffer_Release(&low);
+    PyBuffer_Release(&plane);
     return result;
 }
 
@@ -303,36 +518,48 @@ static void *thread_cctx(void) {
 /* Room that always holds a plane's frame: _zstd.plane_bound. */
 static Py_ssize_t plane_bound(Py_ssize_t n) { return n + (n >> 8) + 1024; }
 
-/* Codes one chunk into `out` (layout in bytegroup.py): its length, 0 when
- * no plane pays, -1 without a compression context (out of memory). */
+/* Scratch past the planes for a split's low stream: 4 * ceil(n / 8) <= n / 2 + 4. */
+static Py_ssize_t low_room(Py_ssize_t n) { return n / 2 + 8; }
+
+/* Codes one chunk into `out` (`cap` bytes; layout in bytegroup.py): its
+ * length, 0 when no plane pays, -1 without a compression context (out of
+ * memory). `planes` holds the planes, then low_room(n) bytes of scratch. */
 static Py_ssize_t encode_chunk(const uint8_t *src, Py_ssize_t n, int width, int rotate,
                                Py_ssize_t sample, double saving, double min_saving,
-                               uint8_t *planes, uint8_t *out) {
-    unsigned long mask = worth_mask(src, n, width, rotate, sample, saving);
-    if (!mask) return 0;
+                               uint8_t *planes, uint8_t *out, Py_ssize_t cap) {
+    unsigned long plan = judge(src, n, width, rotate, sample, saving);
+    if (!plan) return 0;
     void *cctx = thread_cctx();
     if (!cctx) return -1;
     split_words(src, planes, n, width, rotate);
+    uint8_t *low = planes + (Py_ssize_t)width * n;
     Py_ssize_t pos = 1 + 5 * (Py_ssize_t)width;
     int coded = 0;
     out[0] = (uint8_t)width;
     for (int p = 0; p < width; p++) {
         const uint8_t *plane = planes + (Py_ssize_t)p * n;
-        uint8_t method = 0;
-        uint32_t length = (uint32_t)n;
-        if (mask >> p & 1) {
-            Py_ssize_t room = plane_bound(n);
-            size_t k = zstd_compress2(cctx, out + pos, (size_t)room, plane, (size_t)n);
-            /* A frame that fills the room may be cut: count it as not paying. */
-            if (!zstd_is_error(k) && (Py_ssize_t)k < room && k < n * (1 - min_saving)) {
-                method = 1;
-                length = (uint32_t)k;
-                coded = 1;
-            }
+        int method = (int)(plan >> (4 * p) & 15);
+        Py_ssize_t length = n;
+        if (method == 1) {
+            length = (Py_ssize_t)zstd_compress2(cctx, out + pos, (size_t)(cap - pos), plane,
+                                                (size_t)n);
+        } else if (method) { /* 2 or 3: the high bits raw, then the low stream's frame */
+            Py_ssize_t high = split_high_len(method, n);
+            split_plane(plane, n, method, out + pos, low);
+            size_t k = zstd_compress2(cctx, out + pos + high, (size_t)(cap - pos - high), low,
+                                      (size_t)split_low_len(method, n));
+            length = zstd_is_error(k) ? (Py_ssize_t)k : high + (Py_ssize_t)k;
+        }
+        /* zstd fails only for want of room, which means it did not pay. */
+        if (method && (zstd_is_error((size_t)length) || length >= n * (1 - min_saving))) {
+            method = 0;
+            length = n;
         }
         if (!method) memcpy(out + pos, plane, (size_t)n);
-        out[1 + 5 * p] = method;
-        memcpy(out + 2 + 5 * p, &length, 4); /* u32, little-endian hosts only */
+        coded |= method != 0;
+        uint32_t stored = (uint32_t)length;
+        out[1 + 5 * p] = (uint8_t)method;
+        memcpy(out + 2 + 5 * p, &stored, 4); /* u32, little-endian hosts only */
         pos += length;
     }
     return coded ? pos : 0;
@@ -361,7 +588,7 @@ static PyObject *encode(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_ssize_t n = src.len / width;
-    if (out.len < 1 + 5 * width + src.len + plane_bound(n) || planes.len < src.len) {
+    if (out.len < 1 + 5 * width + src.len + plane_bound(n) || planes.len < src.len + low_room(n)) {
         PyErr_Format(PyExc_ValueError, "buffers of %zd and %zd bytes are too small for %zd bytes",
                      out.len, planes.len, src.len);
         goto done;
@@ -373,7 +600,7 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     Py_ssize_t length;
     Py_BEGIN_ALLOW_THREADS
     length = encode_chunk(src.buf, n, width, rotate, sample, saving, min_saving, planes.buf,
-                          out.buf);
+                          out.buf, out.len);
     Py_END_ALLOW_THREADS
     if (length < 0)
         PyErr_NoMemory();
@@ -392,14 +619,21 @@ done:
 
 static PyMethodDef methods[] = {
     {"split", split, METH_VARARGS,
-     "split(src, dst, width, rotate, sample=0, saving=0.0) -> mask: plane p of every rotated "
-     "word into dst[p*n:(p+1)*n]; with a sample, only if a plane's sampled byte entropy saves "
-     "at least `saving` (bit p of the mask; 0: nothing written)."},
+     "split(src, dst, width, rotate, sample=0, saving=0.0) -> plan: plane p of every rotated "
+     "word into dst[p*n:(p+1)*n]; with a sample, only if a plane is judged worth coding. The "
+     "plan holds each plane's method in nibble p (0 raw, 1 zstd, 2 or 3 split; 0: nothing "
+     "written)."},
     {"encode", encode, METH_VARARGS,
      "encode(src, out, planes, width, rotate, sample, saving, min_saving) -> length | None: a "
-     "float chunk's bytegroup payload into out (None: no plane pays); needs HAS_ZSTD."},
+     "float chunk's bytegroup payload into out (None: no plane pays); planes has room for the "
+     "planes and n // 2 + 8 bytes more; needs HAS_ZSTD."},
     {"join", join, METH_VARARGS,
      "join(planes, dst, width, rotate): the inverse of split, into dst."},
+    {"split_plane", py_split_plane, METH_VARARGS,
+     "split_plane(plane, high, low, method): a plane's high bits and low stream for split "
+     "method 2 or 3."},
+    {"join_plane", py_join_plane, METH_VARARGS,
+     "join_plane(high, low, plane, method): the inverse of split_plane, into plane."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -31,7 +31,8 @@ def main(version: str, names: list[str]) -> None:
         if path.exists():
             print(f"keeping {path} (golden files are never rewritten)")
             continue
-        dcp.save(golden_state(), storage_writer=MultiLevelWriter(path, codec=codec))
+        state = golden_state(int(version.removeprefix("v")))
+        dcp.save(state, storage_writer=MultiLevelWriter(path, codec=codec))
         print(f"wrote {path}")
 
 
