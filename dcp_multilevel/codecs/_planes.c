@@ -245,20 +245,21 @@ static Py_ssize_t full_slots(Py_ssize_t n, Py_ssize_t Q, int segments) {
         for (int r = 0; r < LOW; r++) low[r * Q + j] = lv[r];                  \
     }
 
+/* BODY over every slot: unchecked where every segment holds it, then checked. */
+#define FOR_SLOTS(BODY, SEGS, HIGH, LOW, SLOT)                                 \
+    {                                                                          \
+        Py_ssize_t j = 0, full = full_slots(n, Q, SEGS);                       \
+        NO_ALIAS for (; j < full; j++) BODY(SEGS, HIGH, LOW, SLOT, 0)          \
+        for (; j < Q; j++) BODY(SEGS, HIGH, LOW, SLOT, 1)                      \
+    }
+
 static void split_plane(const uint8_t *restrict p, Py_ssize_t n, int method,
                         uint8_t *restrict high, uint8_t *restrict low) {
-    Py_ssize_t Q = split_segment(method, n), j = 0;
-    if (method == 2) {
-        Py_ssize_t full = full_slots(n, Q, 4);
-        NO_ALIAS for (; j < full; j++)
-            SPLIT_LOOP_BODY(4, 3, 1, split2_slot, 0)
-        for (; j < Q; j++) SPLIT_LOOP_BODY(4, 3, 1, split2_slot, 1)
-    } else {
-        Py_ssize_t full = full_slots(n, Q, 8);
-        NO_ALIAS for (; j < full; j++)
-            SPLIT_LOOP_BODY(8, 5, 4, split3_slot, 0)
-        for (; j < Q; j++) SPLIT_LOOP_BODY(8, 5, 4, split3_slot, 1)
-    }
+    Py_ssize_t Q = split_segment(method, n);
+    if (method == 2)
+        FOR_SLOTS(SPLIT_LOOP_BODY, 4, 3, 1, split2_slot)
+    else
+        FOR_SLOTS(SPLIT_LOOP_BODY, 8, 5, 4, split3_slot)
 }
 
 #define JOIN_LOOP_BODY(SEGS, HIGH, LOW, SLOT, CHECKED)                         \
@@ -274,18 +275,11 @@ static void split_plane(const uint8_t *restrict p, Py_ssize_t n, int method,
 /* The inverse of split_plane, into p (n bytes). */
 static void join_plane(const uint8_t *restrict high, const uint8_t *restrict low, Py_ssize_t n,
                        int method, uint8_t *restrict p) {
-    Py_ssize_t Q = split_segment(method, n), j = 0;
-    if (method == 2) {
-        Py_ssize_t full = full_slots(n, Q, 4);
-        NO_ALIAS for (; j < full; j++)
-            JOIN_LOOP_BODY(4, 3, 1, join2_slot, 0)
-        for (; j < Q; j++) JOIN_LOOP_BODY(4, 3, 1, join2_slot, 1)
-    } else {
-        Py_ssize_t full = full_slots(n, Q, 8);
-        NO_ALIAS for (; j < full; j++)
-            JOIN_LOOP_BODY(8, 5, 4, join3_slot, 0)
-        for (; j < Q; j++) JOIN_LOOP_BODY(8, 5, 4, join3_slot, 1)
-    }
+    Py_ssize_t Q = split_segment(method, n);
+    if (method == 2)
+        FOR_SLOTS(JOIN_LOOP_BODY, 4, 3, 1, join2_slot)
+    else
+        FOR_SLOTS(JOIN_LOOP_BODY, 8, 5, 4, join3_slot)
 }
 
 /* split(src, dst, width, rotate, sample=0, saving=0.0) -> plan
@@ -329,60 +323,44 @@ done:
     return result;
 }
 
-static int check_split_method(int method) {
+/* split_plane(plane, high, low, method) and join_plane(high, low, plane,
+ * method): a plane to its split form (split_plane above) and back. */
+static PyObject *split_or_join_plane(PyObject *args, int join) {
+    Py_buffer a, b, c;
+    int method;
+    if (!PyArg_ParseTuple(args, join ? "y*y*w*i" : "y*w*w*i", &a, &b, &c, &method)) return NULL;
+    Py_buffer *plane = join ? &c : &a, *high = join ? &a : &b, *low = join ? &b : &c;
+    PyObject *result = NULL;
+    Py_ssize_t n = plane->len;
     if (method != 2 && method != 3) {
         PyErr_Format(PyExc_ValueError, "split method must be 2 or 3, not %d", method);
-        return -1;
+        goto done;
     }
-    return 0;
+    if (high->len != split_high_len(method, n) || low->len != split_low_len(method, n)) {
+        PyErr_Format(PyExc_ValueError, "a split of %zd bytes has %zd high and %zd low bytes",
+                     n, split_high_len(method, n), split_low_len(method, n));
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (join)
+        join_plane(high->buf, low->buf, n, method, plane->buf);
+    else
+        split_plane(plane->buf, n, method, high->buf, low->buf);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&c);
+    return result;
 }
 
-/* split_plane(plane, high, low, method): a plane's split form (split_plane above). */
 static PyObject *py_split_plane(PyObject *self, PyObject *args) {
-    Py_buffer plane, high, low;
-    int method;
-    if (!PyArg_ParseTuple(args, "y*w*w*i", &plane, &high, &low, &method)) return NULL;
-    PyObject *result = NULL;
-    if (check_split_method(method) < 0) goto done;
-    Py_ssize_t n = plane.len;
-    if (high.len != split_high_len(method, n) || low.len != split_low_len(method, n)) {
-        PyErr_Format(PyExc_ValueError, "a split of %zd bytes has %zd high and %zd low bytes",
-                     n, split_high_len(method, n), split_low_len(method, n));
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    split_plane(plane.buf, n, method, high.buf, low.buf);
-    Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    PyBuffer_Release(&plane);
-    PyBuffer_Release(&high);
-    PyBuffer_Release(&low);
-    return result;
+    return split_or_join_plane(args, 0);
 }
 
-/* join_plane(high, low, plane, method): the inverse of split_plane, into plane. */
 static PyObject *py_join_plane(PyObject *self, PyObject *args) {
-    Py_buffer high, low, plane;
-    int method;
-    if (!PyArg_ParseTuple(args, "y*y*w*i", &high, &low, &plane, &method)) return NULL;
-    PyObject *result = NULL;
-    if (check_split_method(method) < 0) goto done;
-    Py_ssize_t n = plane.len;
-    if (high.len != split_high_len(method, n) || low.len != split_low_len(method, n)) {
-        PyErr_Format(PyExc_ValueError, "a split of %zd bytes has %zd high and %zd low bytes",
-                     n, split_high_len(method, n), split_low_len(method, n));
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    join_plane(high.buf, low.buf, n, method, plane.buf);
-    Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    PyBuffer_Release(&high);
-    PyBuffer_Release(&low);
-    PyBuffer_Release(&plane);
-    return result;
+    return split_or_join_plane(args, 1);
 }
 
 #define JOIN_LOOP(T, W)                                                        \
