@@ -317,7 +317,9 @@ def decode_frames(
             if xxhash.xxh3_64_intdigest(payload) != rec.checksum:
                 raise on_chunk_error(index, "its checksum does not match its bytes")
             target = out[pos : pos + rec.raw_len]
-            if pool is None:
+            # The last chunk (the only one, for most tensors) is decoded here:
+            # this thread would only wait for it, and a hand-off adds a wake-up.
+            if pool is None or pos + rec.raw_len == len(out):
                 _decode_checked(codec, rec, payload, target, header, index, on_chunk_error)
             else:
                 # The payload buffer must outlive the task: read() returns a fresh one.
