@@ -574,6 +574,15 @@ def goals(
                 f"{_fmt(a, 3)} vs {_fmt(b, 3)} s = {_x(a / b)}",
             )
         )
+    lines.append(
+        "For information, (c) against stock DCP's uncompressed save (FileSystemWriter), the "
+        "other reading of 'an uncompressed save':"
+    )
+    for s, per in save_res.items():
+        o, n = per.get("ours codec=bytegroup"), per.get("stock")
+        a = stat(o.save_s) if o else nan
+        b = stat(n.save_s) if n else nan
+        lines.append(f"- {s}: {_fmt(a, 3)} vs {_fmt(b, 3)} s = {_x(a / b)}")
     lines.append("For information, ours-zstd against the same bars (b) and (c):")
     for s in codec_res:
         o, st, z = get(s, "ours-zstd"), get(s, "stock-zstd"), get(s, "zipnn")
