@@ -10,7 +10,8 @@
  * C compiler.
  *
  * encode() does a float chunk's whole coding in one call: judge, split, and
- * zstd on the planes that pay, writing the payload bytegroup.py describes:
+ * zstd on the planes that pay (or on a split plane's low bits, split_plane
+ * below), writing the payload bytegroup.py describes:
  * the same plane choices as the Python path, and the same bytes where the
  * libzstd found is python-zstandard's release.
  * It calls libzstd's stable API, found at import with dlopen (python-zstandard
