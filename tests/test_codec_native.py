@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import struct
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -252,22 +253,26 @@ def test_split_planes_match_numpy_and_join_back(method, plane):
     native.join_plane(high, low, back, method)
     assert back.tobytes() == plane
     back_np = np.empty(len(data), np.uint8)
-    saved = bytegroup._native
-    bytegroup._native = None
-    try:
+    with _numpy_kernels():
         bytegroup._join_plane(high, low, back_np, method)
-    finally:
-        bytegroup._native = saved
     assert back_np.tobytes() == plane
 
 
-def _numpy_split(data: np.ndarray, method: int) -> tuple[np.ndarray, np.ndarray]:
+@contextmanager
+def _numpy_kernels():
+    """The bytegroup codec on its numpy fallback inside the block (hypothesis
+    examples cannot take the function-scoped ``numpy_only`` fixture)."""
     saved = bytegroup._native
     bytegroup._native = None
     try:
-        return bytegroup._split_plane(data, method)
+        yield
     finally:
         bytegroup._native = saved
+
+
+def _numpy_split(data: np.ndarray, method: int) -> tuple[np.ndarray, np.ndarray]:
+    with _numpy_kernels():
+        return bytegroup._split_plane(data, method)
 
 
 def test_split_keeps_the_low_bits_apart_from_the_raw_high_bits():
