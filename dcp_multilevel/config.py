@@ -27,7 +27,9 @@ class Compression:
             default splits even small tensors across threads and keeps each
             chunk's planes in cache; 4 MiB chunks changed the ratio by ~0.01 %.
         threads: chunks coded in parallel per writer (from the tensor being
-            written and the next ones, while it is written).
+            written and the next ones, while it is written): ``threads - 1``
+            pool threads and the writing thread, which codes while it would
+            otherwise wait.
     """
 
     codec: str = "bytegroup"

@@ -300,11 +300,15 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
                 yield EncodeJob(item, view, layout, f"item {item.index.fqn!r} of {path}")
 
     def _pool(self) -> ThreadPoolExecutor | None:
-        """The codec pool (None: code inline), reused across saves."""
+        """The codec pool (None: code inline), reused across saves.
+
+        ``threads - 1`` workers: the writing thread codes too (see
+        ``encode_items``), so ``threads`` threads code in all.
+        """
         c = self.compression
         if c is not None and c.threads > 1 and self._codec_pool is None:
             # Its threads exit with the process.
-            self._codec_pool = ThreadPoolExecutor(c.threads, thread_name_prefix="dcp-ml-codec")
+            self._codec_pool = ThreadPoolExecutor(c.threads - 1, thread_name_prefix="dcp-ml-codec")
         return self._codec_pool
 
     def _sweep(self, keep: set[str]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -219,6 +220,89 @@ def test_save_with_threads_fails_cleanly_on_a_coding_error_and_saves_again(tmp_p
         if key != "note":
             assert_bit_equal(loaded[key], value, key)
     assert loaded["note"] == {"step": 1}
+
+
+class _Recording(ByteGroupCodec):
+    """Notes which threads coded chunks."""
+
+    name = "test.recording"
+    threads: set[int] = set()
+
+    def encode_into(self, chunk, width, rotate, out):
+        type(self).threads.add(threading.get_ident())
+        return super().encode_into(chunk, width, rotate, out)
+
+
+def test_the_consumer_codes_what_no_pool_thread_has_started():
+    jobs = _jobs(3)
+    inline = _coded(jobs, None, 1)
+    release = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(release.wait, 60)  # the only worker is busy until the coding is done
+        try:
+            _Recording.threads = set()
+            coding = encode_items(iter(jobs), _Recording(), chunk_size=1 << 18, pool=pool, window=4)
+            coded = [b"".join(bytes(p) for p in parts) for _, parts in coding]
+        finally:
+            release.set()
+    assert coded == inline
+    assert _Recording.threads == {threading.get_ident()}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_save_codes_in_as_many_threads_as_asked_the_writing_one_among_them(
+    tmp_path, monkeypatch, threads
+):
+    monkeypatch.setitem(CODECS._registered, "test.recording", _Recording)
+    _Recording.threads = set()
+    state = {f"t{i:02d}": _structured(600_000, torch.float32, i) for i in range(8)}
+    comp = Compression("test.recording", threads=threads)
+    dcp.save(state, storage_writer=MultiLevelWriter(tmp_path / "c", codec=comp))
+    # This thread called dcp.save and wrote the file (thread_count=1).
+    pool_threads = _Recording.threads - {threading.get_ident()}
+    assert len(pool_threads) <= threads - 1
+    assert _Recording.threads
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(loaded, storage_reader=MultiLevelReader(tmp_path / "c"))
+    for key, value in state.items():
+        assert_bit_equal(loaded[key], value, key)
+
+
+def _ahead(jobs, window, chunk_size=1 << 18) -> list[int]:
+    """How many jobs had been pulled from the source beyond the one being consumed, per part."""
+    pulled = []
+
+    def source():
+        for job in jobs:
+            pulled.append(job)
+            yield job
+
+    ahead = []
+    with ThreadPoolExecutor(1) as pool:
+        coding = encode_items(source(), ByteGroupCodec(), chunk_size=chunk_size, pool=pool,
+                              window=window)  # fmt: skip
+        for n, (_, parts) in enumerate(coding):
+            for _ in parts:
+                ahead.append(len(pulled) - n - 1)
+    return ahead
+
+
+def _job(i: int, n: int, coded: bool = True) -> EncodeJob:
+    t = _structured(n, torch.float32, i)
+    return EncodeJob(i, byte_view(t), (4, 3) if coded else None, f"item {i}")
+
+
+def test_items_are_resolved_ahead_by_bytes_not_by_count():
+    # A weight, 12 biases with nothing to code, then the next weight: its
+    # chunk is coded beside the first although 12 items stand in between.
+    jobs = (
+        [_job(0, 60_000)] + [_job(i, 384, coded=False) for i in range(1, 13)] + [_job(13, 60_000)]
+    )
+    assert _ahead(jobs, window=2)[0] == 13
+    # Large items: what is queued behind the one being written stays under
+    # the lookahead (2 chunks, 512 KiB) plus the item that crossed it.
+    big = [_job(i, 200_000) for i in range(10)]  # 800 KB each, 4 chunks of 256 KiB
+    assert max(_ahead(big, window=2)) == 1
 
 
 @pytest.mark.parametrize(

@@ -79,18 +79,20 @@ _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
 
-def shared_pool(threads: int) -> ThreadPoolExecutor | None:
-    """A process-wide coding pool of ``threads`` workers (None for 1: code inline).
+def shared_pool(workers: int) -> ThreadPoolExecutor | None:
+    """A process-wide coding pool of ``workers`` threads (None for 0: code inline).
 
     Reused by every call, so tools that code one tensor per call do not start
-    threads per call; its threads exit with the interpreter.
+    threads per call; its threads exit with the interpreter. Encoding with
+    ``threads`` asks for ``threads - 1`` workers (the caller codes too, see
+    ``encode_items``); decoding, for ``threads`` (or none for 1).
     """
-    if threads <= 1:
+    if workers < 1:
         return None
     with _pools_lock:
-        pool = _pools.get(threads)
+        pool = _pools.get(workers)
         if pool is None:
-            pool = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="dcp-ml-codec")
+            pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="dcp-ml-codec")
         return pool
 
 
@@ -143,7 +145,7 @@ def compress_tensor(t: torch.Tensor, compression: Compression) -> memoryview:
     out = np.empty(size, np.uint8)
     header = frames.pack_header(width, rotate, chunk_size, len(view))
     # One chunk: code it here; handing it to a pool thread only adds a wake-up.
-    pool = shared_pool(compression.threads) if count > 1 else None
+    pool = shared_pool(compression.threads - 1) if count > 1 else None
     if pool is None:
         return _code_in_place(out, header, view, codec, width, rotate, chunk_size)
     parts = encode_frames(
@@ -260,5 +262,6 @@ def decompress_tensor(
         return ValueError(f"chunk {index}: {why}")
 
     inst = codec_for(Compression(codec=codec))
-    decode_buffer(memoryview(data), byte_view(out), inst, error, shared_pool(threads), 2 * threads)
+    pool = shared_pool(threads) if threads > 1 else None
+    decode_buffer(memoryview(data), byte_view(out), inst, error, pool, 2 * threads)
     return out
