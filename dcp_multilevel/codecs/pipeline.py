@@ -159,20 +159,21 @@ class _Backlog:
         self._pool.submit(self._run_oldest)
         return task
 
-    def _run_oldest(self) -> None:
+    def _take_oldest(self) -> _Task | None:
         with self._lock:
-            if not self._tasks:  # the consumer took it, or the coding was cancelled
-                return
-            task = self._tasks.popleft()
-        task.run()
+            return self._tasks.popleft() if self._tasks else None
+
+    def _run_oldest(self) -> None:
+        task = self._take_oldest()
+        if task is not None:  # else the consumer took it, or the coding was cancelled
+            task.run()
 
     def result(self, task: _Task) -> tuple[bytes, Part, np.ndarray | None]:
         """``task``'s result (or error); runs it here when no thread has started it."""
         # Code the oldest chunks not yet started (``task`` first, if it is one)
         # rather than wait for ``task``.
         while not task.done.is_set():
-            with self._lock:
-                other = self._tasks.popleft() if self._tasks else None
+            other = self._take_oldest()
             if other is None:
                 task.done.wait()
                 break
