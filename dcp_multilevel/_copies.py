@@ -27,7 +27,7 @@ from .errors import (
 )
 from .format import MANIFEST_NAME, Hasher, ItemLocation, Manifest, decode_manifest
 from .format.tensor_bytes import pieces
-from .tiers import ReadHandle, TierBackend, tier_for
+from .stores import ReadHandle, Store, store_for
 
 __all__ = ["COALESCE_BYTES", "CheckpointCopy", "CoalescingReader"]
 
@@ -84,7 +84,7 @@ class CheckpointCopy:
 
     Args:
         location: where the copy is (``/nvme/run1/step-100``, ``s3://b/run1/step-100``).
-        storage_options: options for its tier (see :func:`~dcp_multilevel.tiers.tier_for`).
+        storage_options: options for its tier (see :func:`~dcp_multilevel.stores.store_for`).
         manifest_bytes: the copy's ``manifest.json`` as another process read it
             (a node-local tier whose manifest is on rank 0's node); validated
             like one read from storage, which is then not asked for it.
@@ -100,7 +100,7 @@ class CheckpointCopy:
         manifest_bytes: bytes | None = None,
     ) -> None:
         self.location = os.fspath(location)
-        self.tier: TierBackend = tier_for(self.location, **storage_options)
+        self.store: Store = store_for(self.location, **storage_options)
         self._manifest_bytes = manifest_bytes
         self._manifest: Manifest | None = None
         self._error: DcpMultilevelError | OSError | None = None
@@ -108,7 +108,7 @@ class CheckpointCopy:
     @property
     def url(self) -> str:
         """The copy's location as a URL (how messages and metrics name it)."""
-        return self.tier.url
+        return self.store.url
 
     def manifest(self) -> Manifest:
         """The copy's validated manifest, read on first use.
@@ -119,7 +119,7 @@ class CheckpointCopy:
         Raises:
             CheckpointNotFoundError: the copy has no manifest (not committed).
             ManifestError: the manifest is invalid.
-            OSError: the storage could not be read (e.g. ``RemoteTierError``).
+            OSError: the storage could not be read (e.g. ``RemoteStoreError``).
         """
         if self._manifest is None:
             if self._error is not None:
@@ -140,7 +140,7 @@ class CheckpointCopy:
         if self._manifest_bytes is not None:
             return decode_manifest(self._manifest_bytes, checkpoint=self.url)
         try:
-            raw = self.tier.read_bytes(MANIFEST_NAME)
+            raw = self.store.read_bytes(MANIFEST_NAME)
         except FileNotFoundError:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint at {self.url}: {MANIFEST_NAME} is missing "
@@ -168,7 +168,7 @@ class CheckpointCopy:
         expected = self.manifest().files[file]
         with ExitStack() as stack:
             try:
-                handle = stack.enter_context(self.tier.open_read(file))
+                handle = stack.enter_context(self.store.open_read(file))
             except FileNotFoundError:
                 raise TruncatedDataError(
                     f"data file {file!r} of checkpoint {self.url} is missing "
@@ -177,7 +177,7 @@ class CheckpointCopy:
                     file=file,
                     fqn=fqn,
                 ) from None
-            if self.tier.prefers_large_reads:
+            if self.store.prefers_large_reads:
                 handle = CoalescingReader(handle, limit)
             if handle.size != expected:
                 raise TruncatedDataError(

@@ -17,7 +17,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError, RemoteTierError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError, RemoteStoreError
 from .format.dtypes import dtype_name
 
 __all__ = ["Failure", "Trail", "item_name", "metadata_difference", "restate"]
@@ -212,8 +212,8 @@ def restate(err: Exception, message: str) -> Exception:
         return type(err)(message, checkpoint=err.checkpoint, file=err.file, fqn=err.fqn)
     if isinstance(err, (CheckpointNotFoundError, ManifestError)):
         return type(err)(message, checkpoint=err.checkpoint)
-    if isinstance(err, RemoteTierError):
-        return RemoteTierError(message, url=err.url, operation=err.operation, attempts=err.attempts)
+    if isinstance(err, RemoteStoreError):
+        return RemoteStoreError(message, url=err.url, operation=err.operation, attempts=err.attempts)
     if isinstance(err, OSError) and type(err).__module__ == "builtins":
         return type(err)(message)  # FileNotFoundError, PermissionError, ...
     return OSError(message)

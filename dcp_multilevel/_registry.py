@@ -23,8 +23,8 @@ class Registry(Generic[T]):
     """Names -> plugin objects for one entry-point ``group``.
 
     Args:
-        group: the entry-point group, e.g. ``"dcp_multilevel.tiers"``.
-        kind: what a plugin is, for messages ("tier backend", "codec").
+        group: the entry-point group, e.g. ``"dcp_multilevel.stores"``.
+        kind: what a plugin is, for messages ("store", "codec").
     """
 
     def __init__(self, group: str, kind: str) -> None:

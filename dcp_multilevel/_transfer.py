@@ -20,7 +20,7 @@ Used by the drain (``flush.py``). Two ways, chosen per source data file:
   file are split into output files of about :data:`PART_BYTES` raw bytes that
   form a two-stage pipeline: one output is encoded (by one thread at a time,
   holding the encode lock, with the codec's pool) while the previous one is
-  uploaded (``RemoteTier.open_write`` uploads when its block exits, after the
+  uploaded (``RemoteStore.open_write`` uploads when its block exits, after the
   lock is released).
 
 Nothing here commits: the caller writes the target manifest after every rank
@@ -51,7 +51,7 @@ from .codecs import (
 from .config import Compression
 from .errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedDataError
 from .format import Hasher, ItemLocation, Manifest, checksum_of, data_file_path
-from .tiers import ReadHandle, TierBackend
+from .stores import ReadHandle, Store
 
 __all__ = ["BLOCK", "PART_BYTES", "CopyStats", "copy_rank_files"]
 
@@ -81,8 +81,8 @@ class CopyStats:
 
 def copy_rank_files(
     manifest: Manifest,
-    source: TierBackend,
-    target: TierBackend,
+    source: Store,
+    target: Store,
     rank: int,
     token: str,
     compression: Compression | None,
@@ -188,7 +188,7 @@ def _parts(items: list[Item]) -> Iterable[list[Item]]:
 
 
 def _copy_verbatim(
-    source: TierBackend, file: str, size: int, items: list[Item], target: TierBackend, out: str
+    source: Store, file: str, size: int, items: list[Item], target: Store, out: str
 ) -> tuple[str, dict[MetadataIndex, ItemLocation], int]:
     local = source.local_path(file)
     if local is not None:
@@ -208,7 +208,7 @@ def _copy_verbatim(
     return out, {index: replace(loc, file=out) for index, loc in items}, size
 
 
-def _discard(target: TierBackend, path: str) -> None:
+def _discard(target: Store, path: str) -> None:
     try:
         target.remove_tree(path)
     except OSError as e:  # no manifest names it: retention sweeps it later
@@ -216,7 +216,7 @@ def _discard(target: TierBackend, path: str) -> None:
 
 
 def _scan(
-    source: TierBackend,
+    source: Store,
     file: str,
     size: int,
     items: list[Item],
@@ -253,7 +253,7 @@ def _scan(
 
 def _span(
     handle: ReadHandle,
-    source: TierBackend,
+    source: Store,
     file: str,
     start: int,
     end: int,
@@ -273,7 +273,7 @@ def _span(
         pos += len(view)
 
 
-def _mismatch(source: TierBackend, file: str, fqn: str) -> ChecksumMismatchError:
+def _mismatch(source: Store, file: str, fqn: str) -> ChecksumMismatchError:
     return ChecksumMismatchError(
         f"item {fqn!r} in {file!r} of {source.url} does not match its checksum; "
         "not copying corrupt data",
@@ -287,10 +287,10 @@ def _mismatch(source: TierBackend, file: str, fqn: str) -> ChecksumMismatchError
 
 
 def _recode(
-    source: TierBackend,
+    source: Store,
     file: str,
     items: list[Item],
-    target: TierBackend,
+    target: Store,
     out: str,
     dtypes: dict[str, torch.dtype | None],
     codec: Codec | None,
@@ -323,7 +323,7 @@ def _recode(
 
 def _transcode(
     src: ReadHandle,
-    source: TierBackend,
+    source: Store,
     file: str,
     fqn: str,
     loc: ItemLocation,

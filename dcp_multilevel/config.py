@@ -114,7 +114,7 @@ class Tier:
         codec: compression on this level (``None``, ``"bytegroup"``, ``"zstd"``,
             or :class:`Compression`). Local disk is usually faster than
             compression; remote storage is not.
-        storage_options: options for the level's tier backend / fsspec.
+        storage_options: options for the level's store / fsspec.
     """
 
     url: str

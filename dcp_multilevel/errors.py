@@ -29,6 +29,7 @@ __all__ = [
     "ManifestError",
     "PlanningError",
     "RegistryError",
+    "RemoteStoreError",
     "RemoteTierError",
     "SaveInFlightError",
     "TruncatedDataError",
@@ -43,7 +44,7 @@ class DcpMultilevelError(Exception):
 
 
 class ConfigError(DcpMultilevelError, ValueError):
-    """An option passed to a writer, reader or tier is invalid."""
+    """An option passed to a writer, reader, level or store is invalid."""
 
 
 class PlanningError(DcpMultilevelError, ValueError):
@@ -51,11 +52,11 @@ class PlanningError(DcpMultilevelError, ValueError):
 
 
 class RegistryError(DcpMultilevelError, LookupError):
-    """A plugin (tier backend, codec) is unknown, not installed, or registered twice."""
+    """A plugin (store, codec) is unknown, not installed, or registered twice."""
 
 
-class RemoteTierError(DcpMultilevelError, OSError):
-    """A remote-tier operation kept failing with transient errors until retries ran out.
+class RemoteStoreError(DcpMultilevelError, OSError):
+    """A remote-store operation kept failing with transient errors until retries ran out.
 
     The last underlying error is chained as ``__cause__``.
 
@@ -71,6 +72,10 @@ class RemoteTierError(DcpMultilevelError, OSError):
         self.url = url
         self.operation = operation
         self.attempts = attempts
+
+
+#: Deprecated alias of :class:`RemoteStoreError` (the name before 0.2), kept for one release.
+RemoteTierError = RemoteStoreError
 
 
 class CheckpointNotFoundError(DcpMultilevelError, FileNotFoundError):

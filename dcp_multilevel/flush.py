@@ -49,7 +49,7 @@ from ._transfer import copy_rank_files
 from .config import Compression, Tier
 from .errors import DrainError
 from .format import MANIFEST_NAME, ItemLocation, Manifest, decode_manifest, encode_manifest
-from .tiers import TierBackend, tier_for
+from .stores import Store, store_for
 
 __all__ = ["DrainJob", "DrainResult", "Drainer", "drain"]
 
@@ -235,9 +235,9 @@ def drain(job: DrainJob, *, timeout_s: float) -> DrainResult:
     """
     rank, world = _dist.rank(), _dist.world_size()
     try:
-        source = tier_for(job.source, **job.source_options)
+        source = store_for(job.source, **job.source_options)
         manifest = _source_manifest(job, source, rank, world, timeout_s)
-        target = tier_for(job.target.checkpoint_url(job.step), **job.target.storage_options)
+        target = store_for(job.target.checkpoint_url(job.step), **job.target.storage_options)
         token = uuid.uuid4().hex[:16]
         stats = copy_rank_files(
             manifest, source, target, rank, token, Compression.of(job.target.codec)
@@ -269,7 +269,7 @@ def drain(job: DrainJob, *, timeout_s: float) -> DrainResult:
 
 
 def _source_manifest(
-    job: DrainJob, source: TierBackend, rank: int, world: int, timeout_s: float
+    job: DrainJob, source: Store, rank: int, world: int, timeout_s: float
 ) -> Manifest:
     """The source checkpoint's manifest, as rank 0 reads it.
 

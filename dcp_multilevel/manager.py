@@ -52,7 +52,7 @@ from .format import DATA_DIR, MANIFEST_NAME, decode_manifest
 from .metrics import MetricsSink, SaveMetrics
 from .planner import BalancedSavePlanner
 from .reader import MultiLevelReader
-from .tiers import tier_for
+from .stores import store_for
 from .writer import MultiLevelWriter
 
 __all__ = ["CheckpointManager", "SaveMetrics"]
@@ -104,7 +104,7 @@ class CheckpointManager:
                 f"the first tier ({self.tiers[0].url}) must take every save (every=1): save() "
                 "returns once it is committed there, and higher tiers are copied from it"
             )
-        self._backends = [tier_for(t.url, **t.storage_options) for t in self.tiers]
+        self._backends = [store_for(t.url, **t.storage_options) for t in self.tiers]
         self._planner = planner or BalancedSavePlanner()
         self._sink = MetricsSink(metrics_path, on_metrics, _dist.rank())
         self._drainer = Drainer(

@@ -61,7 +61,7 @@ from .errors import (
 from .format import MANIFEST_NAME, ItemLocation, Manifest
 from .format.objects import load_object
 from .format.tensor_bytes import byte_view
-from .tiers import TierBackend, tier_for
+from .stores import Store, store_for
 
 __all__ = ["MultiLevelReader"]
 
@@ -181,9 +181,9 @@ class MultiLevelReader(StorageReader):
         return self.path
 
     @property
-    def tier(self) -> TierBackend:
-        """The tier of the first copy."""
-        return self._copies[0].tier
+    def store(self) -> Store:
+        """The store of the first copy."""
+        return self._copies[0].store
 
     @property
     def fallbacks(self) -> tuple[str, ...]:
@@ -289,10 +289,10 @@ class MultiLevelReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         try:
-            tier = tier_for(checkpoint_id)
+            store = store_for(checkpoint_id)
         except (ValueError, LookupError):
             return False
-        return tier.exists(MANIFEST_NAME)
+        return store.exists(MANIFEST_NAME)
 
     # ------------------------------------------------------------------ copies
 

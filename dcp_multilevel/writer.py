@@ -49,8 +49,8 @@ from .format import (
 from .format.objects import load_object
 from .format.tensor_bytes import byte_view
 from .staging import AsyncStagingMixin, StagingConfig, background_step
-from .tiers import TierBackend, tier_for
-from .tiers.local import TMP_MARKER
+from .stores import Store, store_for
+from .stores.local import TMP_MARKER
 
 __all__ = ["MultiLevelWriter"]
 
@@ -126,7 +126,7 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
 
     def _set_path(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self.tier: TierBackend = tier_for(self.path, sync=self.sync_files, **self.storage_options)
+        self.store: Store = store_for(self.path, sync=self.sync_files, **self.storage_options)
 
     @property
     def checkpoint_id(self) -> str:
@@ -159,13 +159,13 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if self.tier.exists(MANIFEST_NAME) and not self.overwrite:
+        if self.store.exists(MANIFEST_NAME) and not self.overwrite:
             raise CheckpointExistsError(
-                f"a committed checkpoint already exists at {self.tier.url}; refusing to "
+                f"a committed checkpoint already exists at {self.store.url}; refusing to "
                 "replace it. Save to a new location, or pass MultiLevelWriter(..., "
                 "overwrite=True) to replace it (the old one stays loadable until the new "
                 "one commits).",
-                checkpoint=self.tier.url,
+                checkpoint=self.store.url,
             )
         return plans
 
@@ -217,10 +217,10 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
             world_size=len(results),
             created_unix=time.time(),
         )
-        self.tier.write_atomic(MANIFEST_NAME, doc)  # the commit
+        self.store.write_atomic(MANIFEST_NAME, doc)  # the commit
         logger.info(
             "committed checkpoint %s: %d items, %d bytes in %d files",
-            self.tier.url,
+            self.store.url,
             len(locations),
             sum(files.values()),
             len(files),
@@ -230,7 +230,7 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         try:
-            tier_for(checkpoint_id)
+            store_for(checkpoint_id)
         except (ValueError, LookupError):
             return False
         return True
@@ -260,7 +260,7 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
             window=_WINDOW_PER_THREAD * c.threads if c and pool else 1,
             buffers=self._payload_buffers,
         )  # fmt: skip
-        with self.tier.open_write(path) as out, closing(coded):
+        with self.store.open_write(path) as out, closing(coded):
             for job, parts in coded:
                 start = out.tell()
                 hasher = Hasher()
@@ -313,15 +313,15 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
 
     def _sweep(self, keep: set[str]) -> None:
         """Delete data of earlier saves and crash leftovers; never fails the commit."""
-        stale = [f"{DATA_DIR}/{n}" for n in self.tier.listdir(DATA_DIR)]
+        stale = [f"{DATA_DIR}/{n}" for n in self.store.listdir(DATA_DIR)]
         stale = [path for path in stale if path not in keep]
-        stale += [name for name in self.tier.listdir("") if TMP_MARKER in name]
+        stale += [name for name in self.store.listdir("") if TMP_MARKER in name]
         for path in stale:
             try:
-                self.tier.remove_tree(path)
+                self.store.remove_tree(path)
             except OSError as e:
                 # The checkpoint is committed; leftover bytes only cost space.
-                logger.warning("could not delete stale %s in %s: %s", path, self.tier.url, e)
+                logger.warning("could not delete stale %s in %s: %s", path, self.store.url, e)
 
 
 def _check_loadable(raw: memoryview, fqn: str) -> None:

@@ -5,7 +5,7 @@ the ``faulty`` protocol. Every operation is delegated, explicitly, to a real
 target filesystem (``memory`` by default, or ``s3`` against the test server)
 after a fault check that can fail it with a connection error::
 
-    RemoteTier("faulty://root", target_protocol="memory",
+    RemoteStore("faulty://root", target_protocol="memory",
                fail_first={"put_file": 2},       # the first 2 uploads fail
                fail_rate={"cat_file": 0.3},      # 30% of reads fail (seeded)
                truncate_puts=1)                  # the first upload loses its last byte

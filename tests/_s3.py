@@ -6,7 +6,7 @@ Use from a test module with ``pytest_plugins = ["_s3"]``, then ask for:
   with a unique name, ``storage_options`` are the s3fs options that reach it;
 * ``s3_bucket``: a fresh, empty bucket name for one test;
 * ``s3_env``: AWS_* environment variables pointing every boto/s3fs client that
-  gets no options (e.g. ``tier_for("s3://...")`` inside a writer) at the server,
+  gets no options (e.g. ``store_for("s3://...")`` inside a writer) at the server,
   restored after the test.
 
 Nothing reaches a real cloud: the endpoint is 127.0.0.1 on a port chosen at
@@ -47,7 +47,7 @@ class S3Server:
 
     @property
     def storage_options(self) -> dict[str, Any]:
-        """s3fs options (``RemoteTier(url, **storage_options)``)."""
+        """s3fs options (``RemoteStore(url, **storage_options)``)."""
         return {
             "key": _KEY,
             "secret": _SECRET,

@@ -152,7 +152,7 @@ def test_remote_down_keeps_training_and_the_first_tier_and_reports_it(tmp_path):
         mgr.save(state(s), step=s)
     with pytest.raises(DrainError) as info:
         mgr.wait()
-    assert str(info.value).startswith("step 1 to faulty://down/run: RemoteTierError: remote tier:")
+    assert str(info.value).startswith("step 1 to faulty://down/run: RemoteStoreError: remote store:")
     assert str(info.value).endswith("The first tier still holds these checkpoints.")
     assert [r.step for r in mgr.drain_results if r.error] == [1, 2, 3]
     assert mgr.steps(0) == [1, 2, 3]  # keep=1, but nothing is on the remote yet
@@ -418,13 +418,13 @@ def test_a_drain_refuses_to_copy_an_item_corrupted_on_the_first_tier(tmp_path, s
     from dcp_multilevel import MultiLevelWriter
     from dcp_multilevel.errors import ChecksumMismatchError
     from dcp_multilevel.flush import DrainJob, drain
-    from dcp_multilevel.tiers import tier_for
+    from dcp_multilevel.stores import store_for
 
     src = str(tmp_path / "l1" / "step-1") if source_kind == "local" else memory_url() + "/step-1"
     import torch.distributed.checkpoint as dcp
 
     dcp.save(state(1), storage_writer=MultiLevelWriter(src))
-    source = tier_for(src)
+    source = store_for(src)
     manifest = json.loads(source.read_bytes("manifest.json"))
     w = next(i for i in manifest["items"] if i["fqn"] == "w")
     data = bytearray(source.read_bytes(w["file"]))

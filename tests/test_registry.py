@@ -10,8 +10,8 @@ from conftest import install_fake_distribution
 
 from dcp_multilevel import ConfigError, RegistryError
 from dcp_multilevel._registry import Registry
-from dcp_multilevel.tiers import TIER_BACKENDS, tier_for
-from dcp_multilevel.tiers.local import LocalTier
+from dcp_multilevel.stores import STORES, store_for
+from dcp_multilevel.stores.local import LocalStore
 
 
 @pytest.fixture
@@ -19,75 +19,75 @@ def fake_distribution(tmp_path, monkeypatch):
     """Install ``fake-tier-pkg`` (one module + dist-info with an entry point) on sys.path."""
     source = textwrap.dedent(
         """
-        from dcp_multilevel.tiers.local import LocalTier
+        from dcp_multilevel.stores.local import LocalStore
 
-        class FakeTier(LocalTier):
+        class FakeTier(LocalStore):
             def __init__(self, where, **options):
                 super().__init__(where.split("://", 1)[1], **options)
         """
     )
     install_fake_distribution(
         tmp_path, monkeypatch, "fake-tier-pkg",
-        "[dcp_multilevel.tiers]\nfake = fake_tier_mod:FakeTier\nbroken = no_such_module:X\n",
+        "[dcp_multilevel.stores]\nfake = fake_tier_mod:FakeTier\nbroken = no_such_module:X\n",
         {"fake_tier_mod": source},
     )  # fmt: skip
-    TIER_BACKENDS.refresh()
+    STORES.refresh()
     yield tmp_path
-    TIER_BACKENDS.refresh()
+    STORES.refresh()
 
 
 def test_builtin_file_tier_is_registered_through_the_entry_point_group():
-    (ep,) = [e for e in entry_points(group="dcp_multilevel.tiers") if e.name == "file"]
-    assert ep.value == "dcp_multilevel.tiers.local:LocalTier"
-    assert TIER_BACKENDS.get("file") is LocalTier
+    (ep,) = [e for e in entry_points(group="dcp_multilevel.stores") if e.name == "file"]
+    assert ep.value == "dcp_multilevel.stores.local:LocalStore"
+    assert STORES.get("file") is LocalStore
 
 
 def test_third_party_tier_is_found_by_url_scheme(fake_distribution):
-    tier = tier_for(f"fake://{fake_distribution}/root")
+    tier = store_for(f"fake://{fake_distribution}/root")
     assert type(tier).__name__ == "FakeTier"
     tier.write_atomic("x.bin", b"1")
     assert (fake_distribution / "root" / "x.bin").read_bytes() == b"1"
-    assert "fake" in TIER_BACKENDS.names()
+    assert "fake" in STORES.names()
 
 
 def test_unimportable_plugin_names_its_entry_point(fake_distribution):
     with pytest.raises(RegistryError) as info:
-        tier_for("broken://x")
+        store_for("broken://x")
     assert str(info.value).startswith(
-        "tier backend 'broken' is registered by no_such_module:X but cannot be imported: "
+        "store 'broken' is registered by no_such_module:X but cannot be imported: "
     )
 
 
 def test_unknown_scheme_lists_known_ones():
     with pytest.raises(RegistryError) as info:
-        tier_for("nosuch://bucket/x")
+        store_for("nosuch://bucket/x")
     assert str(info.value) == (
-        f"unknown tier backend 'nosuch' (known: {', '.join(TIER_BACKENDS.names())}). "
-        "Third-party tier backends register in entry-point group 'dcp_multilevel.tiers'."
+        f"unknown store 'nosuch' (known: {', '.join(STORES.names())}). "
+        "Third-party stores register in entry-point group 'dcp_multilevel.stores'."
     )
     assert isinstance(info.value, LookupError)
 
 
 def test_other_fsspec_protocols_use_the_remote_tier():
-    tier = tier_for("http://127.0.0.1:9/x")  # built without connecting
-    assert type(tier).__name__ == "RemoteTier"
+    tier = store_for("http://127.0.0.1:9/x")  # built without connecting
+    assert type(tier).__name__ == "RemoteStore"
 
 
 def test_local_paths_refuse_remote_storage_options(tmp_path):
     with pytest.raises(ConfigError) as info:
-        tier_for(tmp_path, retries=3)
+        store_for(tmp_path, retries=3)
     assert str(info.value) == (
-        f"options ['retries'] do not apply to the local directory tier at {str(tmp_path)!r} "
+        f"options ['retries'] do not apply to the local directory store at {str(tmp_path)!r} "
         "(storage options are for remote URLs such as s3://)"
     )
 
 
 def test_registering_a_taken_name_needs_clobber():
-    reg: Registry[type] = Registry("dcp_multilevel.tiers", "tier backend")
+    reg: Registry[type] = Registry("dcp_multilevel.stores", "store")
     with pytest.raises(RegistryError) as info:
         reg.register("file", dict)
     assert str(info.value) == (
-        "tier backend 'file' is already registered; pass clobber=True to replace it"
+        "store 'file' is already registered; pass clobber=True to replace it"
     )
     reg.register("file", dict, clobber=True)
     assert reg.get("file") is dict

@@ -1,17 +1,17 @@
-"""The storage-tier interface: a place that holds checkpoint files.
+"""The byte-store interface: a place that holds checkpoint files.
 
-A tier knows files, not DCP: it stores byte files under a root and publishes
+A store knows files, not DCP: it stores byte files under a root and publishes
 each one atomically. Writers and readers decide what goes where.
 
 Call order for one checkpoint (any rank may be a writer; one rank commits)::
 
-    every writing rank:  with tier.open_write(path) as f: f.write(...)  # repeatedly
+    every writing rank:  with store.open_write(path) as f: f.write(...)  # repeatedly
                          (a file appears at ``path`` only when the block exits
                           without error; on error nothing appears)
-    committing rank:     tier.write_atomic("manifest.json", bytes)  # last: the commit
-                         tier.remove_tree(<old data>)              # only after the commit
-    every reading rank:  tier.read_bytes("manifest.json")
-                         with tier.open_read(path) as r: r.read_into(offset, buffer)
+    committing rank:     store.write_atomic("manifest.json", bytes)  # last: the commit
+                         store.remove_tree(<old data>)             # only after the commit
+    every reading rank:  store.read_bytes("manifest.json")
+                         with store.open_read(path) as r: r.read_into(offset, buffer)
 
 Implementations must be safe to call from several threads at once on
 different paths; two writers on the same path is a caller bug.
@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 
 from . import _writeback
 
-__all__ = ["FdWriteHandle", "ReadHandle", "TierBackend", "WriteHandle"]
+__all__ = ["FdWriteHandle", "ReadHandle", "Store", "WriteHandle"]
 
 
 @runtime_checkable
@@ -92,7 +92,7 @@ class FdWriteHandle:
         return self._pos
 
 
-class TierBackend(abc.ABC):
+class Store(abc.ABC):
     """A storage level rooted at one location (a directory, a bucket prefix, ...).
 
     Paths given to methods are relative POSIX paths below the root, already
@@ -111,7 +111,7 @@ class TierBackend(abc.ABC):
     @property
     @abc.abstractmethod
     def url(self) -> str:
-        """The root of this tier, as a URL (``file:///...``, ``s3://...``)."""
+        """The root of this store, as a URL (``file:///...``, ``s3://...``)."""
 
     @abc.abstractmethod
     def open_write(self, path: str) -> AbstractContextManager[WriteHandle]:
@@ -141,7 +141,7 @@ class TierBackend(abc.ABC):
             f.write(data)
 
     def put_file(self, local_path: str | os.PathLike[str], path: str) -> None:
-        """Publish the local file ``local_path`` at ``path`` (used to copy between tiers)."""
+        """Publish the local file ``local_path`` at ``path`` (used to copy between stores)."""
         with open(local_path, "rb") as src, self.open_write(path) as dst:
             while block := src.read(16 << 20):
                 dst.write(block)
@@ -149,13 +149,13 @@ class TierBackend(abc.ABC):
     def local_path(self, path: str) -> str | None:
         """A local file system path of the committed file ``path``, or None.
 
-        Tiers in a local directory return one, so that copies to another tier
+        Stores in a local directory return one, so that copies to another store
         can upload the file directly (``put_file``) instead of streaming it.
         """
         return None
 
     def sweep(self, older_than_s: float) -> list[str]:
-        """Remove this tier's abandoned temporary data (crash leftovers); return what went.
+        """Remove this store's abandoned temporary data (crash leftovers); return what went.
 
         Only data older than ``older_than_s`` seconds is touched, so files that
         a live writer (another rank, another job) is producing are left alone.

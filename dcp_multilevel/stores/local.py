@@ -1,4 +1,4 @@
-"""Node-local (or any POSIX) directory tier: the fast first level.
+"""Node-local (or any POSIX) directory store: the usual first level.
 
 Files are written to a temporary name in the same directory, fsynced, renamed
 into place, and the directory is fsynced, so after a crash a file is either
@@ -17,9 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ConfigError
-from .base import FdWriteHandle, TierBackend
+from .base import FdWriteHandle, Store
 
-__all__ = ["TMP_MARKER", "LocalTier"]
+__all__ = ["TMP_MARKER", "LocalStore"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,8 @@ class _LocalReadHandle:
         return done
 
 
-class LocalTier(TierBackend):
-    """A tier in a local directory (``/path`` or ``file:///path``).
+class LocalStore(Store):
+    """A store in a local directory (``/path`` or ``file:///path``).
 
     Args:
         root: the directory (created on first write).
@@ -60,7 +60,7 @@ class LocalTier(TierBackend):
     def __init__(self, root: str | os.PathLike[str], *, sync: bool = True, **options: object):
         if options:
             raise ConfigError(
-                f"options {sorted(options)} do not apply to the local directory tier at "
+                f"options {sorted(options)} do not apply to the local directory store at "
                 f"{os.fspath(root)!r} (storage options are for remote URLs such as s3://)"
             )
         root = os.fspath(root)

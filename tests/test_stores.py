@@ -1,4 +1,4 @@
-"""TierBackend conformance suite: every tier backend passes the same tests."""
+"""Store conformance suite: every store passes the same tests."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import threading
 
 import pytest
 
-from dcp_multilevel.tiers import TierBackend, _writeback
-from dcp_multilevel.tiers.local import LocalTier
+from dcp_multilevel.stores import Store, _writeback
+from dcp_multilevel.stores.local import LocalStore
 
 
-class TierTests:
-    """Subclass with a ``tier`` fixture to check a backend against the TierBackend contract."""
+class StoreTests:
+    """Subclass with a ``tier`` fixture to check a backend against the Store contract."""
 
     @pytest.fixture
-    def tier(self) -> TierBackend:  # pragma: no cover - overridden
+    def tier(self) -> Store:  # pragma: no cover - overridden
         raise NotImplementedError
 
     def test_written_file_reads_back(self, tier):
@@ -81,14 +81,14 @@ class TierTests:
             assert tier.read_bytes(f"p/{i}.bin") == bytes([i]) * 50_000
 
 
-class TestLocalTier(TierTests):
+class TestLocalStore(StoreTests):
     @pytest.fixture
-    def tier(self, tmp_path) -> TierBackend:
-        return LocalTier(tmp_path / "root")
+    def tier(self, tmp_path) -> Store:
+        return LocalStore(tmp_path / "root")
 
     def test_url_and_file_scheme(self, tmp_path):
-        assert LocalTier(f"file://{tmp_path}").url == f"file://{tmp_path}"
-        assert LocalTier(tmp_path).supports_atomic_rename
+        assert LocalStore(f"file://{tmp_path}").url == f"file://{tmp_path}"
+        assert LocalStore(tmp_path).supports_atomic_rename
 
 
 # ------------------------------------------------------------- early writeback
@@ -125,7 +125,7 @@ def test_local_files_ask_for_writeback_stride_by_stride_when_they_are_fsynced(
 
     monkeypatch.setattr(_writeback, "start_writeback", spy)
     monkeypatch.setattr(_writeback, "WRITEBACK_STRIDE", 1 << 16)
-    tier = LocalTier(tmp_path, sync=sync)
+    tier = LocalStore(tmp_path, sync=sync)
     block = bytes(range(256)) * 100  # 25,600 B: strides end mid-write
     with tier.open_write("data.bin") as f:
         for _ in range(20):

@@ -1,9 +1,9 @@
-"""Remote tier: checkpoint files in any fsspec location (``s3://``, ``gs://``, ``az://``,
+"""Remote store: checkpoint files in any fsspec location (``s3://``, ``gs://``, ``az://``,
 ``memory://``, ...), the durable last level.
 
 Object stores have no rename, so a file cannot be written under a temporary
 name and renamed into place, and s3fs file objects have no ``fileno()``. This
-tier therefore publishes every file with a single upload of complete content:
+store therefore publishes every file with a single upload of complete content:
 
 * ``open_write`` spools the caller's bytes to a local temporary file (under
   ``spool_dir``) and uploads it on clean exit with ``fs.put_file`` (s3fs sends
@@ -19,9 +19,9 @@ tier therefore publishes every file with a single upload of complete content:
   5xx-style ``OSError`` from the backend) with capped exponential backoff and
   jitter. Errors that retrying cannot fix (missing object, access denied, bad
   arguments) are raised at once, unchanged; transient errors that outlast the
-  retries become :class:`RemoteTierError`.
+  retries become :class:`RemoteStoreError`.
 
-Commit on this tier is "manifest written last" (``supports_atomic_rename`` is
+Commit on this store is "manifest written last" (``supports_atomic_rename`` is
 False): a crash can leave data objects without a manifest, never a manifest
 without its data. Incomplete multipart uploads of a crashed process are
 invisible but billed on S3 until aborted; give buckets an
@@ -46,10 +46,10 @@ from typing import Any, TypeVar
 
 from fsspec.core import url_to_fs
 
-from ..errors import ConfigError, DcpMultilevelError, RegistryError, RemoteTierError
-from .base import FdWriteHandle, TierBackend
+from ..errors import ConfigError, DcpMultilevelError, RegistryError, RemoteStoreError
+from .base import FdWriteHandle, Store
 
-__all__ = ["SPOOL_PREFIX", "RemoteTier"]
+__all__ = ["SPOOL_PREFIX", "RemoteStore"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ _PERMANENT_ERRNOS = frozenset(
 
 #: Transient error types of optional client libraries, by module. They are only
 #: looked up in ``sys.modules``: a library that was never imported cannot have
-#: raised, and the tier need not import botocore/aiohttp/azure to recognize them.
+#: raised, and the store need not import botocore/aiohttp/azure to recognize them.
 _FOREIGN_TRANSIENT = {
     "botocore.exceptions": ("ConnectionError", "HTTPClientError", "IncompleteReadError"),
     "aiohttp": ("ClientConnectionError", "ClientPayloadError", "ServerTimeoutError"),
@@ -96,10 +96,10 @@ class _UploadSizeMismatch(OSError):
 
 
 class _RemoteReadHandle:
-    __slots__ = ("_path", "_rpath", "_tier", "size")
+    __slots__ = ("_path", "_rpath", "_store", "size")
 
-    def __init__(self, tier: RemoteTier, path: str, rpath: str, size: int) -> None:
-        self._tier = tier
+    def __init__(self, store: RemoteStore, path: str, rpath: str, size: int) -> None:
+        self._store = store
         self._path = path
         self._rpath = rpath
         self.size = size
@@ -108,10 +108,10 @@ class _RemoteReadHandle:
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         end = min(offset + len(out), self.size)
         pos = offset
-        fs = self._tier.fs
+        fs = self._store.fs
         while pos < end:
             stop = min(end, pos + _READ_CHUNK)
-            data = self._tier._retry(
+            data = self._store._retry(
                 "read",
                 self._path,
                 lambda p=pos, s=stop: fs.cat_file(self._rpath, start=p, end=s),
@@ -124,11 +124,11 @@ class _RemoteReadHandle:
         return max(0, pos - offset)
 
 
-class RemoteTier(TierBackend):
-    """A tier at an fsspec URL: ``s3://bucket/prefix``, ``gs://...``, ``memory://...``.
+class RemoteStore(Store):
+    """A store at an fsspec URL: ``s3://bucket/prefix``, ``gs://...``, ``memory://...``.
 
     Args:
-        url: the root of the tier. Objects are stored at ``<url>/<path>``.
+        url: the root of the store. Objects are stored at ``<url>/<path>``.
         retries: extra attempts after a transient failure (so ``retries + 1``
             attempts in all); 0 disables retrying.
         backoff: seconds before the first retry; doubled for every further one.
@@ -139,7 +139,7 @@ class RemoteTier(TierBackend):
             (default: the system temporary directory). Needs room for the files
             written concurrently; put it on node-local disk, not tmpfs, for
             large checkpoints.
-        sync: accepted for interface parity with the local tier and ignored: an
+        sync: accepted for interface parity with the local store and ignored: an
             object store has made an object durable when its upload returns.
         **storage_options: passed to the fsspec filesystem (s3fs: ``key``,
             ``secret``, ``client_kwargs={"endpoint_url": ...}``, ...). Without
@@ -171,12 +171,12 @@ class RemoteTier(TierBackend):
     ) -> None:
         del sync  # see the docstring: uploads are durable when they return
         if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
-            raise ConfigError(f"RemoteTier retries must be an integer >= 0, got {retries!r}")
+            raise ConfigError(f"RemoteStore retries must be an integer >= 0, got {retries!r}")
         if not isinstance(backoff, (int, float)) or backoff < 0:
-            raise ConfigError(f"RemoteTier backoff must be a number >= 0, got {backoff!r}")
+            raise ConfigError(f"RemoteStore backoff must be a number >= 0, got {backoff!r}")
         if not isinstance(backoff_max, (int, float)) or backoff_max < backoff:
             raise ConfigError(
-                f"RemoteTier backoff_max must be a number >= backoff ({backoff!r}), "
+                f"RemoteStore backoff_max must be a number >= backoff ({backoff!r}), "
                 f"got {backoff_max!r}"
             )
         self.retries = retries
@@ -188,25 +188,25 @@ class RemoteTier(TierBackend):
         scheme = url.split("://", 1)[0] if "://" in url else url
         try:
             # fsspec hands out one filesystem per set of options (and process):
-            # tiers built per save share its client and connection pool, which
+            # stores built per save share its client and connection pool, which
             # takes hundreds of milliseconds to create. Its listing cache is
             # invalidated before every lookup below, so sharing cannot serve
             # stale answers. ``skip_instance_cache=True`` opts out.
             self.fs, root = url_to_fs(url, **storage_options)
         except ImportError as e:
             raise RegistryError(
-                f"remote tier {self._url} needs the fsspec backend for {scheme!r}, which "
+                f"remote store {self._url} needs the fsspec backend for {scheme!r}, which "
                 f"cannot be imported: {e}"
             ) from e
         except ValueError as e:
-            raise ConfigError(f"remote tier {self._url}: fsspec cannot open this URL: {e}") from e
+            raise ConfigError(f"remote store {self._url}: fsspec cannot open this URL: {e}") from e
         self._root = root.rstrip("/")
 
     @property
     def url(self) -> str:
         return self._url
 
-    # ------------------------------------------------------------------ TierBackend API
+    # ------------------------------------------------------------------ Store API
 
     @contextmanager
     def open_write(self, path: str) -> Iterator[FdWriteHandle]:
@@ -232,7 +232,7 @@ class RemoteTier(TierBackend):
         committed L1 checkpoint): no spool copy is made.
 
         Raises:
-            RemoteTierError: when the upload keeps failing; a wrongly sized
+            RemoteStoreError: when the upload keeps failing; a wrongly sized
                 object it left behind is removed first.
         """
         local_path = os.fspath(local_path)
@@ -395,7 +395,7 @@ class RemoteTier(TierBackend):
     def _upload(self, path: str, rpath: str, attempt: Callable[[], None]) -> None:
         try:
             self._retry("upload", path, attempt)
-        except RemoteTierError as e:
+        except RemoteStoreError as e:
             if isinstance(e.__cause__, _UploadSizeMismatch):
                 # The object there is ours and wrong: a failed upload leaves nothing.
                 try:
@@ -414,7 +414,7 @@ class RemoteTier(TierBackend):
         return cap / 2 + random.uniform(0, cap / 2)
 
     def _retry(self, operation: str, path: str, fn: Callable[[], T]) -> T:
-        """``fn()``, retried on transient errors; RemoteTierError when they persist."""
+        """``fn()``, retried on transient errors; RemoteStoreError when they persist."""
         attempts = self.retries + 1
         for attempt in range(1, attempts + 1):
             try:
@@ -426,7 +426,7 @@ class RemoteTier(TierBackend):
                     raise self._gave_up(operation, path, attempts, e) from e
                 delay = self._retry_delay(attempt)
                 logger.warning(
-                    "remote tier: %s %s failed (attempt %d of %d: %s); retrying in %.2f s",
+                    "remote store: %s %s failed (attempt %d of %d: %s); retrying in %.2f s",
                     operation,
                     self._object_url(path),
                     attempt,
@@ -439,14 +439,14 @@ class RemoteTier(TierBackend):
 
     def _gave_up(
         self, operation: str, path: str, attempts: int, last: BaseException
-    ) -> RemoteTierError:
+    ) -> RemoteStoreError:
         url = self._object_url(path)
         tries = "attempt" if attempts == 1 else "attempts"
-        return RemoteTierError(
-            f"remote tier: {operation} {url} failed after {attempts} {tries}; last error: "
+        return RemoteStoreError(
+            f"remote store: {operation} {url} failed after {attempts} {tries}; last error: "
             f"{_describe(last)}. The storage may be unreachable, overloaded or "
             "misconfigured: check the endpoint, network and credentials, and retry; "
-            "RemoteTier(retries=..., backoff=...) sets how long to keep trying.",
+            "RemoteStore(retries=..., backoff=...) sets how long to keep trying.",
             url=url,
             operation=operation,
             attempts=attempts,
@@ -474,7 +474,7 @@ def _describe(exc: BaseException) -> str:
 def _is_transient(exc: BaseException) -> bool:
     """True when another attempt of the same operation may succeed."""
     if isinstance(exc, DcpMultilevelError):
-        return False  # ours, already final (e.g. a nested RemoteTierError)
+        return False  # ours, already final (e.g. a nested RemoteStoreError)
     if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError, _UploadSizeMismatch)):
         return True
     if isinstance(exc, OSError):

@@ -17,13 +17,13 @@ from _faulty_fs import OPERATIONS, FaultyFileSystem
 from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
 from conftest import install_fake_distribution
 from test_roundtrip import assert_state_equal, zeros_like_state
-from test_tiers import TierTests
+from test_stores import StoreTests
 
 from dcp_multilevel import ConfigError, MultiLevelReader, MultiLevelWriter, RegistryError
 from dcp_multilevel.errors import DcpMultilevelError
-from dcp_multilevel.tiers import TIER_BACKENDS, TierBackend, tier_for
-from dcp_multilevel.tiers import remote as remote_mod
-from dcp_multilevel.tiers.remote import SPOOL_PREFIX, RemoteTier, RemoteTierError
+from dcp_multilevel.stores import STORES, Store, store_for
+from dcp_multilevel.stores import remote as remote_mod
+from dcp_multilevel.stores.remote import SPOOL_PREFIX, RemoteStore, RemoteStoreError
 
 if TYPE_CHECKING:
     from _s3 import S3Server
@@ -33,7 +33,7 @@ pytest_plugins = ["_s3"]
 #: The advice every give-up message ends with.
 ADVICE = (
     "The storage may be unreachable, overloaded or misconfigured: check the endpoint, "
-    "network and credentials, and retry; RemoteTier(retries=..., backoff=...) sets how "
+    "network and credentials, and retry; RemoteStore(retries=..., backoff=...) sets how "
     "long to keep trying."
 )
 
@@ -47,21 +47,21 @@ def memory_root():
     """A fresh memory:// root (the memory store is process-global), removed afterwards."""
     root = unique_root()
     yield root
-    RemoteTier(f"memory://{root.split('/')[0]}").remove_tree("")
+    RemoteStore(f"memory://{root.split('/')[0]}").remove_tree("")
 
 
-def faulty(root: str, *, retries: int = 3, backoff: float = 0.0, **faults) -> RemoteTier:
-    """A RemoteTier on faulty://<root> over memory (or ``target_protocol=...``).
+def faulty(root: str, *, retries: int = 3, backoff: float = 0.0, **faults) -> RemoteStore:
+    """A RemoteStore on faulty://<root> over memory (or ``target_protocol=...``).
 
     Its own filesystem instance, so fault counters start at zero.
     """
     faults.setdefault("target_protocol", "memory")
-    return RemoteTier(
+    return RemoteStore(
         f"faulty://{root}", retries=retries, backoff=backoff, skip_instance_cache=True, **faults
     )
 
 
-def fs_of(tier: RemoteTier) -> FaultyFileSystem:
+def fs_of(tier: RemoteStore) -> FaultyFileSystem:
     assert isinstance(tier.fs, FaultyFileSystem)
     return tier.fs
 
@@ -69,7 +69,7 @@ def fs_of(tier: RemoteTier) -> FaultyFileSystem:
 # ---------------------------------------------------------------- conformance suite
 
 
-class RemoteTierTests(TierTests):
+class RemoteStoreTests(StoreTests):
     """Object stores list a key when asked for its "directory": check that is hidden."""
 
     def test_listdir_of_a_file_is_empty(self, tier):
@@ -82,22 +82,22 @@ class RemoteTierTests(TierTests):
         assert tier.listdir("d/d") == []
 
 
-class TestMemoryTier(RemoteTierTests):
+class TestMemoryStore(RemoteStoreTests):
     @pytest.fixture
-    def tier(self, memory_root) -> TierBackend:
-        return RemoteTier(f"memory://{memory_root}", backoff=0)
+    def tier(self, memory_root) -> Store:
+        return RemoteStore(f"memory://{memory_root}", backoff=0)
 
     def test_url_and_no_atomic_rename(self, memory_root):
-        tier = RemoteTier(f"memory://{memory_root}/")
+        tier = RemoteStore(f"memory://{memory_root}/")
         assert tier.url == f"memory://{memory_root}"
         assert not tier.supports_atomic_rename
-        assert repr(tier) == f"RemoteTier('memory://{memory_root}')"
+        assert repr(tier) == f"RemoteStore('memory://{memory_root}')"
 
 
-class TestS3Tier(RemoteTierTests):
+class TestS3Store(RemoteStoreTests):
     @pytest.fixture
-    def tier(self, s3_server: S3Server, s3_bucket: str) -> TierBackend:
-        return RemoteTier(f"s3://{s3_bucket}/root", **s3_server.storage_options)
+    def tier(self, s3_server: S3Server, s3_bucket: str) -> Store:
+        return RemoteStore(f"s3://{s3_bucket}/root", **s3_server.storage_options)
 
     def test_objects_land_under_the_prefix(self, tier, s3_server, s3_bucket):
         tier.write_atomic("a/x.bin", b"1")
@@ -106,18 +106,18 @@ class TestS3Tier(RemoteTierTests):
         assert s3_server.keys(s3_bucket) == ["root/a/x.bin", "root/a/y.bin"]
 
     def test_credentials_and_endpoint_from_the_environment(self, s3_env, s3_bucket):
-        tier = tier_for(f"s3://{s3_bucket}/env", sync=False)
-        assert type(tier) is RemoteTier
+        tier = store_for(f"s3://{s3_bucket}/env", sync=False)
+        assert type(tier) is RemoteStore
         tier.write_atomic("m.json", b"{}")
         assert tier.read_bytes("m.json") == b"{}"
         assert s3_env.keys(s3_bucket) == ["env/m.json"]
 
 
-class TestFlakyTier(RemoteTierTests):
+class TestFlakyStore(RemoteStoreTests):
     """Every operation fails 30% of the time; retries hide it completely."""
 
     @pytest.fixture
-    def tier(self, memory_root) -> TierBackend:
+    def tier(self, memory_root) -> Store:
         rates = dict.fromkeys(OPERATIONS, 0.3)
         return faulty(memory_root, retries=12, fail_rate=rates, seed=1)
 
@@ -134,12 +134,12 @@ class TestFlakyTier(RemoteTierTests):
 
 @pytest.mark.parametrize("scheme", ["s3", "s3a", "gs", "gcs", "az", "abfs", "memory"])
 def test_remote_schemes_are_registered_through_the_entry_point_group(scheme):
-    assert TIER_BACKENDS.get(scheme) is RemoteTier
+    assert STORES.get(scheme) is RemoteStore
 
 
 def test_tier_for_builds_a_remote_tier_and_ignores_sync(memory_root):
-    tier = tier_for(f"memory://{memory_root}", sync=False)
-    assert type(tier) is RemoteTier
+    tier = store_for(f"memory://{memory_root}", sync=False)
+    assert type(tier) is RemoteStore
     assert tier.url == f"memory://{memory_root}"
 
 
@@ -151,36 +151,36 @@ def test_missing_fsspec_backend_says_what_to_install():
     else:
         pytest.skip("gcsfs is installed")
     with pytest.raises(RegistryError) as info:
-        RemoteTier("gs://bucket/x")
+        RemoteStore("gs://bucket/x")
     assert str(info.value) == (
-        "remote tier gs://bucket/x needs the fsspec backend for 'gs', which cannot be "
+        "remote store gs://bucket/x needs the fsspec backend for 'gs', which cannot be "
         f"imported: {fsspec_says}"
     )
 
 
 def test_url_fsspec_cannot_open_is_a_config_error():
     with pytest.raises(ConfigError) as info:
-        RemoteTier("nosuchproto://x")
+        RemoteStore("nosuchproto://x")
     assert str(info.value) == (
-        "remote tier nosuchproto://x: fsspec cannot open this URL: Protocol not known: nosuchproto"
+        "remote store nosuchproto://x: fsspec cannot open this URL: Protocol not known: nosuchproto"
     )
 
 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"retries": -1}, "RemoteTier retries must be an integer >= 0, got -1"),
-        ({"retries": 1.5}, "RemoteTier retries must be an integer >= 0, got 1.5"),
-        ({"backoff": -0.1}, "RemoteTier backoff must be a number >= 0, got -0.1"),
+        ({"retries": -1}, "RemoteStore retries must be an integer >= 0, got -1"),
+        ({"retries": 1.5}, "RemoteStore retries must be an integer >= 0, got 1.5"),
+        ({"backoff": -0.1}, "RemoteStore backoff must be a number >= 0, got -0.1"),
         (
             {"backoff": 2, "backoff_max": 1},
-            "RemoteTier backoff_max must be a number >= backoff (2), got 1",
+            "RemoteStore backoff_max must be a number >= backoff (2), got 1",
         ),
     ],
 )
 def test_invalid_options(options, message):
     with pytest.raises(ConfigError) as info:
-        RemoteTier("memory://x", **options)
+        RemoteStore("memory://x", **options)
     assert str(info.value) == message
 
 
@@ -237,7 +237,7 @@ def _check_remove_tree(tier, clean):
 def test_transient_upload_failures_are_retried_as_whole_uploads(memory_root, failing, write):
     tier = faulty(memory_root, retries=3, fail_first={failing: 3})
     path, data = write(tier)
-    assert RemoteTier(f"memory://{memory_root}").read_bytes(path) == data
+    assert RemoteStore(f"memory://{memory_root}").read_bytes(path) == data
     assert fs_of(tier).injected[failing] == 3
 
 
@@ -255,7 +255,7 @@ def test_transient_upload_failures_are_retried_as_whole_uploads(memory_root, fai
 )
 def test_transient_failures_of_every_operation_are_retried(memory_root, failing, check):
     tier = faulty(memory_root, retries=3, fail_first={failing: 3})
-    check(tier, RemoteTier(f"memory://{memory_root}"))
+    check(tier, RemoteStore(f"memory://{memory_root}"))
     assert fs_of(tier).injected[failing] >= 3
     assert fs_of(tier).calls[failing] > fs_of(tier).injected[failing]
 
@@ -310,18 +310,18 @@ def test_missing_object_is_file_not_found_naming_its_url_without_retries(memory_
 
 def test_a_retry_is_logged(memory_root, caplog):
     tier = faulty(memory_root, retries=1, fail_first={"cat_file": 1})
-    RemoteTier(f"memory://{memory_root}").write_atomic("m.json", b"{}")
-    with caplog.at_level(logging.WARNING, logger="dcp_multilevel.tiers.remote"):
+    RemoteStore(f"memory://{memory_root}").write_atomic("m.json", b"{}")
+    with caplog.at_level(logging.WARNING, logger="dcp_multilevel.stores.remote"):
         assert tier.read_bytes("m.json") == b"{}"
     assert caplog.messages == [
-        f"remote tier: read faulty://{memory_root}/m.json failed (attempt 1 of 2: "
+        f"remote store: read faulty://{memory_root}/m.json failed (attempt 1 of 2: "
         f"ConnectionError: injected fault: cat_file call 1 ({memory_root}/m.json)); "
         "retrying in 0.00 s"
     ]
 
 
 def test_backoff_doubles_with_jitter_up_to_the_cap():
-    tier = RemoteTier("memory://x", backoff=0.2, backoff_max=1.0)
+    tier = RemoteStore("memory://x", backoff=0.2, backoff_max=1.0)
     for attempt, cap in [(1, 0.2), (2, 0.4), (3, 0.8), (4, 1.0), (30, 1.0)]:
         delays = [tier._retry_delay(attempt) for _ in range(200)]
         assert all(cap / 2 <= d <= cap for d in delays), attempt
@@ -341,11 +341,11 @@ def test_retries_really_wait(memory_root):
 
 def test_remote_that_stays_down_raises_after_all_attempts_and_leaves_nothing(memory_root):
     tier = faulty(memory_root, retries=2, fail_first={"put_file": 10**9})
-    with pytest.raises(RemoteTierError) as info, tier.open_write("d/x.bin") as f:
+    with pytest.raises(RemoteStoreError) as info, tier.open_write("d/x.bin") as f:
         f.write(b"abc")
     url = f"faulty://{memory_root}/d/x.bin"
     assert str(info.value) == (
-        f"remote tier: upload {url} failed after 3 attempts; last error: ConnectionError: "
+        f"remote store: upload {url} failed after 3 attempts; last error: ConnectionError: "
         f"injected fault: put_file call 3 ({memory_root}/d/x.bin). {ADVICE}"
     )
     err = info.value
@@ -354,7 +354,7 @@ def test_remote_that_stays_down_raises_after_all_attempts_and_leaves_nothing(mem
     assert isinstance(err, DcpMultilevelError)
     assert isinstance(err.__cause__, ConnectionError)
     assert fs_of(tier).calls["put_file"] == 3
-    clean = RemoteTier(f"memory://{memory_root}")
+    clean = RemoteStore(f"memory://{memory_root}")
     assert not clean.exists("d/x.bin")
     assert clean.listdir("d") == []
 
@@ -370,12 +370,12 @@ def test_remote_that_stays_down_raises_after_all_attempts_and_leaves_nothing(mem
 )
 def test_every_operation_gives_up_with_one_error_class(memory_root, operation, failing, action):
     tier = faulty(memory_root, retries=0, fail_first={failing: 1})
-    with pytest.raises(RemoteTierError) as info:
+    with pytest.raises(RemoteStoreError) as info:
         action(tier)
     path = "" if operation == "list" else "/m.json"
     target = memory_root + path
     assert str(info.value) == (
-        f"remote tier: {operation} faulty://{target} failed after 1 attempt; last error: "
+        f"remote store: {operation} faulty://{target} failed after 1 attempt; last error: "
         f"ConnectionError: injected fault: {failing} call 1 ({target}). {ADVICE}"
     )
 
@@ -388,7 +388,7 @@ def test_upload_failure_on_s3_leaves_no_object(s3_server, s3_bucket):
         target_protocol="s3",
         target_options=s3_server.storage_options,
     )
-    with pytest.raises(RemoteTierError), tier.open_write("data/0.bin") as f:
+    with pytest.raises(RemoteStoreError), tier.open_write("data/0.bin") as f:
         f.write(b"x" * 1000)
     assert s3_server.keys(s3_bucket) == []
 
@@ -400,7 +400,7 @@ def test_truncated_upload_is_detected_and_uploaded_again(memory_root):
     tier = faulty(memory_root, retries=2, truncate_puts=1)
     with tier.open_write("a.bin") as f:
         f.write(b"0123456789")
-    assert RemoteTier(f"memory://{memory_root}").read_bytes("a.bin") == b"0123456789"
+    assert RemoteStore(f"memory://{memory_root}").read_bytes("a.bin") == b"0123456789"
     assert fs_of(tier).calls["put_file"] == 2
 
 
@@ -413,11 +413,11 @@ def test_upload_that_stays_truncated_fails_and_removes_the_object_on_s3(s3_serve
         target_protocol="s3",
         target_options=s3_server.storage_options,
     )
-    with pytest.raises(RemoteTierError) as info:
+    with pytest.raises(RemoteStoreError) as info:
         tier.write_atomic("manifest.json", b"0123456789")
     url = f"faulty://{s3_bucket}/root/manifest.json"
     assert str(info.value) == (
-        f"remote tier: upload {url} failed after 2 attempts; last error: {url} holds 9 "
+        f"remote store: upload {url} failed after 2 attempts; last error: {url} holds 9 "
         f"bytes after its upload, but 10 bytes were written. {ADVICE}"
     )
     assert fs_of(tier).calls["pipe_file"] == 2
@@ -430,7 +430,7 @@ def test_upload_that_stays_truncated_fails_and_removes_the_object_on_s3(s3_serve
 def test_writes_spool_locally_and_leave_no_spool_files(memory_root, tmp_path):
     spool_dir = tmp_path / "spool"  # created on first use
     tier = faulty(memory_root, retries=0, spool_dir=spool_dir, fail_first={"put_file": 1})
-    with pytest.raises(RemoteTierError), tier.open_write("failed-upload.bin") as f:
+    with pytest.raises(RemoteStoreError), tier.open_write("failed-upload.bin") as f:
         f.write(b"x")
     with pytest.raises(RuntimeError, match="boom"), tier.open_write("failed-caller.bin") as f:
         f.write(b"x")
@@ -495,14 +495,14 @@ def test_dcp_round_trip_on_memory(memory_root, all_dtypes_state):
 
 @pytest.fixture
 def faulty_scheme(tmp_path, monkeypatch):
-    """Make faulty:// a tier backend the way a third-party package would (entry point)."""
+    """Make faulty:// a store the way a third-party package would (entry point)."""
     install_fake_distribution(
         tmp_path, monkeypatch, "faulty-tier",
-        "[dcp_multilevel.tiers]\nfaulty = dcp_multilevel.tiers.remote:RemoteTier\n",
+        "[dcp_multilevel.stores]\nfaulty = dcp_multilevel.stores.remote:RemoteStore\n",
     )  # fmt: skip
-    TIER_BACKENDS.refresh()
+    STORES.refresh()
     yield
-    TIER_BACKENDS.refresh()
+    STORES.refresh()
 
 
 def test_dcp_save_and_load_through_a_flaky_remote(
@@ -516,12 +516,12 @@ def test_dcp_save_and_load_through_a_flaky_remote(
     url = f"faulty://{memory_root}/ckpt"
     writer = MultiLevelWriter(url)
     dcp.save(all_dtypes_state, storage_writer=writer)
-    assert dict(fs_of(writer.tier).injected) == dict.fromkeys(["info", "put_file", "pipe_file"], 1)
+    assert dict(fs_of(writer.store).injected) == dict.fromkeys(["info", "put_file", "pipe_file"], 1)
     reader = MultiLevelReader(url)
     loaded = zeros_like_state(all_dtypes_state)
     dcp.load(loaded, storage_reader=reader)
     assert_state_equal(loaded, all_dtypes_state)
-    assert fs_of(reader.tier).injected["cat_file"] == 1
+    assert fs_of(reader.store).injected["cat_file"] == 1
 
 
 def test_compressed_items_are_read_with_few_large_ranged_requests(memory_root, monkeypatch):
@@ -543,13 +543,13 @@ def test_compressed_items_are_read_with_few_large_ranged_requests(memory_root, m
         loaded = zeros_like_state(state)
         dcp.load(loaded, storage_reader=reader)
         assert_state_equal(loaded, state)
-        return fs_of(reader.tier).calls["cat_file"]
+        return fs_of(reader.store).calls["cat_file"]
 
     coalesced = gets()
     assert coalesced == 2  # the manifest, then the one data file in one ranged GET
     monkeypatch.setattr(copies_mod, "COALESCE_BYTES", 64 << 10)
     bounded = gets()
-    monkeypatch.setattr(RemoteTier, "prefers_large_reads", False)
+    monkeypatch.setattr(RemoteStore, "prefers_large_reads", False)
     one_per_record = gets()  # header, chunk records, payloads, terminators: one GET each
     assert coalesced < bounded < one_per_record
     assert one_per_record > 80
