@@ -213,7 +213,9 @@ def restate(err: Exception, message: str) -> Exception:
     if isinstance(err, (CheckpointNotFoundError, ManifestError)):
         return type(err)(message, checkpoint=err.checkpoint)
     if isinstance(err, RemoteStoreError):
-        return RemoteStoreError(message, url=err.url, operation=err.operation, attempts=err.attempts)
+        return RemoteStoreError(
+            message, url=err.url, operation=err.operation, attempts=err.attempts
+        )
     if isinstance(err, OSError) and type(err).__module__ == "builtins":
         return type(err)(message)  # FileNotFoundError, PermissionError, ...
     return OSError(message)

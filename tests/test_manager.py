@@ -152,7 +152,9 @@ def test_remote_down_keeps_training_and_the_first_tier_and_reports_it(tmp_path):
         mgr.save(state(s), step=s)
     with pytest.raises(DrainError) as info:
         mgr.wait()
-    assert str(info.value).startswith("step 1 to faulty://down/run: RemoteStoreError: remote store:")
+    assert str(info.value).startswith(
+        "step 1 to faulty://down/run: RemoteStoreError: remote store:"
+    )
     assert str(info.value).endswith("The first tier still holds these checkpoints.")
     assert [r.step for r in mgr.drain_results if r.error] == [1, 2, 3]
     assert mgr.steps(0) == [1, 2, 3]  # keep=1, but nothing is on the remote yet
