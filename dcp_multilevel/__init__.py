@@ -10,7 +10,7 @@ Use with DCP as usual::
 """
 
 from ._version import __version__
-from .config import Compression, Tier
+from .config import Compression, Level, Tier
 from .errors import (
     AsyncSaveError,
     CheckpointExistsError,
@@ -31,11 +31,12 @@ from .errors import (
     UnsupportedFormatVersionError,
     UnsupportedStateError,
 )
-from .flush import DrainResult
+from .levels import DrainResult
 from .manager import CheckpointManager, SaveMetrics
 from .planner import BalancedSavePlanner
 from .planning import CostModel
 from .reader import MultiLevelReader
+from .schedule import FixedInterval, SavePolicy
 from .staging import StagingConfig
 from .writer import MultiLevelWriter
 
@@ -53,6 +54,8 @@ __all__ = [
     "DcpMultilevelError",
     "DrainError",
     "DrainResult",
+    "FixedInterval",
+    "Level",
     "ManifestError",
     "MultiLevelReader",
     "MultiLevelWriter",
@@ -62,6 +65,7 @@ __all__ = [
     "RemoteTierError",
     "SaveInFlightError",
     "SaveMetrics",
+    "SavePolicy",
     "StagingConfig",
     "Tier",
     "TruncatedDataError",

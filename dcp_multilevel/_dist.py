@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 __all__ = [
     "all_gather_object",
-    "barrier",
     "broadcast_object",
     "is_active",
     "rank",
@@ -32,16 +31,13 @@ def is_active() -> bool:
 
 
 def rank() -> int:
+    """This process's rank (0 without a process group)."""
     return dist.get_rank() if is_active() else 0
 
 
 def world_size() -> int:
+    """The number of ranks (1 without a process group)."""
     return dist.get_world_size() if is_active() else 1
-
-
-def barrier() -> None:
-    if is_active():
-        dist.barrier()
 
 
 def all_gather_object(obj: Any) -> list[Any]:

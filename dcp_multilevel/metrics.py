@@ -1,14 +1,14 @@
 """Metrics of checkpoint saves and drains: Python objects, log lines, a stream.
 
 Every :class:`SaveMetrics` (one per ``CheckpointManager.save`` on each rank)
-and every drain's :class:`~dcp_multilevel.flush.DrainResult` becomes one
+and every drain's :class:`~dcp_multilevel.levels.DrainResult` becomes one
 record, a flat JSON-able dict::
 
-    {"kind": "save", "rank": 0, "step": 100, "tier": "file:///nvme/run1",
+    {"kind": "save", "rank": 0, "step": 100, "level": "file:///nvme/run1",
      "bytes": 1634000000, "seconds": 0.84, "gbps": 1.95, "blocked_seconds": 0.86,
      "waited_seconds": 0.0, "drains_started": ["s3://b/run1"], "drains_skipped": [],
      "unix": 1763712000.1}
-    {"kind": "drain", "rank": 0, "step": 100, "tier": "s3://b/run1",
+    {"kind": "drain", "rank": 0, "step": 100, "level": "s3://b/run1",
      "bytes": 612000000, "seconds": 7.9, "gbps": 0.077, "lag_seconds": 8.1,
      "committed": true, "skipped": false, "error": null, "bytes_read": 1634000000,
      "files_verbatim": 0, "files_encoded": 26, "unix": 1763712008.2}
@@ -41,18 +41,18 @@ class SaveMetrics:
 
     Attributes:
         step: the saved step.
-        tier: URL of the first tier (where ``save`` committed).
-        bytes_written: bytes this rank stored on the first tier.
-        blocked_seconds: the first tier's commit (``dcp.save``), on this rank.
+        level: URL of the first level (where ``save`` committed).
+        bytes_written: bytes this rank stored on the first level.
+        blocked_seconds: the first level's commit (``dcp.save``), on this rank.
         waited_seconds: time ``save`` then waited for a running drain (policy
-            ``"wait"``), plus the first tier's retention; training is blocked for
+            ``"wait"``), plus the first level's retention; training is blocked for
             ``blocked_seconds + waited_seconds`` in all.
-        drains_started / drains_skipped: higher tiers this step was sent to, or
+        drains_started / drains_skipped: higher levels this step was sent to, or
             skipped on because their previous drain was still running.
     """
 
     step: int
-    tier: str
+    level: str
     bytes_written: int
     blocked_seconds: float
     drains_started: list[str] = field(default_factory=list)
@@ -61,7 +61,7 @@ class SaveMetrics:
 
     @property
     def gbps(self) -> float:
-        """First-tier write throughput of this rank, in GB/s (10**9 bytes)."""
+        """First-level write throughput of this rank, in GB/s (10**9 bytes)."""
         return self.bytes_written / self.blocked_seconds / 1e9 if self.blocked_seconds else 0.0
 
     def record(self, rank: int) -> dict[str, Any]:
@@ -70,7 +70,7 @@ class SaveMetrics:
             "kind": "save",
             "rank": rank,
             "step": self.step,
-            "tier": self.tier,
+            "level": self.level,
             "bytes": self.bytes_written,
             "seconds": self.blocked_seconds,
             "gbps": self.gbps,

@@ -51,7 +51,7 @@ from .errors import PlanningError
 from .format.tensor_bytes import byte_view
 from .planning import CostModel, Item, PartitionOptions, Piece, partition
 
-__all__ = ["BalancedSavePlanner", "parent_group"]
+__all__ = ["BalancedSavePlanner", "parent_group", "write_item_nbytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class BalancedSavePlanner(DefaultSavePlanner):
             items.append(
                 Item(
                     key,
-                    _nbytes(w),
+                    write_item_nbytes(w),
                     holders,
                     sort_key,
                     group_key(fqn) if group_key else "",
@@ -268,7 +268,8 @@ def _drop_cached_plans(key: str) -> None:
         cache.pop(key, None)
 
 
-def _nbytes(w: WriteItem) -> int:
+def write_item_nbytes(w: WriteItem) -> int:
+    """Bytes DCP stores for ``w`` (a tensor chunk's elements, or a bytes item's size)."""
     if w.tensor_data is None:
         return w.bytes_io_data.nbytes if w.bytes_io_data is not None else 0
     return math.prod(w.tensor_data.chunk.sizes) * w.tensor_data.properties.dtype.itemsize

@@ -49,8 +49,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ._copies import CheckpointCopy
-from ._fallback import Failure, Trail, item_name, metadata_difference
+from .checkpoint import StoredCheckpoint
+from .checkpoint.chain import Failure, Trail, item_name, metadata_difference
 from .errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -61,7 +61,7 @@ from .errors import (
 from .format import MANIFEST_NAME, ItemLocation, Manifest
 from .format.objects import load_object
 from .format.tensor_bytes import byte_view
-from .stores import Store, store_for
+from .stores import Store
 
 __all__ = ["MultiLevelReader"]
 
@@ -140,20 +140,22 @@ class MultiLevelReader(StorageReader):
         self.thread_count = thread_count
         self.storage_options = dict(storage_options or {})
         self._fallbacks = [
-            CheckpointCopy(loc, dict(opts or {}))
+            StoredCheckpoint.at(loc, opts)
             for loc, opts in zip(fallbacks, fallback_storage_options, strict=True)
         ]
         self._decode_pool: ThreadPoolExecutor | None = None
         self.last_load_sources: dict[str, int] = {}
-        self._copies: list[CheckpointCopy] = []
+        self._copies: list[StoredCheckpoint] = []
         self._primary_manifest = primary_manifest
-        self._primary_url = CheckpointCopy(path, self.storage_options).url
+        self._primary_url = StoredCheckpoint.at(path, self.storage_options).url
         self._set_path(path)
 
     def _set_path(self, path: str | os.PathLike[str]) -> None:
-        primary = CheckpointCopy(path, self.storage_options)
+        primary = StoredCheckpoint.at(path, self.storage_options)
         if self._primary_manifest is not None and primary.url == self._primary_url:
-            primary = CheckpointCopy(path, self.storage_options, self._primary_manifest)
+            primary = StoredCheckpoint.at(
+                path, self.storage_options, manifest_bytes=self._primary_manifest
+            )
         if self._fallbacks and self._copies:
             old = self._copies[0].url
             if primary.url != old:
@@ -289,10 +291,9 @@ class MultiLevelReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         try:
-            store = store_for(checkpoint_id)
+            return StoredCheckpoint.at(checkpoint_id).is_committed()
         except (ValueError, LookupError):
             return False
-        return store.exists(MANIFEST_NAME)
 
     # ------------------------------------------------------------------ copies
 
@@ -300,7 +301,7 @@ class MultiLevelReader(StorageReader):
         assert self._base is not None
         return self._copies[self._base].manifest()
 
-    def _unusable(self, copy: CheckpointCopy) -> Exception | None:
+    def _unusable(self, copy: StoredCheckpoint) -> Exception | None:
         """Why fallback ``copy`` cannot serve items of this load, or None if it can."""
         try:
             manifest = copy.manifest()
@@ -332,7 +333,7 @@ class MultiLevelReader(StorageReader):
     # ------------------------------------------------------------------ reading
 
     def _read_from(
-        self, copy: CheckpointCopy, items: list[tuple[int, ReadItem]], planner: LoadPlanner
+        self, copy: StoredCheckpoint, items: list[tuple[int, ReadItem]], planner: LoadPlanner
     ) -> tuple[int, list[Failure]]:
         """Read ``items`` from ``copy``, per file in offset order; (served, failures)."""
         locations = copy.manifest().locations
@@ -362,7 +363,7 @@ class MultiLevelReader(StorageReader):
 
     def _read_file(
         self,
-        copy: CheckpointCopy,
+        copy: StoredCheckpoint,
         file: str,
         reqs: list[tuple[int, ReadItem, ItemLocation]],
         planner: LoadPlanner,
@@ -374,7 +375,7 @@ class MultiLevelReader(StorageReader):
         with ExitStack() as stack:
             try:
                 handle = stack.enter_context(
-                    copy.open_file(file, reqs[0][1].storage_index.fqn, limit)
+                    copy.open_data(file, reqs[0][1].storage_index.fqn, limit)
                 )
             except _COPY_ERRORS as e:
                 return 0, [Failure(i, req, file, e, whole_file=True) for i, req, _ in reqs]
@@ -383,7 +384,7 @@ class MultiLevelReader(StorageReader):
                 # every copy, and so is an object refused by weights_only loading.
                 out, commit = self._destination(copy, req, loc, planner)
                 try:
-                    copy.fill(
+                    copy.read_item(
                         handle, req.storage_index.fqn, loc, out,
                         pool=self._codec_pool(), window=2 * self.thread_count,
                     )  # fmt: skip
@@ -400,7 +401,7 @@ class MultiLevelReader(StorageReader):
         return served, failures
 
     def _destination(
-        self, copy: CheckpointCopy, req: ReadItem, loc: ItemLocation, planner: LoadPlanner
+        self, copy: StoredCheckpoint, req: ReadItem, loc: ItemLocation, planner: LoadPlanner
     ) -> tuple[memoryview, Callable[[], None]]:
         """Where to read ``req``'s bytes, and how to hand them to DCP once verified."""
         fqn = req.storage_index.fqn

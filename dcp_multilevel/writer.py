@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import io
 import logging
-import math
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,23 +32,17 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from .checkpoint import StoredCheckpoint, new_save_id
 from .codecs import BufferPool, EncodeJob, codec_for, encode_items, item_layout
 from .config import Compression
 from .errors import CheckpointExistsError, ConfigError, UnsupportedStateError
-from .format import (
-    DATA_DIR,
-    MANIFEST_NAME,
-    Hasher,
-    ItemLocation,
-    data_file_path,
-    dtype_name,
-    encode_manifest,
-)
+from .format import Hasher, ItemLocation, data_file_path, dtype_name
 from .format.objects import load_object
 from .format.tensor_bytes import byte_view
+from .planner import write_item_nbytes
+from .planning import balance
 from .staging import AsyncStagingMixin, StagingConfig, background_step
 from .stores import Store, store_for
-from .stores.local import TMP_MARKER
 
 __all__ = ["MultiLevelWriter"]
 
@@ -126,7 +118,12 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
 
     def _set_path(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self.store: Store = store_for(self.path, sync=self.sync_files, **self.storage_options)
+        self.checkpoint = StoredCheckpoint.at(self.path, self.storage_options, sync=self.sync_files)
+
+    @property
+    def store(self) -> Store:
+        """The store the checkpoint is written to."""
+        return self.checkpoint.store
 
     @property
     def checkpoint_id(self) -> str:
@@ -159,13 +156,13 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if self.store.exists(MANIFEST_NAME) and not self.overwrite:
+        if self.checkpoint.is_committed() and not self.overwrite:
             raise CheckpointExistsError(
-                f"a committed checkpoint already exists at {self.store.url}; refusing to "
+                f"a committed checkpoint already exists at {self.checkpoint.url}; refusing to "
                 "replace it. Save to a new location, or pass MultiLevelWriter(..., "
                 "overwrite=True) to replace it (the old one stays loadable until the new "
                 "one commits).",
-                checkpoint=self.store.url,
+                checkpoint=self.checkpoint.url,
             )
         return plans
 
@@ -174,7 +171,8 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
         # File names come from this rank alone: DCP's plan caching can replay a
         # cached plan, so storage_data from the coordinator may be stale.
         token = uuid.uuid4().hex[:16]
-        buckets = _balance(plan.items, self.thread_count)
+        sizes = [write_item_nbytes(item) for item in plan.items]
+        buckets = [[plan.items[i] for i in group] for group in balance(sizes, self.thread_count)]
         # An async save over its staging budget left some tensors live (see
         # staging.py): write those first, and let training go on once they are.
         live = _live_items(plan.items, planner, self._live_storages())
@@ -209,23 +207,10 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
                 loc: ItemLocation = wr.storage_data
                 locations[wr.index] = loc
                 files[loc.file] = max(files.get(loc.file, 0), loc.offset + loc.length)
-        doc = encode_manifest(
-            metadata,
-            locations,
-            files,
-            save_id=f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}",
-            world_size=len(results),
-            created_unix=time.time(),
+        self.checkpoint.commit(
+            metadata, locations, files, save_id=new_save_id(), world_size=len(results)
         )
-        self.store.write_atomic(MANIFEST_NAME, doc)  # the commit
-        logger.info(
-            "committed checkpoint %s: %d items, %d bytes in %d files",
-            self.store.url,
-            len(locations),
-            sum(files.values()),
-            len(files),
-        )
-        self._sweep(keep=set(files))
+        self.checkpoint.sweep(keep=files)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -311,18 +296,6 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
             self._codec_pool = ThreadPoolExecutor(c.threads - 1, thread_name_prefix="dcp-ml-codec")
         return self._codec_pool
 
-    def _sweep(self, keep: set[str]) -> None:
-        """Delete data of earlier saves and crash leftovers; never fails the commit."""
-        stale = [f"{DATA_DIR}/{n}" for n in self.store.listdir(DATA_DIR)]
-        stale = [path for path in stale if path not in keep]
-        stale += [name for name in self.store.listdir("") if TMP_MARKER in name]
-        for path in stale:
-            try:
-                self.store.remove_tree(path)
-            except OSError as e:
-                # The checkpoint is committed; leftover bytes only cost space.
-                logger.warning("could not delete stale %s in %s: %s", path, self.store.url, e)
-
 
 def _check_loadable(raw: memoryview, fqn: str) -> None:
     """Refuse a value the reader would refuse: a checkpoint must load back."""
@@ -396,24 +369,3 @@ def _live_items(
             ):
                 found.add(item.index)
     return found
-
-
-def _balance(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
-    """Split items into at most ``bins`` non-empty groups of similar byte size (LPT)."""
-    if bins == 1 or len(items) <= 1:
-        return [list(items)] if items else []
-    sizes = {id(i): _nbytes(i) for i in items}
-    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
-    loads = [0] * bins
-    for item in sorted(items, key=lambda i: -sizes[id(i)]):
-        k = loads.index(min(loads))
-        buckets[k].append(item)
-        loads[k] += sizes[id(item)]
-    return [b for b in buckets if b]
-
-
-def _nbytes(item: WriteItem) -> int:
-    if item.tensor_data is None:
-        return item.bytes_io_data.nbytes if item.bytes_io_data is not None else 0
-    td = item.tensor_data
-    return math.prod(td.chunk.sizes) * td.properties.dtype.itemsize

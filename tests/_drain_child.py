@@ -12,23 +12,23 @@ import sys
 import _faulty_fs  # noqa: F401 - registers faulty://
 from test_manager import state
 
-from dcp_multilevel import CheckpointManager, Tier
+from dcp_multilevel import CheckpointManager, Level
 
 
 def main() -> None:
     l1, remote_dir, marker = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
-    fast = Tier(
+    fast = Level(
         f"faulty://{remote_dir}/run",
         storage_options={"target_protocol": "file", "target_options": {"auto_mkdir": True}},
     )
-    mgr = CheckpointManager([Tier(l1), fast], drain_policy="wait")
+    mgr = CheckpointManager([Level(l1), fast], drain_policy="wait")
     mgr.save(state(1), step=1)
     mgr.wait()
     slow_options = {"target_protocol": "file", "target_options": {"auto_mkdir": True},
                     "delay": {"put_file": 30.0},
                     "skip_instance_cache": True}  # fmt: skip
-    slow = Tier(fast.url, storage_options=slow_options)
-    mgr = CheckpointManager([Tier(l1), slow], drain_policy="wait")
+    slow = Level(fast.url, storage_options=slow_options)
+    mgr = CheckpointManager([Level(l1), slow], drain_policy="wait")
     mgr.save(state(2), step=2)
     marker.touch()
     mgr.wait()

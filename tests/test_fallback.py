@@ -34,13 +34,14 @@ from dcp_multilevel import (
     ChecksumMismatchError,
     ConfigError,
     CorruptCheckpointError,
+    Level,
     ManifestError,
     MultiLevelReader,
     MultiLevelWriter,
-    Tier,
 )
-from dcp_multilevel.flush import DrainJob, drain
+from dcp_multilevel.checkpoint import StoredCheckpoint
 from dcp_multilevel.format import frames
+from dcp_multilevel.levels import DrainJob, driver_for, run_drain
 
 if TYPE_CHECKING:
     from _s3 import S3Server
@@ -111,9 +112,9 @@ def drained(source: Path | str, tier_root: str, codec: str | None, **options: An
 
     Collective with a process group: every rank calls it with the same arguments.
     """
-    target = Tier(tier_root, codec=codec, storage_options=options)
-    job = DrainJob(100, str(source), {}, target, 1, f"test-{tier_root}", time.time())
-    assert drain(job, timeout_s=60).committed
+    target = driver_for(Level(tier_root, codec=codec, storage_options=options))
+    job = DrainJob(100, StoredCheckpoint.at(source), target, f"test-{tier_root}", time.time())
+    assert run_drain(job, timeout_s=60).committed
 
 
 def save_copies(root: Path, state: dict[str, Any], *, packed_first: bool) -> tuple[Copy, Copy]:

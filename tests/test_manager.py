@@ -1,4 +1,4 @@
-"""CheckpointManager: tiers, intervals, retention, drains, fallback, node loss, crashes."""
+"""CheckpointManager: levels, intervals, retention, drains, fallback, node loss, crashes."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import _faulty_fs  # noqa: F401 - registers the faulty:// fsspec protocol
 import pytest
 import torch
+import xxhash
 from _dist import run_ranks
 from conftest import assert_bit_equal
 
@@ -23,7 +24,7 @@ from dcp_multilevel import (
     CheckpointNotFoundError,
     ConfigError,
     DrainError,
-    Tier,
+    Level,
 )
 
 HERE = Path(__file__).parent
@@ -58,7 +59,7 @@ def memory_url() -> str:
 
 
 def test_first_tier_only_keeps_the_newest_and_loads_latest(tmp_path):
-    mgr = CheckpointManager([Tier(str(tmp_path / "l1"), keep=2)])
+    mgr = CheckpointManager([Level(str(tmp_path / "l1"), keep=2)])
     assert mgr.load_latest(blank()) is None  # fresh start
     for s in range(1, 6):
         m = mgr.save(state(s), step=s)
@@ -72,8 +73,8 @@ def test_first_tier_only_keeps_the_newest_and_loads_latest(tmp_path):
 
 def test_remote_every_second_save_survives_losing_the_node(tmp_path):
     remote = memory_url()
-    tiers = [Tier(str(tmp_path / "l1"), keep=1), Tier(remote, every=2, codec="bytegroup")]
-    mgr = CheckpointManager(tiers, drain_policy="wait")
+    levels = [Level(str(tmp_path / "l1"), keep=1), Level(remote, every=2, codec="bytegroup")]
+    mgr = CheckpointManager(levels, drain_policy="wait")
     for s in range(1, 5):
         m = mgr.save(state(s), step=s)
         assert m.drains_started == ([remote] if s % 2 == 0 else [])
@@ -82,13 +83,13 @@ def test_remote_every_second_save_survives_losing_the_node(tmp_path):
     assert all(r.lag_seconds > 0 and r.bytes_stored > 0 for r in results if r.committed)
     assert mgr.steps(1) == [2, 4]
     assert mgr.steps(0) == [4]  # step 3 is not due remotely: retention may drop it
-    manifest = json.loads(mgr._backends[1].read_bytes("step-4/manifest.json"))
+    manifest = json.loads(mgr.drivers[1].root.store.read_bytes("step-4/manifest.json"))
     w = next(i for i in manifest["items"] if i["fqn"] == "w")
     assert w["transforms"] == ["dcp_multilevel.bytegroup/3"] and w["length"] < w["raw_length"]
     mgr.close()
 
     shutil.rmtree(tmp_path / "l1")  # the node is replaced: its disk is empty
-    fresh = CheckpointManager(tiers)
+    fresh = CheckpointManager(levels)
     loaded = blank()
     assert fresh.load_latest(loaded) == 4
     check(loaded, 4)
@@ -97,7 +98,7 @@ def test_remote_every_second_save_survives_losing_the_node(tmp_path):
 
 
 def test_a_remote_only_manager(tmp_path):
-    mgr = CheckpointManager([Tier(memory_url(), codec="zstd")])
+    mgr = CheckpointManager([Level(memory_url(), codec="zstd")])
     mgr.save(state(7), step=7)
     loaded = blank()
     assert mgr.load_latest(loaded) == 7
@@ -107,7 +108,7 @@ def test_a_remote_only_manager(tmp_path):
 
 def test_corrupt_first_tier_falls_back_to_remote_and_says_so(tmp_path, caplog):
     remote = memory_url()
-    mgr = CheckpointManager([Tier(str(tmp_path / "l1")), Tier(remote)], drain_policy="wait")
+    mgr = CheckpointManager([Level(str(tmp_path / "l1")), Level(remote)], drain_policy="wait")
     mgr.save(state(3), step=3)
     mgr.wait()
     manifest = json.loads((tmp_path / "l1" / "step-3" / "manifest.json").read_text())
@@ -126,28 +127,28 @@ def test_corrupt_first_tier_falls_back_to_remote_and_says_so(tmp_path, caplog):
 
 
 def test_a_missing_requested_step_is_an_error_never_a_fresh_start(tmp_path):
-    mgr = CheckpointManager([Tier(str(tmp_path / "l1"))])
+    mgr = CheckpointManager([Level(str(tmp_path / "l1"))])
     mgr.save(state(1), step=1)
     with pytest.raises(CheckpointNotFoundError) as info:
         mgr.load(blank(), step=9)
     assert str(info.value).startswith(
-        f"step 9 has no complete checkpoint on any tier ({tmp_path / 'l1'}: [1] are the newest"
+        f"step 9 has no complete checkpoint on any level ({tmp_path / 'l1'}: [1] are the newest"
     )
     mgr.close()
 
 
 def test_configuration_errors():
     with pytest.raises(ConfigError, match="must take every save"):
-        CheckpointManager([Tier("/tmp/x", every=2)])
+        CheckpointManager([Level("/tmp/x", every=2)])
     with pytest.raises(ConfigError, match=r"keep must be None or an integer >= 1"):
-        Tier("/tmp/x", keep=0)
+        Level("/tmp/x", keep=0)
 
 
 def test_remote_down_keeps_training_and_the_first_tier_and_reports_it(tmp_path):
     down = dict(retries=0, skip_instance_cache=True,
                 fail_first={"put_file": 10**9, "pipe_file": 10**9})  # fmt: skip
-    remote = Tier("faulty://down/run", storage_options=down)
-    mgr = CheckpointManager([Tier(str(tmp_path / "l1"), keep=1), remote], drain_policy="wait")
+    remote = Level("faulty://down/run", storage_options=down)
+    mgr = CheckpointManager([Level(str(tmp_path / "l1"), keep=1), remote], drain_policy="wait")
     for s in (1, 2, 3):
         mgr.save(state(s), step=s)
     with pytest.raises(DrainError) as info:
@@ -155,7 +156,7 @@ def test_remote_down_keeps_training_and_the_first_tier_and_reports_it(tmp_path):
     assert str(info.value).startswith(
         "step 1 to faulty://down/run: RemoteStoreError: remote store:"
     )
-    assert str(info.value).endswith("The first tier still holds these checkpoints.")
+    assert str(info.value).endswith("The first level still holds these checkpoints.")
     assert [r.step for r in mgr.drain_results if r.error] == [1, 2, 3]
     assert mgr.steps(0) == [1, 2, 3]  # keep=1, but nothing is on the remote yet
     mgr.close()
@@ -165,7 +166,7 @@ def test_flaky_remote_succeeds_after_retries(tmp_path):
     flaky = dict(retries=20, backoff=0.0, skip_instance_cache=True, seed=3,
                  fail_rate={"put_file": 0.4, "pipe_file": 0.4, "info": 0.2})  # fmt: skip
     root = f"faulty://flaky-{uuid.uuid4().hex[:6]}/run"
-    mgr = CheckpointManager([Tier(str(tmp_path / "l1")), Tier(root, storage_options=flaky)])
+    mgr = CheckpointManager([Level(str(tmp_path / "l1")), Level(root, storage_options=flaky)])
     mgr.save(state(5), step=5)
     mgr.wait()
     assert mgr.steps(1) == [5]
@@ -178,8 +179,8 @@ def test_flaky_remote_succeeds_after_retries(tmp_path):
 
 def test_skip_policy_skips_a_step_while_a_drain_runs_and_retention_spares_inflight(tmp_path):
     slow = dict(skip_instance_cache=True, delay={"put_file": 0.5})
-    remote = Tier(f"faulty://slow-{uuid.uuid4().hex[:6]}/run", storage_options=slow)
-    mgr = CheckpointManager([Tier(str(tmp_path / "l1"), keep=1), remote])
+    remote = Level(f"faulty://slow-{uuid.uuid4().hex[:6]}/run", storage_options=slow)
+    mgr = CheckpointManager([Level(str(tmp_path / "l1"), keep=1), remote])
     first = mgr.save(state(1), step=1)
     second = mgr.save(state(2), step=2)  # step 1 is still draining
     assert first.drains_started == [remote.url]
@@ -212,11 +213,11 @@ def test_sigkill_during_a_drain_then_the_next_run_drains_again(tmp_path):
     finally:
         child.kill()
         child.wait()
-    remote = Tier(
+    remote = Level(
         f"faulty://{remote_dir}/run",
         storage_options={"target_protocol": "file", "target_options": {"auto_mkdir": True}},
     )
-    mgr = CheckpointManager([Tier(str(l1)), remote])
+    mgr = CheckpointManager([Level(str(l1)), remote])
     assert mgr.steps(1) == [1]  # step 2 never committed remotely
     loaded = blank()
     assert mgr.load_latest(loaded) == 2  # from the first tier, then re-drains step 2
@@ -232,8 +233,8 @@ def _replicated(s: int) -> dict:
 
 
 def _two_rank_job(rank: int, world: int, l1: str, remote: str) -> None:
-    tiers = [Tier(l1, keep=1), Tier(remote, codec="bytegroup")]
-    mgr = CheckpointManager(tiers, drain_policy="wait")
+    levels = [Level(l1, keep=1), Level(remote, codec="bytegroup")]
+    mgr = CheckpointManager(levels, drain_policy="wait")
     for s in (1, 2):
         mgr.save(_replicated(s), step=s)
     mgr.wait()  # on every rank: returns once rank 0 committed the remote manifest
@@ -242,8 +243,8 @@ def _two_rank_job(rank: int, world: int, l1: str, remote: str) -> None:
 
 
 def _two_rank_load(rank: int, world: int, l1: str, remote: str) -> None:
-    tiers = [Tier(l1, keep=1), Tier(remote, codec="bytegroup")]
-    mgr = CheckpointManager(tiers)
+    levels = [Level(l1, keep=1), Level(remote, codec="bytegroup")]
+    mgr = CheckpointManager(levels)
     loaded = {"a": torch.zeros(256, 256), "c": torch.zeros(256, 256)}
     assert mgr.load_latest(loaded) == 2
     expected = _replicated(2)
@@ -267,8 +268,8 @@ def test_a_remote_failing_every_call_never_stalls_or_breaks_save(tmp_path):
     dead = dict(retries=0, skip_instance_cache=True, fail_rate=dict.fromkeys(ops, 1.0))
     slow = dict(skip_instance_cache=True, delay={"ls": 2.0, "info": 2.0})
     for name, options in [("dead", dead), ("slow", slow)]:
-        remote = Tier(f"faulty://{name}-{uuid.uuid4().hex[:6]}/run", storage_options=options)
-        mgr = CheckpointManager([Tier(str(tmp_path / name), keep=1), remote])
+        remote = Level(f"faulty://{name}-{uuid.uuid4().hex[:6]}/run", storage_options=options)
+        mgr = CheckpointManager([Level(str(tmp_path / name), keep=1), remote])
         for s in (1, 2):
             t0 = time.perf_counter()
             mgr.save(state(s), step=s)  # never raises for the remote's sake
@@ -290,8 +291,8 @@ def _node_dir(root: str, rank: int) -> str:
 
 
 def _node_local_job(rank: int, world: int, root: str, remote: str) -> None:
-    tiers = [Tier(_node_dir(root, rank), keep=1), Tier(remote, keep=2)]
-    mgr = CheckpointManager(tiers, drain_policy="wait")
+    levels = [Level(_node_dir(root, rank), keep=1), Level(remote, keep=2)]
+    mgr = CheckpointManager(levels, drain_policy="wait")
     for s in (1, 2, 3):
         mgr.save(_replicated(s), step=s)
         mgr.wait()  # the drain needs rank 0's manifest, which only rank 0's node has
@@ -304,8 +305,8 @@ def _node_local_job(rank: int, world: int, root: str, remote: str) -> None:
 
 
 def _node_local_load(rank: int, world: int, root: str, remote: str, step: int) -> dict[str, int]:
-    tiers = [Tier(_node_dir(root, rank), keep=1), Tier(remote, keep=2)]
-    mgr = CheckpointManager(tiers)
+    levels = [Level(_node_dir(root, rank), keep=1), Level(remote, keep=2)]
+    mgr = CheckpointManager(levels)
     loaded = {"a": torch.zeros(256, 256), "c": torch.zeros(256, 256)}
     assert mgr.load_latest(loaded) == step
     expected = _replicated(step)
@@ -340,8 +341,8 @@ def _skip_together(rank: int, world: int, root: str) -> list[list[str]]:
     # skip step 2 and rank 1 would wait forever for rank 0's share of it.
     options = {"target_protocol": "file", "target_options": {"auto_mkdir": True},
                "delay": {"ls": 2.0}, "skip_instance_cache": True}  # fmt: skip
-    remote = Tier(f"faulty://{root}/remote", storage_options=options)
-    mgr = CheckpointManager([Tier(_node_dir(root, rank)), remote], drain_timeout_s=30)
+    remote = Level(f"faulty://{root}/remote", storage_options=options)
+    mgr = CheckpointManager([Level(_node_dir(root, rank)), remote], drain_timeout_s=30)
     first = mgr.save(_replicated(1), step=1)
     time.sleep(1.0)  # rank 1's drain has ended, rank 0's is listing the remote
     second = mgr.save(_replicated(2), step=2)
@@ -360,7 +361,7 @@ def test_every_rank_follows_rank_0s_skip_decision(tmp_path):
 
 
 def _node_local_only(rank: int, world: int, root: str) -> str:
-    mgr = CheckpointManager([Tier(_node_dir(root, rank))])
+    mgr = CheckpointManager([Level(_node_dir(root, rank))])
     mgr.save(_replicated(1), step=1)
     with pytest.raises(CheckpointNotFoundError) as info:
         mgr.load_latest({"a": torch.zeros(256, 256), "c": torch.zeros(256, 256)})
@@ -375,8 +376,8 @@ def test_node_local_steps_no_rank_set_can_read_are_an_error_not_a_fresh_start(tm
         assert message == (
             "committed checkpoints exist (newest: step 1), but for each of them some rank "
             f"cannot reach all of its data files on {_node_dir(str(tmp_path), rank)} (a "
-            "node-local tier on a lost or new node?) and no higher tier holds it. Restore the "
-            "nodes' disks, or start fresh deliberately with a new tier location."
+            "node-local level on a lost or new node?) and no higher level holds it. Restore the "
+            "nodes' disks, or start fresh deliberately with a new level location."
         )
 
 
@@ -391,8 +392,8 @@ def test_drain_copies_files_verbatim_when_the_codecs_agree(
     tmp_path, l1_codec, remote_codec, verbatim
 ):
     remote = memory_url()
-    tiers = [Tier(str(tmp_path / "l1"), codec=l1_codec), Tier(remote, codec=remote_codec)]
-    mgr = CheckpointManager(tiers, drain_policy="wait")
+    levels = [Level(str(tmp_path / "l1"), codec=l1_codec), Level(remote, codec=remote_codec)]
+    mgr = CheckpointManager(levels, drain_policy="wait")
     mgr.save(state(4), step=4)
     (result,) = mgr.wait()
     assert result.committed and result.gbps > 0
@@ -400,14 +401,14 @@ def test_drain_copies_files_verbatim_when_the_codecs_agree(
         verbatim, not verbatim,
     )  # fmt: skip
     ours = json.loads((tmp_path / "l1" / "step-4" / "manifest.json").read_text())
-    theirs = json.loads(mgr._backends[1].read_bytes("step-4/manifest.json"))
+    theirs = json.loads(mgr.drivers[1].root.store.read_bytes("step-4/manifest.json"))
     assert ours["save_id"] == theirs["save_id"]
     if verbatim:  # same bytes at the same offsets, under new file names
         strip = [{k: v for k, v in i.items() if k != "file"} for i in ours["items"]]
         assert strip == [{k: v for k, v in i.items() if k != "file"} for i in theirs["items"]]
     mgr.close()
     shutil.rmtree(tmp_path / "l1")
-    fresh = CheckpointManager(tiers)
+    fresh = CheckpointManager(levels)
     loaded = blank()
     assert fresh.load_latest(loaded) == 4
     check(loaded, 4)
@@ -418,8 +419,9 @@ def test_drain_copies_files_verbatim_when_the_codecs_agree(
 @pytest.mark.parametrize("codec", [None, "bytegroup"])
 def test_a_drain_refuses_to_copy_an_item_corrupted_on_the_first_tier(tmp_path, source_kind, codec):
     from dcp_multilevel import MultiLevelWriter
+    from dcp_multilevel.checkpoint import StoredCheckpoint
     from dcp_multilevel.errors import ChecksumMismatchError
-    from dcp_multilevel.flush import DrainJob, drain
+    from dcp_multilevel.levels import DrainJob, driver_for, run_drain
     from dcp_multilevel.stores import store_for
 
     src = str(tmp_path / "l1" / "step-1") if source_kind == "local" else memory_url() + "/step-1"
@@ -433,12 +435,16 @@ def test_a_drain_refuses_to_copy_an_item_corrupted_on_the_first_tier(tmp_path, s
     data[w["pos"] + 7] ^= 0x10
     with source.open_write(w["file"]) as f:
         f.write(data)
-    target = Tier(str(tmp_path / "remote"), codec=codec)
+    target = Level(str(tmp_path / "remote"), codec=codec)
     with pytest.raises(ChecksumMismatchError) as info:
-        drain(DrainJob(1, src, {}, target, 1, "corrupt", time.time()), timeout_s=30)
+        job = DrainJob(1, StoredCheckpoint.at(src), driver_for(target), "corrupt", time.time())
+        run_drain(job, timeout_s=30)
+    start, end = w["pos"], w["pos"] + w["length"]
     assert str(info.value) == (
-        f"item 'w' in {w['file']!r} of {source.url} does not match its checksum; "
-        "not copying corrupt data"
+        f"checksum mismatch for item 'w' in {w['file']!r} of checkpoint {source.url} "
+        f"(bytes {start}..{end}): stored {w['checksum']}, read "
+        f"xxh3_64:{xxhash.xxh3_64_hexdigest(bytes(data[start:end]))}. The data is corrupt; "
+        "load from another copy."
     )
     step_dir = tmp_path / "remote" / "step-1"
     assert not (step_dir / "manifest.json").exists()
@@ -452,9 +458,9 @@ def test_a_drain_refuses_to_copy_an_item_corrupted_on_the_first_tier(tmp_path, s
 def test_metrics_are_streamed_to_a_callback_and_a_json_lines_file(tmp_path):
     records = []
     path = tmp_path / "metrics" / "rank{rank}.jsonl"
-    tiers = [Tier(str(tmp_path / "l1")), Tier(memory_url(), every=2, codec="bytegroup")]
+    levels = [Level(str(tmp_path / "l1")), Level(memory_url(), every=2, codec="bytegroup")]
     mgr = CheckpointManager(
-        tiers, drain_policy="wait", metrics_path=str(path), on_metrics=records.append
+        levels, drain_policy="wait", metrics_path=str(path), on_metrics=records.append
     )
     for s in (1, 2):
         mgr.save(state(s), step=s)
@@ -464,11 +470,11 @@ def test_metrics_are_streamed_to_a_callback_and_a_json_lines_file(tmp_path):
     assert [(r["kind"], r["step"]) for r in lines] == [("save", 1), ("save", 2), ("drain", 2)]
     assert [r["step"] for r in records] == [1, 2, 2]
     save, drained = lines[1], lines[2]
-    assert save["tier"] == tiers[0].url and save["rank"] == 0
+    assert save["level"] == levels[0].url and save["rank"] == 0
     assert save["bytes"] == mgr.metrics[1].bytes_written > 256 * 256 * 4
     assert save["blocked_seconds"] >= save["seconds"] > 0 and save["gbps"] > 0
-    assert save["drains_started"] == [tiers[1].url]
-    assert drained["tier"] == tiers[1].url and drained["committed"] is True
+    assert save["drains_started"] == [levels[1].url]
+    assert drained["level"] == levels[1].url and drained["committed"] is True
     assert 0 < drained["bytes"] < drained["bytes_read"]  # compressed on the remote
     assert drained["seconds"] > 0 and drained["lag_seconds"] > 0 and drained["gbps"] > 0
     assert drained["files_encoded"] >= 1 and drained["error"] is None
@@ -478,7 +484,7 @@ def test_a_failing_metrics_callback_never_breaks_a_save(tmp_path, caplog):
     def broken(record):
         raise RuntimeError("dashboard down")
 
-    mgr = CheckpointManager([Tier(str(tmp_path / "l1"))], on_metrics=broken)
+    mgr = CheckpointManager([Level(str(tmp_path / "l1"))], on_metrics=broken)
     with caplog.at_level(logging.WARNING, logger="dcp_multilevel"):
         mgr.save(state(1), step=1)
     assert "the on_metrics callback failed: RuntimeError('dashboard down')" in caplog.text
@@ -507,21 +513,21 @@ def test_abandoned_spool_and_temporary_files_are_swept(tmp_path):
         f.write_bytes(b"x")
         if name.endswith("old") or name == "other":
             os.utime(f, (old, old))
-    remote = Tier(memory_url(), storage_options={"spool_dir": str(spool)})
-    CheckpointManager([Tier(str(l1)), remote], sweep_older_than_s=3600).close()
+    remote = Level(memory_url(), storage_options={"spool_dir": str(spool)})
+    CheckpointManager([Level(str(l1)), remote], sweep_older_than_s=3600).close()
     gone = {name for name, f in files.items() if not f.exists()}
     assert gone == {"dead_old", "tmp_old"}
 
 
 def test_a_remote_first_tier_drains_verbatim_by_streaming(tmp_path):
     # The source has no local path: files are streamed in blocks and verified on the way.
-    tiers = [Tier(memory_url()), Tier(str(tmp_path / "archive"))]
-    mgr = CheckpointManager(tiers, drain_policy="wait")
+    levels = [Level(memory_url()), Level(str(tmp_path / "archive"))]
+    mgr = CheckpointManager(levels, drain_policy="wait")
     mgr.save(state(6), step=6)
     (result,) = mgr.wait()
     assert result.committed and result.details["files_verbatim"] >= 1
     mgr.close()
-    fresh = CheckpointManager([Tier(str(tmp_path / "archive"))])
+    fresh = CheckpointManager([Level(str(tmp_path / "archive"))])
     loaded = blank()
     assert fresh.load_latest(loaded) == 6
     check(loaded, 6)

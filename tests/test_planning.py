@@ -205,3 +205,25 @@ def test_scales_to_1024_ranks_with_tight_balance():
     ]
     per_rank = partition(items, 1024).bytes_per_rank()
     assert max(per_rank) / (sum(per_rank) / 1024) <= 1.02
+
+
+def _lpt_reference(sizes: list[int], bins: int) -> list[list[int]]:
+    """Plain LPT: largest first (ties: earlier index), each to the least-loaded bin."""
+    groups: list[list[int]] = [[] for _ in range(bins)]
+    loads = [0] * bins
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        k = loads.index(min(loads))
+        groups[k].append(i)
+        loads[k] += sizes[i]
+    return [g for g in groups if g]
+
+
+@given(st.lists(st.integers(0, 1 << 30), max_size=40), st.integers(1, 6))
+def test_balance_is_lpt_over_whole_items(sizes, bins):
+    from dcp_multilevel.planning import balance
+
+    groups = balance(sizes, bins)
+    assert sorted(i for g in groups for i in g) == list(range(len(sizes)))
+    assert all(groups) and len(groups) <= bins
+    if bins > 1 and len(sizes) > 1:
+        assert groups == _lpt_reference(sizes, bins)

@@ -528,7 +528,7 @@ def test_compressed_items_are_read_with_few_large_ranged_requests(memory_root, m
     import torch
 
     from dcp_multilevel import Compression
-    from dcp_multilevel import _copies as copies_mod
+    from dcp_multilevel.stores import coalescing as coalescing_mod
 
     g = torch.Generator().manual_seed(0)
     state = {f"t{i}": torch.randn(64, 64, generator=g) for i in range(20)}
@@ -547,7 +547,7 @@ def test_compressed_items_are_read_with_few_large_ranged_requests(memory_root, m
 
     coalesced = gets()
     assert coalesced == 2  # the manifest, then the one data file in one ranged GET
-    monkeypatch.setattr(copies_mod, "COALESCE_BYTES", 64 << 10)
+    monkeypatch.setattr(coalescing_mod, "COALESCE_BYTES", 64 << 10)
     bounded = gets()
     monkeypatch.setattr(RemoteStore, "prefers_large_reads", False)
     one_per_record = gets()  # header, chunk records, payloads, terminators: one GET each

@@ -17,11 +17,11 @@ import numpy as np
 import torch
 
 from .._registry import Registry
-from ..config import Compression
 from ..errors import RegistryError
 from ..format import frames
 from ..format.tensor_bytes import byte_view, pieces
 from .base import MIN_CODED_BYTES, Codec, element_layout
+from .options import Compression
 from .pipeline import (
     BufferPool,
     EncodeJob,
@@ -238,14 +238,13 @@ def decode_buffer(
 
     def read(n: int) -> memoryview:
         nonlocal pos
-        if pos + n > len(data):
-            raise on_chunk_error(-2, f"frames run past the item's {len(data)} stored bytes")
         pos += n
         return data[pos - n : pos]
 
-    decode_frames(read, out, codec, pool=pool, window=window, on_chunk_error=on_chunk_error)
-    if pos != len(data):
-        raise on_chunk_error(-2, f"{len(data) - pos} stored bytes follow the last frame")
+    decode_frames(
+        read, out, codec, stored_length=len(data), pool=pool, window=window,
+        on_chunk_error=on_chunk_error,
+    )  # fmt: skip
 
 
 def decompress_tensor(

@@ -376,16 +376,31 @@ def decode_frames(
     out: memoryview,
     codec: Codec,
     *,
+    stored_length: int,
     pool: Executor | None,
     window: int,
     on_chunk_error: Callable[[int, str], Exception],
 ) -> None:
-    """Decode framed bytes (pulled with ``read(n)``, exactly n bytes) into ``out``.
+    """Decode one item's frames, ``stored_length`` bytes pulled with ``read(n)``, into ``out``.
 
-    ``len(out)`` is the trusted size (from the manifest): the frames must decode
-    to exactly that. ``on_chunk_error(index, why)`` builds the exception to raise
-    for a corrupt chunk, so messages can name checkpoint, file and item.
+    ``read(n)`` returns the next ``n`` stored bytes (exactly ``n``; it is never
+    asked for bytes past ``stored_length``), in a buffer that stays valid
+    while decoding runs. ``len(out)`` and ``stored_length`` are the trusted
+    sizes (from the manifest): the frames must decode to exactly ``len(out)``
+    bytes and end exactly at ``stored_length``. ``on_chunk_error(index, why)``
+    builds the exception to raise for a corrupt chunk (index -1: the header,
+    -2: the framing as a whole), so messages can name checkpoint, file and item.
     """
+    consumed = 0
+    pull = read
+
+    def read(n: int) -> memoryview:
+        nonlocal consumed
+        if consumed + n > stored_length:
+            raise on_chunk_error(-2, f"frames run past the item's {stored_length} stored bytes")
+        consumed += n
+        return pull(n)
+
     try:
         header = frames.unpack_header(read(frames.HEADER.size))
     except frames.FrameError as e:
@@ -430,6 +445,8 @@ def decode_frames(
             f.cancel()
     if pos != len(out):
         raise on_chunk_error(index, f"frames end after {pos} of {len(out)} bytes")
+    if consumed != stored_length:
+        raise on_chunk_error(-2, f"{stored_length - consumed} stored bytes follow the last frame")
 
 
 def _decode_checked(codec, rec, payload, target, header, index, on_chunk_error) -> None:

@@ -5,14 +5,24 @@ Pure data handling: nothing here does I/O or knows about writers and readers.
 
 from .checksum import Hasher, checksum_of
 from .dtypes import dtype_from_name, dtype_name
-from .layout import DATA_DIR, data_file_path
+from .layout import (
+    DATA_DIR,
+    MANIFEST_NAME,
+    TMP_MARKER,
+    checkpoint_url,
+    data_file_path,
+    is_rank_file,
+    parse_step_dir,
+    step_dir,
+)
 from .manifest import (
     FORMAT_VERSION,
-    MANIFEST_NAME,
     ItemLocation,
     Manifest,
     decode_manifest,
     encode_manifest,
+    locations_from_json,
+    locations_to_json,
 )
 from .paths import validate_relpath
 
@@ -20,14 +30,21 @@ __all__ = [
     "DATA_DIR",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "TMP_MARKER",
     "Hasher",
     "ItemLocation",
     "Manifest",
+    "checkpoint_url",
     "checksum_of",
     "data_file_path",
     "decode_manifest",
     "dtype_from_name",
     "dtype_name",
     "encode_manifest",
+    "is_rank_file",
+    "locations_from_json",
+    "locations_to_json",
+    "parse_step_dir",
+    "step_dir",
     "validate_relpath",
 ]

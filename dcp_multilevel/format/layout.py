@@ -1,9 +1,11 @@
-"""Where files live inside one checkpoint.
+"""Where checkpoints and their files live: the one place that names them.
 
 ::
 
-    <checkpoint>/manifest.json               the commit, written last
-    <checkpoint>/data/<rank>-<n>.<token>.bin data files
+    <level root>/step-<N>/                       one checkpoint per saved step
+    <level root>/step-<N>/manifest.json          the commit, written last
+    <level root>/step-<N>/data/<rank>-<n>.<token>.bin   data files
+    ...<name>.tmp-<random>                       a local file being written
 
 ``token`` is random per rank and per save, chosen by the writing rank itself
 (no coordination: DCP's plan caching may replay an earlier plan, so nothing
@@ -16,11 +18,50 @@ disk describes exactly the data files it names.
 
 from __future__ import annotations
 
-__all__ = ["DATA_DIR", "data_file_path"]
+import re
 
+__all__ = [
+    "DATA_DIR",
+    "MANIFEST_NAME",
+    "TMP_MARKER",
+    "checkpoint_url",
+    "data_file_path",
+    "is_rank_file",
+    "parse_step_dir",
+    "step_dir",
+]
+
+#: The manifest's name inside a checkpoint (the commit: it is written last).
+MANIFEST_NAME = "manifest.json"
+#: The directory of data files inside a checkpoint.
 DATA_DIR = "data"
+#: Marks a local file still being written (published by renaming it away).
+TMP_MARKER = ".tmp-"
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(step: int) -> str:
+    """The directory name of the checkpoint of ``step`` below a level's root."""
+    return f"step-{step}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step a directory name below a level's root holds, or None if it names none."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def checkpoint_url(root: str, step: int) -> str:
+    """The location of the checkpoint of ``step`` below the level root ``root``."""
+    return f"{root.rstrip('/')}/{step_dir(step)}"
 
 
 def data_file_path(rank: int, n: int, token: str) -> str:
     """Relative path of the ``n``-th data file written by ``rank`` in the save ``token``."""
     return f"{DATA_DIR}/{rank}-{n}.{token}.bin"
+
+
+def is_rank_file(path: str, rank: int) -> bool:
+    """True when the data file ``path`` (as :func:`data_file_path` names it) is ``rank``'s."""
+    return path.startswith(f"{DATA_DIR}/{rank}-")

@@ -51,6 +51,7 @@ from .._version import __version__
 from ..errors import ManifestError, UnsupportedFormatVersionError, UnsupportedStateError
 from .checksum import is_valid_checksum
 from .dtypes import dtype_from_name, dtype_name
+from .layout import MANIFEST_NAME
 from .paths import validate_relpath
 
 __all__ = [
@@ -61,11 +62,12 @@ __all__ = [
     "Manifest",
     "decode_manifest",
     "encode_manifest",
+    "locations_from_json",
+    "locations_to_json",
 ]
 
 FORMAT_NAME = "dcp_multilevel"
 FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
 
 # Hard bounds on untrusted numbers: no tensor or file is this big, and they keep
 # products like prod(sizes) * itemsize inside what Python ints and seeks accept.
@@ -139,20 +141,7 @@ def encode_manifest(
         else:  # pragma: no cover - DCP has only these two kinds
             raise UnsupportedStateError(f"item {fqn!r} has unknown storage metadata {md!r}")
 
-    items = []
-    for index, loc in locations.items():
-        items.append(
-            {
-                "fqn": index.fqn,
-                "offsets": None if index.offset is None else list(index.offset),
-                "file": loc.file,
-                "pos": loc.offset,
-                "length": loc.length,
-                "raw_length": loc.raw_length,
-                "transforms": list(loc.transforms),
-                "checksum": loc.checksum,
-            }
-        )
+    items = locations_to_json(locations)
     # Sorted so that the same checkpoint always encodes to the same bytes.
     items.sort(key=lambda i: (i["file"], i["pos"]))
 
@@ -366,30 +355,18 @@ def _decode_items(
         what = f"items[{i}]"
         if not isinstance(item, dict):
             raise c.fail(f"{what} must be an object")
-        fqn = c.get(item, "fqn", str, what)
+        fqn, offsets_raw, loc = _decode_location(c, item, what)
+        file, pos, length, raw_length = loc.file, loc.offset, loc.length, loc.raw_length
         md = state.get(fqn)
         if md is None:
             raise c.fail(f"{what} names {fqn!r}, which is not in state_dict")
-        offsets_raw = c.get(item, "offsets", (list, type(None)), what)
-        file = validate_relpath(
-            c.get(item, "file", str, what), what=f"{what}.file", checkpoint=c.checkpoint
-        )
         if file not in files:
             raise c.fail(f"{what}.file {file!r} is not listed in 'files'")
-        pos = c.count(c.get(item, "pos", int, what), f"{what}.pos")
-        length = c.count(c.get(item, "length", int, what), f"{what}.length")
-        raw_length = c.count(c.get(item, "raw_length", int, what), f"{what}.raw_length")
         if pos + length > files[file]:
             raise c.fail(
                 f"{what} ({fqn!r}) spans bytes {pos}..{pos + length} of {file!r}, "
                 f"past its recorded size {files[file]}"
             )
-        transforms = c.get(item, "transforms", list, what)
-        if not all(isinstance(t, str) for t in transforms):
-            raise c.fail(f"{what}.transforms must be a list of strings")
-        checksum = c.get(item, "checksum", str, what)
-        if not is_valid_checksum(checksum):
-            raise c.fail(f"{what}.checksum {checksum!r} is not of the form 'xxh3_64:<16 hex>'")
 
         if isinstance(md, BytesStorageMetadata):
             if offsets_raw is not None:
@@ -407,11 +384,9 @@ def _decode_items(
                     f"{list(chunk.sizes)} {dtype_name(md.properties.dtype)} chunk"
                 )
             index = MetadataIndex(fqn, offsets)
-        if not transforms and length != raw_length:
-            raise c.fail(f"{what} ({fqn!r}) has no transforms but length != raw_length")
         if index in locations:
             raise c.fail(f"{what} ({fqn!r}, offsets {offsets_raw}) is stored twice")
-        locations[index] = ItemLocation(file, pos, length, raw_length, checksum, tuple(transforms))
+        locations[index] = loc
 
     # Every chunk and bytes item must be stored somewhere, or a load would fail late.
     for fqn, md in state.items():
@@ -423,3 +398,78 @@ def _decode_items(
             if key not in locations:
                 raise c.fail(f"{fqn!r} (offsets {key.offset}) has no stored item")
     return locations
+
+
+def _decode_location(
+    c: _Checker, item: Mapping[str, Any], what: str
+) -> tuple[str, list[Any] | None, ItemLocation]:
+    """``(fqn, raw offsets, location)`` of one item entry, checked on its own."""
+    fqn = c.get(item, "fqn", str, what)
+    offsets_raw = c.get(item, "offsets", (list, type(None)), what)
+    file = validate_relpath(
+        c.get(item, "file", str, what), what=f"{what}.file", checkpoint=c.checkpoint
+    )
+    pos = c.count(c.get(item, "pos", int, what), f"{what}.pos")
+    length = c.count(c.get(item, "length", int, what), f"{what}.length")
+    raw_length = c.count(c.get(item, "raw_length", int, what), f"{what}.raw_length")
+    transforms = c.get(item, "transforms", list, what)
+    if not all(isinstance(t, str) for t in transforms):
+        raise c.fail(f"{what}.transforms must be a list of strings")
+    checksum = c.get(item, "checksum", str, what)
+    if not is_valid_checksum(checksum):
+        raise c.fail(f"{what}.checksum {checksum!r} is not of the form 'xxh3_64:<16 hex>'")
+    if not transforms and length != raw_length:
+        raise c.fail(f"{what} ({fqn!r}) has no transforms but length != raw_length")
+    return (
+        fqn,
+        offsets_raw,
+        ItemLocation(file, pos, length, raw_length, checksum, tuple(transforms)),
+    )
+
+
+# --------------------------------------------------------------------------- locations alone
+
+
+def locations_to_json(locations: Mapping[MetadataIndex, ItemLocation]) -> list[dict[str, Any]]:
+    """Item locations as the manifest's ``items`` entries (JSON-able; sorted by file, offset)."""
+    items = [
+        {
+            "fqn": index.fqn,
+            "offsets": None if index.offset is None else list(index.offset),
+            "file": loc.file,
+            "pos": loc.offset,
+            "length": loc.length,
+            "raw_length": loc.raw_length,
+            "transforms": list(loc.transforms),
+            "checksum": loc.checksum,
+        }
+        for index, loc in locations.items()
+    ]
+    # Sorted so that the same checkpoint always encodes to the same bytes.
+    items.sort(key=lambda i: (i["file"], i["pos"]))
+    return items
+
+
+def locations_from_json(
+    items: Any, *, checkpoint: str | None = None
+) -> dict[MetadataIndex, ItemLocation]:
+    """Parse :func:`locations_to_json` output (e.g. sent by another rank), checking each entry.
+
+    Only each entry's own shape is checked here; :func:`encode_manifest` and
+    :func:`decode_manifest` check the whole set against the state it describes.
+
+    Raises:
+        ManifestError: an entry is malformed (names ``checkpoint`` in the message).
+    """
+    c = _Checker(checkpoint)
+    if not isinstance(items, list):
+        raise c.fail("item locations must be a list")
+    out: dict[MetadataIndex, ItemLocation] = {}
+    for i, item in enumerate(items):
+        what = f"items[{i}]"
+        if not isinstance(item, dict):
+            raise c.fail(f"{what} must be an object")
+        fqn, offsets_raw, loc = _decode_location(c, item, what)
+        offsets = None if offsets_raw is None else c.shape(offsets_raw, f"{what}.offsets")
+        out[MetadataIndex(fqn, offsets)] = loc
+    return out

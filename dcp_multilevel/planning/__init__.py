@@ -4,6 +4,7 @@ Nothing here touches torch.distributed, files or DCP plans; ``planner.py``
 translates between DCP and these types.
 """
 
+from .balance import balance
 from .cost import CostModel
 from .items import Item, Piece
 from .partition import Partition, PartitionOptions, partition
@@ -15,6 +16,7 @@ __all__ = [
     "Partition",
     "PartitionOptions",
     "Piece",
+    "balance",
     "choose_split_dim",
     "partition",
     "slab_bytes",

@@ -12,13 +12,21 @@ from typing import Any
 import fsspec
 
 from .._registry import Registry
-from ..config import parse_location
 from .base import ReadHandle, Store, WriteHandle
+from .location import Location, parse_location
 from .remote import RemoteStore
 
-__all__ = ["STORES", "ReadHandle", "Store", "WriteHandle", "store_for"]
+__all__ = [
+    "STORES",
+    "Location",
+    "ReadHandle",
+    "Store",
+    "WriteHandle",
+    "parse_location",
+    "store_for",
+]
 
-#: scheme -> Store subclass (constructed as ``cls(location_path_or_url, **options)``).
+#: scheme -> Store subclass (constructed as :class:`Store` documents).
 STORES: Registry[type[Store]] = Registry("dcp_multilevel.stores", "store")
 
 

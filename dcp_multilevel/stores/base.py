@@ -93,10 +93,22 @@ class FdWriteHandle:
 
 
 class Store(abc.ABC):
-    """A storage level rooted at one location (a directory, a bucket prefix, ...).
+    """Bytes stored below one root location (a directory, a bucket prefix, ...).
 
     Paths given to methods are relative POSIX paths below the root, already
     validated by the caller (see ``format.paths.validate_relpath``).
+
+    Construction (how :func:`~dcp_multilevel.stores.store_for` builds every
+    store, built-in or registered)::
+
+        cls(location, *, sync=True, **options)
+
+    ``location`` is a local path for the ``file`` scheme, the whole URL for
+    every other. ``sync=False`` lets a store skip making files durable before
+    publishing them (scratch data); a store whose uploads are durable when
+    they return accepts and ignores it. ``options`` are the user's
+    ``storage_options``; a store refuses ones it does not know with
+    :class:`~dcp_multilevel.errors.ConfigError`.
     """
 
     #: True when publishing a file is an atomic rename (a crash never leaves a

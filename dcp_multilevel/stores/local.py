@@ -17,14 +17,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..format.layout import TMP_MARKER
 from .base import FdWriteHandle, Store
 
-__all__ = ["TMP_MARKER", "LocalStore"]
+__all__ = ["LocalStore"]
 
 logger = logging.getLogger(__name__)
-
-#: Infix of temporary files; anything containing it is garbage after a crash.
-TMP_MARKER = ".tmp-"
 
 
 class _LocalReadHandle:

@@ -1,9 +1,11 @@
-"""Copying one rank's data files of a committed checkpoint to another tier.
+"""Copying one rank's data files of a committed checkpoint to another store.
 
-Used by the drain (``flush.py``). Two ways, chosen per source data file:
+Used by the store level's drain (``store.py``); it keeps only the decision
+"copy verbatim or re-encode": reading and verifying items is
+``checkpoint/items.py``'s. Two ways, chosen per source data file:
 
 * **verbatim**: every item of the file is already stored the way the target
-  tier would store it (same codec descriptor, or uncoded where the target
+  store would store it (same codec descriptor, or uncoded where the target
   leaves it uncoded). The file is copied as is, under a new name, keeping its
   offsets: with a local source through ``target.put_file`` (s3fs: one PUT, or a
   parallel multipart upload, straight from the file; no spool copy), otherwise
@@ -15,7 +17,8 @@ Used by the drain (``flush.py``). Two ways, chosen per source data file:
   from becoming the durable copy; a copy corrupted in transit is caught by
   the size check or, byte-level, by the reader's checksums on load, which
   then fall back to another copy.
-* **re-encoded**: items are read whole, verified, decoded if needed and encoded
+* **re-encoded**: items are read whole, verified and decoded (one primitive,
+  as a load does), then encoded
   for the target's codec with the codec's thread pool. The items of one source
   file are split into output files of about :data:`PART_BYTES` raw bytes that
   form a two-stage pipeline: one output is encoded (by one thread at a time,
@@ -40,18 +43,11 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from .codecs import (
-    MIN_CODED_BYTES,
-    Codec,
-    codec_for,
-    codec_from_descriptor,
-    decode_buffer,
-    encode_item,
-)
-from .config import Compression
-from .errors import ChecksumMismatchError, CorruptCheckpointError, TruncatedDataError
-from .format import Hasher, ItemLocation, Manifest, checksum_of, data_file_path
-from .stores import ReadHandle, Store
+from ..checkpoint import StoredCheckpoint, blocks_of
+from ..codecs import MIN_CODED_BYTES, Codec, Compression, codec_for, encode_item
+from ..errors import TruncatedDataError
+from ..format import Hasher, ItemLocation, Manifest, data_file_path, is_rank_file
+from ..stores import ReadHandle, Store
 
 __all__ = ["BLOCK", "PART_BYTES", "CopyStats", "copy_rank_files"]
 
@@ -65,6 +61,7 @@ BLOCK = 16 << 20
 PART_BYTES = 64 << 20
 
 Item = tuple[MetadataIndex, ItemLocation]
+Output = tuple[str, dict[MetadataIndex, ItemLocation], int]
 
 
 @dataclass
@@ -81,7 +78,7 @@ class CopyStats:
 
 def copy_rank_files(
     manifest: Manifest,
-    source: Store,
+    source: StoredCheckpoint,
     target: Store,
     rank: int,
     token: str,
@@ -89,12 +86,12 @@ def copy_rank_files(
 ) -> CopyStats:
     """Copy the data files ``rank`` wrote from ``source`` to ``target``.
 
-    Returns the items' new locations and the new files' sizes (names are
-    ``data/<rank>-<n>.<token>.bin``).
+    ``source`` must have ``manifest`` as its manifest. Returns the items' new
+    locations and the new files' sizes (names are ``data/<rank>-<n>.<token>.bin``).
 
     Raises:
         CorruptCheckpointError: an item does not match its checksum on ``source``.
-        OSError: a tier could not be read or written.
+        OSError: a store could not be read or written.
     """
     codec = codec_for(compression) if compression is not None else None
     wanted = (codec.descriptor,) if codec is not None else ()
@@ -104,17 +101,18 @@ def copy_rank_files(
     }
     by_file: dict[str, list[Item]] = {}
     for index, loc in manifest.locations.items():
-        if loc.file.split("/")[1].startswith(f"{rank}-"):
+        if is_rank_file(loc.file, rank):
             by_file.setdefault(loc.file, []).append((index, loc))
 
     # (raw bytes, task): see the ordering below.
-    tasks: list[tuple[int, Callable[[], tuple[str, dict[MetadataIndex, ItemLocation], int]]]] = []
+    tasks: list[tuple[int, Callable[[], Output]]] = []
     stats = CopyStats()
     n = 0
     encode_lock = threading.Lock()
     codec_pool: ThreadPoolExecutor | None = None
     if codec is not None and compression is not None and compression.threads > 1:
         codec_pool = ThreadPoolExecutor(compression.threads, thread_name_prefix="dcp-ml-recode")
+    recoder = _Recoder(source, target, dtypes, codec, compression, codec_pool, encode_lock)
     for file, items in sorted(by_file.items()):
         items.sort(key=lambda e: e[1].offset)
         size = manifest.files[file]
@@ -130,8 +128,7 @@ def copy_rank_files(
             n += 1
             stats.files_encoded += 1
             raw = sum(loc.raw_length for _, loc in part)
-            tasks.append((raw, _bind(_recode, source, file, part, target, out, dtypes, codec,
-                                     compression, codec_pool, encode_lock)))  # fmt: skip
+            tasks.append((raw, _bind(recoder.run, file, part, out)))
     try:
         # Two outputs in flight: one is uploaded while the next is read and encoded.
         with ThreadPoolExecutor(2, thread_name_prefix="dcp-ml-copy") as io_pool:
@@ -161,7 +158,7 @@ def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
 
 
 def _kept(loc: ItemLocation, dtype: torch.dtype | None, wanted: tuple[str, ...]) -> bool:
-    """True when the target tier stores this item exactly as the source does.
+    """True when the target store keeps this item exactly as the source does.
 
     Same codec descriptor (levels may differ: any level decodes alike), or
     stored uncoded where the target's encode_item leaves it uncoded too.
@@ -188,9 +185,9 @@ def _parts(items: list[Item]) -> Iterable[list[Item]]:
 
 
 def _copy_verbatim(
-    source: Store, file: str, size: int, items: list[Item], target: Store, out: str
-) -> tuple[str, dict[MetadataIndex, ItemLocation], int]:
-    local = source.local_path(file)
+    source: StoredCheckpoint, file: str, size: int, items: list[Item], target: Store, out: str
+) -> Output:
+    local = source.store.local_path(file)
     if local is not None:
         with ThreadPoolExecutor(1, thread_name_prefix="dcp-ml-upload") as up:
             upload: Future[None] = up.submit(target.put_file, local, out)
@@ -216,140 +213,97 @@ def _discard(target: Store, path: str) -> None:
 
 
 def _scan(
-    source: Store,
+    source: StoredCheckpoint,
     file: str,
     size: int,
     items: list[Item],
     sink: Callable[[memoryview], None] | None,
 ) -> None:
     """Read ``file`` in blocks, verifying every item; pass all bytes to ``sink`` if given."""
-    with source.open_read(file) as handle:
-        if handle.size != size:
-            raise TruncatedDataError(
-                f"data file {file!r} of {source.url} is {handle.size} bytes, the manifest "
-                f"says {size}; not copying a damaged checkpoint",
-                checkpoint=source.url,
-                file=file,
-            )
-        buf = memoryview(bytearray(max(1, min(BLOCK, size))))
+    buf = memoryview(bytearray(max(1, min(BLOCK, size))))
+    with source.open_data(file, items[0][0].fqn) as handle:
         pos = 0
         for index, loc in items:
             if sink is not None and loc.offset > pos:
-                _span(handle, source, file, pos, loc.offset, buf, sink)
-            hasher = Hasher()
-
-            def both(block: memoryview, h: Hasher = hasher) -> None:
-                h.update(block)
-                if sink is not None:
-                    sink(block)
-
-            _span(handle, source, file, loc.offset, loc.offset + loc.length, buf, both)
-            if hasher.hexdigest() != loc.checksum:
-                raise _mismatch(source, file, index.fqn)
+                _gap(handle, source, file, pos, loc.offset, buf, sink)
+            source.read_stored(handle, index.fqn, loc, blocks_of(buf, loc.length), sink)
             pos = loc.offset + loc.length
         if sink is not None and pos < size:
-            _span(handle, source, file, pos, size, buf, sink)
+            _gap(handle, source, file, pos, size, buf, sink)
 
 
-def _span(
+def _gap(
     handle: ReadHandle,
-    source: Store,
+    source: StoredCheckpoint,
     file: str,
     start: int,
     end: int,
     buf: memoryview,
-    on_block: Callable[[memoryview], None],
+    sink: Callable[[memoryview], None],
 ) -> None:
-    pos = start
-    while pos < end:
-        view = buf[: min(len(buf), end - pos)]
-        if handle.read_into(pos, view) != len(view):
+    """Copy bytes no item covers (kept so that offsets stay valid; none are verified)."""
+    for view in blocks_of(buf, end - start):
+        if handle.read_into(start, view) != len(view):
             raise TruncatedDataError(
                 f"data file {file!r} of {source.url} ended inside byte range {start}..{end}",
                 checkpoint=source.url,
                 file=file,
             )
-        on_block(view)
-        pos += len(view)
-
-
-def _mismatch(source: Store, file: str, fqn: str) -> ChecksumMismatchError:
-    return ChecksumMismatchError(
-        f"item {fqn!r} in {file!r} of {source.url} does not match its checksum; "
-        "not copying corrupt data",
-        checkpoint=source.url,
-        file=file,
-        fqn=fqn,
-    )
+        sink(view)
+        start += len(view)
 
 
 # --------------------------------------------------------------------------- re-encoded
 
 
-def _recode(
-    source: Store,
-    file: str,
-    items: list[Item],
-    target: Store,
-    out: str,
-    dtypes: dict[str, torch.dtype | None],
-    codec: Codec | None,
-    compression: Compression | None,
-    pool: Executor | None,
-    encode_lock: threading.Lock,
-) -> tuple[str, dict[MetadataIndex, ItemLocation], int]:
-    locations: dict[MetadataIndex, ItemLocation] = {}
-    window = 2 * compression.threads if compression is not None else 1
-    with source.open_read(file) as src, target.open_write(out) as dst:  # noqa: SIM117
-        # One output encodes at a time (the codec pool is shared); the upload,
-        # when the outer block exits, runs outside the lock, beside the next encode.
-        with encode_lock:
-            for index, loc in items:
-                start = dst.tell()
-                hasher = Hasher()
-                parts, transforms = _transcode(
-                    src, source, file, index.fqn, loc, dtypes[index.fqn], codec, compression,
-                    pool, window,
-                )  # fmt: skip
-                for part in parts:
-                    hasher.update(part)
-                    dst.write(part)
-                locations[index] = ItemLocation(
-                    out, start, dst.tell() - start, loc.raw_length, hasher.hexdigest(), transforms
-                )
-            size = dst.tell()
-    return out, locations, size
+@dataclass
+class _Recoder:
+    """Re-encodes items of ``source`` for the target's codec into new files."""
 
+    source: StoredCheckpoint
+    target: Store
+    dtypes: dict[str, torch.dtype | None]
+    codec: Codec | None
+    compression: Compression | None
+    pool: Executor | None
+    encode_lock: threading.Lock
 
-def _transcode(
-    src: ReadHandle,
-    source: Store,
-    file: str,
-    fqn: str,
-    loc: ItemLocation,
-    dtype: torch.dtype | None,
-    codec: Codec | None,
-    compression: Compression | None,
-    pool: Executor | None,
-    window: int,
-) -> tuple[Iterable[Any], tuple[str, ...]]:
-    """Verified stored bytes of one item, re-encoded for the target tier's codec."""
-    stored = memoryview(bytearray(loc.length))
-    if src.read_into(loc.offset, stored) != loc.length or checksum_of(stored) != loc.checksum:
-        raise _mismatch(source, file, fqn)
-    wanted = (codec.descriptor,) if codec is not None else ()
-    if _kept(loc, dtype, wanted):
-        return [stored], loc.transforms
-    raw = stored
-    if loc.transforms:
+    def run(self, file: str, items: list[Item], out: str) -> Output:
+        locations: dict[MetadataIndex, ItemLocation] = {}
+        c = self.compression
+        window = 2 * c.threads if c is not None else 1
+        limit = max(loc.offset + loc.length for _, loc in items)
+        with (  # noqa: SIM117 - the lock must be released before the upload
+            self.source.open_data(file, items[0][0].fqn, limit) as src,
+            self.target.open_write(out) as dst,
+        ):
+            # One output encodes at a time (the codec pool is shared); the upload,
+            # when this block exits, runs outside the lock, beside the next encode.
+            with self.encode_lock:
+                for index, loc in items:
+                    start = dst.tell()
+                    hasher = Hasher()
+                    transforms, parts = self._item(src, index.fqn, loc, window)
+                    for part in parts:
+                        hasher.update(part)
+                        dst.write(part)
+                    locations[index] = ItemLocation(
+                        out, start, dst.tell() - start, loc.raw_length,
+                        hasher.hexdigest(), transforms,
+                    )  # fmt: skip
+                size = dst.tell()
+        return out, locations, size
+
+    def _item(
+        self, src: ReadHandle, fqn: str, loc: ItemLocation, window: int
+    ) -> tuple[tuple[str, ...], Iterable[Any]]:
+        """(transforms, parts) of one item as the target stores it, from verified bytes."""
+        wanted = (self.codec.descriptor,) if self.codec is not None else ()
+        dtype = self.dtypes[fqn]
+        if _kept(loc, dtype, wanted):
+            stored = memoryview(bytearray(loc.length))
+            self.source.read_stored(src, fqn, loc, [stored])
+            return loc.transforms, [stored]
         raw = memoryview(bytearray(loc.raw_length))
-
-        def error(index: int, why: str) -> Exception:
-            return CorruptCheckpointError(
-                f"item {fqn!r} in {file!r} of {source.url}: chunk {index}: {why}",
-                checkpoint=source.url, file=file, fqn=fqn,
-            )  # fmt: skip
-
-        decode_buffer(stored, raw, codec_from_descriptor(loc.transforms[0]), error, pool, window)
-    transforms, parts = encode_item(raw, dtype, codec, compression, pool=pool, window=window)
-    return parts, transforms
+        self.source.read_item(src, fqn, loc, raw, pool=self.pool, window=window)
+        return encode_item(raw, dtype, self.codec, self.compression, pool=self.pool, window=window)

@@ -17,8 +17,13 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError, RemoteStoreError
-from .format.dtypes import dtype_name
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ManifestError,
+    RemoteStoreError,
+)
+from ..format.dtypes import dtype_name
 
 __all__ = ["Failure", "Trail", "item_name", "metadata_difference", "restate"]
 

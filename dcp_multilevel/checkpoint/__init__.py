@@ -1,0 +1,27 @@
+"""Stored checkpoints: one object for one checkpoint in one store, and its verified items.
+
+- ``stored.py``: :class:`StoredCheckpoint`: manifest, commit, delete, data
+  files, sweep, verified item reads; what the writer, reader, drains and
+  manager use for every checkpoint they touch.
+- ``root.py``: :class:`CheckpointRoot`: the ``step-<N>`` checkpoints below one root.
+- ``items.py``: :func:`read_item` / :func:`read_stored`: the one verified
+  read of a stored item, shared by loads and drains.
+- ``chain.py``: reading one checkpoint from a chain of copies (the reader's
+  record of which copy failed for which item, and the errors it raises).
+
+Nothing here knows about levels, drains or torch.distributed.
+"""
+
+from .items import ItemRef, blocks_of, read_item, read_stored
+from .root import CheckpointRoot
+from .stored import StoredCheckpoint, new_save_id
+
+__all__ = [
+    "CheckpointRoot",
+    "ItemRef",
+    "StoredCheckpoint",
+    "blocks_of",
+    "new_save_id",
+    "read_item",
+    "read_stored",
+]

@@ -1,0 +1,77 @@
+"""The checkpoints below one root: ``<root>/step-<N>/``, listed, opened and swept.
+
+A level of a :class:`~dcp_multilevel.manager.CheckpointManager` keeps its
+checkpoints below one root (``format/layout.py`` names them). A
+:class:`CheckpointRoot` answers what a process sees there: which steps are
+committed, and which step directories hold no manifest (abandoned by a save
+or a drain that died). On a node-local root each node sees only its own view.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from ..format import MANIFEST_NAME, checkpoint_url, parse_step_dir, step_dir
+from ..stores import Store, store_for
+from .stored import StoredCheckpoint
+
+__all__ = ["CheckpointRoot"]
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointRoot:
+    """The checkpoints stored below ``url`` (a path or URL).
+
+    Args:
+        url: the root (``/nvme/run1``, ``s3://bucket/run1``).
+        storage_options: options for its store.
+    """
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.url = url
+        self.storage_options = dict(storage_options or {})
+        self.store: Store = store_for(url, **self.storage_options)
+
+    def __repr__(self) -> str:
+        return f"CheckpointRoot({self.store.url!r})"
+
+    def location(self, step: int) -> str:
+        """Where the checkpoint of ``step`` is (a path or URL, as ``url`` is spelled)."""
+        return checkpoint_url(self.url, step)
+
+    def checkpoint(self, step: int, *, manifest_bytes: bytes | None = None) -> StoredCheckpoint:
+        """The checkpoint of ``step`` (committed or not: see :meth:`StoredCheckpoint.manifest`)."""
+        return StoredCheckpoint.at(
+            self.location(step), self.storage_options, manifest_bytes=manifest_bytes
+        )
+
+    def steps(self) -> list[int]:
+        """Steps with a committed checkpoint in this view of the root, ascending."""
+        out = []
+        for name in self.store.listdir(""):
+            step = parse_step_dir(name)
+            if step is not None and self.store.exists(f"{name}/{MANIFEST_NAME}"):
+                out.append(step)
+        return sorted(out)
+
+    def uncommitted(self) -> list[int]:
+        """Steps whose directory holds no manifest (a save or drain that did not finish)."""
+        out = []
+        for name in self.store.listdir(""):
+            step = parse_step_dir(name)
+            if step is not None and not self.store.exists(f"{name}/{MANIFEST_NAME}"):
+                out.append(step)
+        return sorted(out)
+
+    def delete(self, step: int) -> None:
+        """Remove the checkpoint of ``step``, committed or not (manifest first)."""
+        name = step_dir(step)
+        self.store.remove_tree(f"{name}/{MANIFEST_NAME}")
+        self.store.remove_tree(name)
+
+    def sweep(self, older_than_s: float) -> list[str]:
+        """Remove the store's crash leftovers older than ``older_than_s`` (see ``Store.sweep``)."""
+        return self.store.sweep(older_than_s)

@@ -1,0 +1,279 @@
+"""One checkpoint in one store: its manifest, its data files, its commit and deletion.
+
+Every part of the package that touches a stored checkpoint goes through a
+:class:`StoredCheckpoint`: the writer commits through it, the reader and the
+drains read verified items through it, the manager lists and deletes through
+it (``root.py``), and so can a command-line tool.
+
+Call order for one checkpoint (``ckpt = StoredCheckpoint.at(url)``)::
+
+    save, every rank      with ckpt.store.open_write(data_file_path(rank, n, token)) as f: ...
+    save, coordinator     ckpt.commit(metadata, locations, files, ...)   # manifest last
+                          ckpt.sweep(keep=files)        # only after the commit
+    load / drain          ckpt.manifest()               # first, in one thread
+                          with ckpt.open_data(file, fqn) as handle:    # any threads after
+                              ckpt.read_item(handle, fqn, loc, out)    # verified
+    retention             ckpt.delete()                 # manifest first
+
+A checkpoint exists iff its manifest does. The same checkpoint may be
+stored several times (node-local disk, a bucket), each copy with its own
+encoding, file layout and manifest: each copy is its own StoredCheckpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Executor
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from ..errors import CheckpointNotFoundError, DcpMultilevelError, TruncatedDataError
+from ..format import (
+    DATA_DIR,
+    MANIFEST_NAME,
+    TMP_MARKER,
+    ItemLocation,
+    Manifest,
+    decode_manifest,
+    encode_manifest,
+)
+from ..stores import ReadHandle, Store, store_for
+from ..stores.coalescing import CoalescingReader
+from .items import ItemRef, read_item, read_stored
+
+__all__ = ["StoredCheckpoint", "new_save_id"]
+
+logger = logging.getLogger(__name__)
+
+
+def new_save_id() -> str:
+    """A fresh identity for one save (copies of it on other levels keep it)."""
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}"
+
+
+class StoredCheckpoint:
+    """The checkpoint whose files are below ``store``'s root.
+
+    Args:
+        store: the store rooted at the checkpoint's directory.
+        location: how the caller named it (a path or URL; default: the store's URL).
+        manifest_bytes: the checkpoint's ``manifest.json`` as another process
+            read it (a node-local level whose manifest is on rank 0's node);
+            validated like one read from the store, which is then not asked for it.
+
+    Reading the manifest caches it (and a failure to read it): call
+    :meth:`manifest` first, in one thread; afterwards the read methods may be
+    called from several threads at once.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        location: str | None = None,
+        manifest_bytes: bytes | None = None,
+    ) -> None:
+        self.store = store
+        self.location = location if location is not None else store.url
+        self._manifest_bytes = manifest_bytes
+        self._manifest: Manifest | None = None
+        self._error: DcpMultilevelError | OSError | None = None
+
+    @classmethod
+    def at(
+        cls,
+        location: str | os.PathLike[str],
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        sync: bool = True,
+        manifest_bytes: bytes | None = None,
+    ) -> StoredCheckpoint:
+        """The checkpoint at a path or URL (its store chosen by URL scheme).
+
+        ``sync=False`` lets the store skip fsync (scratch data only).
+        """
+        location = os.fspath(location)
+        store = store_for(location, sync=sync, **dict(storage_options or {}))
+        return cls(store, location=location, manifest_bytes=manifest_bytes)
+
+    @property
+    def url(self) -> str:
+        """The checkpoint's location as a URL (how messages and metrics name it)."""
+        return self.store.url
+
+    def __repr__(self) -> str:
+        return f"StoredCheckpoint({self.url!r})"
+
+    # ------------------------------------------------------------------ manifest
+
+    def is_committed(self) -> bool:
+        """True when the manifest exists (asks the store; no cache)."""
+        return self.store.exists(MANIFEST_NAME)
+
+    def manifest_bytes(self) -> bytes:
+        """The manifest as stored (not validated).
+
+        Raises:
+            CheckpointNotFoundError: there is none (the checkpoint is not committed).
+            OSError: the store could not be read.
+        """
+        if self._manifest_bytes is not None:
+            return self._manifest_bytes
+        try:
+            return self.store.read_bytes(MANIFEST_NAME)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint at {self.url}: {MANIFEST_NAME} is missing "
+                "(a save that did not finish leaves none). Check the path, or load an "
+                "earlier checkpoint.",
+                checkpoint=self.url,
+            ) from None
+
+    def manifest(self) -> Manifest:
+        """The validated manifest, read on first use.
+
+        A failure is remembered too: asking again raises the same error without
+        touching the store, until :meth:`forget`.
+
+        Raises:
+            CheckpointNotFoundError: there is no manifest (not committed).
+            ManifestError: the manifest is invalid.
+            OSError: the store could not be read (e.g. ``RemoteStoreError``).
+        """
+        if self._manifest is None:
+            if self._error is not None:
+                raise self._error
+            try:
+                self._manifest = decode_manifest(self.manifest_bytes(), checkpoint=self.url)
+            except (DcpMultilevelError, OSError) as e:
+                self._error = e
+                raise
+        return self._manifest
+
+    def forget(self) -> None:
+        """Drop the cached manifest (or error): the next use reads it again."""
+        self._manifest = None
+        self._error = None
+
+    def commit(
+        self,
+        metadata: Metadata,
+        locations: Mapping[MetadataIndex, ItemLocation],
+        files: Mapping[str, int],
+        *,
+        save_id: str,
+        world_size: int,
+    ) -> None:
+        """Write the manifest, atomically and last: from now on the checkpoint exists.
+
+        Every file ``files`` names must be durable in the store already.
+
+        Raises:
+            UnsupportedStateError: the metadata cannot be stored (see ``encode_manifest``).
+            OSError: the store could not be written (nothing is committed).
+        """
+        doc = encode_manifest(
+            metadata, locations, files, save_id=save_id, world_size=world_size,
+            created_unix=time.time(),
+        )  # fmt: skip
+        self.store.write_atomic(MANIFEST_NAME, doc)
+        self.forget()
+        logger.info(
+            "committed checkpoint %s: %d items, %d bytes in %d files",
+            self.url, len(locations), sum(files.values()), len(files),
+        )  # fmt: skip
+
+    def delete(self) -> None:
+        """Remove the checkpoint: the manifest first, so a half-deleted one does not exist."""
+        self.store.remove_tree(MANIFEST_NAME)
+        self.store.remove_tree("")
+        self.forget()
+
+    # ------------------------------------------------------------------ data files
+
+    def data_files(self) -> set[str]:
+        """The data files present in this process's view of the store (``data/...``)."""
+        return {f"{DATA_DIR}/{name}" for name in self.store.listdir(DATA_DIR)}
+
+    def sweep(self, keep: Iterable[str]) -> None:
+        """Delete every data file not in ``keep`` and temporary leftovers; never raises.
+
+        Called by the committer right after :meth:`commit`, with the files the
+        new manifest names: what an overwritten save or a crashed writer left.
+        """
+        keep = set(keep)
+        stale = sorted(self.data_files() - keep)
+        stale += [name for name in self.store.listdir("") if TMP_MARKER in name]
+        for path in stale:
+            try:
+                self.store.remove_tree(path)
+            except OSError as e:
+                # The checkpoint is committed; leftover bytes only cost space.
+                logger.warning("could not delete stale %s in %s: %s", path, self.url, e)
+
+    @contextmanager
+    def open_data(self, file: str, fqn: str, limit: int | None = None) -> Iterator[ReadHandle]:
+        """Open data file ``file`` after checking it has the size the manifest records.
+
+        ``fqn`` (an item that needs the file) only names it in the error. On a
+        store where every request is a round trip (``prefers_large_reads``),
+        reads are served from larger blocks fetched in one request each
+        (:class:`~dcp_multilevel.stores.coalescing.CoalescingReader`), never
+        past byte ``limit`` (the end of the last item the caller needs; None:
+        the whole file).
+
+        Raises:
+            TruncatedDataError: the file is missing or has the wrong size.
+        """
+        expected = self.manifest().files[file]
+        with ExitStack() as stack:
+            try:
+                handle = stack.enter_context(self.store.open_read(file))
+            except FileNotFoundError:
+                raise TruncatedDataError(
+                    f"data file {file!r} of checkpoint {self.url} is missing "
+                    f"(needed for {fqn!r}); the checkpoint is damaged",
+                    checkpoint=self.url,
+                    file=file,
+                    fqn=fqn,
+                ) from None
+            if self.store.prefers_large_reads:
+                handle = CoalescingReader(handle, limit)
+            if handle.size != expected:
+                raise TruncatedDataError(
+                    f"data file {file!r} of checkpoint {self.url} is {handle.size} bytes, "
+                    f"the manifest says {expected}; the checkpoint is damaged",
+                    checkpoint=self.url,
+                    file=file,
+                )
+            yield handle
+
+    def read_item(
+        self,
+        handle: ReadHandle,
+        fqn: str,
+        loc: ItemLocation,
+        out: memoryview,
+        *,
+        pool: Executor | None = None,
+        window: int = 1,
+    ) -> None:
+        """Decoded, verified bytes of one item into ``out`` (see :func:`.items.read_item`)."""
+        read_item(handle, ItemRef(self.url, fqn, loc), out, pool=pool, window=window)
+
+    def read_stored(
+        self,
+        handle: ReadHandle,
+        fqn: str,
+        loc: ItemLocation,
+        blocks: Iterable[memoryview],
+        on_block: Callable[[memoryview], None] | None = None,
+    ) -> None:
+        """Stored bytes of one item into ``blocks``, verified (see :func:`.items.read_stored`)."""
+        read_stored(handle, ItemRef(self.url, fqn, loc), blocks, on_block)

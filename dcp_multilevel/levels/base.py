@@ -1,0 +1,139 @@
+"""The level interface: what one rung of the multi-level ladder does with checkpoints.
+
+A :class:`~dcp_multilevel.config.Level` says where a level is, how often it
+takes a save, how many it keeps and how it codes them. Its
+:class:`LevelDriver` says *who sends which bytes where* to bring a
+committed first-level checkpoint onto it (a drain), and where a load finds
+its copy. A store level (``store.py``) has each rank copy its own files to
+a URL; other kinds (copies on partner nodes, erasure-coded parity across a
+group) are further drivers, each in its own file, registered by kind name
+(``__init__.py``).
+
+Call order (the manager makes every call; every rank unless said)::
+
+    driver = driver_for(level)            construction
+    driver.sweep(older_than_s)            construction: crash leftovers
+    driver.steps()                        main thread: discovery; rank 0 also for retention
+    driver.checkpoint(step)               main thread: the copy a load reads from
+    driver.drain(job, manifest, link)     a background drain thread, on every rank at
+                                          once: bring ``job.source`` onto this level;
+                                          collective agreement only through ``link``
+                                          (the c10d store, never the trainer's group)
+    driver.delete(step)                   retention, main thread or drain thread: rank 0
+                                          for every level, and every other rank too for
+                                          the first level (each node its own view)
+
+``steps``/``uncommitted``/``checkpoint``/``delete``/``sweep`` default to
+checkpoints below the level's ``url`` (``<url>/step-<N>/``); a kind that
+keeps them elsewhere overrides them.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..checkpoint import CheckpointRoot, StoredCheckpoint
+from ..config import Level
+from ..format import Manifest
+from .link import DrainLink
+
+__all__ = ["DrainJob", "DrainResult", "LevelDriver"]
+
+
+@dataclass(frozen=True)
+class DrainJob:
+    """Bring the committed checkpoint ``source`` (of ``step``) onto the level ``target``."""
+
+    step: int
+    source: StoredCheckpoint  # this rank's view of the first level's copy
+    target: LevelDriver
+    drain_id: str  # identical on every rank for the same drain
+    committed_unix: float  # when the source checkpoint was committed
+
+
+@dataclass
+class DrainResult:
+    """What one drain did on this rank (metrics; the coordinator's says whether it committed)."""
+
+    step: int
+    level: str  # URL of the target level
+    bytes_stored: int = 0
+    seconds: float = 0.0
+    lag_seconds: float = 0.0  # source commit -> target commit (coordinator)
+    committed: bool = False
+    skipped: bool = False
+    error: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        """Bytes stored on the target per second of this rank's drain, in GB/s."""
+        return self.bytes_stored / self.seconds / 1e9 if self.seconds else 0.0
+
+    def record(self, rank: int) -> dict[str, Any]:
+        """This drain as a metrics record (see ``metrics.py``)."""
+        return {
+            "kind": "drain", "rank": rank, "step": self.step, "level": self.level,
+            "bytes": self.bytes_stored, "seconds": self.seconds, "gbps": self.gbps,
+            "lag_seconds": self.lag_seconds, "committed": self.committed,
+            "skipped": self.skipped, "error": self.error, **self.details,
+            "unix": time.time(),
+        }  # fmt: skip
+
+
+class LevelDriver(abc.ABC):
+    """How one level holds checkpoints; see the module docstring for the call order.
+
+    Args:
+        level: the user's configuration of this level.
+        root: where this level's checkpoints are (default: below ``level.url``).
+    """
+
+    def __init__(self, level: Level, root: CheckpointRoot | None = None) -> None:
+        self.level = level
+        self.root = root if root is not None else CheckpointRoot(level.url, level.storage_options)
+
+    @property
+    def url(self) -> str:
+        """The level's root as the user wrote it (names it in logs, metrics and errors)."""
+        return self.level.url
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    def steps(self) -> list[int]:
+        """Steps committed on this level, as this rank sees it, ascending."""
+        return self.root.steps()
+
+    def uncommitted(self) -> list[int]:
+        """Steps begun here but never committed (their leftovers are swept by retention)."""
+        return self.root.uncommitted()
+
+    def checkpoint(self, step: int, *, manifest_bytes: bytes | None = None) -> StoredCheckpoint:
+        """This level's copy of ``step`` (``manifest_bytes``: as another rank read it)."""
+        return self.root.checkpoint(step, manifest_bytes=manifest_bytes)
+
+    def delete(self, step: int) -> None:
+        """Remove this level's copy of ``step`` (committed or not; manifest first)."""
+        self.root.delete(step)
+
+    def sweep(self, older_than_s: float) -> list[str]:
+        """Remove crash leftovers older than ``older_than_s`` seconds; return what went."""
+        return self.root.sweep(older_than_s)
+
+    @abc.abstractmethod
+    def drain(self, job: DrainJob, manifest: Manifest, link: DrainLink) -> DrainResult:
+        """Bring ``job.source`` (whose manifest is ``manifest``) onto this level.
+
+        Runs in a background thread on every rank at once; ranks agree only
+        through ``link`` (see ``link.py``). The
+        coordinator's result says ``committed=True`` once this level's copy is
+        committed (its manifest written last); every rank returns only after
+        that, so a finished drain means "on this level" everywhere.
+
+        Raises:
+            Exception: any failure; the drainer records it and tells the other ranks.
+        """

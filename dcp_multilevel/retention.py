@@ -1,0 +1,53 @@
+"""Retention rules: which checkpoints a level may delete (pure: no I/O).
+
+The manager lists a level, asks these rules, and deletes what they return
+(manifest first, so a half-deleted checkpoint does not exist). The rules:
+
+- keep the newest ``keep`` complete checkpoints (``None``: all);
+- never delete the newest complete checkpoint, nor a protected one: one
+  being drained, or (on the first level) one a higher level is due to hold
+  but is not known to hold yet (a remote outage grows the first level
+  instead of losing the only copy);
+- a step directory without a manifest, older than the newest complete
+  checkpoint and not protected, was abandoned by a save or drain that died.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Sequence
+
+__all__ = ["abandoned", "expired", "not_yet_above"]
+
+
+def expired(complete: Sequence[int], keep: int | None, protected: Collection[int]) -> list[int]:
+    """The complete steps (ascending in ``complete``) past ``keep`` that may be deleted."""
+    if not complete:
+        return []
+    kept = set(complete[-keep:]) if keep else set(complete)
+    kept.add(max(complete))
+    return [s for s in complete if s not in kept and s not in protected]
+
+
+def abandoned(
+    uncommitted: Iterable[int], complete: Sequence[int], protected: Collection[int]
+) -> list[int]:
+    """The uncommitted steps that are leftovers: older than the newest complete one."""
+    if not complete:
+        return []
+    newest = max(complete)
+    return [s for s in uncommitted if s < newest and s not in protected]
+
+
+def not_yet_above(
+    complete: Iterable[int],
+    due: Callable[[int], bool],
+    known: Collection[int],
+    skipped: Collection[int],
+) -> set[int]:
+    """First-level steps a higher level is due to hold but is not known to hold yet.
+
+    ``due(step)``: the schedule's decision for that level; ``known``: steps
+    known to be committed there; ``skipped``: steps deliberately not sent
+    there (the skip policy), which need no protection.
+    """
+    return {s for s in complete if due(s) and s not in known and s not in skipped}
