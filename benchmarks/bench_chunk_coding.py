@@ -32,7 +32,6 @@ import dcp_multilevel
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import BertConfig, machine_info, markdown_table
 from _data import bert_adamw_state, cast_state, minilm_state
-
 from dcp_multilevel.codecs.bytegroup import ByteGroupCodec
 from dcp_multilevel.format.tensor_bytes import byte_view
 

@@ -87,6 +87,10 @@ from fsspec.implementations.local import LocalFileSystem
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import dcp_multilevel._transfer as transfer_mod
+import dcp_multilevel.codecs.pipeline as pipeline_mod
+import dcp_multilevel.tiers.local as local_mod
+import dcp_multilevel.writer as writer_mod
 from _common import (
     BertConfig,
     assert_state_equal,
@@ -102,11 +106,6 @@ from _common import (
     zeros_like_state,
 )
 from _data import bert_layers, tiny_bert_config
-
-import dcp_multilevel._transfer as transfer_mod
-import dcp_multilevel.codecs.pipeline as pipeline_mod
-import dcp_multilevel.tiers.local as local_mod
-import dcp_multilevel.writer as writer_mod
 from dcp_multilevel import CheckpointManager, MultiLevelWriter, Tier
 from dcp_multilevel.tiers import remote as remote_mod
 from dcp_multilevel.tiers import tier_for

@@ -42,7 +42,6 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import BertConfig, bert_pretraining_shapes, markdown_table
 from _phases import PHASES, Clock, timed_planner, timed_writer
-
 from dcp_multilevel import BalancedSavePlanner, MultiLevelWriter
 
 
