@@ -299,8 +299,3 @@ def float_sets(
             del bases[family]  # the last use of this fp32 base
         yield name, base if dtype == "fp32" else cast_state(base, torch.bfloat16)
         del base
-
-
-def tiny_bert_config() -> BertConfig:
-    """Deprecated spelling of ``bert_config(tiny=True)``, until every script uses that."""
-    return bert_config(tiny=True)
