@@ -31,14 +31,16 @@ import json
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-GB = 1e9
+from _disk import scratch_dir
+from _measure import GB, median, rotated
+from _report import verdict
+
+VARIANTS = ("stock", "ours", "ours-budget")
 
 
 def _rss() -> int:
@@ -47,6 +49,7 @@ def _rss() -> int:
 
 
 def run_variant(variant: str, gb: float, saves: int, root: Path, budget_gb: float) -> dict:
+    """The measurement, in a fresh process: ``saves`` async saves of a ``gb`` GB state."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -64,15 +67,13 @@ def run_variant(variant: str, gb: float, saves: int, root: Path, budget_gb: floa
     x = torch.rand(64)
     keys = list(state)
 
-    def step(k: int) -> None:
+    def timed_step(k: int) -> float:
+        """One training step: small tensor ops from Python, then update one slice."""
+        t0 = time.perf_counter()
         y = x
         for _ in range(50):
             y = y * 1.0001 + 0.0001
         state[keys[k % len(keys)]][:4096].add_(1e-3)
-
-    def timed_step(k: int) -> float:
-        t0 = time.perf_counter()
-        step(k)
         return time.perf_counter() - t0
 
     src = torch.rand(64 << 20)
@@ -112,19 +113,27 @@ def run_variant(variant: str, gb: float, saves: int, root: Path, budget_gb: floa
     return {
         "variant": variant,
         "state_bytes": total,
-        "memcpy_gbps": statistics.median(memcpy),
+        "memcpy_gbps": median(memcpy),
         "blocked": blocked,
-        "step_idle": statistics.median(idle),
-        "step_inflight": statistics.median(inflight) if inflight else float("nan"),
+        "step_idle": median(idle),
+        "step_inflight": median(inflight),
         "inflight_steps": len(inflight),
         "rss": rss,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
 
 
+def in_fresh_process(variant: str, args: argparse.Namespace, root: Path) -> dict:
+    """:func:`run_variant` in a new interpreter (clean RSS): this script, ``--variant``."""
+    cmd = [sys.executable, __file__, "--variant", variant, "--gb", str(args.gb)]
+    cmd += ["--budget-gb", str(args.budget_gb), "--saves", str(args.saves), "--root", str(root)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def _summary(r: dict) -> dict:
     later = r["blocked"][1:] or r["blocked"]
-    b = statistics.median(later)
+    b = median(later)
     rss = r["rss"]
     return {
         "blocked_s": b,
@@ -153,31 +162,26 @@ def main() -> None:
         default=0.0,
         help="also run ours with StagingConfig(budget_bytes=this) (0: skip)",
     )
-    ap.add_argument("--variant", choices=["stock", "ours", "ours-budget"], help=argparse.SUPPRESS)
+    ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=None, help="write all raw figures here")
     args = ap.parse_args()
-    if args.variant:
+    if args.variant:  # the child process
         print(json.dumps(run_variant(args.variant, args.gb, args.saves, args.root, args.budget_gb)))
         return
-    root = args.root or Path(tempfile.mkdtemp(prefix="bench-async-"))
-    root.mkdir(parents=True, exist_ok=True)
-    variants = ["stock", "ours"] + (["ours-budget"] if args.budget_gb else [])
+
+    variants = list(VARIANTS if args.budget_gb else VARIANTS[:2])
     runs: dict[str, list[dict]] = {v: [] for v in variants}
-    for rep in range(args.repeats):
-        order = variants if rep % 2 == 0 else variants[::-1]
-        for v in order:
-            cmd = [sys.executable, __file__, "--variant", v, "--gb", str(args.gb)]
-            cmd += ["--budget-gb", str(args.budget_gb)]
-            cmd += ["--saves", str(args.saves), "--root", str(root)]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            runs[v].append(json.loads(out.strip().splitlines()[-1]))
-            print(f"repeat {rep} {v}: done", file=sys.stderr)
+    with scratch_dir(args.root, "bench-async-") as root:
+        for rep in range(args.repeats):
+            for v in rotated(variants, rep):
+                runs[v].append(in_fresh_process(v, args, root))
+                print(f"repeat {rep} {v}: done", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
     s = {v: [_summary(r) for r in rs] for v, rs in runs.items()}
 
     def med(v: str, key: str) -> float:
-        return statistics.median(x[key] for x in s[v])
+        return median(x[key] for x in s[v])
 
     rows = [
         ("blocked per save (s)", "blocked_s", "{:.3f}"),
@@ -200,25 +204,18 @@ def main() -> None:
     print("|---|" + "---:|" * len(variants))
     for label, key, fmt in rows:
         print(f"| {label} | " + " | ".join(fmt.format(med(v, key)) for v in variants) + " |")
+
     ratio = med("stock", "blocked_s") / med("ours", "blocked_s")
     share = med("ours", "staging_gbps") / med("ours", "memcpy_gbps")
-    goals = [
+    slowdown, growth = med("ours", "slowdown"), med("ours", "rss_growth")
+    print()
+    for text, ok in [
         (f"blocked {ratio:.1f}x smaller than stock (goal >= 3x)", ratio >= 3),
         (f"staging at {share:.0%} of memcpy (goal >= 50%)", share >= 0.5),
-        (
-            f"step slowdown in flight {med('ours', 'slowdown'):+.1%} (goal <= 10%)",
-            med("ours", "slowdown") <= 0.10,
-        ),
-        (
-            f"RSS growth save 3 -> last {med('ours', 'rss_growth'):+.1%} (goal within 5%)",
-            abs(med("ours", "rss_growth")) <= 0.05,
-        ),
-    ]
-    print()
-    for text, ok in goals:
-        print(f"{'PASS' if ok else 'MISS'}  {text}")
-    if args.root is None:
-        shutil.rmtree(root, ignore_errors=True)
+        (f"step slowdown in flight {slowdown:+.1%} (goal <= 10%)", slowdown <= 0.10),
+        (f"RSS growth save 3 -> last {growth:+.1%} (goal within 5%)", abs(growth) <= 0.05),
+    ]:
+        print(f"{verdict(ok)}  {text}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ with stock DCP and ZipNN.
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import time
@@ -28,13 +27,10 @@ import numpy as np
 import torch
 
 import dcp_multilevel
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _common import BertConfig, machine_info, markdown_table
-from _data import bert_adamw_state, cast_state, minilm_state
-
+from _data import FLOAT_SETS, BertConfig, float_sets, tensor_bytes
+from _measure import median
+from _report import markdown_table, print_header
 from dcp_multilevel.codecs.bytegroup import ByteGroupCodec
-from dcp_multilevel.format.tensor_bytes import byte_view
 
 CHUNK = 1 << 20
 
@@ -43,7 +39,7 @@ def chunks(state: dict[str, torch.Tensor]) -> list[memoryview]:
     """Every tensor in CHUNK-byte pieces, as a writer frames them (tails under 4 KiB skipped)."""
     out = []
     for t in state.values():
-        view = byte_view(t.contiguous())
+        view = tensor_bytes(t.contiguous())
         out += [view[i : i + CHUNK] for i in range(0, len(view), CHUNK) if len(view) - i >= 4096]
     return out
 
@@ -70,27 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers < 1 or args.repeat < 1:
         p.error("--layers and --repeat must be >= 1")
 
-    command = " ".join(["python", f"benchmarks/{Path(__file__).name}", *sys.argv[1:]])
-    print(f"# bench_chunk_coding: `{command}`")
-    for key, value in machine_info(Path(__file__).parent).items():
-        print(f"- {key}: {value}")
+    print_header(__file__, Path(__file__).parent)
     # The package imported may come from another checkout (PYTHONPATH), to compare commits.
     package = Path(dcp_multilevel.__file__).parent
     git = ["git", "-C", str(package), "rev-parse", "--short", "HEAD"]
     done = subprocess.run(git, check=False, capture_output=True, text=True)
     commit = done.stdout.strip() or "unknown"
     print(f"- coder: {package} at git {commit}\n")
-    bert = bert_adamw_state(BertConfig(num_hidden_layers=args.layers))
-    minilm = minilm_state()
-    sets = {
-        "minilm-fp32": minilm,
-        "minilm-bf16": cast_state(minilm, torch.bfloat16),
-        f"bert-adamw-{args.layers}l-fp32": bert,
-        f"bert-adamw-{args.layers}l-bf16": cast_state(bert, torch.bfloat16),
-    }
     codec = ByteGroupCodec()
     rows = []
-    for name, state in sets.items():
+    for set_name, state in float_sets(FLOAT_SETS, BertConfig(num_hidden_layers=args.layers)):
+        name = set_name.replace("bert-adamw", f"bert-adamw-{args.layers}l")
         dtype = next(iter(state.values())).dtype
         width, rotate = codec.layout(dtype)
         pieces = chunks(state)
@@ -103,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             stored, mixes = code_all(codec, pieces, width, rotate, out)
             seconds.append(time.perf_counter() - t0)
         mix = ", ".join(f"{m}: {b / raw:.0%}" for m, b in mixes.most_common(3))
-        s = statistics.median(seconds)
+        s = median(seconds)
         rows.append([name, f"{raw / 1e6:.0f}", f"{stored / raw:.4f}", f"{raw / s / 1e6:.0f}", mix])
         print(f"{name}: {raw / s / 1e6:.0f} MB/s", file=sys.stderr)
-    print(markdown_table(["set", "MB", "ratio", "code MB/s (1 thread)", "plane methods"], rows))
+    print(markdown_table("set | MB | ratio | code MB/s (1 thread) | plane methods", rows))
     print(f"\nMedians of {args.repeat} passes after one warm-up pass; 1 MB = 1e6 B.")
     return 0
 

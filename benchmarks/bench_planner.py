@@ -39,27 +39,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _common import BertConfig, bert_pretraining_shapes, markdown_table
+from _data import bert_adamw_meta_state, bert_config, bert_state
+from _measure import median, rotated, spread
 from _phases import PHASES, Clock, timed_planner, timed_writer
-
+from _report import markdown_table, verdict
 from dcp_multilevel import BalancedSavePlanner, MultiLevelWriter
 
-
-def bert_adamw_state(device: str = "meta", scale: float = 1.0) -> dict:
-    """BERT-large parameters plus AdamW state (exp_avg, exp_avg_sq, step) per parameter."""
-    cfg = BertConfig(num_hidden_layers=max(1, round(24 * scale)))
-    shapes = bert_pretraining_shapes(cfg)
-    model = {n: torch.empty(s, device=device) for n, s in shapes.items()}
-    optim = {
-        n: {
-            "step": torch.empty((), device=device),
-            "exp_avg": torch.empty(s, device=device),
-            "exp_avg_sq": torch.empty(s, device=device),
-        }
-        for n, s in shapes.items()
-    }
-    return {"model": model, "optim": {"state": optim, "param_groups": [{"lr": 1e-4}]}}
+PLANNERS = {"stock": DefaultSavePlanner, "ours": BalancedSavePlanner}
+WRITERS = {"ours": MultiLevelWriter, "FileSystemWriter": FileSystemWriter}
 
 
 def _local_plan(planner_cls, state, **kwargs):
@@ -69,16 +56,14 @@ def _local_plan(planner_cls, state, **kwargs):
 
 
 def _per_rank(global_plan) -> tuple[list[int], list[int]]:
+    """(bytes, items) that each rank's plan writes."""
     nbytes, items = [], []
     for plan in global_plan:
         b = 0
         for w in plan.items:
             if w.tensor_data is not None:
-                sizes = w.tensor_data.chunk.sizes
-                n = 1
-                for s in sizes:
-                    n *= s
-                b += n * w.tensor_data.properties.dtype.itemsize
+                numel = math.prod(w.tensor_data.chunk.sizes)
+                b += numel * w.tensor_data.properties.dtype.itemsize
             elif w.bytes_io_data is not None:
                 b += w.bytes_io_data.nbytes
         nbytes.append(b)
@@ -95,17 +80,20 @@ def _nlogn(n: int) -> float:
     return n * math.log2(n) if n > 1 else 1.0
 
 
+# ------------------------------------------------------------------ plan only
+
+
 def plan_only(world_sizes: list[int], repeat: int) -> tuple[str, list[str]]:
     """The plan-only table and one PASS/MISS line per goal."""
-    state = bert_adamw_state()
-    classes = {"stock": DefaultSavePlanner, "ours": BalancedSavePlanner}
+    state = bert_adamw_meta_state(bert_config())
     # Data parallel: every rank's local plan is the same (stock's and ours are
     # equal), and reaches the coordinator unpickled (DCP's gather_object), one
     # object tree per rank.
     blob = pickle.dumps(_local_plan(DefaultSavePlanner, state)[1])
+    local_items = len(pickle.loads(blob).items)  # noqa: S301 - our own bytes
     rows, measured = [], []
     for n in world_sizes:
-        times: dict[str, list[float]] = {"stock": [], "ours": []}
+        wall: dict[str, list[float]] = {"stock": [], "ours": []}
         cpu: dict[str, list[float]] = {"stock": [], "ours": []}
         results = {}
         for rep in range(repeat):  # median: one run at this scale is mostly noise
@@ -119,11 +107,11 @@ def plan_only(world_sizes: list[int], repeat: int) -> tuple[str, list[str]]:
             gc.freeze()
             gc.enable()
             # Alternate which planner goes first, so neither always runs on a warmer heap.
-            for name in ("stock", "ours") if rep % 2 == 0 else ("ours", "stock"):
-                planner, _ = _local_plan(classes[name], state)
+            for name in rotated(list(PLANNERS), rep):
+                planner, _ = _local_plan(PLANNERS[name], state)
                 t0, c0 = time.perf_counter(), time.process_time()
                 global_plan, _ = planner.create_global_plan(plans)
-                times[name].append(time.perf_counter() - t0)
+                wall[name].append(time.perf_counter() - t0)
                 # CPU time too: on a shared box, wall time at the 20 ms scale is
                 # mostly time spent preempted.
                 cpu[name].append(time.process_time() - c0)
@@ -131,51 +119,24 @@ def plan_only(world_sizes: list[int], repeat: int) -> tuple[str, list[str]]:
                 del planner, global_plan
             gc.unfreeze()
             del plans
-        local_items = len(pickle.loads(blob).items)  # noqa: S301
         big_n = local_items * n  # items x ranks: what the coordinator reads
-        s_t, o_t = (statistics.median(times[k]) for k in ("stock", "ours"))
-        s_c, o_c = (statistics.median(cpu[k]) for k in ("stock", "ours"))
+        s_t, o_t = median(wall["stock"]), median(wall["ours"])
+        s_c, o_c = median(cpu["stock"]), median(cpu["ours"])
         (s_b, s_i), (o_b, o_i) = results["stock"], results["ours"]
         measured.append((n, big_n, s_t, o_t, _ratio(o_b), s_c, o_c))
         rows.append(
-            [
-                n,
-                f"{_ratio(s_b):.3f}",
-                f"{_ratio(o_b):.3f}",
-                f"{_ratio(s_i):.2f}",
-                f"{_ratio(o_i):.2f}",
-                f"{s_t:.3f}",
-                f"{o_t:.3f}",
-                f"{o_t / s_t:.2f}",
-                f"{s_c:.3f}",
-                f"{o_c:.3f}",
-                f"{o_c / s_c:.2f}",
-                big_n,
-                f"{o_t / _nlogn(big_n) * 1e9:.1f}",
-                sum(o_i),
-            ]
-        )
+            [n, f"{_ratio(s_b):.3f}", f"{_ratio(o_b):.3f}", f"{_ratio(s_i):.2f}",
+             f"{_ratio(o_i):.2f}", f"{s_t:.3f}", f"{o_t:.3f}", f"{o_t / s_t:.2f}",
+             f"{s_c:.3f}", f"{o_c:.3f}", f"{o_c / s_c:.2f}", big_n,
+             f"{o_t / _nlogn(big_n) * 1e9:.1f}", sum(o_i)]
+        )  # fmt: skip
         print(f"  planned {n} ranks", file=sys.stderr, flush=True)
-    table = markdown_table(
-        [
-            "ranks",
-            "stock max/mean bytes",
-            "ours max/mean bytes",
-            "stock max/mean items",
-            "ours max/mean items",
-            "stock plan s",
-            "ours plan s",
-            "ours/stock time",
-            "stock CPU s",
-            "ours CPU s",
-            "ours/stock CPU",
-            "N = items x ranks",
-            "ours ns / (N log2 N)",
-            "ours items",
-        ],
-        rows,
+    headers = (
+        "ranks | stock max/mean bytes | ours max/mean bytes | stock max/mean items | "
+        "ours max/mean items | stock plan s | ours plan s | ours/stock time | stock CPU s | "
+        "ours CPU s | ours/stock CPU | N = items x ranks | ours ns / (N log2 N) | ours items"
     )
-    return table, _goals(measured)
+    return markdown_table(headers, rows), _goals(measured)
 
 
 def _goals(measured: list[tuple]) -> list[str]:
@@ -183,10 +144,6 @@ def _goals(measured: list[tuple]) -> list[str]:
 
     ``measured``: (ranks, N, stock s, ours s, ours max/mean bytes, stock CPU s, ours CPU s).
     """
-
-    def verdict(ok: bool) -> str:
-        return "PASS" if ok else "MISS"
-
     worst_balance = max(m[4] for m in measured)
     worst_speed = max(m[3] / m[2] for m in measured)
     worst_cpu = max(m[6] / m[5] for m in measured)
@@ -208,23 +165,14 @@ def _goals(measured: list[tuple]) -> list[str]:
     tail = measured[-4:]
     if len(tail) >= 2:
         xs = [math.log(m[1]) for m in tail]
-        ys = [math.log(m[3]) for m in tail]
-        zs = [math.log(_nlogn(m[1])) for m in tail]
-        slope = _slope(xs, ys)
-        nlogn = _slope(xs, zs)
+        slope = statistics.linear_regression(xs, [math.log(m[3]) for m in tail]).slope
+        nlogn = statistics.linear_regression(xs, [math.log(_nlogn(m[1])) for m in tail]).slope
         lines.append(
             f"growth no worse than N log N (N = items x ranks, {tail[0][0]}..{tail[-1][0]} "
             f"ranks): {verdict(slope <= nlogn + 0.1)} (time ~ N^{slope:.2f}; "
             f"N log N ~ N^{nlogn:.2f} there)"
         )
     return lines
-
-
-def _slope(xs: list[float], ys: list[float]) -> float:
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
-        (x - mx) ** 2 for x in xs
-    )
 
 
 # ------------------------------------------------------------------ end to end
@@ -240,24 +188,20 @@ COMBOS = (
 
 
 def _e2e_rank(rank: int, world: int, root: str, scale: float, repeat: int, sync: bool) -> dict:
+    """One gloo rank: ``repeat`` rounds of one save per (planner, writer) pair."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
-    shapes = bert_pretraining_shapes(BertConfig(num_hidden_layers=max(1, round(24 * scale))))
-    state = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
-    planners = {"stock": DefaultSavePlanner, "ours": BalancedSavePlanner}
-    writers = {"ours": MultiLevelWriter, "FileSystemWriter": FileSystemWriter}
+    state = bert_state(bert_config(scale))
     out: dict = {}
     # Rotate the order and start each save with the disk flushed: otherwise a save
     # pays for the previous one's dirty-page writeback.
     for rep in range(repeat):
-        shift = rep % len(COMBOS)
-        for planner_name, writer_name in COMBOS[shift:] + COMBOS[:shift]:
+        for planner_name, writer_name in rotated(COMBOS, rep):
             clock = Clock()
-            planner = timed_planner(planners[planner_name], clock)()
+            planner = timed_planner(PLANNERS[planner_name], clock)()
             path = Path(root) / f"{planner_name}-{writer_name}-{rep}"
-            writer = timed_writer(writers[writer_name], clock)(path, sync_files=sync)
+            writer = timed_writer(WRITERS[writer_name], clock)(path, sync_files=sync)
             os.sync()
             dist.barrier()
             with clock.counting_fsync():
@@ -299,41 +243,22 @@ def end_to_end(world: int, scale: float, repeat: int, sync: bool) -> tuple[str, 
         per = [r[key][rep] for r in results]
         wall = max(p["wall"] for p in per)
         nbytes = [p["bytes"] for p in per]
-        mb = " / ".join(f"{b / 1e6:.0f}" for b in nbytes)
         summary.append(
-            [
-                key[0],
-                key[1],
-                mb,
-                " / ".join(str(p["items"]) for p in per),
-                " / ".join(f"{p['seconds']:.2f}" for p in per),
-                f"{wall:.2f}",
-                f"{min(walls):.2f} to {max(walls):.2f}",
-                f"{sum(nbytes) / wall / 1e9:.2f}",
-                f"{sum(p['cpu'] for p in per):.2f}",
-            ]
-        )
+            [*key, " / ".join(f"{b / 1e6:.0f}" for b in nbytes),
+             " / ".join(str(p["items"]) for p in per),
+             " / ".join(f"{p['seconds']:.2f}" for p in per), f"{wall:.2f}", spread(walls),
+             f"{sum(nbytes) / wall / 1e9:.2f}", f"{sum(p['cpu'] for p in per):.2f}"]
+        )  # fmt: skip
         for rank, p in enumerate(per):
             phases.append(
-                [key[0], key[1], rank]
-                + [f"{p['phases'][k]:.3f}" for k in PHASES]
-                + [f"{p['seconds']:.2f}"]
+                [*key, rank, *(f"{p['phases'][k]:.3f}" for k in PHASES), f"{p['seconds']:.2f}"]
             )
+    headers = (
+        "planner | writer | MB per rank | items per rank | dcp.save s per rank | wall s | "
+        "wall s, all saves | GB/s, all ranks | CPU s, all ranks"
+    )
     return (
-        markdown_table(
-            [
-                "planner",
-                "writer",
-                "MB per rank",
-                "items per rank",
-                "dcp.save s per rank",
-                "wall s",
-                "wall s, all saves",
-                "GB/s, all ranks",
-                "CPU s, all ranks",
-            ],
-            summary,
-        ),
+        markdown_table(headers, summary),
         markdown_table(["planner", "writer", "rank", *PHASES, "total s"], phases),
     )
 
@@ -360,8 +285,7 @@ def main() -> None:
         table, goals = plan_only(sizes, args.repeat)
         print(table)
         print("\nGoals (issue 3):\n")
-        for line in goals:
-            print(f"- {line}")
+        print("\n".join(f"- {line}" for line in goals))
     if not args.skip_e2e:
         print(
             f"\n## End to end: {args.e2e_ranks} gloo ranks, replicated BERT-large model state "
