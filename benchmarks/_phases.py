@@ -158,40 +158,49 @@ class Profile:
         self._undo.append(lambda: setattr(owner, name, original))
 
     def __enter__(self) -> Profile:
-        import dcp_multilevel._transfer as transfer_mod
+        import dcp_multilevel.checkpoint.items as items_mod
         import dcp_multilevel.codecs.pipeline as pipeline_mod
-        import dcp_multilevel.tiers.local as local_mod
+        import dcp_multilevel.levels.transfer as transfer_mod
+        import dcp_multilevel.stores.local as local_mod
         import dcp_multilevel.writer as writer_mod
-        from dcp_multilevel.tiers import remote as remote_mod
+        from dcp_multilevel.stores import remote as remote_mod
 
-        prof = self
-
-        class TimedHasher(transfer_mod.Hasher):
-            __slots__ = ()
-
-            def update(self, data: Any) -> None:
-                t0 = time.perf_counter()
-                super().update(data)
-                prof.add("hash output", time.perf_counter() - t0)
-
-        for mod in (transfer_mod, writer_mod):
-            original = mod.Hasher
-            mod.Hasher = TimedHasher
-            self._undo.append(lambda m=mod, o=original: setattr(m, "Hasher", o))
+        # Hashing what is written, and verifying what is read (the one verified
+        # read of checkpoint/items.py serves loads and drains alike).
+        for mod, phase in (
+            (transfer_mod, "hash output"),
+            (writer_mod, "hash output"),
+            (items_mod, "verify checksum"),
+        ):
+            self._time_hasher(mod, phase)
         self.wrap(local_mod._LocalReadHandle, "read_into", "read L1")
-        self.wrap(transfer_mod, "checksum_of", "verify checksum")
-        self.wrap(transfer_mod, "decode_buffer", "decode")
+        self.wrap(items_mod, "decode_frames", "decode")
         # Summed over the codec pool's threads: may exceed the wall time.
         self.wrap(pipeline_mod, "encode_chunk", "encode chunks (pool threads)")
-        # The remote tier's spool handle (the drain and the direct path write nothing else).
+        # The remote store's spool handle (the drain and the direct path write nothing else).
         handle = getattr(remote_mod, "FdWriteHandle", None) or getattr(
             remote_mod, "_SpoolWriteHandle", None
         )
         if handle is not None:
             self.wrap(handle, "write", "spool write")
-        self.wrap(remote_mod.RemoteTier, "put_file", "upload data (put_file)")
-        self.wrap(remote_mod.RemoteTier, "write_atomic", "upload manifest")
+        self.wrap(remote_mod.RemoteStore, "put_file", "upload data (put_file)")
+        self.wrap(remote_mod.RemoteStore, "write_atomic", "upload manifest")
         return self
+
+    def _time_hasher(self, mod: Any, phase: str) -> None:
+        """Count the time ``mod``'s Hasher spends in ``update`` as ``phase``."""
+        prof, original = self, mod.Hasher
+
+        class TimedHasher(original):
+            __slots__ = ()
+
+            def update(self, data: Any) -> None:
+                t0 = time.perf_counter()
+                super().update(data)
+                prof.add(phase, time.perf_counter() - t0)
+
+        mod.Hasher = TimedHasher
+        self._undo.append(lambda: setattr(mod, "Hasher", original))
 
     def __exit__(self, *exc: object) -> None:
         while self._undo:

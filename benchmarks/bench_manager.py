@@ -15,7 +15,7 @@ iteration:
    codec=...))``: the loop is blocked until the checkpoint is committed on the
    remote, so blocked time = time to durable (untimed afterwards: the remote copy
    is deleted to bound the server's memory);
-3. **manager**: ``CheckpointManager([Tier(local, every=1, keep=2), Tier(<remote>/managed,
+3. **manager**: ``CheckpointManager([Level(local, every=1, keep=2), Level(<remote>/managed,
    every=1, keep=1, codec=...)]).save(state, step=N)``; blocked = the ``save``
    call (the L1 commit plus the manager's own retention work), after which the
    loop trains on for ``--step-seconds`` while the drain copies the checkpoint to
@@ -36,7 +36,7 @@ spooled locally, then uploaded) and the same codec on the remote; L1 is
 uncompressed. Where the time goes is measured by wrapping (in this process
 only) the library's read, checksum, codec, spool-write and upload calls.
 
-Correctness: after a cell's loop the L1 tier is deleted (node replaced), and a
+Correctness: after a cell's loop the L1 level is deleted (node replaced), and a
 fresh manager's ``load_latest`` must return the last step from the remote,
 bit-exact. Done for every throttled cell and the first s3 cell (``--verify-all``:
 every cell; moto copies the whole object for every ranged GET, which makes
@@ -79,8 +79,8 @@ from _measure import cpu_snapshot, median, other_cpu_fraction, wait_for_idle
 from _phases import Profile
 from _remotes import moto_s3
 from _report import fmt, machine_info, markdown_table, verdict
-from dcp_multilevel import CheckpointManager, MultiLevelWriter, Tier
-from dcp_multilevel.tiers import tier_for
+from dcp_multilevel import CheckpointManager, Level, MultiLevelWriter
+from dcp_multilevel.stores import store_for
 
 State = dict[str, torch.Tensor]
 REMOTES = ("s3", "throttled")
@@ -162,10 +162,10 @@ def run_cell(
     tag = f"{remote}-{codec}-{uuid.uuid4().hex[:6]}"
     l1 = root / f"l1-{tag}"
     direct_root = f"{remote_root}/{tag}/direct"
-    managed = Tier(f"{remote_root}/{tag}/managed", every=1, keep=1, codec=codec_arg,
+    managed = Level(f"{remote_root}/{tag}/managed", every=1, keep=1, codec=codec_arg,
                    storage_options=options)  # fmt: skip
-    tiers = [Tier(str(l1), every=1, keep=2), managed]
-    mgr = CheckpointManager(tiers)
+    levels = [Level(str(l1), every=1, keep=2), managed]
+    mgr = CheckpointManager(levels)
     cell = Cell(remote, codec, state_nbytes(state))
     prof_direct: dict[str, list[float]] = defaultdict(list)
     prof_drain: dict[str, list[float]] = defaultdict(list)
@@ -186,7 +186,7 @@ def run_cell(
             prof_direct[k].append(v)
         cell.direct_s.append(direct)
         cell.direct_bytes.append(writer.bytes_written)
-        writer.tier.remove_tree("")  # untimed: bound the server's memory
+        writer.store.remove_tree("")  # untimed: bound the server's memory
 
         # (b) through the manager
         t0 = time.perf_counter()
@@ -218,20 +218,20 @@ def run_cell(
     cell.profile_drain = {k: median(v) for k, v in prof_drain.items()}
     mgr.close()
     if verify:
-        cell.verify, cell.load_s = lose_l1_and_load(state, tiers, args.saves)
+        cell.verify, cell.load_s = lose_l1_and_load(state, levels, args.saves)
     else:
         cell.verify = "not verified (--verify-all)"
     with contextlib.suppress(OSError):
-        tier_for(f"{remote_root}/{tag}", **options).remove_tree("")
+        store_for(f"{remote_root}/{tag}", **options).remove_tree("")
     shutil.rmtree(l1, ignore_errors=True)
     return cell
 
 
-def lose_l1_and_load(state: State, tiers: list[Tier], step: int) -> tuple[str, float]:
+def lose_l1_and_load(state: State, levels: list[Level], step: int) -> tuple[str, float]:
     """Lose the node (delete L1), resume from the remote, compare bit for bit.
     Returns the verdict and the seconds ``load_latest`` took."""
-    shutil.rmtree(tiers[0].url)
-    fresh = CheckpointManager(tiers)
+    shutil.rmtree(levels[0].url)
+    fresh = CheckpointManager(levels)
     dest = zeros_like_state(state)
     t0 = time.perf_counter()
     got = fresh.load_latest(dest)
@@ -241,7 +241,7 @@ def lose_l1_and_load(state: State, tiers: list[Tier], step: int) -> tuple[str, f
     try:
         if got != step:
             raise AssertionError(f"load_latest returned step {got}, expected {step}")
-        if len(sources) != 1 or not next(iter(sources)).startswith(tiers[1].url):
+        if len(sources) != 1 or not next(iter(sources)).startswith(levels[1].url):
             raise AssertionError(f"loaded from {sources}, expected the remote only")
         assert_state_equal(state, dest)
     except AssertionError as e:
@@ -335,14 +335,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--remote-mbps", type=float, default=200.0,
                    help="bandwidth of the throttled remote, MB/s; 200")
     p.add_argument("--root", type=Path, default=None,
-                   help="scratch directory for L1 and the remote tier's spool files (default: "
+                   help="scratch directory for L1 and the remote store's spool files (default: "
                    "a new temporary directory, removed afterwards)")
     p.add_argument("--remote-dir", type=Path, default=None,
                    help="where the throttled remote stores its objects (default: a new "
                    "directory in /dev/shm if there is one, so the simulated remote does not "
                    "load the local disk that L1 and the spool use; else under --root)")
     p.add_argument("--spool-dir", type=Path, default=None,
-                   help="where remote tiers spool files before upload (default: under "
+                   help="where remote levels spool files before upload (default: under "
                    "--root, the disk L1 uses)")
     p.add_argument("--verify-all", action="store_true",
                    help="check the load after losing L1 in every cell (default: every "
