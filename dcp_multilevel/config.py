@@ -1,78 +1,10 @@
-"""User-facing configuration: compression options and the levels of a manager."""
+"""User-facing configuration: compression options and the levels of a manager.
 
-from __future__ import annotations
-
-import warnings
-from dataclasses import dataclass, field
-from typing import Any
+Both are defined next to what uses them (``codecs/options.py``,
+``levels/options.py``) and gathered here.
+"""
 
 from .codecs.options import Compression
-from .errors import ConfigError
-from .format.layout import checkpoint_url
-from .stores.location import parse_location
+from .levels.options import Level, Tier
 
 __all__ = ["Compression", "Level", "Tier"]
-
-
-@dataclass(frozen=True)
-class Level:
-    """One level of a :class:`~dcp_multilevel.manager.CheckpointManager`: where, how often,
-    how many kept, how coded.
-
-    What a level does with a checkpoint (who sends which bytes where) is its
-    kind's job (``dcp_multilevel.levels``): a ``url`` that names a store
-    (a path, ``s3://...``) is a store level, where each rank's files are
-    copied to that URL; a registered kind (``"<kind>:"``) may place them
-    elsewhere (other nodes, parity).
-
-    Attributes:
-        url: root of this level (``/nvme/run1``, ``file:///...``, ``s3://bucket/run1``);
-            checkpoints live in ``<url>/step-<step>/`` (``format/layout.py``).
-        every: hold every ``every``-th save on this level (the first level must
-            take every save: ``save`` returns once it is committed there). The
-            manager's schedule reads it (``dcp_multilevel.schedule``).
-        keep: how many complete checkpoints to retain here (``None``: all).
-        codec: compression on this level (``None``, ``"bytegroup"``, ``"zstd"``,
-            or :class:`Compression`). Local disk is usually faster than
-            compression; remote storage is not.
-        storage_options: options for the level's store / fsspec.
-    """
-
-    url: str
-    every: int = 1
-    keep: int | None = None
-    codec: Compression | str | None = None
-    storage_options: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        name = f"{type(self).__name__}({self.url!r})"
-        parse_location(self.url)
-        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
-            raise ConfigError(f"{name}.every must be an integer >= 1, got {self.every!r}")
-        if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
-            raise ConfigError(
-                f"{name}.keep must be None or an integer >= 1 (the newest complete "
-                f"checkpoint is never deleted), got {self.keep!r}"
-            )
-        Compression.of(self.codec)
-
-    def checkpoint_url(self, step: int) -> str:
-        """Where this level holds the checkpoint of ``step``."""
-        return checkpoint_url(self.url, step)
-
-
-class Tier(Level):
-    """Deprecated name of :class:`Level` (same arguments); removed in 0.3.
-
-    Constructing one warns with a :class:`DeprecationWarning`.
-    """
-
-    def __post_init__(self) -> None:
-        # stacklevel 3: the caller of the dataclass __init__ that calls this.
-        warnings.warn(
-            "dcp_multilevel.Tier is deprecated and will be removed in 0.3: use "
-            "dcp_multilevel.Level, which takes the same arguments",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        super().__post_init__()

@@ -18,9 +18,9 @@ from __future__ import annotations
 import re
 
 from .._registry import Registry
-from ..config import Level
 from .base import DrainJob, DrainResult, LevelDriver
 from .drainer import Drainer, run_drain
+from .options import Level
 from .store import StoreLevel
 
 __all__ = [

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint import CheckpointRoot, StoredCheckpoint
-from ..config import Level
 from ..format import Manifest
 from .link import DrainLink
+from .options import Level
 
 __all__ = ["DrainJob", "DrainResult", "LevelDriver"]
 

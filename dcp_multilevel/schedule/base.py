@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 
-from ..config import Level
+from ..levels.options import Level
 
 __all__ = ["SavePolicy"]
 

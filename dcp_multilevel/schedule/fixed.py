@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..config import Level
+from ..levels.options import Level
 from .base import SavePolicy
 
 __all__ = ["FixedInterval"]
