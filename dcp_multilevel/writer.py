@@ -48,7 +48,8 @@ from .format import (
 )
 from .format.objects import load_object
 from .format.tensor_bytes import byte_view
-from .staging import AsyncStagingMixin, StagingConfig, background_step
+from .staging import StagingConfig
+from .staging.stager import AsyncStagingMixin, background_step
 from .tiers import TierBackend, tier_for
 from .tiers.local import TMP_MARKER
 

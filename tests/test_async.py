@@ -41,9 +41,9 @@ from dcp_multilevel import (
     SaveInFlightError,
     StagingConfig,
 )
-from dcp_multilevel._host_buffers import ALIGN, BufferPool, copy_into, select_wave
 from dcp_multilevel.format import MANIFEST_NAME
 from dcp_multilevel.format.tensor_bytes import PIECE_BYTES
+from dcp_multilevel.staging.buffers import ALIGN, HostBufferPool, copy_into, select_wave
 
 pytestmark = pytest.mark.multiprocess
 
@@ -259,7 +259,7 @@ class _Save:
 
 
 def test_pool_reuses_two_sets_within_its_budget():
-    pool = BufferPool(3000, pin=False, shared=False)
+    pool = HostBufferPool(3000, pin=False, shared=False)
     a = pool.try_acquire(1000)
     a.owner = first = _Save()
     b = pool.try_acquire(1000)

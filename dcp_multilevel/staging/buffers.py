@@ -18,7 +18,7 @@ import torch
 __all__ = [
     "ALIGN",
     "COPY_PIECE",
-    "BufferPool",
+    "HostBufferPool",
     "Owner",
     "copy_into",
     "iter_tensors",
@@ -55,7 +55,7 @@ class _BufferSet:
         return self.owner is not None and not self.owner.done()
 
 
-class BufferPool:
+class HostBufferPool:
     """At most two flat host buffers, allocated on demand and reused.
 
     A set is replaced (freed, then allocated larger) only when a bigger state

@@ -42,17 +42,17 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from ._host_buffers import BufferPool, copy_into, iter_tensors, select_wave, staged_nbytes
+from ..errors import AsyncSaveError, ConfigError, SaveInFlightError
 from ._priority import lower_thread_priority
-from .errors import AsyncSaveError, ConfigError, SaveInFlightError
+from .buffers import HostBufferPool, copy_into, iter_tensors, select_wave, staged_nbytes
+from .config import StagingConfig
 
-__all__ = ["AsyncStagingMixin", "BufferPool", "StagingConfig", "background_step"]
+__all__ = ["AsyncStagingMixin", "background_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,57 +62,6 @@ _STATUS_BYTES = 4096
 _EXECUTOR_PREFIXES = ("AsyncCheckpointExecutor", "ThreadPoolExecutor")
 #: How long a queued save waits for the one before it to be picked up.
 _POLL_S = 0.005
-
-
-@dataclass(frozen=True)
-class StagingConfig:
-    """How :class:`~dcp_multilevel.MultiLevelWriter` stages async saves.
-
-    Args:
-        budget_bytes: most host memory the buffer pool may hold (both sets
-            together); ``None``: no limit (two sets of the state's size). A state
-            larger than this is saved in two waves (see module docs).
-        in_flight: what a save does when both buffer sets are taken by earlier
-            saves: ``"wait"`` until one is free, or ``"raise"``
-            :class:`~dcp_multilevel.errors.SaveInFlightError`.
-        wait_timeout_s: longest wait under ``"wait"`` before raising
-            :class:`~dcp_multilevel.errors.SaveInFlightError`.
-        pin_memory: page-lock the buffers (faster device-to-host copies);
-            ``None``: when CUDA is available.
-        shared_memory: allocate the buffers in shared memory up front, so that
-            ``AsyncCheckpointerType.PROCESS`` never moves them on first use.
-        copy_threads: threads copying into the buffers while ``async_save``
-            blocks (``copy_`` releases the GIL); 1: the calling thread only.
-        background_nice: nice value (Linux) of the thread writing an async
-            save, and of the threads it starts, so that on busy cores the
-            training loop runs first; 0: leave priorities alone.
-    """
-
-    budget_bytes: int | None = None
-    in_flight: Literal["wait", "raise"] = "wait"
-    wait_timeout_s: float = 3600.0
-    pin_memory: bool | None = None
-    shared_memory: bool = False
-    copy_threads: int = 2
-    background_nice: int = 10
-
-    def __post_init__(self) -> None:
-        if self.budget_bytes is not None and (
-            not isinstance(self.budget_bytes, int) or self.budget_bytes < 0
-        ):
-            raise ConfigError(
-                f"budget_bytes must be None or an int >= 0, got {self.budget_bytes!r}"
-            )
-        if self.in_flight not in ("wait", "raise"):
-            raise ConfigError(f'in_flight must be "wait" or "raise", got {self.in_flight!r}')
-        if not isinstance(self.copy_threads, int) or self.copy_threads < 1:
-            raise ConfigError(f"copy_threads must be an int >= 1, got {self.copy_threads!r}")
-        if not isinstance(self.background_nice, int) or not 0 <= self.background_nice <= 19:
-            raise ConfigError(
-                f"background_nice must be an int from 0 to 19, got {self.background_nice!r}"
-            )
-        if not self.wait_timeout_s > 0:
-            raise ConfigError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s!r}")
 
 
 # --------------------------------------------------------------------------- tickets
@@ -186,7 +135,7 @@ class _StagingState:
     def __init__(self, config: StagingConfig) -> None:
         pin = config.pin_memory if config.pin_memory is not None else torch.cuda.is_available()
         self.config = config
-        self.pool = BufferPool(config.budget_bytes, pin=pin, shared=config.shared_memory)
+        self.pool = HostBufferPool(config.budget_bytes, pin=pin, shared=config.shared_memory)
         self.lock = threading.Lock()
         self.tickets: list[_Ticket] = []
         self.seq = 0
@@ -203,7 +152,7 @@ class _StagingState:
 
 
 class AsyncStagingMixin(AsyncStager):
-    """DCP's :class:`AsyncStager` protocol over a :class:`BufferPool` (see module docs).
+    """DCP's :class:`AsyncStager` protocol over a :class:`HostBufferPool` (see module docs).
 
     A host class calls ``_init_staging(config)`` in ``__init__``,
     ``_claim_for_background()`` first thing in ``reset``, and wraps
@@ -222,7 +171,7 @@ class AsyncStagingMixin(AsyncStager):
         self._threads_before: tuple[threading.Thread, ...] = ()
 
     @property
-    def staging_pool(self) -> BufferPool | None:
+    def staging_pool(self) -> HostBufferPool | None:
         """The buffer pool (None before the first async save)."""
         return self._staging.pool if self._staging is not None else None
 
