@@ -362,8 +362,7 @@ def _pretend_running(writer: MultiLevelWriter) -> None:
     """The last staged save now runs in a background thread that blocks until released."""
     t = threading.Thread(target=_RELEASE.wait, daemon=True)
     t.start()
-    writer._current.thread = t
-    writer._current.started = True
+    writer._stager._last.thread = t
 
 
 # --------------------------------------------------------------------------- failure

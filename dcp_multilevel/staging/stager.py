@@ -1,147 +1,104 @@
-"""Async-save staging: a bounded, reused host buffer pool behind DCP's stager protocol.
+"""The stager a :class:`~dcp_multilevel.MultiLevelWriter` owns for ``dcp.async_save``.
 
-``dcp.async_save(sd, storage_writer=W)`` uses ``W`` as its stager when ``W`` is
-an :class:`~torch.distributed.checkpoint.staging.AsyncStager`. Order of calls
-(torch 2.13, every rank, see ``state_dict_saver.async_save``)::
+The writer is DCP's :class:`~torch.distributed.checkpoint.staging.AsyncStager`
+and calls its :class:`Stager` explicitly. Order of calls for one
+``dcp.async_save(sd, storage_writer=W)`` (torch 2.13, every rank, see
+``state_dict_saver.async_save``)::
 
-    training thread   W.stage(sd)              copy sd into a free buffer set, return the copy
-                      executor.execute_save()  hand the copy to a background thread/process
-                      W.synchronize_staging()  returns (over budget: once live data is written)
-    background        THREAD:  W.reset() ... W.write_data() -> W.finish() on this object
-                      PROCESS: the copy and W are pickled to DCP's daemon process,
-                               which runs the same save on its copy of W
+    training thread    W.stage(sd)          -> stage(sd, checkpoint_id=)  raise an earlier
+                                               failure once; wait for the save before to
+                                               begin and for a free buffer set; copy
+                       DCP starts a thread for this save and hands it the staged copy
+                       W.synchronize_staging -> synchronize()  over budget: block until the
+                                               live tensors are written
+    background thread  W.reset(id) if DCP got a checkpoint_id, W.storage_meta() always
+      (THREAD)                              -> claim(checkpoint_id=)  take this save, wait
+                                               for the earlier ones (before any collective)
+                       W.write_data, W.finish -> with background(step, rank=) as save
+      (PROCESS)        pickling the staged copy to DCP's daemon process claims it; the
+                       daemon runs the same calls on its copy of W, whose Stager only
+                       lowers priority and records failures (see ``__getstate__``)
 
-Buffers: at most two sets (double buffering: save N is written from one while
-save N+1 stages into the other), each a flat host tensor allocated once and
-reused; tensors are staged with ``copy_`` into views of it (touched memory is
-~8x faster to fill than fresh memory, which is what ``clone()`` gets).
+A synchronous ``dcp.save`` with the same writer makes the background calls on
+its own thread: on the thread that staged the saves it claims none of them and
+waits for all of them.
 
-In flight: at most one save is written at a time per writer; one more may be
-staged and queued behind it. A third ``async_save`` while both sets are taken
-waits (``in_flight="wait"``) or raises :class:`SaveInFlightError`
-(``"raise"``). A queued save's background part waits for the earlier one
-before its first collective, so saves commit in order.
+How a save's background thread is known: it claims the oldest unclaimed
+ticket in its first writer call, and the ticket records
+``threading.current_thread()``. ``stage`` waits until the save before was
+claimed before it queues another, so at most one ticket is ever unclaimed:
+the one the next background thread takes. A writer is used by one training
+thread: a synchronous save from yet another thread, made while an async save
+is staged but not yet claimed, would be taken for that save's background
+thread.
 
-Budget: the pool never holds more than ``budget_bytes``. A state that does not
-fit is saved in two waves: the largest tensors that fit are staged, the others
-stay live. The writer writes the live ones first, straight from the training
-state, and ``async_save`` returns once they are written; the staged wave is
-written in the background. Extra memory stays within the budget plus the
-writer's chunk. Live tensors need THREAD mode: with PROCESS the whole staged
-copy must cross to the daemon process.
+A background thread that dies before its first writer call (in PROCESS mode:
+DCP's daemon process failed to start) never claims its save. That save holds
+its buffer set until DCP drops the staged copy (its future keeps it, through
+the error's traceback), and the next ``stage`` waits for it to begin for at
+most ``wait_timeout_s``, then raises :class:`SaveInFlightError` saying so.
 
-Failures: a background failure raises in the future DCP returns and, once, from
-the next ``async_save`` with this writer (:class:`AsyncSaveError`).
+Buffers (:mod:`.buffers`): at most two sets, reused (double buffering). Budget:
+a state larger than ``budget_bytes`` is saved in two waves, the tensors left
+out written first from the live state while ``async_save`` waits. Failures
+(:mod:`._failures`): raised from DCP's future, and once more, as
+:class:`AsyncSaveError`, from the next ``async_save`` with this writer.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
+import contextlib
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.staging import AsyncStager
 
 from ..errors import AsyncSaveError, ConfigError, SaveInFlightError
+from ._failures import FailureRecord
 from ._priority import lower_thread_priority
-from .buffers import HostBufferPool, copy_into, iter_tensors, select_wave, staged_nbytes
+from ._tickets import POLL_S, StagedDict, Ticket, uncopied_storages
+from .buffers import HostBufferPool, copy_into, select_wave, staged_nbytes
 from .config import StagingConfig
 
-__all__ = ["AsyncStagingMixin", "background_step"]
-
-logger = logging.getLogger(__name__)
-
-#: Bytes of the shared failure record a PROCESS-mode daemon copy writes into.
-_STATUS_BYTES = 4096
-#: Thread names of DCP 2.13's THREAD and PROCESS executors (one fresh thread per save).
-_EXECUTOR_PREFIXES = ("AsyncCheckpointExecutor", "ThreadPoolExecutor")
-#: How long a queued save waits for the one before it to be picked up.
-_POLL_S = 0.005
+__all__ = ["BackgroundSave", "Stager"]
 
 
-# --------------------------------------------------------------------------- tickets
+class BackgroundSave:
+    """What one background step (``write_data``, ``finish``) sees of its save's staging.
 
-
-class _Ticket:
-    """One async save: its buffer set, and who runs it in the background.
-
-    ``thread`` is the background thread running the save (THREAD mode) or
-    sending it to DCP's daemon process (PROCESS mode): each async_save gets a
-    fresh single-thread executor that exits after the save, so the thread
-    ending means the save finished, whether it failed or not.
+    Handed out by :meth:`Stager.background`. For a synchronous save, or a
+    save in DCP's daemon process, there are no live tensors.
     """
 
-    def __init__(self, seq: int, write_through: bool) -> None:
-        self.seq = seq
-        self.write_through = write_through
-        self.stager_thread = threading.current_thread()
-        self.thread: threading.Thread | None = None
-        self.started = False  # its background part began (reset / pickling)
-        self.dropped = False  # DCP let go of the staged dict
-        self.written = threading.Event()  # this rank's write_data returned
-        #: Storage pointers of the tensors written through from the live state.
-        self.live: frozenset[int] = frozenset()
-        self.live_written = threading.Event()  # every live tensor is in its data file
+    def __init__(self, ticket: Ticket | None) -> None:
+        self._ticket = ticket
 
-    def claimed(self) -> bool:
-        return self.thread is not None or self.dropped
+    @property
+    def live_storages(self) -> frozenset[int]:
+        """Storage pointers of the live tensors this save writes through (over budget)."""
+        return self._ticket.live if self._ticket is not None else frozenset()
 
-    def done(self) -> bool:
-        return self.dropped or (self.thread is not None and not self.thread.is_alive())
-
-    def wait_done(self, deadline: float) -> bool:
-        while not self.done():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            if self.thread is not None:
-                self.thread.join(min(left, 0.1))
-            else:
-                time.sleep(min(left, _POLL_S))
-        return True
+    def live_written(self) -> None:
+        """Every live tensor is in its data file: ``async_save`` may return (any thread)."""
+        if self._ticket is not None:
+            self._ticket.released.set()
 
 
-class _StagedDict(dict):
-    """The staged copy handed to DCP; weak-referenceable, so its release is seen.
+class _Staging:
+    """A stager's state in the training process, made by its first ``stage``."""
 
-    Pickled (PROCESS mode) it becomes a plain dict; pickling happens in the
-    background thread that sends it, which is how that thread is identified.
-    """
-
-    __slots__ = ("__weakref__", "_stager", "_ticket")
-
-    def __reduce__(self):
-        stager, ticket = self._stager, self._ticket
-        # Claim first: the sending thread ending then marks this save done either way.
-        stager._claim(ticket)
-        if ticket.write_through:
-            raise ConfigError(
-                "this state does not fit the staging budget and is written through from "
-                "the live tensors, which needs AsyncCheckpointerType.THREAD; with PROCESS the "
-                "whole staged copy must fit: raise StagingConfig(budget_bytes=...)"
-            )
-        return (dict, (dict(self),))
-
-
-# --------------------------------------------------------------------------- the mixin
-
-
-class _StagingState:
     def __init__(self, config: StagingConfig) -> None:
         pin = config.pin_memory if config.pin_memory is not None else torch.cuda.is_available()
-        self.config = config
         self.pool = HostBufferPool(config.budget_bytes, pin=pin, shared=config.shared_memory)
+        # Guards tickets and the pool (stage and close, on the training thread,
+        # against claim, on background threads).
         self.lock = threading.Lock()
-        self.tickets: list[_Ticket] = []
+        self.tickets: list[Ticket] = []
         self.seq = 0
-        self.failure: str | None = None
-        # Written by a PROCESS-mode daemon copy of the writer (shared memory).
-        self.status = torch.zeros(_STATUS_BYTES, dtype=torch.uint8).share_memory_()
         # copy_ releases the GIL: while the training thread waits for staging anyway,
         # more cores copy (threads exit with the process).
         self.copier = (
@@ -151,58 +108,59 @@ class _StagingState:
         )
 
 
-class AsyncStagingMixin(AsyncStager):
-    """DCP's :class:`AsyncStager` protocol over a :class:`HostBufferPool` (see module docs).
+class Stager:
+    """Async-save staging over a reused host buffer pool (see module docs for call order).
 
-    A host class calls ``_init_staging(config)`` in ``__init__``,
-    ``_claim_for_background()`` first thing in ``reset``, and wraps
-    ``write_data`` and ``finish`` with :func:`background_step`.
+    Args:
+        config: budget, in-flight policy and threads; default :class:`StagingConfig()`.
     """
 
-    _synchronize_after_execute = True
-    #: Attributes dropped when the writer is pickled to DCP's daemon process.
-    _transient_attrs: tuple[str, ...] = ("_staging",)
-
-    def _init_staging(self, config: StagingConfig | None) -> None:
-        self._staging_config = config or StagingConfig()
-        self._staging: _StagingState | None = None
-        self._status: torch.Tensor | None = None  # set in a daemon copy only
-        self._current: _Ticket | None = None
-        self._threads_before: tuple[threading.Thread, ...] = ()
+    def __init__(self, config: StagingConfig | None = None) -> None:
+        self.config = config or StagingConfig()
+        self._staging: _Staging | None = None  # made by the first stage()
+        self._failures: FailureRecord | None = None  # made with it; shared with the daemon
+        self._in_daemon = False  # this is the copy in DCP's daemon process
+        self._last: Ticket | None = None  # the last staged save (for synchronize)
 
     @property
-    def staging_pool(self) -> HostBufferPool | None:
-        """The buffer pool (None before the first async save)."""
+    def pool(self) -> HostBufferPool | None:
+        """The host buffer pool (None before the first async save)."""
         return self._staging.pool if self._staging is not None else None
 
     # -- training thread
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict`` into a free buffer set; see the module docs."""
+    def stage(self, state_dict: dict[str, Any], *, checkpoint_id: str) -> dict[str, Any]:
+        """Copy ``state_dict`` into a free buffer set and return the copy.
+
+        ``checkpoint_id``: the writer's location, for messages.
+
+        Raises:
+            AsyncSaveError: the previous async save failed in the background (once).
+            SaveInFlightError: no buffer set freed up (policy ``in_flight``), or
+                the save before never began its background part.
+        """
+        if self._in_daemon:
+            raise ConfigError("a daemon-process copy of the writer cannot stage")
         st = self._staging
         if st is None:
-            if self._status is not None:
-                raise ConfigError("a daemon-process copy of the writer cannot stage")
-            st = self._staging = _StagingState(self._staging_config)
-            self._status = st.status
-        self._raise_failure(st)
-        cfg = st.config
+            st = self._staging = _Staging(self.config)
+            self._failures = FailureRecord()
+        self._raise_failure(checkpoint_id)
+        cfg = self.config
         deadline = time.monotonic() + cfg.wait_timeout_s
-        # The save before must have started in the background before this one is
+        # The saves before must have begun in the background before this one is
         # queued: DCP's PROCESS executor starts its daemon on the first save, and a
-        # second save submitted meanwhile would start another one.
+        # second save submitted meanwhile would start another one. It also keeps
+        # at most one ticket unclaimed, the one the next background thread takes.
         for t in list(st.tickets):
-            while not t.started and not t.done():
-                if time.monotonic() > deadline:
-                    raise SaveInFlightError(self._busy_message("never started", cfg))
-                time.sleep(_POLL_S)
+            if not t.wait_claimed(deadline):
+                raise SaveInFlightError(self._never_began_message(checkpoint_id))
         nbytes = staged_nbytes(state_dict)
         wave: set[int] | None = None  # None: stage every tensor
         if not st.pool.fits(nbytes):
             # Two waves: what the budget holds is staged; the rest is written
             # first, straight from the live tensors, while this thread waits.
             wave, nbytes = select_wave(state_dict, st.pool.budget_bytes or 0)
-        write_through = wave is not None
         buffers = None
         while nbytes:
             with st.lock:
@@ -211,209 +169,182 @@ class AsyncStagingMixin(AsyncStager):
             if buffers is not None:
                 break
             if cfg.in_flight == "raise":
-                raise SaveInFlightError(self._busy_message("is still being written", cfg))
+                raise SaveInFlightError(self._busy_message(checkpoint_id, "is still being written"))
             oldest = st.tickets[0] if st.tickets else None
             if oldest is None:
-                time.sleep(_POLL_S)
+                time.sleep(POLL_S)
             if (oldest is None or not oldest.wait_done(deadline)) and time.monotonic() > deadline:
-                raise SaveInFlightError(self._busy_message("did not finish in time", cfg))
-        st.seq += 1
-        ticket = _Ticket(st.seq, write_through)
+                raise SaveInFlightError(self._busy_message(checkpoint_id, "did not finish in time"))
         flat = buffers.flat if buffers is not None else None
-        staged = _StagedDict(copy_into(state_dict, flat, st.copier, only=wave))
-        if write_through:
-            ticket.live = _uncopied_storages(state_dict, staged)
-        staged._ticket = ticket
-        staged._stager = self
+        copied = copy_into(state_dict, flat, st.copier, only=wave)
+        live = uncopied_storages(state_dict, copied) if wave is not None else frozenset()
+        st.seq += 1
+        ticket = Ticket(st.seq, checkpoint_id, write_through=wave is not None, live=live)
+        staged = StagedDict(copied, ticket, self._claim_sent)
         if buffers is not None:
             buffers.owner = ticket
         weakref.finalize(staged, _mark_dropped, ticket)
         with st.lock:
             st.tickets.append(ticket)
-        self._current = ticket
-        self._threads_before = tuple(threading.enumerate())
+        self._last = ticket
         return staged
 
-    def synchronize_staging(self) -> None:
-        """Called by ``async_save`` right after it submitted the save.
+    def synchronize(self) -> None:
+        """Right after DCP submitted the last staged save: over budget, wait for its live tensors.
 
-        Identifies the background thread DCP just started for this save (each
-        async_save starts one), and blocks an over-budget save until its live tensors are written.
+        Returns once the writer wrote every live tensor (it writes them first),
+        its ``write_data`` ended, or the save ended.
+
+        Raises:
+            SaveInFlightError: the save's background part did not begin within
+                ``wait_timeout_s`` (its thread failed first).
         """
-        t, st = self._current, self._staging
-        if t is None or st is None:
+        t = self._last
+        if t is None or not t.write_through:
             return
-        if t.thread is None:
-            new = [x for x in threading.enumerate() if x not in self._threads_before]
-            if len(new) > 1:  # another thread started meanwhile: keep DCP's executors
-                new = [x for x in new if x.name.startswith(_EXECUTOR_PREFIXES)]
-            if len(new) == 1:
-                t.thread = new[0]
-        self._threads_before = ()
-        if t.write_through:
-            # Released once every live tensor is written (the writer's
-            # live-first order), or when the whole write ended.
-            while not (t.live_written.wait(0.05) or t.written.is_set()):
-                if t.done():
-                    break
+        deadline = time.monotonic() + self.config.wait_timeout_s
+        while not t.released.wait(0.05):
+            if t.done():
+                return
+            if not t.claimed and time.monotonic() > deadline:
+                raise SaveInFlightError(self._never_began_message(t.checkpoint_id))
 
     def close(self) -> None:
-        """Free the buffers no save is using; the writer can still be used after."""
+        """Free the buffers no save is using; the stager can still be used after."""
         if self._staging is not None:
             with self._staging.lock:
                 self._staging.pool.close()
 
-    # -- background
+    # -- background thread
 
-    def _claim_for_background(self) -> None:
-        """Called first in ``reset``: wait for this writer's earlier saves.
+    def claim(self, *, checkpoint_id: str) -> None:
+        """A save's first writer call: claim it for this thread; wait for the earlier saves.
 
-        In a DCP executor thread that ``synchronize_staging`` did not identify
-        (not expected), take the oldest unclaimed save.
+        Called from the writer's ``reset`` and ``storage_meta``, whichever
+        comes first (DCP calls ``reset`` only with a ``checkpoint_id``), on
+        the thread running the save; again on the same thread it changes
+        nothing. The thread that staged the saves (a synchronous ``dcp.save``)
+        claims none and waits for all. ``checkpoint_id``: for messages.
+
+        Raises:
+            SaveInFlightError: an earlier save did not end within ``wait_timeout_s``.
         """
         st = self._staging
-        if st is None:
+        if st is None:  # no async save yet, or the daemon's copy (one save at a time)
             return
         me = threading.current_thread()
         with st.lock:
-            mine = next((t for t in st.tickets if t.thread is me), None)
+            mine = _claimed_by(st.tickets, me)
             if mine is None:
-                mine = next((t for t in st.tickets if not t.claimed()), None)
-                if mine is not None and mine.stager_thread is me:
-                    mine = None  # a synchronous dcp.save on the training thread
-                elif mine is not None:
-                    mine.thread = me
-            if mine is not None:
-                mine.started = True
-        self._wait_for_earlier(mine)
+                oldest = next((t for t in st.tickets if not t.claimed and not t.done()), None)
+                if oldest is not None and oldest.stager_thread is not me:
+                    oldest.thread = me
+                    mine = oldest
+        self._wait_for_earlier(mine, checkpoint_id)
 
-    def _claim(self, ticket: _Ticket) -> None:
-        """Pickling to DCP's daemon (PROCESS): the sending thread runs this save."""
-        if ticket.thread is None:
-            ticket.thread = threading.current_thread()
-        ticket.started = True
-        self._wait_for_earlier(ticket)
+    def _claim_sent(self, ticket: Ticket) -> None:
+        """PROCESS mode: the staged copy is being pickled by the thread sending it."""
+        with self._staging.lock:
+            if ticket.thread is None:
+                ticket.thread = threading.current_thread()
+        self._wait_for_earlier(ticket, ticket.checkpoint_id)
+        if ticket.write_through:
+            raise ConfigError(
+                "this state does not fit the staging budget and is written through from "
+                "the live tensors, which needs AsyncCheckpointerType.THREAD; with PROCESS the "
+                "whole staged copy must fit: raise StagingConfig(budget_bytes=...)"
+            )
 
-    def _wait_for_earlier(self, ticket: _Ticket | None) -> None:
-        st = self._staging
-        deadline = time.monotonic() + st.config.wait_timeout_s
-        with st.lock:
-            earlier = [t for t in st.tickets if ticket is None or t.seq < ticket.seq]
-        for t in earlier:
-            if t is not ticket and not t.wait_done(deadline):
-                raise SaveInFlightError(self._busy_message("did not finish in time", st.config))
+    @contextlib.contextmanager
+    def background(self, step: str, *, rank: int) -> Iterator[BackgroundSave]:
+        """Run one background step of a save (``write_data``, ``finish``) inside this.
 
-    def _ticket_of_this_thread(self) -> _Ticket | None:
+        For an async save (a ticket claimed by this thread, or any save in
+        DCP's daemon process) the thread's priority is lowered first (it
+        exists for this save only), and a failure is recorded for the next
+        ``stage``. Leaving the step releases an over-budget ``async_save``.
+        ``step`` and ``rank`` name the failure.
+        """
+        ticket = self._ticket_of_this_thread()
+        is_async = ticket is not None or self._in_daemon
+        if is_async:
+            lower_thread_priority(self.config.background_nice)
+        try:
+            yield BackgroundSave(ticket)
+        except BaseException as e:
+            if is_async and self._failures is not None:
+                self._failures.note(f"{step} failed on rank {rank}: {type(e).__name__}: {e}")
+            raise
+        finally:
+            if ticket is not None:
+                ticket.released.set()
+
+    def _ticket_of_this_thread(self) -> Ticket | None:
         st = self._staging
         if st is None:
             return None
-        me = threading.current_thread()
         with st.lock:
-            return next((t for t in st.tickets if t.thread is me), None)
+            return _claimed_by(st.tickets, threading.current_thread())
 
-    def _live_storages(self) -> frozenset[int]:
-        """Storage pointers of live tensors this thread's save writes through (or none)."""
-        t = self._ticket_of_this_thread()
-        return t.live if t is not None else frozenset()
+    def _wait_for_earlier(self, ticket: Ticket | None, checkpoint_id: str) -> None:
+        st = self._staging
+        deadline = time.monotonic() + self.config.wait_timeout_s
+        with st.lock:
+            earlier = [t for t in st.tickets if ticket is None or t.seq < ticket.seq]
+        for t in earlier:
+            if not t.wait_done(deadline):
+                raise SaveInFlightError(self._busy_message(checkpoint_id, "did not finish in time"))
 
-    def _note_live_written(self) -> None:
-        """The writer wrote every live tensor: the training thread may go on."""
-        t = self._ticket_of_this_thread()
-        if t is not None:
-            t.live_written.set()
+    # -- failures and messages
 
-    def _note_failure(self, step: str, exc: BaseException, ticket: _Ticket | None) -> None:
-        text = f"{step} failed on rank {getattr(self, 'rank', '?')}: {type(exc).__name__}: {exc}"
-        if self._staging is None and self._status is not None:
-            # A daemon-process copy: tell the training process through shared memory.
-            raw = text.encode("utf-8", "replace")[: _STATUS_BYTES - 8]
-            self._status[8 : 8 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-            self._status[4:8] = torch.tensor([len(raw)], dtype=torch.int32).view(torch.uint8)
-            self._status[0] = 1
-        elif ticket is not None:
-            self._staging.failure = text
-
-    def _raise_failure(self, st: _StagingState) -> None:
-        text, st.failure = st.failure, None
-        if st.status[0].item():
-            n = int(st.status[4:8].view(torch.int32).item())
-            text = bytes(st.status[8 : 8 + n].tolist()).decode("utf-8", "replace")
-            st.status[0] = 0
+    def _raise_failure(self, checkpoint_id: str) -> None:
+        text = self._failures.take() if self._failures is not None else None
         if text is not None:
-            where = getattr(self, "checkpoint_id", None)
             raise AsyncSaveError(
                 f"the previous async save with this writer failed in the background ({text}); "
                 "nothing of it was committed. Fix the cause and save again; this error is "
                 "raised once.",
-                checkpoint=where,
+                checkpoint=checkpoint_id,
             )
 
-    def _busy_message(self, what: str, cfg: StagingConfig) -> str:
+    def _busy_message(self, checkpoint_id: str, what: str) -> str:
+        cfg = self.config
         return (
-            f"async save to {getattr(self, 'checkpoint_id', '?')}: an earlier save with this "
-            f"writer {what} (policy in_flight={cfg.in_flight!r}, "
-            f"wait_timeout_s={cfg.wait_timeout_s}); at most one save is written and one "
-            "queued per writer. Wait for the returned future before saving again, or use "
-            'StagingConfig(in_flight="wait").'
+            f"async save to {checkpoint_id}: an earlier save with this writer {what} (policy "
+            f"in_flight={cfg.in_flight!r}, wait_timeout_s={cfg.wait_timeout_s}); at most one "
+            "save is written and one queued per writer. Wait for the returned future before "
+            'saving again, or use StagingConfig(in_flight="wait").'
         )
 
-    # -- pickling to DCP's daemon process
+    def _never_began_message(self, checkpoint_id: str) -> str:
+        return (
+            f"async save to {checkpoint_id}: an earlier async save with this writer did not "
+            f"begin writing within wait_timeout_s={self.config.wait_timeout_s}: DCP's "
+            "background thread failed before its first call to the writer (in PROCESS mode: "
+            "DCP's daemon process did not start). That save's future holds the error; drop "
+            "the future to free its buffers, then save again."
+        )
+
+    # -- pickling to DCP's daemon process (PROCESS mode)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        for name in self._transient_attrs:
-            state[name] = None
-        state["_current"] = None
-        state["_threads_before"] = ()
-        return state
+        # Only what the daemon's copy needs: the config (background_nice) and the
+        # shared failure record. Buffers, tickets and threads stay here.
+        return {"config": self.config, "failures": self._failures}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["config"])
+        self._failures = state["failures"]
+        # A writer that never staged (DCP was given another async_stager) has no
+        # record: its copy treats saves as synchronous, as the original does.
+        self._in_daemon = self._failures is not None
 
 
-def _uncopied_storages(state: dict[str, Any], staged: dict[str, Any]) -> frozenset[int]:
-    """Storage pointers of the tensors ``staged`` still shares with ``state``."""
-    # A staged value that is the very object of the live state was not copied.
-    live = {id(t) for t in iter_tensors(state)}
-    return frozenset(
-        t.untyped_storage().data_ptr() for t in iter_tensors(staged) if id(t) in live and t.numel()
-    )
+def _claimed_by(tickets: list[Ticket], thread: threading.Thread) -> Ticket | None:
+    # A save DCP dropped is over even if its thread lives on (an executor that
+    # reused its thread for the next save would otherwise find the old ticket).
+    return next((t for t in tickets if t.thread is thread and not t.dropped), None)
 
 
-def _mark_dropped(ticket: _Ticket) -> None:
+def _mark_dropped(ticket: Ticket) -> None:
     ticket.dropped = True
-
-
-def background_step(method):
-    """Wrap a writer step that runs in the background: record failures, note completion.
-
-    Failures are recorded only for async saves (a synchronous ``dcp.save``
-    raises to its caller already). ``write_data`` may return a pending future:
-    its outcome is recorded when it completes.
-    """
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        step = method.__name__
-        ticket = self._ticket_of_this_thread()  # None: not an async save in this process
-        daemon_copy = self._staging is None and self._status is not None  # PROCESS mode
-        if step == "write_data" and (ticket is not None or daemon_copy):
-            # The thread (DCP starts one per async save) only writes this save.
-            lower_thread_priority(self._staging_config.background_nice)
-        try:
-            result = method(self, *args, **kwargs)
-        except BaseException as e:
-            self._note_failure(step, e, ticket)
-            raise
-        if step == "write_data" and isinstance(result, torch.futures.Future):
-
-            def done(fut: torch.futures.Future) -> None:
-                try:
-                    fut.value()
-                except Exception as e:  # noqa: BLE001  (recorded; DCP raises it from wait())
-                    self._note_failure(step, e, ticket)
-                if ticket is not None:
-                    ticket.written.set()
-
-            # Runs at once when the future is complete already.
-            result.add_done_callback(done)
-        return result
-
-    return wrapper
