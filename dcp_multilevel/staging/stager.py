@@ -36,7 +36,8 @@ A background thread that dies before its first writer call (in PROCESS mode:
 DCP's daemon process failed to start) never claims its save. That save holds
 its buffer set until DCP drops the staged copy (its future keeps it, through
 the error's traceback), and the next ``stage`` waits for it to begin for at
-most ``wait_timeout_s``, then raises :class:`SaveInFlightError` saying so.
+most ``wait_timeout_s``, then raises :class:`SaveInFlightError` saying so
+(as does ``synchronize`` when that save was over budget).
 
 Buffers (:mod:`.buffers`): at most two sets, reused (double buffering). Budget:
 a state larger than ``budget_bytes`` is saved in two waves, the tensors left
