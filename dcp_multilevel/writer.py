@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -41,7 +42,8 @@ from .format.objects import load_object
 from .format.tensor_bytes import byte_view
 from .planner import write_item_nbytes
 from .planning import balance
-from .staging import AsyncStagingMixin, StagingConfig, background_step
+from .staging import BackgroundSave, Stager, StagingConfig
+from .staging.buffers import HostBufferPool
 from .stores import Store, store_for
 
 __all__ = ["MultiLevelWriter"]
@@ -53,7 +55,7 @@ logger = logging.getLogger(__name__)
 _WINDOW_PER_THREAD = 3
 
 
-class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
+class MultiLevelWriter(StorageWriter, AsyncStager):
     """Write a DCP checkpoint to ``path`` as raw bytes + a JSON manifest.
 
     Args:
@@ -69,11 +71,13 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
             than compression), ``"bytegroup"``, ``"zstd"``, a third-party codec
             name, or a :class:`~dcp_multilevel.config.Compression` with level,
             chunk size and threads. Non-tensor values are stored uncompressed.
-        storage_options: options for a remote location's tier and fsspec
+        storage_options: options for a remote location's store and fsspec
             backend (``retries``, ``spool_dir``, s3fs ``key``/``endpoint_url``...).
         staging: how ``dcp.async_save`` stages through this writer: buffer budget,
             in-flight policy (:class:`~dcp_multilevel.staging.StagingConfig`;
-            default: no budget, wait). See ``docs/async.md``.
+            default: no budget, wait). See ``docs/async.md``: DCP stages through
+            the writer (an ``AsyncStager``), which hands each call to its
+            :class:`~dcp_multilevel.staging.Stager`.
 
     Raises:
         ConfigError: on an invalid option.
@@ -91,7 +95,7 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
         staging: StagingConfig | None = None,
     ) -> None:
         super().__init__()
-        self._init_staging(staging)
+        self._stager = Stager(staging)
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ConfigError(f"thread_count must be an integer >= 1, got {thread_count!r}")
         self.overwrite = overwrite
@@ -103,7 +107,7 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
         self._codec = codec_for(self.compression) if self.compression else None
         self._codec_pool: ThreadPoolExecutor | None = None
         # Coded-chunk payloads, reused across chunks and saves: each part is
-        # written (copied by the tier) before the next one is coded into it.
+        # written (copied by the store) before the next one is coded into it.
         self._payload_buffers = BufferPool() if self._codec is not None else None
         self._set_path(path)
         self.rank = 0
@@ -111,8 +115,36 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
         #: Bytes this rank stored in its last write_data (for metrics).
         self.bytes_written = 0
 
-    #: Not sent to DCP's daemon process (AsyncCheckpointerType.PROCESS).
-    _transient_attrs = ("_staging", "_codec_pool", "_payload_buffers")
+    #: DCP calls synchronize_staging right after it submitted a save: an
+    #: over-budget save returns from async_save only once its live tensors are written.
+    _synchronize_after_execute = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        # AsyncCheckpointerType.PROCESS pickles the writer to DCP's daemon process:
+        # thread pools stay here; the stager pickles only what the daemon needs.
+        state = dict(self.__dict__)
+        state["_codec_pool"] = None
+        state["_payload_buffers"] = None
+        return state
+
+    # ------------------------------------------------------------------ staging (AsyncStager)
+
+    @property
+    def staging_pool(self) -> HostBufferPool | None:
+        """The stager's host buffer pool (None before the first async save)."""
+        return self._stager.pool
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``state_dict`` into the stager's host buffers (training thread)."""
+        return self._stager.stage(state_dict, checkpoint_id=self.checkpoint_id)
+
+    def synchronize_staging(self) -> None:
+        """Right after DCP submitted the save: over budget, wait for its live tensors."""
+        self._stager.synchronize()
+
+    def close(self) -> None:
+        """Free the buffers no save is using; the writer can still be used after."""
+        self._stager.close()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -131,8 +163,10 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
         return self.path
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        # Async saves: wait for this writer's earlier save before any collective.
-        self._claim_for_background()
+        # DCP's first call of a save given a checkpoint_id: an async save's background
+        # part begins here, waiting for this writer's earlier saves before the path
+        # changes or any collective runs.
+        self._stager.claim(checkpoint_id=os.fspath(checkpoint_id or self.checkpoint_id))
         if checkpoint_id:
             self._set_path(checkpoint_id)
 
@@ -146,6 +180,10 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
         self.is_coordinator = is_coordinator
 
     def storage_meta(self) -> StorageMeta:
+        # DCP's first call of every save (reset only comes with a checkpoint_id): an
+        # async save's background part begins here at the latest, before the planner
+        # is set up (see Stager.claim; again on the same thread it changes nothing).
+        self._stager.claim(checkpoint_id=self.checkpoint_id)
         return StorageMeta(checkpoint_id=self.path, save_id=uuid.uuid4().hex)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -166,20 +204,27 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
             )
         return plans
 
-    @background_step
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        # An async save's thread writes at background priority; failures are recorded.
+        with self._stager.background("write_data", rank=self.rank) as save:
+            return self._write_data(plan, planner, save)
+
+    def _write_data(
+        self, plan: SavePlan, planner: SavePlanner, save: BackgroundSave
+    ) -> Future[list[WriteResult]]:
+        """This rank's data files; the returned future is complete."""
         # File names come from this rank alone: DCP's plan caching can replay a
         # cached plan, so storage_data from the coordinator may be stale.
         token = uuid.uuid4().hex[:16]
         sizes = [write_item_nbytes(item) for item in plan.items]
         buckets = [[plan.items[i] for i in group] for group in balance(sizes, self.thread_count)]
         # An async save over its staging budget left some tensors live (see
-        # staging.py): write those first, and let training go on once they are.
-        live = _live_items(plan.items, planner, self._live_storages())
+        # staging/stager.py): write those first, and let training go on once they are.
+        live = _live_items(plan.items, planner, save.live_storages)
         if live:
             for bucket in buckets:
                 bucket.sort(key=lambda item: item.index not in live)
-        countdown = _Countdown(live, self._note_live_written)
+        countdown = _Countdown(live, save.live_written)
         jobs = [(data_file_path(self.rank, n, token), b) for n, b in enumerate(buckets)]
         # resolve_data may be called from several threads; DefaultSavePlanner's
         # lookup is a dict read, but torch.save of BYTE_IO items is not reentrant-safe
@@ -198,8 +243,12 @@ class MultiLevelWriter(AsyncStagingMixin, StorageWriter):
         fut.set_result(results)
         return fut
 
-    @background_step
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        with self._stager.background("finish", rank=self.rank):
+            self._finish(metadata, results)
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """The commit: the manifest, written last; then the sweep of stale files."""
         locations: dict[MetadataIndex, ItemLocation] = {}
         files: dict[str, int] = {}
         for rank_results in results:

@@ -41,9 +41,9 @@ from dcp_multilevel import (
     SaveInFlightError,
     StagingConfig,
 )
-from dcp_multilevel._host_buffers import ALIGN, BufferPool, copy_into, select_wave
 from dcp_multilevel.format import MANIFEST_NAME
 from dcp_multilevel.format.tensor_bytes import PIECE_BYTES
+from dcp_multilevel.staging.buffers import ALIGN, HostBufferPool, copy_into, select_wave
 
 pytestmark = pytest.mark.multiprocess
 
@@ -259,7 +259,7 @@ class _Save:
 
 
 def test_pool_reuses_two_sets_within_its_budget():
-    pool = BufferPool(3000, pin=False, shared=False)
+    pool = HostBufferPool(3000, pin=False, shared=False)
     a = pool.try_acquire(1000)
     a.owner = first = _Save()
     b = pool.try_acquire(1000)
@@ -362,8 +362,89 @@ def _pretend_running(writer: MultiLevelWriter) -> None:
     """The last staged save now runs in a background thread that blocks until released."""
     t = threading.Thread(target=_RELEASE.wait, daemon=True)
     t.start()
-    writer._current.thread = t
-    writer._current.started = True
+    writer._stager._last.thread = t
+
+
+class _Gate(DefaultSavePlanner):
+    """Writes nothing until ``gate`` is set."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def resolve_data(self, write_item):
+        assert self.gate.wait(60)
+        return super().resolve_data(write_item)
+
+
+def test_saves_without_checkpoint_id_queue_one_behind_the_other(tmp_path):
+    """No checkpoint_id: DCP skips reset, and storage_meta is where a save is claimed."""
+    writer = MultiLevelWriter(
+        tmp_path / "c", overwrite=True, staging=StagingConfig(in_flight="raise")
+    )
+    sd = {"w": torch.zeros(1000)}
+    gate = threading.Event()
+    try:
+        first = dcp.async_save(sd, storage_writer=writer, planner=_Gate(gate))
+        sd["w"].fill_(1.0)
+        # Queued while the first is still being written: its staging waited only
+        # for the first save to be claimed by its background thread.
+        second = dcp.async_save(sd, storage_writer=writer)
+        assert not first.done() and not second.done()
+        with pytest.raises(SaveInFlightError, match="is still being written"):
+            writer.stage(sd)  # a third: both buffer sets are taken
+    finally:
+        gate.set()
+    first.result()
+    second.result()
+    out = {"w": torch.empty(1000)}
+    dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c"))
+    assert torch.equal(out["w"], torch.ones(1000))  # committed in order
+
+
+def test_a_synchronous_save_claims_no_queued_async_save(tmp_path):
+    writer = MultiLevelWriter(tmp_path / "c", staging=StagingConfig(wait_timeout_s=0.2))
+    sd = {"w": torch.arange(1000.0)}
+    staged = writer.stage(sd)  # queued: DCP's thread for it has not called the writer yet
+    # A synchronous save on the thread that staged it waits for it, and does not take it.
+    with pytest.raises(SaveInFlightError) as err:
+        dcp.save(sd, storage_writer=writer, checkpoint_id=tmp_path / "sync")
+    assert str(err.value) == (
+        f"async save to {tmp_path / 'sync'}: an earlier save with this writer did not finish "
+        "in time (policy in_flight='wait', wait_timeout_s=0.2); at most one save is written "
+        "and one queued per writer. Wait for the returned future before saving again, or use "
+        'StagingConfig(in_flight="wait").'
+    )
+    assert writer._stager._last.thread is None
+    # The save's own background thread takes it (what DCP's executor thread does).
+    kwargs = {"storage_writer": writer, "checkpoint_id": tmp_path / "async"}
+    background = threading.Thread(target=dcp.save, args=(staged,), kwargs=kwargs)
+    background.start()
+    background.join()
+    assert writer._stager._last.thread is background
+    dcp.save(sd, storage_writer=writer, checkpoint_id=tmp_path / "sync")
+    for name in ("async", "sync"):
+        out = {"w": torch.zeros(1000)}
+        dcp.load(out, storage_reader=MultiLevelReader(tmp_path / name))
+        assert torch.equal(out["w"], sd["w"]), name
+
+
+def test_a_save_that_never_began_stops_the_next_after_wait_timeout(tmp_path):
+    """DCP's thread died before its first writer call (PROCESS: its daemon did not start)."""
+    writer = MultiLevelWriter(tmp_path / "c", staging=StagingConfig(wait_timeout_s=0.2))
+    sd = {"w": torch.arange(1000.0)}
+    staged = writer.stage(sd)  # no thread ever claims it
+    with pytest.raises(SaveInFlightError) as err:
+        writer.stage(sd)
+    assert str(err.value) == (
+        f"async save to {tmp_path / 'c'}: an earlier async save with this writer did not "
+        "begin writing within wait_timeout_s=0.2: DCP's background thread failed before its "
+        "first call to the writer (in PROCESS mode: DCP's daemon process did not start). "
+        "That save's future holds the error; drop the future to free its buffers, then save "
+        "again."
+    )
+    del staged  # what dropping that save's future does
+    assert writer.stage(sd)["w"].equal(sd["w"])
 
 
 # --------------------------------------------------------------------------- failure

@@ -7,6 +7,10 @@ value for those threads lets the training loop win that competition; the
 write still gets every idle cycle. Linux schedules threads individually, so
 this changes only the calling thread, and threads it starts afterwards
 inherit it.
+
+Called by ``Stager.background`` on the thread running an async save's
+``write_data`` / ``finish`` (DCP starts that thread for the one save), never
+on the training thread.
 """
 
 from __future__ import annotations

@@ -4,6 +4,13 @@ A buffer set is one flat ``uint8`` host tensor; a staged state is a structure
 of views into it (each tensor at a 64-byte aligned offset). Filling memory that
 an earlier save touched runs at memcpy speed; fresh memory (``clone()``) pays
 a page fault per page on top.
+
+Call order, all on the training thread, in ``Stager.stage``:
+``staged_nbytes`` (and ``select_wave`` over a budget) ->
+``HostBufferPool.try_acquire`` (under the stager's lock, as is ``close``) ->
+``copy_into`` (which may use a pool of copy threads) -> the set's ``owner``
+becomes the save's ticket. A set is busy until that owner is done; background
+threads finish owners and never call into this module.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import torch
 __all__ = [
     "ALIGN",
     "COPY_PIECE",
-    "BufferPool",
+    "HostBufferPool",
     "Owner",
     "copy_into",
     "iter_tensors",
@@ -55,7 +62,7 @@ class _BufferSet:
         return self.owner is not None and not self.owner.done()
 
 
-class BufferPool:
+class HostBufferPool:
     """At most two flat host buffers, allocated on demand and reused.
 
     A set is replaced (freed, then allocated larger) only when a bigger state

@@ -1,0 +1,66 @@
+"""StagingConfig: how MultiLevelWriter stages async saves (see ``docs/async.md``).
+
+Read by the training thread (budget, in-flight policy, copy threads) and by
+the background thread of an async save (``background_nice``); frozen, so both
+may hold it without a lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..errors import ConfigError
+
+__all__ = ["StagingConfig"]
+
+
+@dataclass(frozen=True)
+class StagingConfig:
+    """How :class:`~dcp_multilevel.MultiLevelWriter` stages async saves.
+
+    Args:
+        budget_bytes: most host memory the buffer pool may hold (both sets
+            together); ``None``: no limit (two sets of the state's size). A state
+            larger than this is saved in two waves (see ``docs/async.md``).
+        in_flight: what a save does when both buffer sets are taken by earlier
+            saves: ``"wait"`` until one is free, or ``"raise"``
+            :class:`~dcp_multilevel.errors.SaveInFlightError`.
+        wait_timeout_s: longest wait under ``"wait"`` before raising
+            :class:`~dcp_multilevel.errors.SaveInFlightError`.
+        pin_memory: page-lock the buffers (faster device-to-host copies);
+            ``None``: when CUDA is available.
+        shared_memory: allocate the buffers in shared memory up front, so that
+            ``AsyncCheckpointerType.PROCESS`` never moves them on first use.
+        copy_threads: threads copying into the buffers while ``async_save``
+            blocks (``copy_`` releases the GIL); 1: the calling thread only.
+        background_nice: nice value (Linux) of the thread writing an async
+            save, and of the threads it starts, so that on busy cores the
+            training loop runs first; 0: leave priorities alone.
+    """
+
+    budget_bytes: int | None = None
+    in_flight: Literal["wait", "raise"] = "wait"
+    wait_timeout_s: float = 3600.0
+    pin_memory: bool | None = None
+    shared_memory: bool = False
+    copy_threads: int = 2
+    background_nice: int = 10
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes is not None and (
+            not isinstance(self.budget_bytes, int) or self.budget_bytes < 0
+        ):
+            raise ConfigError(
+                f"budget_bytes must be None or an int >= 0, got {self.budget_bytes!r}"
+            )
+        if self.in_flight not in ("wait", "raise"):
+            raise ConfigError(f'in_flight must be "wait" or "raise", got {self.in_flight!r}')
+        if not isinstance(self.copy_threads, int) or self.copy_threads < 1:
+            raise ConfigError(f"copy_threads must be an int >= 1, got {self.copy_threads!r}")
+        if not isinstance(self.background_nice, int) or not 0 <= self.background_nice <= 19:
+            raise ConfigError(
+                f"background_nice must be an int from 0 to 19, got {self.background_nice!r}"
+            )
+        if not self.wait_timeout_s > 0:
+            raise ConfigError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s!r}")

@@ -1,0 +1,351 @@
+"""The stager a :class:`~dcp_multilevel.MultiLevelWriter` owns for ``dcp.async_save``.
+
+The writer is DCP's :class:`~torch.distributed.checkpoint.staging.AsyncStager`
+and calls its :class:`Stager` explicitly. Order of calls for one
+``dcp.async_save(sd, storage_writer=W)`` (torch 2.13, every rank, see
+``state_dict_saver.async_save``)::
+
+    training thread    W.stage(sd)          -> stage(sd, checkpoint_id=)  raise an earlier
+                                               failure once; wait for the save before to
+                                               begin and for a free buffer set; copy
+                       DCP starts a thread for this save and hands it the staged copy
+                       W.synchronize_staging -> synchronize()  over budget: block until the
+                                               live tensors are written
+    background thread  W.reset(id) if DCP got a checkpoint_id, W.storage_meta() always
+      (THREAD)                              -> claim(checkpoint_id=)  take this save, wait
+                                               for the earlier ones (before any collective)
+                       W.write_data, W.finish -> with background(step, rank=) as save
+      (PROCESS)        pickling the staged copy to DCP's daemon process claims it; the
+                       daemon runs the same calls on its copy of W, whose Stager only
+                       lowers priority and records failures (see ``__getstate__``)
+
+A synchronous ``dcp.save`` with the same writer makes the background calls on
+its own thread: on the thread that staged the saves it claims none of them and
+waits for all of them.
+
+How a save's background thread is known: it claims the oldest unclaimed
+ticket in its first writer call, and the ticket records
+``threading.current_thread()``. ``stage`` waits until the save before was
+claimed before it queues another, so at most one ticket is ever unclaimed:
+the one the next background thread takes. A writer is used by one training
+thread: a synchronous save from yet another thread, made while an async save
+is staged but not yet claimed, would be taken for that save's background
+thread.
+
+A background thread that dies before its first writer call (in PROCESS mode:
+DCP's daemon process failed to start) never claims its save. That save holds
+its buffer set until DCP drops the staged copy (its future keeps it, through
+the error's traceback), and the next ``stage`` waits for it to begin for at
+most ``wait_timeout_s``, then raises :class:`SaveInFlightError` saying so
+(as does ``synchronize`` when that save was over budget).
+
+Buffers (:mod:`.buffers`): at most two sets, reused (double buffering). Budget:
+a state larger than ``budget_bytes`` is saved in two waves, the tensors left
+out written first from the live state while ``async_save`` waits. Failures
+(:mod:`._failures`): raised from DCP's future, and once more, as
+:class:`AsyncSaveError`, from the next ``async_save`` with this writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ..errors import AsyncSaveError, ConfigError, SaveInFlightError
+from ._failures import FailureRecord
+from ._priority import lower_thread_priority
+from ._tickets import POLL_S, StagedDict, Ticket, uncopied_storages
+from .buffers import HostBufferPool, copy_into, select_wave, staged_nbytes
+from .config import StagingConfig
+
+__all__ = ["BackgroundSave", "Stager"]
+
+
+class BackgroundSave:
+    """What one background step (``write_data``, ``finish``) sees of its save's staging.
+
+    Handed out by :meth:`Stager.background`. For a synchronous save, or a
+    save in DCP's daemon process, there are no live tensors.
+    """
+
+    def __init__(self, ticket: Ticket | None) -> None:
+        self._ticket = ticket
+
+    @property
+    def live_storages(self) -> frozenset[int]:
+        """Storage pointers of the live tensors this save writes through (over budget)."""
+        return self._ticket.live if self._ticket is not None else frozenset()
+
+    def live_written(self) -> None:
+        """Every live tensor is in its data file: ``async_save`` may return (any thread)."""
+        if self._ticket is not None:
+            self._ticket.released.set()
+
+
+class _Staging:
+    """A stager's state in the training process, made by its first ``stage``."""
+
+    def __init__(self, config: StagingConfig) -> None:
+        pin = config.pin_memory if config.pin_memory is not None else torch.cuda.is_available()
+        self.pool = HostBufferPool(config.budget_bytes, pin=pin, shared=config.shared_memory)
+        # Guards tickets and the pool (stage and close, on the training thread,
+        # against claim, on background threads).
+        self.lock = threading.Lock()
+        self.tickets: list[Ticket] = []
+        self.seq = 0
+        # copy_ releases the GIL: while the training thread waits for staging anyway,
+        # more cores copy (threads exit with the process).
+        self.copier = (
+            ThreadPoolExecutor(config.copy_threads, thread_name_prefix="dcp-ml-stage")
+            if config.copy_threads > 1
+            else None
+        )
+
+
+class Stager:
+    """Async-save staging over a reused host buffer pool (see module docs for call order).
+
+    Args:
+        config: budget, in-flight policy and threads; default :class:`StagingConfig()`.
+    """
+
+    def __init__(self, config: StagingConfig | None = None) -> None:
+        self.config = config or StagingConfig()
+        self._staging: _Staging | None = None  # made by the first stage()
+        self._failures: FailureRecord | None = None  # made with it; shared with the daemon
+        self._in_daemon = False  # this is the copy in DCP's daemon process
+        self._last: Ticket | None = None  # the last staged save (for synchronize)
+
+    @property
+    def pool(self) -> HostBufferPool | None:
+        """The host buffer pool (None before the first async save)."""
+        return self._staging.pool if self._staging is not None else None
+
+    # -- training thread
+
+    def stage(self, state_dict: dict[str, Any], *, checkpoint_id: str) -> dict[str, Any]:
+        """Copy ``state_dict`` into a free buffer set and return the copy.
+
+        ``checkpoint_id``: the writer's location, for messages.
+
+        Raises:
+            AsyncSaveError: the previous async save failed in the background (once).
+            SaveInFlightError: no buffer set freed up (policy ``in_flight``), or
+                the save before never began its background part.
+        """
+        if self._in_daemon:
+            raise ConfigError("a daemon-process copy of the writer cannot stage")
+        st = self._staging
+        if st is None:
+            st = self._staging = _Staging(self.config)
+            self._failures = FailureRecord()
+        self._raise_failure(checkpoint_id)
+        cfg = self.config
+        deadline = time.monotonic() + cfg.wait_timeout_s
+        # The saves before must have begun in the background before this one is
+        # queued: DCP's PROCESS executor starts its daemon on the first save, and a
+        # second save submitted meanwhile would start another one. It also keeps
+        # at most one ticket unclaimed, the one the next background thread takes.
+        for t in list(st.tickets):
+            if not t.wait_claimed(deadline):
+                raise SaveInFlightError(self._never_began_message(checkpoint_id))
+        nbytes = staged_nbytes(state_dict)
+        wave: set[int] | None = None  # None: stage every tensor
+        if not st.pool.fits(nbytes):
+            # Two waves: what the budget holds is staged; the rest is written
+            # first, straight from the live tensors, while this thread waits.
+            wave, nbytes = select_wave(state_dict, st.pool.budget_bytes or 0)
+        buffers = None
+        while nbytes:
+            with st.lock:
+                st.tickets = [t for t in st.tickets if not t.done()]
+                buffers = st.pool.try_acquire(nbytes)
+            if buffers is not None:
+                break
+            if cfg.in_flight == "raise":
+                raise SaveInFlightError(self._busy_message(checkpoint_id, "is still being written"))
+            oldest = st.tickets[0] if st.tickets else None
+            if oldest is None:
+                time.sleep(POLL_S)
+            if (oldest is None or not oldest.wait_done(deadline)) and time.monotonic() > deadline:
+                raise SaveInFlightError(self._busy_message(checkpoint_id, "did not finish in time"))
+        flat = buffers.flat if buffers is not None else None
+        copied = copy_into(state_dict, flat, st.copier, only=wave)
+        live = uncopied_storages(state_dict, copied) if wave is not None else frozenset()
+        st.seq += 1
+        ticket = Ticket(st.seq, checkpoint_id, write_through=wave is not None, live=live)
+        staged = StagedDict(copied, ticket, self._claim_sent)
+        if buffers is not None:
+            buffers.owner = ticket
+        weakref.finalize(staged, _mark_dropped, ticket)
+        with st.lock:
+            st.tickets.append(ticket)
+        self._last = ticket
+        return staged
+
+    def synchronize(self) -> None:
+        """Right after DCP submitted the last staged save: over budget, wait for its live tensors.
+
+        Returns once the writer wrote every live tensor (it writes them first),
+        its ``write_data`` ended, or the save ended.
+
+        Raises:
+            SaveInFlightError: the save's background part did not begin within
+                ``wait_timeout_s`` (its thread failed first).
+        """
+        t = self._last
+        if t is None or not t.write_through:
+            return
+        deadline = time.monotonic() + self.config.wait_timeout_s
+        while not t.released.wait(0.05):
+            if t.done():
+                return
+            if not t.claimed and time.monotonic() > deadline:
+                raise SaveInFlightError(self._never_began_message(t.checkpoint_id))
+
+    def close(self) -> None:
+        """Free the buffers no save is using; the stager can still be used after."""
+        if self._staging is not None:
+            with self._staging.lock:
+                self._staging.pool.close()
+
+    # -- background thread
+
+    def claim(self, *, checkpoint_id: str) -> None:
+        """A save's first writer call: claim it for this thread; wait for the earlier saves.
+
+        Called from the writer's ``reset`` and ``storage_meta``, whichever
+        comes first (DCP calls ``reset`` only with a ``checkpoint_id``), on
+        the thread running the save; again on the same thread it changes
+        nothing. The thread that staged the saves (a synchronous ``dcp.save``)
+        claims none and waits for all. ``checkpoint_id``: for messages.
+
+        Raises:
+            SaveInFlightError: an earlier save did not end within ``wait_timeout_s``.
+        """
+        st = self._staging
+        if st is None:  # no async save yet, or the daemon's copy (one save at a time)
+            return
+        me = threading.current_thread()
+        with st.lock:
+            mine = _claimed_by(st.tickets, me)
+            if mine is None:
+                oldest = next((t for t in st.tickets if not t.claimed and not t.done()), None)
+                if oldest is not None and oldest.stager_thread is not me:
+                    oldest.thread = me
+                    mine = oldest
+        self._wait_for_earlier(mine, checkpoint_id)
+
+    def _claim_sent(self, ticket: Ticket) -> None:
+        """PROCESS mode: the staged copy is being pickled by the thread sending it."""
+        with self._staging.lock:
+            if ticket.thread is None:
+                ticket.thread = threading.current_thread()
+        self._wait_for_earlier(ticket, ticket.checkpoint_id)
+        if ticket.write_through:
+            raise ConfigError(
+                "this state does not fit the staging budget and is written through from "
+                "the live tensors, which needs AsyncCheckpointerType.THREAD; with PROCESS the "
+                "whole staged copy must fit: raise StagingConfig(budget_bytes=...)"
+            )
+
+    @contextlib.contextmanager
+    def background(self, step: str, *, rank: int) -> Iterator[BackgroundSave]:
+        """Run one background step of a save (``write_data``, ``finish``) inside this.
+
+        For an async save (a ticket claimed by this thread, or any save in
+        DCP's daemon process) the thread's priority is lowered first (it
+        exists for this save only), and a failure is recorded for the next
+        ``stage``. Leaving the step releases an over-budget ``async_save``.
+        ``step`` and ``rank`` name the failure.
+        """
+        ticket = self._ticket_of_this_thread()
+        is_async = ticket is not None or self._in_daemon
+        if is_async:
+            lower_thread_priority(self.config.background_nice)
+        try:
+            yield BackgroundSave(ticket)
+        except BaseException as e:
+            if is_async and self._failures is not None:
+                self._failures.note(f"{step} failed on rank {rank}: {type(e).__name__}: {e}")
+            raise
+        finally:
+            if ticket is not None:
+                ticket.released.set()
+
+    def _ticket_of_this_thread(self) -> Ticket | None:
+        st = self._staging
+        if st is None:
+            return None
+        with st.lock:
+            return _claimed_by(st.tickets, threading.current_thread())
+
+    def _wait_for_earlier(self, ticket: Ticket | None, checkpoint_id: str) -> None:
+        st = self._staging
+        deadline = time.monotonic() + self.config.wait_timeout_s
+        with st.lock:
+            earlier = [t for t in st.tickets if ticket is None or t.seq < ticket.seq]
+        for t in earlier:
+            if not t.wait_done(deadline):
+                raise SaveInFlightError(self._busy_message(checkpoint_id, "did not finish in time"))
+
+    # -- failures and messages
+
+    def _raise_failure(self, checkpoint_id: str) -> None:
+        text = self._failures.take() if self._failures is not None else None
+        if text is not None:
+            raise AsyncSaveError(
+                f"the previous async save with this writer failed in the background ({text}); "
+                "nothing of it was committed. Fix the cause and save again; this error is "
+                "raised once.",
+                checkpoint=checkpoint_id,
+            )
+
+    def _busy_message(self, checkpoint_id: str, what: str) -> str:
+        cfg = self.config
+        return (
+            f"async save to {checkpoint_id}: an earlier save with this writer {what} (policy "
+            f"in_flight={cfg.in_flight!r}, wait_timeout_s={cfg.wait_timeout_s}); at most one "
+            "save is written and one queued per writer. Wait for the returned future before "
+            'saving again, or use StagingConfig(in_flight="wait").'
+        )
+
+    def _never_began_message(self, checkpoint_id: str) -> str:
+        return (
+            f"async save to {checkpoint_id}: an earlier async save with this writer did not "
+            f"begin writing within wait_timeout_s={self.config.wait_timeout_s}: DCP's "
+            "background thread failed before its first call to the writer (in PROCESS mode: "
+            "DCP's daemon process did not start). That save's future holds the error; drop "
+            "the future to free its buffers, then save again."
+        )
+
+    # -- pickling to DCP's daemon process (PROCESS mode)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Only what the daemon's copy needs: the config (background_nice) and the
+        # shared failure record. Buffers, tickets and threads stay here.
+        return {"config": self.config, "failures": self._failures}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["config"])
+        self._failures = state["failures"]
+        # A writer that never staged (DCP was given another async_stager) has no
+        # record: its copy treats saves as synchronous, as the original does.
+        self._in_daemon = self._failures is not None
+
+
+def _claimed_by(tickets: list[Ticket], thread: threading.Thread) -> Ticket | None:
+    # A save DCP dropped is over even if its thread lives on (an executor that
+    # reused its thread for the next save would otherwise find the old ticket).
+    return next((t for t in tickets if t.thread is thread and not t.dropped), None)
+
+
+def _mark_dropped(ticket: Ticket) -> None:
+    ticket.dropped = True
