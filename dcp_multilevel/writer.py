@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from typing import Any
@@ -44,6 +44,7 @@ from .planner import write_item_nbytes
 from .planning import balance
 from .staging import BackgroundSave, Stager, StagingConfig
 from .staging.buffers import HostBufferPool
+from .staging.live import LiveCountdown
 from .stores import Store, store_for
 
 __all__ = ["MultiLevelWriter"]
@@ -220,11 +221,11 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         buckets = [[plan.items[i] for i in group] for group in balance(sizes, self.thread_count)]
         # An async save over its staging budget left some tensors live (see
         # staging/stager.py): write those first, and let training go on once they are.
-        live = _live_items(plan.items, planner, save.live_storages)
+        live = save.live_items(plan.items, planner)
         if live:
             for bucket in buckets:
                 bucket.sort(key=lambda item: item.index not in live)
-        countdown = _Countdown(live, save.live_written)
+        countdown = save.countdown(live)
         jobs = [(data_file_path(self.rank, n, token), b) for n, b in enumerate(buckets)]
         # resolve_data may be called from several threads; DefaultSavePlanner's
         # lookup is a dict read, but torch.save of BYTE_IO items is not reentrant-safe
@@ -277,7 +278,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         items: list[WriteItem],
         planner: SavePlanner,
         lock: threading.Lock,
-        countdown: _Countdown,
+        countdown: LiveCountdown,
     ) -> list[WriteResult]:
         """Write ``items`` to one data file, coding ahead in the pool while writing.
 
@@ -377,44 +378,3 @@ def _tensor_for(item: WriteItem, data: Any) -> torch.Tensor:
         t = t.cpu()
     # Non-contiguous views are copied (only their projection is stored).
     return t.contiguous()
-
-
-class _Countdown:
-    """Calls ``done`` once every index in ``pending`` was written (thread-safe)."""
-
-    def __init__(self, pending: set[MetadataIndex], done: Callable[[], None]) -> None:
-        self._pending = set(pending)
-        self._done = done
-        self._lock = threading.Lock()
-        if not self._pending:
-            done()
-
-    def written(self, index: MetadataIndex) -> None:
-        if not self._pending:
-            return
-        with self._lock:
-            if index not in self._pending:
-                return
-            self._pending.discard(index)
-            last = not self._pending
-        if last:
-            self._done()
-
-
-def _live_items(
-    items: list[WriteItem], planner: SavePlanner, live: frozenset[int]
-) -> set[MetadataIndex]:
-    """Indexes of the tensor items whose data is still the training state's memory."""
-    if not live:
-        return set()
-    found = set()
-    for item in items:
-        if item.type != WriteItemType.BYTE_IO:
-            data = planner.resolve_data(item)
-            if (
-                isinstance(data, torch.Tensor)
-                and data.numel()
-                and data.untyped_storage().data_ptr() in live
-            ):
-                found.add(item.index)
-    return found

@@ -52,11 +52,13 @@ import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 
 from ..errors import AsyncSaveError, ConfigError, SaveInFlightError
 from ._failures import FailureRecord
@@ -64,6 +66,7 @@ from ._priority import lower_thread_priority
 from ._tickets import POLL_S, StagedDict, Ticket, uncopied_storages
 from .buffers import HostBufferPool, copy_into, select_wave, staged_nbytes
 from .config import StagingConfig
+from .live import LiveCountdown, live_items
 
 __all__ = ["BackgroundSave", "Stager"]
 
@@ -87,6 +90,14 @@ class BackgroundSave:
         """Every live tensor is in its data file: ``async_save`` may return (any thread)."""
         if self._ticket is not None:
             self._ticket.released.set()
+
+    def live_items(self, items: Iterable[WriteItem], planner: SavePlanner) -> set[MetadataIndex]:
+        """The indexes of ``items`` this save writes from the live state (write them first)."""
+        return live_items(items, planner, self.live_storages)
+
+    def countdown(self, live: set[MetadataIndex]) -> LiveCountdown:
+        """Counts the ``live`` items down as they are written; calls :meth:`live_written`."""
+        return LiveCountdown(live, self.live_written)
 
 
 class _Staging:
