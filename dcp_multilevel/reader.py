@@ -13,7 +13,8 @@ Load path::
     all ranks     read_data: from that copy, per file, items sorted by offset;
                   bytes land straight in the destination tensor when it is a
                   whole, contiguous CPU chunk of the stored dtype, otherwise in a
-                  scratch buffer that is narrowed and copied. Every item is
+                  scratch buffer that is narrowed and copied
+                  (``checkpoint/destinations.py``). Every item is
                   verified against its checksum before it is committed (fail
                   closed). Items that are missing, truncated or corrupt are read
                   again from the next copy (its manifest loaded and checked
@@ -24,43 +25,34 @@ checkpoint every rank loads is the caller's (the manager's) agreement.
 
 Non-tensor objects are checked with ``torch.load(weights_only=True)`` before
 DCP's planner sees them, because ``DefaultLoadPlanner.load_bytes`` itself
-unpickles with ``weights_only=False``.
+unpickles with ``weights_only=False`` (``checkpoint/destinations.py``).
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-)
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .checkpoint import StoredCheckpoint
 from .checkpoint.chain import Failure, Trail, item_name, metadata_difference
+from .checkpoint.destinations import destination
 from .errors import (
     ConfigError,
     CorruptCheckpointError,
     DcpMultilevelError,
     ManifestError,
-    UnsafeObjectError,
 )
 from .format import MANIFEST_NAME, ItemLocation, Manifest
-from .format.objects import load_object
-from .format.tensor_bytes import byte_view
 from .stores import Store
 
 __all__ = ["MultiLevelReader"]
@@ -382,7 +374,7 @@ class MultiLevelReader(StorageReader):
             for n, (i, req, loc) in enumerate(reqs):
                 # Outside the try: a destination of the wrong shape is wrong for
                 # every copy, and so is an object refused by weights_only loading.
-                out, commit = self._destination(copy, req, loc, planner)
+                out, commit = destination(copy, req, loc, planner)
                 try:
                     copy.read_item(
                         handle, req.storage_index.fqn, loc, out,
@@ -400,54 +392,6 @@ class MultiLevelReader(StorageReader):
                 served += 1
         return served, failures
 
-    def _destination(
-        self, copy: StoredCheckpoint, req: ReadItem, loc: ItemLocation, planner: LoadPlanner
-    ) -> tuple[memoryview, Callable[[], None]]:
-        """Where to read ``req``'s bytes, and how to hand them to DCP once verified."""
-        fqn = req.storage_index.fqn
-        if req.type == LoadItemType.BYTE_IO:
-            buf = bytearray(loc.raw_length)
-
-            def commit_bytes() -> None:
-                planner.load_bytes(req, _vetted_bytes(bytes(buf), fqn, copy.url))
-
-            return memoryview(buf), commit_bytes
-        md = copy.manifest().metadata.state_dict_metadata[fqn]
-        assert not isinstance(md, BytesStorageMetadata)  # the manifest decoder checked
-        dtype = md.properties.dtype
-        chunk_sizes = _chunk_sizes(md, req.storage_index)
-        target = planner.resolve_tensor(req).detach()
-        whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == chunk_sizes
-        if (
-            whole
-            and target.device.type == "cpu"
-            and target.dtype == dtype
-            and target.is_contiguous()
-            and tuple(target.shape) == chunk_sizes
-        ):
-            # Fast path: the destination's memory is the read buffer (no copy). It
-            # holds unverified bytes until fill() returns; a failed item is read
-            # again (from another copy) or the load fails, so none is committed.
-            return byte_view(target), lambda: planner.commit_tensor(req, target)
-        if tuple(target.shape) != tuple(req.lengths):
-            raise ManifestError(
-                f"item {fqn!r}: destination has shape {tuple(target.shape)} but the "
-                f"checkpoint region has {tuple(req.lengths)}",
-                checkpoint=copy.url,
-            )
-        scratch = torch.empty(loc.raw_length, dtype=torch.uint8)
-
-        def commit_tensor() -> None:
-            src = scratch.view(dtype).reshape(chunk_sizes)
-            for dim, (start, length) in enumerate(
-                zip(req.storage_offsets, req.lengths, strict=True)
-            ):
-                src = src.narrow(dim, start, length)
-            target.copy_(src)
-            planner.commit_tensor(req, target)
-
-        return byte_view(scratch), commit_tensor
-
     def _codec_pool(self) -> ThreadPoolExecutor | None:
         if self.thread_count == 1:
             return None
@@ -456,29 +400,3 @@ class MultiLevelReader(StorageReader):
                 self.thread_count, thread_name_prefix="dcp-ml-decode"
             )
         return self._decode_pool
-
-
-def _chunk_sizes(md: Any, index: MetadataIndex) -> tuple[int, ...]:
-    for chunk in md.chunks:
-        if chunk.offsets == index.offset:
-            return tuple(chunk.sizes)
-    raise KeyError(index)  # unreachable: the manifest decoder matched every item
-
-
-def _vetted_bytes(raw: bytes, fqn: str, checkpoint: str) -> io.BytesIO:
-    """Re-serialize a stored object after loading it with ``weights_only=True``.
-
-    The planner then unpickles only what we produced from an allowed object,
-    never the checkpoint's own bytes.
-    """
-    obj, refused = load_object(raw)
-    if refused is not None:
-        raise UnsafeObjectError(
-            f"object {fqn!r} in checkpoint {checkpoint} cannot be loaded with "
-            f"weights_only=True: {refused}. If you trust this checkpoint and the type is "
-            "yours, allow it with torch.serialization.add_safe_globals([...])."
-        )
-    out = io.BytesIO()
-    torch.save(obj, out)
-    out.seek(0)
-    return out
