@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .checkpoint import StoredCheckpoint
-from .checkpoint.chain import Failure, Trail, item_name, metadata_difference
+from .checkpoint.chain import Failure, Trail, item_name, unusable_copy
 from .checkpoint.destinations import destination
 from .errors import (
     ConfigError,
@@ -258,7 +258,7 @@ class MultiLevelReader(StorageReader):
                 break
             copy = self._copies[ci]
             after = self._copies[ci + 1].url if ci + 1 < len(self._copies) else None
-            unusable = self._unusable(copy) if ci > self._base else None
+            unusable = unusable_copy(copy, self._copies[self._base]) if ci > self._base else None
             if unusable is not None:
                 self._trail.unusable(copy.url, unusable, [i for i, _ in pending], after)
                 continue
@@ -292,35 +292,6 @@ class MultiLevelReader(StorageReader):
     def _manifest(self) -> Manifest:
         assert self._base is not None
         return self._copies[self._base].manifest()
-
-    def _unusable(self, copy: StoredCheckpoint) -> Exception | None:
-        """Why fallback ``copy`` cannot serve items of this load, or None if it can."""
-        try:
-            manifest = copy.manifest()
-        except (DcpMultilevelError, OSError) as e:
-            return e
-        assert self._base is not None
-        in_use = self._copies[self._base]
-        diff = metadata_difference(self._manifest().metadata, manifest.metadata)
-        if diff is None:
-            if manifest.save_id == self._manifest().save_id:
-                return None
-            # Same shapes, another save (e.g. the step saved again by another
-            # run): mixing its items with the copy in use would load a state
-            # that never existed.
-            return ManifestError(
-                f"the copy at {copy.url} holds another save than the copy in use "
-                f"({in_use.url}) and is not used: its save_id is {manifest.save_id!r}, the "
-                f"copy in use has {self._manifest().save_id!r}. Only copies drained from "
-                "the same save can stand in for each other.",
-                checkpoint=copy.url,
-            )
-        return ManifestError(
-            f"the copy at {copy.url} holds another checkpoint than the copy in use "
-            f"({in_use.url}) and is not used: their DCP metadata differ ({diff}). Check "
-            "that the fallbacks name copies of the same checkpoint (same step).",
-            checkpoint=copy.url,
-        )
 
     # ------------------------------------------------------------------ reading
 
