@@ -173,16 +173,19 @@ class ByteGroupCodec(Codec):
     read_versions = frozenset({1, 2, 3})
 
     def layout(self, dtype: torch.dtype) -> tuple[int, int]:
+        """As :meth:`Codec.layout`, but fp32, bf16 and complex64 rotate by 3 bits (version 2)."""
         width, rotate = element_layout(dtype)
         return width, _ROTATE_V2.get(dtype, rotate)
 
     def payload_bound(self, raw_len: int, width: int) -> int:
+        """Bytes :meth:`encode_into` needs: plane table, raw bytes, one plane's zstd slack."""
         # The table, then every plane but the last at most raw (a coded plane
         # that does not pay is overwritten by the raw one), the last at most
         # its zstd bound while it is being compressed.
         return 1 + width * _PLANE.size + raw_len + _zstd.plane_bound(raw_len // max(width, 1))
 
     def encode(self, chunk: memoryview, width: int, rotate: int) -> bytes | None:
+        """The payload of ``chunk`` (None when no plane pays), through :meth:`encode_into`."""
         out = np.empty(self.payload_bound(len(chunk), width), dtype=np.uint8)
         n = self.encode_into(chunk, width, rotate, memoryview(out))
         return None if n is None else out[:n].tobytes()
@@ -255,6 +258,12 @@ class ByteGroupCodec(Codec):
         return [_zstd.compress_plane_into(planes[p], room) is not None for p in range(width)]
 
     def decode(self, payload: memoryview, out: memoryview, width: int, rotate: int) -> None:
+        """Decode a payload of any version this class reads into ``out``.
+
+        Raises:
+            ValueError: the plane table, a plane's length or method, or the
+                payload's size does not match ``width`` and ``len(out)``.
+        """
         nplanes = payload[0]
         if nplanes != width:
             raise ValueError(f"payload has {nplanes} planes, the frame says width {width}")
