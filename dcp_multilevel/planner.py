@@ -124,6 +124,10 @@ class BalancedSavePlanner(DefaultSavePlanner):
     # ------------------------------------------------------------------ local
 
     def create_local_plan(self) -> SavePlan:
+        """DCP's local plan; with ``verify_replicas``, plus an xxh3 digest of every item.
+
+        Hashing resolves every item's data once more, on every rank.
+        """
         plan = super().create_local_plan()
         if self.verify_replicas and plan.usable:
             digests = {item.index: self._digest(item) for item in plan.items}
@@ -221,6 +225,7 @@ class BalancedSavePlanner(DefaultSavePlanner):
     # ------------------------------------------------------------------ resolve
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        """As DCP's, and for a piece of a plain tensor this planner split, a view of that piece."""
         obj = self.state_dict.get(write_item.index.fqn) if write_item.tensor_data else None
         if (
             write_item.type == WriteItemType.SHARD

@@ -185,6 +185,11 @@ class MultiLevelReader(StorageReader):
         return tuple(c.url for c in self._fallbacks)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new load: forget every copy's manifest; ``checkpoint_id`` moves the first copy.
+
+        Raises:
+            ConfigError: with fallbacks, ``checkpoint_id`` names another checkpoint.
+        """
         if checkpoint_id:
             self._set_path(checkpoint_id)
         else:
@@ -225,6 +230,11 @@ class MultiLevelReader(StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        """Check that ``metadata`` is what :meth:`read_metadata` returned; nothing else to set up.
+
+        Raises:
+            ConfigError: ``metadata`` did not come from this reader's read_metadata.
+        """
         if self._base is None or metadata.storage_data is not self._manifest().locations:
             # DCP hands back what read_metadata returned; anything else was not
             # validated by us and must not steer reads.
@@ -234,9 +244,11 @@ class MultiLevelReader(StorageReader):
             )
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """``plan`` unchanged: items are located through the manifest when they are read."""
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """``plans`` unchanged: each rank reads its own items, from copies it chooses."""
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -282,6 +294,11 @@ class MultiLevelReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` holds a committed checkpoint (its manifest exists).
+
+        False, not an error, for a location no installed store can open; an
+        error reading the store (e.g. ``RemoteStoreError``) propagates.
+        """
         try:
             return StoredCheckpoint.at(checkpoint_id).is_committed()
         except (ValueError, LookupError):

@@ -167,12 +167,18 @@ class RemoteStore(Store):
 
     @property
     def url(self) -> str:
+        """The root URL as given, without a trailing ``/``."""
         return self._url
 
     # ------------------------------------------------------------------ Store API
 
     @contextmanager
     def open_write(self, path: str) -> Iterator[FdWriteHandle]:
+        """Spool the written bytes locally, then upload them as :meth:`put_file` does.
+
+        Raises:
+            RemoteStoreError: on exit, when the upload keeps failing.
+        """
         with spool_file(self.spool_dir) as (fd, spool):
             handle = FdWriteHandle(fd)
             try:
@@ -202,6 +208,7 @@ class RemoteStore(Store):
         self._upload(path, rpath, attempt)
 
     def write_atomic(self, path: str, data: bytes) -> None:
+        """Upload ``data`` in one PUT (no spool), retried and size-checked like :meth:`put_file`."""
         data = bytes(data) if not isinstance(data, bytes) else data
         rpath = self._path(path)
 
@@ -214,6 +221,12 @@ class RemoteStore(Store):
 
     @contextmanager
     def open_read(self, path: str) -> Iterator[_RemoteReadHandle]:
+        """A handle that reads through ranged GETs of at most 64 MiB each (retried).
+
+        Raises:
+            FileNotFoundError: no object at ``path``.
+            IsADirectoryError: ``path`` is a prefix, not an object.
+        """
         rpath = self._path(path)
         info = self._stat(path, rpath)
         if info.get("type") == "directory":
@@ -223,6 +236,7 @@ class RemoteStore(Store):
         yield _RemoteReadHandle(self, path, rpath, int(info["size"]))
 
     def read_bytes(self, path: str) -> bytes:
+        """The whole object in one GET (retried); FileNotFoundError naming its URL when missing."""
         # One GET: a consistent snapshot even if the object is being replaced.
         rpath = self._path(path)
         try:
@@ -231,6 +245,7 @@ class RemoteStore(Store):
             raise self._not_found(path) from None
 
     def exists(self, path: str) -> bool:
+        """Whether an object or prefix is at ``path``; RemoteStoreError when that stays unknown."""
         # Not fs.exists(): fsspec's default swallows every error and answers
         # False, which would let an outage look like "no manifest here".
         try:
@@ -240,6 +255,7 @@ class RemoteStore(Store):
         return True
 
     def listdir(self, path: str) -> list[str]:
+        """Sorted names of the objects and prefixes directly below ``path`` (a fresh listing)."""
         rpath = self._path(path)
 
         def ls() -> list[dict[str, Any]]:
@@ -261,6 +277,7 @@ class RemoteStore(Store):
         return sorted(names)
 
     def remove_tree(self, path: str) -> None:
+        """Delete the object or every object below prefix ``path`` (retried; missing is fine)."""
         rpath = self._path(path)
 
         def rm() -> None:
