@@ -187,7 +187,8 @@ def locations_to_json(locations: Mapping[MetadataIndex, ItemLocation]) -> list[d
     return items
 
 
-# The decoder builds the dataclasses above, so it is imported last: importing
-# it first (``format/__init__.py`` imports this module before it) finds them
-# defined. Re-exported so ``format.manifest.decode_manifest`` keeps working.
+# Re-exported so ``format.manifest.decode_manifest`` keeps working. Imported
+# last: manifest_decode imports the dataclasses above from this module, which
+# exist by then. (``format/__init__.py`` imports this module first, so this
+# holds however the decoder is first imported.)
 from .manifest_decode import decode_manifest, locations_from_json  # noqa: E402
