@@ -8,7 +8,8 @@ how to check them. It is JSON, not pickle: loading a checkpoint never runs code.
 
 This module defines the document (:class:`Manifest`, :class:`ItemLocation`)
 and encodes it. Its validating decoder, :func:`decode_manifest`, which treats
-its input as hostile, is in ``manifest_decode.py`` (re-exported here).
+its input as hostile, is in ``manifest_decode.py`` (both are re-exported by
+``format/__init__.py``).
 
 Layout (format version 1)::
 
@@ -53,9 +54,7 @@ __all__ = [
     "MANIFEST_NAME",
     "ItemLocation",
     "Manifest",
-    "decode_manifest",
     "encode_manifest",
-    "locations_from_json",
     "locations_to_json",
 ]
 
@@ -185,10 +184,3 @@ def locations_to_json(locations: Mapping[MetadataIndex, ItemLocation]) -> list[d
     # Sorted so that the same checkpoint always encodes to the same bytes.
     items.sort(key=lambda i: (i["file"], i["pos"]))
     return items
-
-
-# Re-exported so ``format.manifest.decode_manifest`` keeps working. Imported
-# last: manifest_decode imports the dataclasses above from this module, which
-# exist by then. (``format/__init__.py`` imports this module first, so this
-# holds however the decoder is first imported.)
-from .manifest_decode import decode_manifest, locations_from_json  # noqa: E402
