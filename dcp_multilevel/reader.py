@@ -13,7 +13,8 @@ Load path::
     all ranks     read_data: from that copy, per file, items sorted by offset;
                   bytes land straight in the destination tensor when it is a
                   whole, contiguous CPU chunk of the stored dtype, otherwise in a
-                  scratch buffer that is narrowed and copied. Every item is
+                  scratch buffer that is narrowed and copied
+                  (``checkpoint/destinations.py``). Every item is
                   verified against its checksum before it is committed (fail
                   closed). Items that are missing, truncated or corrupt are read
                   again from the next copy (its manifest loaded and checked
@@ -24,43 +25,34 @@ checkpoint every rank loads is the caller's (the manager's) agreement.
 
 Non-tensor objects are checked with ``torch.load(weights_only=True)`` before
 DCP's planner sees them, because ``DefaultLoadPlanner.load_bytes`` itself
-unpickles with ``weights_only=False``.
+unpickles with ``weights_only=False`` (``checkpoint/destinations.py``).
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-)
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .checkpoint import StoredCheckpoint
-from .checkpoint.chain import Failure, Trail, item_name, metadata_difference
+from .checkpoint.chain import Failure, Trail, item_name, unusable_copy
+from .checkpoint.destinations import destination
 from .errors import (
     ConfigError,
     CorruptCheckpointError,
     DcpMultilevelError,
     ManifestError,
-    UnsafeObjectError,
 )
 from .format import MANIFEST_NAME, ItemLocation, Manifest
-from .format.objects import load_object
-from .format.tensor_bytes import byte_view
 from .stores import Store
 
 __all__ = ["MultiLevelReader"]
@@ -193,6 +185,11 @@ class MultiLevelReader(StorageReader):
         return tuple(c.url for c in self._fallbacks)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new load: forget every copy's manifest; ``checkpoint_id`` moves the first copy.
+
+        Raises:
+            ConfigError: with fallbacks, ``checkpoint_id`` names another checkpoint.
+        """
         if checkpoint_id:
             self._set_path(checkpoint_id)
         else:
@@ -233,6 +230,11 @@ class MultiLevelReader(StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        """Check that ``metadata`` is what :meth:`read_metadata` returned; nothing else to set up.
+
+        Raises:
+            ConfigError: ``metadata`` did not come from this reader's read_metadata.
+        """
         if self._base is None or metadata.storage_data is not self._manifest().locations:
             # DCP hands back what read_metadata returned; anything else was not
             # validated by us and must not steer reads.
@@ -242,9 +244,11 @@ class MultiLevelReader(StorageReader):
             )
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """``plan`` unchanged: items are located through the manifest when they are read."""
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """``plans`` unchanged: each rank reads its own items, from copies it chooses."""
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -266,7 +270,7 @@ class MultiLevelReader(StorageReader):
                 break
             copy = self._copies[ci]
             after = self._copies[ci + 1].url if ci + 1 < len(self._copies) else None
-            unusable = self._unusable(copy) if ci > self._base else None
+            unusable = unusable_copy(copy, self._copies[self._base]) if ci > self._base else None
             if unusable is not None:
                 self._trail.unusable(copy.url, unusable, [i for i, _ in pending], after)
                 continue
@@ -290,6 +294,11 @@ class MultiLevelReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` holds a committed checkpoint (its manifest exists).
+
+        False, not an error, for a location no installed store can open; an
+        error reading the store (e.g. ``RemoteStoreError``) propagates.
+        """
         try:
             return StoredCheckpoint.at(checkpoint_id).is_committed()
         except (ValueError, LookupError):
@@ -300,35 +309,6 @@ class MultiLevelReader(StorageReader):
     def _manifest(self) -> Manifest:
         assert self._base is not None
         return self._copies[self._base].manifest()
-
-    def _unusable(self, copy: StoredCheckpoint) -> Exception | None:
-        """Why fallback ``copy`` cannot serve items of this load, or None if it can."""
-        try:
-            manifest = copy.manifest()
-        except (DcpMultilevelError, OSError) as e:
-            return e
-        assert self._base is not None
-        in_use = self._copies[self._base]
-        diff = metadata_difference(self._manifest().metadata, manifest.metadata)
-        if diff is None:
-            if manifest.save_id == self._manifest().save_id:
-                return None
-            # Same shapes, another save (e.g. the step saved again by another
-            # run): mixing its items with the copy in use would load a state
-            # that never existed.
-            return ManifestError(
-                f"the copy at {copy.url} holds another save than the copy in use "
-                f"({in_use.url}) and is not used: its save_id is {manifest.save_id!r}, the "
-                f"copy in use has {self._manifest().save_id!r}. Only copies drained from "
-                "the same save can stand in for each other.",
-                checkpoint=copy.url,
-            )
-        return ManifestError(
-            f"the copy at {copy.url} holds another checkpoint than the copy in use "
-            f"({in_use.url}) and is not used: their DCP metadata differ ({diff}). Check "
-            "that the fallbacks name copies of the same checkpoint (same step).",
-            checkpoint=copy.url,
-        )
 
     # ------------------------------------------------------------------ reading
 
@@ -382,7 +362,7 @@ class MultiLevelReader(StorageReader):
             for n, (i, req, loc) in enumerate(reqs):
                 # Outside the try: a destination of the wrong shape is wrong for
                 # every copy, and so is an object refused by weights_only loading.
-                out, commit = self._destination(copy, req, loc, planner)
+                out, commit = destination(copy, req, loc, planner)
                 try:
                     copy.read_item(
                         handle, req.storage_index.fqn, loc, out,
@@ -400,54 +380,6 @@ class MultiLevelReader(StorageReader):
                 served += 1
         return served, failures
 
-    def _destination(
-        self, copy: StoredCheckpoint, req: ReadItem, loc: ItemLocation, planner: LoadPlanner
-    ) -> tuple[memoryview, Callable[[], None]]:
-        """Where to read ``req``'s bytes, and how to hand them to DCP once verified."""
-        fqn = req.storage_index.fqn
-        if req.type == LoadItemType.BYTE_IO:
-            buf = bytearray(loc.raw_length)
-
-            def commit_bytes() -> None:
-                planner.load_bytes(req, _vetted_bytes(bytes(buf), fqn, copy.url))
-
-            return memoryview(buf), commit_bytes
-        md = copy.manifest().metadata.state_dict_metadata[fqn]
-        assert not isinstance(md, BytesStorageMetadata)  # the manifest decoder checked
-        dtype = md.properties.dtype
-        chunk_sizes = _chunk_sizes(md, req.storage_index)
-        target = planner.resolve_tensor(req).detach()
-        whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == chunk_sizes
-        if (
-            whole
-            and target.device.type == "cpu"
-            and target.dtype == dtype
-            and target.is_contiguous()
-            and tuple(target.shape) == chunk_sizes
-        ):
-            # Fast path: the destination's memory is the read buffer (no copy). It
-            # holds unverified bytes until fill() returns; a failed item is read
-            # again (from another copy) or the load fails, so none is committed.
-            return byte_view(target), lambda: planner.commit_tensor(req, target)
-        if tuple(target.shape) != tuple(req.lengths):
-            raise ManifestError(
-                f"item {fqn!r}: destination has shape {tuple(target.shape)} but the "
-                f"checkpoint region has {tuple(req.lengths)}",
-                checkpoint=copy.url,
-            )
-        scratch = torch.empty(loc.raw_length, dtype=torch.uint8)
-
-        def commit_tensor() -> None:
-            src = scratch.view(dtype).reshape(chunk_sizes)
-            for dim, (start, length) in enumerate(
-                zip(req.storage_offsets, req.lengths, strict=True)
-            ):
-                src = src.narrow(dim, start, length)
-            target.copy_(src)
-            planner.commit_tensor(req, target)
-
-        return byte_view(scratch), commit_tensor
-
     def _codec_pool(self) -> ThreadPoolExecutor | None:
         if self.thread_count == 1:
             return None
@@ -456,29 +388,3 @@ class MultiLevelReader(StorageReader):
                 self.thread_count, thread_name_prefix="dcp-ml-decode"
             )
         return self._decode_pool
-
-
-def _chunk_sizes(md: Any, index: MetadataIndex) -> tuple[int, ...]:
-    for chunk in md.chunks:
-        if chunk.offsets == index.offset:
-            return tuple(chunk.sizes)
-    raise KeyError(index)  # unreachable: the manifest decoder matched every item
-
-
-def _vetted_bytes(raw: bytes, fqn: str, checkpoint: str) -> io.BytesIO:
-    """Re-serialize a stored object after loading it with ``weights_only=True``.
-
-    The planner then unpickles only what we produced from an allowed object,
-    never the checkpoint's own bytes.
-    """
-    obj, refused = load_object(raw)
-    if refused is not None:
-        raise UnsafeObjectError(
-            f"object {fqn!r} in checkpoint {checkpoint} cannot be loaded with "
-            f"weights_only=True: {refused}. If you trust this checkpoint and the type is "
-            "yours, allow it with torch.serialization.add_safe_globals([...])."
-        )
-    out = io.BytesIO()
-    torch.save(obj, out)
-    out.seek(0)
-    return out

@@ -18,7 +18,7 @@ from conftest import assert_bit_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_multilevel.codecs import _zstd, bytegroup
+from dcp_multilevel.codecs import _bytegroup_np, _zstd, bytegroup
 from dcp_multilevel.codecs.bytegroup import ByteGroupCodec
 
 native = bytegroup._native
@@ -151,7 +151,7 @@ def test_split_and_join_match_numpy_for_every_rotation(width, data, n):
     planes = np.empty((width, n), np.uint8)
     assert native.split(raw, planes, width, rotate) == sum(1 << 4 * p for p in range(width))
     if width > 1:
-        want = bytegroup._planes_np(raw, width, rotate, "test_planes")
+        want = _bytegroup_np.planes_np(raw, width, rotate, "test_planes")
         assert planes.tobytes() == want.tobytes()
     back = np.empty(n * width, np.uint8)
     native.join(list(planes), back, width, rotate)

@@ -6,6 +6,9 @@
 - ``root.py``: :class:`CheckpointRoot`: the ``step-<N>`` checkpoints below one root.
 - ``items.py``: :func:`read_item` / :func:`read_stored`: the one verified
   read of a stored item, shared by loads and drains.
+- ``destinations.py``: where a loaded item's bytes land and how the reader
+  hands verified bytes to DCP's ``LoadPlanner`` (non-tensor objects vetted
+  with ``weights_only`` loading).
 - ``chain.py``: reading one checkpoint from a chain of copies (the reader's
   record of which copy failed for which item, and the errors it raises).
 

@@ -4,7 +4,8 @@ The reader (``reader.py``) tries the copies of a checkpoint in order; this
 module keeps its :class:`Trail` (which copy failed for which item, and why),
 logs the warnings when it moves on to the next copy, and builds the error
 raised when no copy can serve an item, naming every copy tried. It also
-decides whether two copies hold the same checkpoint (:func:`metadata_difference`).
+decides whether two copies hold the same checkpoint (:func:`metadata_difference`)
+and whether a fallback copy may serve a load (:func:`unusable_copy`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DcpMultilevelError,
     ManifestError,
     RemoteStoreError,
 )
 from ..format.dtypes import dtype_name
+from .stored import StoredCheckpoint
 
-__all__ = ["Failure", "Trail", "item_name", "metadata_difference", "restate"]
+__all__ = ["Failure", "Trail", "item_name", "metadata_difference", "restate", "unusable_copy"]
 
 # The reader's logger: users configure one name for everything about loading.
 logger = logging.getLogger("dcp_multilevel.reader")
@@ -161,6 +164,41 @@ def item_name(req: ReadItem) -> str:
     if index.offset is None or not any(index.offset):
         return repr(index.fqn)
     return f"{index.fqn!r} (chunk at offsets {list(index.offset)})"
+
+
+def unusable_copy(copy: StoredCheckpoint, in_use: StoredCheckpoint) -> Exception | None:
+    """Why fallback ``copy`` cannot serve items of a load from ``in_use``, or None if it can.
+
+    ``in_use`` is the copy whose manifest steers the load (already read). A
+    copy stands in only for the same save: its manifest must be readable, its
+    DCP metadata equal (:func:`metadata_difference`) and its ``save_id`` the
+    same. The reason is returned, not raised: the reader records it and moves
+    on to the next copy.
+    """
+    try:
+        manifest = copy.manifest()
+    except (DcpMultilevelError, OSError) as e:
+        return e
+    diff = metadata_difference(in_use.manifest().metadata, manifest.metadata)
+    if diff is None:
+        if manifest.save_id == in_use.manifest().save_id:
+            return None
+        # Same shapes, another save (e.g. the step saved again by another
+        # run): mixing its items with the copy in use would load a state
+        # that never existed.
+        return ManifestError(
+            f"the copy at {copy.url} holds another save than the copy in use "
+            f"({in_use.url}) and is not used: its save_id is {manifest.save_id!r}, the "
+            f"copy in use has {in_use.manifest().save_id!r}. Only copies drained from "
+            "the same save can stand in for each other.",
+            checkpoint=copy.url,
+        )
+    return ManifestError(
+        f"the copy at {copy.url} holds another checkpoint than the copy in use "
+        f"({in_use.url}) and is not used: their DCP metadata differ ({diff}). Check "
+        "that the fallbacks name copies of the same checkpoint (same step).",
+        checkpoint=copy.url,
+    )
 
 
 def metadata_difference(in_use: Metadata, candidate: Metadata) -> str | None:

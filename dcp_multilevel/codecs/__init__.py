@@ -21,11 +21,11 @@ from ..errors import RegistryError
 from ..format import frames
 from ..format.tensor_bytes import byte_view, pieces
 from .base import MIN_CODED_BYTES, Codec, element_layout
+from .decode import decode_frames
 from .options import Compression
 from .pipeline import (
     BufferPool,
     EncodeJob,
-    decode_frames,
     encode_chunk,
     encode_frames,
     encode_items,

@@ -51,7 +51,7 @@ planes, so it codes them close to their entropy (the same ratios as
 compressing the sample with zstd on MiniLM and 1-layer BERT+AdamW, fp32 and
 bf16, for ~40 instead of ~150 us per 1 MiB chunk). The same byte counts
 estimate a split (raw high bits plus the low bits' entropy), and the
-cheapest method whose estimate is within ``_SPLIT_SLACK`` of the smallest
+cheapest method whose estimate is within ``SPLIT_SLACK`` of the smallest
 is chosen. Integer planes can hold repeats (``arange``, padding) that only a
 match finder sees, so their sample is compressed with zstd.
 
@@ -60,21 +60,31 @@ released (one call each per chunk). Where a libzstd is found at import
 (:data:`NATIVE_ZSTD`), a float chunk's whole coding, zstd included, is one
 call: every GIL hand-off between coding threads waits on waking the other
 thread, and on small chunks those waits cost more than the second thread
-gained. Builds without a C compiler fall back to numpy (:data:`NATIVE` is
-False): same bytes, but ~30 short numpy calls per chunk that each retake the
+gained. Builds without a C compiler fall back to numpy (``_bytegroup_np.py``;
+:data:`NATIVE` is False): same bytes, but ~30 short numpy calls per chunk that each retake the
 GIL, so a second coding thread gains little.
 """
 
 from __future__ import annotations
 
-import math
 import struct
-import threading
 
 import numpy as np
 import torch
 
 from . import _zstd
+from ._bytegroup_np import (
+    SAMPLE_SAVING,
+    SAMPLE_VALUES,
+    join_np,
+    join_plane_np,
+    planes_np,
+    sample_rows,
+    scratch,
+    split_judged_np,
+    split_plane_np,
+    split_sizes,
+)
 from .base import MIN_SAVING, Codec, element_layout
 
 try:
@@ -92,121 +102,18 @@ NATIVE_ZSTD = NATIVE and bool(_native.HAS_ZSTD)
 _native_zstd = NATIVE_ZSTD  # tests switch this off to compare the two paths
 
 _PLANE = struct.Struct("<BI")
-_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-#: Values sampled per chunk to decide which planes to compress: _SLICES slices
-#: spread over the chunk (one slice at the start misjudges tensors whose first
-#: rows differ, e.g. the rarely trained rows of an embedding).
-_SAMPLE_VALUES = 16 << 10
-_SLICES = 8
-#: A plane is compressed when its sample saves at least this fraction; looser
-#: than MIN_SAVING, as a sample only estimates the whole plane.
-_SAMPLE_SAVING = MIN_SAVING / 2
-#: The cheapest plane method within 1/_SPLIT_SLACK byte per value of the
-#: smallest estimate is chosen (``SPLIT_SLACK`` in ``_planes.c`` says why).
-_SPLIT_SLACK = 256.0
 #: Rotation (bits) of version 2 per float dtype; others use version 1's.
 _ROTATE_V2 = {torch.float32: 3, torch.bfloat16: 3, torch.complex64: 3}
-_local = threading.local()
 
-
-def _scratch(name: str, nbytes: int) -> np.ndarray:
-    """A per-thread reusable byte buffer of at least ``nbytes`` (no allocation per chunk)."""
-    buf = getattr(_local, name, None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = np.empty(nbytes, dtype=np.uint8)
-        setattr(_local, name, buf)
-    return buf[:nbytes]
-
-
-def _rotate(words: np.ndarray, out: np.ndarray, bits: int, left: bool) -> None:
-    """Rotate each unsigned word of ``words`` by ``bits`` into ``out`` (same dtype)."""
-    tmp = _scratch("rot_tmp", words.nbytes).view(words.dtype)
-    total = 8 * words.itemsize
-    first, second = (np.left_shift, np.right_shift) if left else (np.right_shift, np.left_shift)
-    first(words, bits, out=out)
-    second(words, total - bits, out=tmp)
-    np.bitwise_or(out, tmp, out=out)
-
-
-def _split(words: np.ndarray, planes: np.ndarray) -> None:
-    """Byte ``p`` of every word into ``planes[p]`` (little-endian).
-
-    A shift and a truncating copy per plane run ~1.5-3x faster than a
-    transposing copy, whose stride-``width`` byte reads defeat the cache.
-    """
-    # Only for rotations of 8 bits or more (never written by this codec).
-    tmp = _scratch("split_tmp", words.nbytes).view(words.dtype)
-    np.copyto(planes[0], words, casting="unsafe")
-    for p in range(1, len(planes)):
-        np.right_shift(words, 8 * p, out=tmp)
-        np.copyto(planes[p], tmp, casting="unsafe")
-
-
-def _interleave(planes: np.ndarray, dest: np.ndarray, width: int) -> None:
-    """Rebuild values from byte planes (little-endian: plane p is byte p).
-
-    Shifting and OR-ing whole words runs ~4x faster than a transposing copy,
-    whose stride-``width`` byte writes defeat the cache.
-    """
-    words = dest.view(_UINT[width])
-    np.copyto(words, planes[width - 1], casting="unsafe")
-    for p in range(width - 2, -1, -1):
-        words <<= 8
-        words |= planes[p]
-
-
-def _join_np(planes: list[np.ndarray], words: np.ndarray, rotate: int) -> None:
-    """Inverse of :func:`_planes_np` for rotations under 8 bits, straight into ``words``.
-
-    Rotating right by ``rotate`` moves plane ``p >= 1`` to bit ``8p - rotate``
-    and splits plane 0 into its top bits (the word's low bits) and its low
-    ``rotate`` bits (the word's top bits).
-    """
-    width = len(planes)
-    tmp = _scratch("join_tmp", words.nbytes).view(words.dtype)
-    np.left_shift(planes[width - 1], 8 * (width - 1) - rotate, out=words, dtype=words.dtype)
-    for p in range(width - 2, 0, -1):
-        np.left_shift(planes[p], 8 * p - rotate, out=tmp, dtype=words.dtype)
-        np.bitwise_or(words, tmp, out=words)
-    low = _scratch("join_low", len(planes[0]))
-    np.right_shift(planes[0], rotate, out=low)
-    np.bitwise_or(words, low, out=words, casting="unsafe")
-    if rotate:
-        np.left_shift(planes[0], 8 * width - rotate, out=tmp, dtype=words.dtype)
-        np.bitwise_or(words, tmp, out=words)
-
-
-def _planes_np(values: np.ndarray, width: int, rotate: int, name: str) -> np.ndarray:
-    """numpy version of :func:`_planes`.
-
-    For rotations under 8 bits, plane ``p >= 1`` is the word shifted right by
-    ``8p - rotate`` and plane 0 ORs the low byte shifted left with the top
-    ``rotate`` bits: each written straight into its plane (a truncating
-    ufunc output), ~1.5x faster than rotating the words first.
-    """
-    n = len(values) // width
-    words = values.view(_UINT[width])
-    planes = _scratch(name, len(values)).reshape(width, n)
-    if rotate >= 8:
-        rotated = _scratch(name + "_rot", len(values)).view(_UINT[width])
-        _rotate(words, rotated, rotate, left=True)
-        _split(rotated, planes)
-        return planes
-    for p in range(1, width):
-        np.right_shift(words, 8 * p - rotate, out=planes[p], casting="unsafe")
-    np.left_shift(words, rotate, out=planes[0], casting="unsafe")
-    if rotate:
-        top = _scratch(name + "_top", n)
-        np.right_shift(words, 8 * width - rotate, out=top, casting="unsafe")
-        np.bitwise_or(planes[0], top, out=planes[0])
-    return planes
+# Each kernel below runs in ``_planes.c`` when it built, else in numpy
+# (``_bytegroup_np.py``): both write the same bytes.
 
 
 def _planes(values: np.ndarray, width: int, rotate: int, name: str) -> np.ndarray:
     """The ``(width, n)`` byte planes of ``values`` (uint8, rotated first), per-thread buffer."""
     if _native is None:
-        return _planes_np(values, width, rotate, name)
-    planes = _scratch(name, len(values)).reshape(width, -1)
+        return planes_np(values, width, rotate, name)
+    planes = scratch(name, len(values)).reshape(width, -1)
     _native.split(values, planes, width, rotate)
     return planes
 
@@ -215,56 +122,8 @@ def _join(planes: list[np.ndarray], dest: np.ndarray, width: int, rotate: int) -
     """Rebuild the values of ``planes`` (inverse of :func:`_planes`) into ``dest`` (uint8)."""
     if _native is not None:
         _native.join(planes, dest, width, rotate)
-    elif width == 1:
-        dest[:] = planes[0]
-    elif rotate >= 8:
-        grouped = _scratch("dec_rot", len(dest))
-        _interleave(planes, grouped, width)
-        t = _UINT[width]
-        _rotate(grouped.view(t), dest.view(t), rotate, left=False)
     else:
-        _join_np(planes, dest.view(_UINT[width]), rotate)
-
-
-def _sample_rows(values: np.ndarray, width: int) -> np.ndarray:
-    """The values the planes are judged on: the whole chunk if small, else spread slices."""
-    n = len(values) // width
-    if n < 4 * _SAMPLE_VALUES:
-        return values
-    rows = values.reshape(n, width)
-    step, size = n // _SLICES, _SAMPLE_VALUES // _SLICES
-    sample = _scratch("sample", _SAMPLE_VALUES * width).reshape(_SLICES, size, width)
-    for i in range(_SLICES):
-        sample[i] = rows[i * step : i * step + size]
-    return sample.reshape(-1)
-
-
-def _entropy_bits(counts: list[int], total: int) -> float:
-    """Summed in symbol order with math.log2, like ``_planes.c``, so both decide alike."""
-    bits = total * math.log2(total)
-    for count in counts:
-        if count:
-            bits -= count * math.log2(count)
-    return bits
-
-
-def _plane_method(counts: list[int], total: int) -> int:
-    """The method for a plane whose sampled bytes counted ``counts`` (``judge`` in ``_planes.c``).
-
-    Estimated coded sizes in bytes: the byte entropy for zstd on the whole
-    plane, and for a split the raw high bits plus the low bits' entropy. The
-    cheapest method (split 2, split 3, zstd) within ``_SPLIT_SLACK`` of the
-    smallest estimate wins; 0 when that does not save ``_SAMPLE_SAVING``.
-    """
-    coded = _entropy_bits(counts, total) / 8
-    split2 = total * 6.0 / 8.0 + _entropy_bits([sum(counts[c::4]) for c in range(4)], total) / 8
-    split3 = total * 5.0 / 8.0 + _entropy_bits([sum(counts[c::8]) for c in range(8)], total) / 8
-    least = coded if coded < split2 else split2
-    least = split3 if split3 < least else least
-    if least >= total * (1 - _SAMPLE_SAVING):
-        return 0
-    near = least + total / _SPLIT_SLACK
-    return 2 if split2 <= near else 3 if split3 <= near else 1
+        join_np(planes, dest, width, rotate)
 
 
 def _split_judged(
@@ -275,57 +134,22 @@ def _split_judged(
     The planes (per-thread buffer) are filled only when one is worth coding.
     Native: one call for both, so one GIL release per chunk.
     """
-    planes = _scratch(name, len(values)).reshape(width, -1)
-    if _native is not None:
-        plan = _native.split(values, planes, width, rotate, _SAMPLE_VALUES, _SAMPLE_SAVING)
-        return planes, [plan >> (4 * p) & 15 for p in range(width)]
-    sample = _planes_np(_sample_rows(values, width), width, rotate, "sample_planes")
-    methods = [
-        _plane_method(np.bincount(plane, minlength=256).tolist(), len(plane)) if len(plane) else 0
-        for plane in sample
-    ]
-    if any(methods):
-        planes = _planes_np(values, width, rotate, name)
-    return planes, methods
-
-
-def _segments(n: int, method: int) -> int:
-    """Slots per segment of a split plane of ``n`` bytes (``_planes.c``: split_plane)."""
-    return -(-n // (4 if method == 2 else 8))
-
-
-def split_sizes(n: int, method: int) -> tuple[int, int]:
-    """``(high, low)`` byte lengths of a split (method 2 or 3) of an ``n``-byte plane."""
-    q = _segments(n, method)
-    return (3 * q, q) if method == 2 else (5 * q, 4 * q)
+    if _native is None:
+        return split_judged_np(values, width, rotate, name)
+    planes = scratch(name, len(values)).reshape(width, -1)
+    plan = _native.split(values, planes, width, rotate, SAMPLE_VALUES, SAMPLE_SAVING)
+    return planes, [plan >> (4 * p) & 15 for p in range(width)]
 
 
 def _split_plane(plane: np.ndarray, method: int) -> tuple[np.ndarray, np.ndarray]:
     """``(high, low)`` of a split plane: the high bits raw, the low bits to code."""
     high_len, low_len = split_sizes(len(plane), method)
-    high = _scratch("split_high", high_len)
-    low = _scratch("split_low", low_len)
+    high = scratch("split_high", high_len)
+    low = scratch("split_low", low_len)
     if _native is not None:
         _native.split_plane(plane, high, low, method)
-        return high, low
-    segs = 4 if method == 2 else 8
-    q = _segments(len(plane), method)
-    s = np.zeros(segs * q, np.uint8)
-    s[: len(plane)] = plane
-    s = s.reshape(segs, q)
-    h = high.reshape(3 if method == 2 else 5, q)
-    lo = low.reshape(1 if method == 2 else 4, q)
-    if method == 2:
-        for i in range(3):
-            h[i] = s[i] >> 2 | (s[3] >> (2 + 2 * i) & 3) << 6
-        lo[0] = s[0] & 3 | (s[1] & 3) << 2 | (s[2] & 3) << 4 | (s[3] & 3) << 6
     else:
-        t = (s[5] >> 3).astype(np.uint16) | (s[6] >> 3).astype(np.uint16) << 5
-        t |= (s[7] >> 3).astype(np.uint16) << 10
-        for i in range(5):
-            h[i] = s[i] >> 3 | (t >> (3 * i) & 7).astype(np.uint8) << 5
-        for r in range(4):
-            lo[r] = s[r] & 7 | (s[r + 4] & 7) << 4
+        split_plane_np(plane, method, high, low)
     return high, low
 
 
@@ -333,28 +157,8 @@ def _join_plane(high: np.ndarray, low: np.ndarray, plane: np.ndarray, method: in
     """The inverse of :func:`_split_plane`, into ``plane``."""
     if _native is not None:
         _native.join_plane(high, low, plane, method)
-        return
-    n = len(plane)
-    q = _segments(n, method)
-    h = high.reshape(3 if method == 2 else 5, q)
-    lo = low.reshape(1 if method == 2 else 4, q)
-    if method == 2:
-        s = np.empty((4, q), np.uint8)
-        for i in range(3):
-            s[i] = (h[i] & 63) << 2 | lo[0] >> (2 * i) & 3
-        s[3] = (h[0] >> 6 | (h[1] >> 6) << 2 | (h[2] >> 6) << 4) << 2 | lo[0] >> 6
     else:
-        s = np.empty((8, q), np.uint8)
-        t = np.zeros(q, np.uint16)
-        for i in range(5):
-            s[i] = (h[i] & 31) << 3
-            t |= (h[i] >> 5).astype(np.uint16) << (3 * i)
-        for i in range(3):
-            s[5 + i] = (t >> (5 * i) & 31).astype(np.uint8) << 3
-        for r in range(4):
-            s[r] |= lo[r] & 7
-            s[r + 4] |= lo[r] >> 4 & 7
-    plane[:] = s.reshape(-1)[:n]
+        join_plane_np(high, low, plane, method)
 
 
 def _pays(coded_len: int, raw_len: int, saving: float = MIN_SAVING) -> bool:
@@ -369,16 +173,19 @@ class ByteGroupCodec(Codec):
     read_versions = frozenset({1, 2, 3})
 
     def layout(self, dtype: torch.dtype) -> tuple[int, int]:
+        """As :meth:`Codec.layout`, but fp32, bf16 and complex64 rotate by 3 bits (version 2)."""
         width, rotate = element_layout(dtype)
         return width, _ROTATE_V2.get(dtype, rotate)
 
     def payload_bound(self, raw_len: int, width: int) -> int:
+        """Bytes :meth:`encode_into` needs: plane table, raw bytes, one plane's zstd slack."""
         # The table, then every plane but the last at most raw (a coded plane
         # that does not pay is overwritten by the raw one), the last at most
         # its zstd bound while it is being compressed.
         return 1 + width * _PLANE.size + raw_len + _zstd.plane_bound(raw_len // max(width, 1))
 
     def encode(self, chunk: memoryview, width: int, rotate: int) -> bytes | None:
+        """The payload of ``chunk`` (None when no plane pays), through :meth:`encode_into`."""
         out = np.empty(self.payload_bound(len(chunk), width), dtype=np.uint8)
         n = self.encode_into(chunk, width, rotate, memoryview(out))
         return None if n is None else out[:n].tobytes()
@@ -396,9 +203,9 @@ class ByteGroupCodec(Codec):
         values = np.frombuffer(chunk, dtype=np.uint8)
         if rotate and width > 1 and _native_zstd and _native is not None:  # float: all in C
             # The planes, then room for a split plane's low stream.
-            planes = _scratch("enc_planes", len(values) + len(values) // (2 * width) + 8)
+            planes = scratch("enc_planes", len(values) + len(values) // (2 * width) + 8)
             return _native.encode(
-                values, out, planes, width, rotate, _SAMPLE_VALUES, _SAMPLE_SAVING, MIN_SAVING
+                values, out, planes, width, rotate, SAMPLE_VALUES, SAMPLE_SAVING, MIN_SAVING
             )
         # Per plane: 0 raw, 1 zstd, 2/3 split (floats only).
         if width == 1:
@@ -442,15 +249,21 @@ class ByteGroupCodec(Codec):
     @staticmethod
     def _sample(values: np.ndarray, width: int, rotate: int) -> list[bool] | None:
         """Per plane: does a sample of it compress? None when the chunk is too small to sample."""
-        if len(values) // width < 4 * _SAMPLE_VALUES:
+        if len(values) // width < 4 * SAMPLE_VALUES:
             return None
-        planes = _planes(_sample_rows(values, width), width, rotate, "sample_planes")
+        planes = _planes(sample_rows(values, width), width, rotate, "sample_planes")
         # Only the size matters: a buffer that holds what pays (no bytes object per plane).
-        room = memoryview(_scratch("sample_out", _SAMPLE_VALUES))
-        room = room[: int(_SAMPLE_VALUES * (1 - _SAMPLE_SAVING))]
+        room = memoryview(scratch("sample_out", SAMPLE_VALUES))
+        room = room[: int(SAMPLE_VALUES * (1 - SAMPLE_SAVING))]
         return [_zstd.compress_plane_into(planes[p], room) is not None for p in range(width)]
 
     def decode(self, payload: memoryview, out: memoryview, width: int, rotate: int) -> None:
+        """Decode a payload of any version this class reads into ``out``.
+
+        Raises:
+            ValueError: the plane table, a plane's length or method, or the
+                payload's size does not match ``width`` and ``len(out)``.
+        """
         nplanes = payload[0]
         if nplanes != width:
             raise ValueError(f"payload has {nplanes} planes, the frame says width {width}")
@@ -460,7 +273,7 @@ class ByteGroupCodec(Codec):
             raise ValueError("payload ends inside its plane table")
         pos = table_end
         planes: list[np.ndarray] = []  # views of the payload or of this thread's scratch
-        scratch = _scratch("dec_planes", len(out)).reshape(width, n)
+        decoded = scratch("dec_planes", len(out)).reshape(width, n)
         for p in range(width):
             method, length = _PLANE.unpack_from(payload, 1 + p * _PLANE.size)
             data = payload[pos : pos + length]
@@ -472,18 +285,18 @@ class ByteGroupCodec(Codec):
                     raise ValueError(f"raw plane {p} has {length} bytes, expected {n}")
                 planes.append(np.frombuffer(data, dtype=np.uint8))
             elif method == 1:
-                _zstd.decompress_into(data, memoryview(scratch[p]))
-                planes.append(scratch[p])
+                _zstd.decompress_into(data, memoryview(decoded[p]))
+                planes.append(decoded[p])
             elif method in (2, 3):
                 high_len, low_len = split_sizes(n, method)
                 if length < high_len:
                     raise ValueError(
                         f"split plane {p} has {length} bytes, under its {high_len} raw"
                     )
-                low = _scratch("dec_low", low_len)
+                low = scratch("dec_low", low_len)
                 _zstd.decompress_into(data[high_len:], memoryview(low))
-                _join_plane(np.frombuffer(data[:high_len], np.uint8), low, scratch[p], method)
-                planes.append(scratch[p])
+                _join_plane(np.frombuffer(data[:high_len], np.uint8), low, decoded[p], method)
+                planes.append(decoded[p])
             else:
                 raise ValueError(f"plane {p} has unknown method {method}")
         if pos != len(payload):

@@ -37,10 +37,12 @@ class CodecExtension(StreamTransformExtension):
 
     @classmethod
     def registry_name(cls) -> str:  # type: ignore[override]
+        """The codec's registry name, which DCP records as the descriptor's name."""
         return cls.codec_cls.name
 
     @classmethod
     def from_descriptor(cls, version: str) -> CodecExtension:  # type: ignore[override]
+        """The extension for a recorded ``version``; ValueError when the codec cannot read it."""
         if not cls.codec_cls.reads(version):
             raise ValueError(
                 f"{cls.codec_cls.name} version {version!r} is not supported by this "
@@ -49,20 +51,27 @@ class CodecExtension(StreamTransformExtension):
         return cls()
 
     def get_descriptor(self) -> str:
+        """``<name>/<version>``, the same descriptor ``MultiLevelWriter`` records."""
         return self.codec.descriptor
 
     def transform_to(self, output: IO[bytes]) -> IO[bytes]:
+        """A writable stream that frames what is written into ``output`` (4 MiB chunks, width 1)."""
         return _FrameWriter(output, self.codec)  # type: ignore[return-value]
 
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
+        """A readable stream of the raw bytes framed in ``input``, each chunk checksum-checked."""
         return io.BufferedReader(_FrameReader(input, self.codec))  # type: ignore[return-value]
 
 
 class ZstdExtension(CodecExtension):
+    """:class:`ZstdCodec` as a DCP stream extension."""
+
     codec_cls = ZstdCodec
 
 
 class ByteGroupExtension(CodecExtension):
+    """:class:`ByteGroupCodec` as a DCP stream extension (width 1: byte planes need a dtype)."""
+
     codec_cls = ByteGroupCodec
 
 

@@ -48,6 +48,7 @@ class Compression:
 
     @property
     def registry_name(self) -> str:
+        """The codec's registry name: ``codec`` with the built-ins' short aliases expanded."""
         return CODEC_ALIASES.get(self.codec, self.codec)
 
     @staticmethod

@@ -19,11 +19,10 @@ from .manifest import (
     FORMAT_VERSION,
     ItemLocation,
     Manifest,
-    decode_manifest,
     encode_manifest,
-    locations_from_json,
     locations_to_json,
 )
+from .manifest_decode import decode_manifest, locations_from_json
 from .paths import validate_relpath
 
 __all__ = [

@@ -25,9 +25,11 @@ class Hasher:
         self._h = xxhash.xxh3_64()
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
+        """Add ``data`` to what is hashed (buffers hash as if concatenated)."""
         self._h.update(data)
 
     def hexdigest(self) -> str:
+        """The checksum of everything added so far, in manifest form (``xxh3_64:<hex>``)."""
         return f"{ALGORITHM}:{self._h.hexdigest()}"
 
 

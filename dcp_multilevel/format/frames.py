@@ -63,6 +63,15 @@ class FrameError(ValueError):
 
 @dataclass(frozen=True)
 class FrameHeader:
+    """A decoded frame header.
+
+    Attributes:
+        width: bytes per value plane (1, 2, 4 or 8).
+        rotate: bits each value was rotated left before coding.
+        chunk_size: raw bytes of every chunk but the last.
+        raw_total: raw bytes of the whole item, or :data:`UNKNOWN_TOTAL`.
+    """
+
     width: int
     rotate: int  # bits
     chunk_size: int
@@ -71,6 +80,15 @@ class FrameHeader:
 
 @dataclass(frozen=True)
 class ChunkRecord:
+    """A decoded chunk record, which precedes each chunk's payload (checked by :func:`check_chunk`).
+
+    Attributes:
+        method: :data:`METHOD_RAW` or :data:`METHOD_CODED`.
+        raw_len: bytes of the chunk once decoded.
+        stored_len: bytes of the payload that follows the record.
+        checksum: xxh3-64 of the payload (as stored).
+    """
+
     method: int
     raw_len: int
     stored_len: int
@@ -78,10 +96,16 @@ class ChunkRecord:
 
     @property
     def is_terminator(self) -> bool:
+        """Whether this record ends the item (no raw and no stored bytes)."""
         return self.raw_len == 0 and self.stored_len == 0
 
 
 def pack_header(width: int, rotate: int, chunk_size: int, raw_total: int) -> bytes:
+    """The header bytes; version 1 when ``rotate`` is 0 or 1, else version 2.
+
+    Raises:
+        ValueError: ``rotate`` is not below the ``width``'s bit count.
+    """
     if not 0 <= rotate < 8 * width:
         raise ValueError(f"cannot rotate {width}-byte values by {rotate} bits")
     if rotate <= 1:
@@ -90,6 +114,12 @@ def pack_header(width: int, rotate: int, chunk_size: int, raw_total: int) -> byt
 
 
 def unpack_header(data: bytes | memoryview) -> FrameHeader:
+    """Parse and check a header of exactly ``HEADER.size`` bytes.
+
+    Raises:
+        FrameError: wrong magic, an unknown version, or a width, rotation or
+            chunk size out of range.
+    """
     magic, version, width, flags, chunk_size, raw_total = HEADER.unpack(data)
     if magic != MAGIC:
         raise FrameError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r})")
@@ -111,10 +141,12 @@ def unpack_header(data: bytes | memoryview) -> FrameHeader:
 
 
 def pack_chunk(method: int, raw_len: int, stored_len: int, checksum: int) -> bytes:
+    """The record before a chunk's payload; ``pack_chunk(METHOD_RAW, 0, 0, 0)`` ends an item."""
     return CHUNK.pack(method, raw_len, stored_len, checksum)
 
 
 def unpack_chunk(data: bytes | memoryview) -> ChunkRecord:
+    """Parse a record of exactly ``CHUNK.size`` bytes; validate it with :func:`check_chunk`."""
     return ChunkRecord(*CHUNK.unpack(data))
 
 

@@ -93,12 +93,14 @@ class Partition:
     slack: int
 
     def bytes_per_rank(self) -> list[int]:
+        """Bytes each rank writes (the sum of its pieces' sizes), indexed by rank."""
         out = [0] * len(self.loads)
         for p in self.pieces:
             out[p.rank] += p.nbytes
         return out
 
     def items_per_rank(self) -> list[int]:
+        """Pieces each rank writes, indexed by rank."""
         out = [0] * len(self.loads)
         for p in self.pieces:
             out[p.rank] += 1

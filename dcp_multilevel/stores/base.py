@@ -78,6 +78,7 @@ class FdWriteHandle:
         self._early = early_writeback and _writeback.available()
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Write all of ``data`` at the end (``os.write`` until done; ``data`` is not kept)."""
         mv = memoryview(data).cast("B")
         while mv:
             # os.write releases the GIL and may write less than asked.
@@ -89,6 +90,7 @@ class FdWriteHandle:
             self._flushed = self._pos
 
     def tell(self) -> int:
+        """Bytes written through this handle so far."""
         return self._pos
 
 

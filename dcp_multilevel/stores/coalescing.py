@@ -37,9 +37,11 @@ class CoalescingReader:
 
     @property
     def size(self) -> int:
+        """The wrapped handle's size in bytes."""
         return self._handle.size
 
     def read_into(self, offset: int, out: memoryview) -> int:
+        """As :meth:`ReadHandle.read_into`, from the buffered block or one larger request."""
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         n = len(out)
         end = offset + n

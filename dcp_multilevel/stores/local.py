@@ -69,6 +69,7 @@ class LocalStore(Store):
 
     @property
     def url(self) -> str:
+        """``file://`` and the root's absolute path."""
         return f"file://{self.root.absolute()}"
 
     def _abs(self, path: str) -> Path:
@@ -76,6 +77,11 @@ class LocalStore(Store):
 
     @contextmanager
     def open_write(self, path: str) -> Iterator[FdWriteHandle]:
+        """Write a temporary file beside ``path``, then rename it into place (atomic).
+
+        With ``sync``, the file is fsynced before the rename and its directory
+        after it; on error the temporary file is removed and nothing appears.
+        """
         final = self._abs(path)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f"{final.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
@@ -96,6 +102,7 @@ class LocalStore(Store):
 
     @contextmanager
     def open_read(self, path: str) -> Iterator[_LocalReadHandle]:
+        """Open ``path`` for positioned reads (``preadv``); FileNotFoundError when missing."""
         fd = os.open(self._abs(path), os.O_RDONLY | os.O_CLOEXEC)
         try:
             yield _LocalReadHandle(fd)
@@ -103,9 +110,11 @@ class LocalStore(Store):
             os.close(fd)
 
     def exists(self, path: str) -> bool:
+        """Whether ``path`` exists: a file there is committed, as files appear only by rename."""
         return self._abs(path).exists()
 
     def local_path(self, path: str) -> str:
+        """The file's path on this machine's file system (always known here)."""
         return str(self._abs(path))
 
     def sweep(self, older_than_s: float) -> list[str]:
@@ -132,12 +141,14 @@ class LocalStore(Store):
         return removed
 
     def listdir(self, path: str) -> list[str]:
+        """Sorted names below directory ``path``; empty when it is missing or not a directory."""
         try:
             return sorted(os.listdir(self._abs(path)))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
     def remove_tree(self, path: str) -> None:
+        """Remove ``path`` (a symlink itself, not its target); with ``sync``, fsync its parent."""
         target = self._abs(path)
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)

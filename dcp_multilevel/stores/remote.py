@@ -6,12 +6,12 @@ name and renamed into place, and s3fs file objects have no ``fileno()``. This
 store therefore publishes every file with a single upload of complete content:
 
 * ``open_write`` spools the caller's bytes to a local temporary file (under
-  ``spool_dir``) and uploads it on clean exit with ``fs.put_file`` (s3fs sends
-  files under 100 MiB as one PUT, larger ones as a parallel multipart upload
-  that it aborts on failure). An error
-  inside the block uploads nothing. Spooling is what makes retries possible:
-  the caller hands its bytes over incrementally and cannot replay them, but a
-  spool file can be uploaded again, as a whole, as often as needed.
+  ``spool_dir``; see ``_spool.py``) and uploads it on clean exit with
+  ``fs.put_file`` (s3fs sends files under 100 MiB as one PUT, larger ones as
+  a parallel multipart upload that it aborts on failure). An error inside the
+  block uploads nothing. Spooling is what makes retries possible: the caller
+  hands its bytes over incrementally and cannot replay them, but a spool file
+  can be uploaded again, as a whole, as often as needed.
 * After every upload the stored object's size is compared with the bytes
   written; a mismatch counts as a failed attempt (the file is uploaded again),
   and a mismatch that persists removes the broken object and raises.
@@ -19,7 +19,8 @@ store therefore publishes every file with a single upload of complete content:
   5xx-style ``OSError`` from the backend) with capped exponential backoff and
   jitter. Errors that retrying cannot fix (missing object, access denied, bad
   arguments) are raised at once, unchanged; transient errors that outlast the
-  retries become :class:`RemoteStoreError`.
+  retries become :class:`RemoteStoreError` (``_retry.py`` classifies errors
+  and runs the retry loop).
 
 Commit on this store is "manifest written last" (``supports_atomic_rename`` is
 False): a crash can leave data objects without a manifest, never a manifest
@@ -30,23 +31,20 @@ invisible but billed on S3 until aborted; give buckets an
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import errno
 import logging
 import os
 import posixpath
-import random
-import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from fsspec.core import url_to_fs
 
-from ..errors import ConfigError, DcpMultilevelError, RegistryError, RemoteStoreError
+from ..errors import ConfigError, RegistryError, RemoteStoreError
+from ._retry import UploadSizeMismatch, backoff_delay, retry
+from ._spool import SPOOL_PREFIX, spool_file, sweep_spools
 from .base import FdWriteHandle, Store
 
 __all__ = ["SPOOL_PREFIX", "RemoteStore"]
@@ -55,44 +53,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Prefix of spool files (in ``spool_dir``); any left after a crash are garbage.
-SPOOL_PREFIX = "dcp-ml-spool-"
-
 #: Largest ranged GET issued by ``read_into``: bounds the transient copy held
 #: in memory per read while keeping requests large enough to run at full speed.
 _READ_CHUNK = 64 << 20
-
-#: OSError subclasses and errnos that another attempt cannot fix.
-_PERMANENT_OS_ERRORS = (
-    FileNotFoundError,
-    FileExistsError,
-    IsADirectoryError,
-    NotADirectoryError,
-    PermissionError,
-)
-#: Bad request, access, size limits, not supported, wrong region: s3fs maps S3
-#: error codes onto these errnos, and unlike EIO/EBUSY (5xx, SlowDown) sending
-#: the same request again gets the same answer.
-_PERMANENT_ERRNO_NAMES = (
-    "EINVAL", "EACCES", "EPERM", "EROFS", "ENAMETOOLONG", "EMSGSIZE", "ENOSYS",
-    "ENOTEMPTY", "EREMCHG", "ENOSPC", "EDQUOT",
-)  # fmt: skip
-_PERMANENT_ERRNOS = frozenset(
-    getattr(errno, name) for name in _PERMANENT_ERRNO_NAMES if hasattr(errno, name)
-)
-
-#: Transient error types of optional client libraries, by module. They are only
-#: looked up in ``sys.modules``: a library that was never imported cannot have
-#: raised, and the store need not import botocore/aiohttp/azure to recognize them.
-_FOREIGN_TRANSIENT = {
-    "botocore.exceptions": ("ConnectionError", "HTTPClientError", "IncompleteReadError"),
-    "aiohttp": ("ClientConnectionError", "ClientPayloadError", "ServerTimeoutError"),
-    "azure.core.exceptions": ("ServiceRequestError", "ServiceResponseError"),
-}
-
-
-class _UploadSizeMismatch(OSError):
-    """The stored object's size differs from the bytes uploaded (retried: re-upload)."""
 
 
 class _RemoteReadHandle:
@@ -204,26 +167,25 @@ class RemoteStore(Store):
 
     @property
     def url(self) -> str:
+        """The root URL as given, without a trailing ``/``."""
         return self._url
 
     # ------------------------------------------------------------------ Store API
 
     @contextmanager
     def open_write(self, path: str) -> Iterator[FdWriteHandle]:
-        if self.spool_dir is not None:
-            os.makedirs(self.spool_dir, exist_ok=True)
-        # The pid in the name lets sweep() tell a live writer's spool from garbage.
-        fd, spool = tempfile.mkstemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-", dir=self.spool_dir)
-        try:
+        """Spool the written bytes locally, then upload them as :meth:`put_file` does.
+
+        Raises:
+            RemoteStoreError: on exit, when the upload keeps failing.
+        """
+        with spool_file(self.spool_dir) as (fd, spool):
             handle = FdWriteHandle(fd)
             try:
                 yield handle
             finally:
                 os.close(fd)
             self.put_file(spool, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(spool)
 
     def put_file(self, local_path: str | os.PathLike[str], path: str) -> None:
         """Upload the local file ``local_path`` to ``path`` (retried, size-checked).
@@ -246,6 +208,7 @@ class RemoteStore(Store):
         self._upload(path, rpath, attempt)
 
     def write_atomic(self, path: str, data: bytes) -> None:
+        """Upload ``data`` in one PUT (no spool), retried and size-checked like :meth:`put_file`."""
         data = bytes(data) if not isinstance(data, bytes) else data
         rpath = self._path(path)
 
@@ -258,6 +221,12 @@ class RemoteStore(Store):
 
     @contextmanager
     def open_read(self, path: str) -> Iterator[_RemoteReadHandle]:
+        """A handle that reads through ranged GETs of at most 64 MiB each (retried).
+
+        Raises:
+            FileNotFoundError: no object at ``path``.
+            IsADirectoryError: ``path`` is a prefix, not an object.
+        """
         rpath = self._path(path)
         info = self._stat(path, rpath)
         if info.get("type") == "directory":
@@ -267,6 +236,7 @@ class RemoteStore(Store):
         yield _RemoteReadHandle(self, path, rpath, int(info["size"]))
 
     def read_bytes(self, path: str) -> bytes:
+        """The whole object in one GET (retried); FileNotFoundError naming its URL when missing."""
         # One GET: a consistent snapshot even if the object is being replaced.
         rpath = self._path(path)
         try:
@@ -275,6 +245,7 @@ class RemoteStore(Store):
             raise self._not_found(path) from None
 
     def exists(self, path: str) -> bool:
+        """Whether an object or prefix is at ``path``; RemoteStoreError when that stays unknown."""
         # Not fs.exists(): fsspec's default swallows every error and answers
         # False, which would let an outage look like "no manifest here".
         try:
@@ -284,6 +255,7 @@ class RemoteStore(Store):
         return True
 
     def listdir(self, path: str) -> list[str]:
+        """Sorted names of the objects and prefixes directly below ``path`` (a fresh listing)."""
         rpath = self._path(path)
 
         def ls() -> list[dict[str, Any]]:
@@ -305,6 +277,7 @@ class RemoteStore(Store):
         return sorted(names)
 
     def remove_tree(self, path: str) -> None:
+        """Delete the object or every object below prefix ``path`` (retried; missing is fine)."""
         rpath = self._path(path)
 
         def rm() -> None:
@@ -330,25 +303,7 @@ class RemoteStore(Store):
         lifecycle rule (see docs/tiers.md).
         """
         directory = self.spool_dir or tempfile.gettempdir()
-        try:
-            names = os.listdir(directory)
-        except FileNotFoundError:
-            return []
-        cutoff = time.time() - older_than_s
-        removed = []
-        for name in names:
-            if not name.startswith(SPOOL_PREFIX):
-                continue
-            pid_text = name[len(SPOOL_PREFIX) :].split("-", 1)[0]
-            if pid_text.isdigit() and _process_alive(int(pid_text)):
-                continue
-            path = os.path.join(directory, name)
-            try:
-                if os.lstat(path).st_mtime < cutoff:
-                    os.unlink(path)
-                    removed.append(path)
-            except FileNotFoundError:
-                continue  # another process swept it first
+        removed = sweep_spools(directory, older_than_s)
         if removed:
             logger.info("swept %d abandoned spool file(s) from %s", len(removed), directory)
         return removed
@@ -387,7 +342,7 @@ class RemoteStore(Store):
             stored = None
         if stored != expected:
             what = "is missing" if stored is None else f"holds {stored} bytes"
-            raise _UploadSizeMismatch(
+            raise UploadSizeMismatch(
                 f"{self._object_url(path)} {what} after its upload, but {expected} bytes "
                 "were written"
             )
@@ -396,7 +351,7 @@ class RemoteStore(Store):
         try:
             self._retry("upload", path, attempt)
         except RemoteStoreError as e:
-            if isinstance(e.__cause__, _UploadSizeMismatch):
+            if isinstance(e.__cause__, UploadSizeMismatch):
                 # The object there is ours and wrong: a failed upload leaves nothing.
                 try:
                     self.fs.rm_file(rpath)
@@ -410,79 +365,15 @@ class RemoteStore(Store):
 
     def _retry_delay(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
-        cap = min(self.backoff_max, self.backoff * 2 ** (attempt - 1))
-        return cap / 2 + random.uniform(0, cap / 2)
+        return backoff_delay(attempt, self.backoff, self.backoff_max)
 
     def _retry(self, operation: str, path: str, fn: Callable[[], T]) -> T:
         """``fn()``, retried on transient errors; RemoteStoreError when they persist."""
-        attempts = self.retries + 1
-        for attempt in range(1, attempts + 1):
-            try:
-                return fn()
-            except Exception as e:
-                if not _is_transient(e):
-                    raise
-                if attempt == attempts:
-                    raise self._gave_up(operation, path, attempts, e) from e
-                delay = self._retry_delay(attempt)
-                logger.warning(
-                    "remote store: %s %s failed (attempt %d of %d: %s); retrying in %.2f s",
-                    operation,
-                    self._object_url(path),
-                    attempt,
-                    attempts,
-                    _describe(e),
-                    delay,
-                )
-            time.sleep(delay)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _gave_up(
-        self, operation: str, path: str, attempts: int, last: BaseException
-    ) -> RemoteStoreError:
-        url = self._object_url(path)
-        tries = "attempt" if attempts == 1 else "attempts"
-        return RemoteStoreError(
-            f"remote store: {operation} {url} failed after {attempts} {tries}; last error: "
-            f"{_describe(last)}. The storage may be unreachable, overloaded or "
-            "misconfigured: check the endpoint, network and credentials, and retry; "
-            "RemoteStore(retries=..., backoff=...) sets how long to keep trying.",
-            url=url,
+        return retry(
+            fn,
             operation=operation,
-            attempts=attempts,
+            url=self._object_url(path),
+            attempts=self.retries + 1,
+            delay=self._retry_delay,
+            logger=logger,
         )
-
-
-def _process_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)  # signal 0: only checks that the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, _UploadSizeMismatch):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _is_transient(exc: BaseException) -> bool:
-    """True when another attempt of the same operation may succeed."""
-    if isinstance(exc, DcpMultilevelError):
-        return False  # ours, already final (e.g. a nested RemoteStoreError)
-    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError, _UploadSizeMismatch)):
-        return True
-    if isinstance(exc, OSError):
-        # s3fs turns unrecognized service errors (500, 503, ...) into plain OSError.
-        return not isinstance(exc, _PERMANENT_OS_ERRORS) and exc.errno not in _PERMANENT_ERRNOS
-    foreign: list[type] = []
-    for module_name, names in _FOREIGN_TRANSIENT.items():
-        module = sys.modules.get(module_name)
-        if module is not None:
-            foreign += [t for n in names if isinstance(t := getattr(module, n, None), type)]
-    return isinstance(exc, tuple(foreign))

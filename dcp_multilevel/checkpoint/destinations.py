@@ -1,0 +1,128 @@
+"""Where a loaded item's bytes land, and how verified bytes are handed to DCP.
+
+The reader reads each item of a load plan into the memory :func:`destination`
+returns, and calls the returned ``commit`` only once the item's bytes have
+matched their checksum (fail closed: unverified bytes never reach the
+``LoadPlanner``).
+
+- Tensors land straight in the destination tensor when it is a whole,
+  contiguous CPU chunk of the stored dtype (no copy); otherwise in a scratch
+  buffer that ``commit`` narrows to the requested region and copies.
+- Non-tensor objects are loaded with ``torch.load(weights_only=True)`` and
+  re-serialized before DCP's planner sees them (:func:`vetted_bytes`),
+  because ``DefaultLoadPlanner.load_bytes`` itself unpickles with
+  ``weights_only=False``.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from ..errors import ManifestError, UnsafeObjectError
+from ..format import ItemLocation
+from ..format.objects import load_object
+from ..format.tensor_bytes import byte_view
+from .stored import StoredCheckpoint
+
+__all__ = ["destination", "vetted_bytes"]
+
+
+def destination(
+    copy: StoredCheckpoint, req: ReadItem, loc: ItemLocation, planner: LoadPlanner
+) -> tuple[memoryview, Callable[[], None]]:
+    """Where to read ``req``'s bytes, and how to hand them to DCP once verified.
+
+    Args:
+        copy: the copy the item is read from (its manifest is already loaded).
+        req: the load plan's item.
+        loc: where ``copy`` stores the item (``loc.raw_length`` bytes once decoded).
+        planner: DCP's load planner, which resolves and receives the item.
+
+    Returns:
+        ``(out, commit)``: ``out`` takes exactly ``loc.raw_length`` bytes;
+        ``commit()`` hands them to ``planner``, to be called only after they
+        were verified.
+
+    Raises:
+        ManifestError: the destination tensor's shape differs from the
+            requested region (wrong for every copy).
+        UnsafeObjectError: from ``commit``: a non-tensor object is refused by
+            ``weights_only`` loading.
+    """
+    fqn = req.storage_index.fqn
+    if req.type == LoadItemType.BYTE_IO:
+        buf = bytearray(loc.raw_length)
+
+        def commit_bytes() -> None:
+            planner.load_bytes(req, vetted_bytes(bytes(buf), fqn, copy.url))
+
+        return memoryview(buf), commit_bytes
+    md = copy.manifest().metadata.state_dict_metadata[fqn]
+    assert not isinstance(md, BytesStorageMetadata)  # the manifest decoder checked
+    dtype = md.properties.dtype
+    chunk_sizes = _chunk_sizes(md, req.storage_index)
+    target = planner.resolve_tensor(req).detach()
+    whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == chunk_sizes
+    if (
+        whole
+        and target.device.type == "cpu"
+        and target.dtype == dtype
+        and target.is_contiguous()
+        and tuple(target.shape) == chunk_sizes
+    ):
+        # Fast path: the destination's memory is the read buffer (no copy). It
+        # holds unverified bytes until fill() returns; a failed item is read
+        # again (from another copy) or the load fails, so none is committed.
+        return byte_view(target), lambda: planner.commit_tensor(req, target)
+    if tuple(target.shape) != tuple(req.lengths):
+        raise ManifestError(
+            f"item {fqn!r}: destination has shape {tuple(target.shape)} but the "
+            f"checkpoint region has {tuple(req.lengths)}",
+            checkpoint=copy.url,
+        )
+    scratch = torch.empty(loc.raw_length, dtype=torch.uint8)
+
+    def commit_tensor() -> None:
+        src = scratch.view(dtype).reshape(chunk_sizes)
+        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+            src = src.narrow(dim, start, length)
+        target.copy_(src)
+        planner.commit_tensor(req, target)
+
+    return byte_view(scratch), commit_tensor
+
+
+def _chunk_sizes(md: Any, index: MetadataIndex) -> tuple[int, ...]:
+    for chunk in md.chunks:
+        if chunk.offsets == index.offset:
+            return tuple(chunk.sizes)
+    raise KeyError(index)  # unreachable: the manifest decoder matched every item
+
+
+def vetted_bytes(raw: bytes, fqn: str, checkpoint: str) -> io.BytesIO:
+    """Re-serialize a stored object after loading it with ``weights_only=True``.
+
+    The planner then unpickles only what we produced from an allowed object,
+    never the checkpoint's own bytes.
+
+    Raises:
+        UnsafeObjectError: ``weights_only`` loading refuses the object (names
+            ``fqn``, ``checkpoint`` and how to allow the type).
+    """
+    obj, refused = load_object(raw)
+    if refused is not None:
+        raise UnsafeObjectError(
+            f"object {fqn!r} in checkpoint {checkpoint} cannot be loaded with "
+            f"weights_only=True: {refused}. If you trust this checkpoint and the type is "
+            "yours, allow it with torch.serialization.add_safe_globals([...])."
+        )
+    out = io.BytesIO()
+    torch.save(obj, out)
+    out.seek(0)
+    return out

@@ -1,0 +1,114 @@
+"""Decoding framed items (``format/frames.py``), chunk by chunk, on a thread pool.
+
+:func:`decode_frames` reads chunk records through a callback, checks each
+chunk's checksum and bounds against the trusted sizes from the manifest, and
+writes each chunk straight into its slice of the destination. zstd and numpy
+release the GIL, so threads really overlap. The encoder is ``pipeline.py``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+
+import xxhash
+
+from ..format import frames
+from .base import Codec
+
+__all__ = ["decode_frames"]
+
+
+def _decode_chunk(
+    codec: Codec, rec: frames.ChunkRecord, payload: memoryview, out: memoryview, header
+) -> None:
+    if rec.method == frames.METHOD_RAW:
+        out[:] = payload
+    else:
+        codec.decode(payload, out, header.width, header.rotate)
+
+
+def decode_frames(
+    read: Callable[[int], memoryview],
+    out: memoryview,
+    codec: Codec,
+    *,
+    stored_length: int,
+    pool: Executor | None,
+    window: int,
+    on_chunk_error: Callable[[int, str], Exception],
+) -> None:
+    """Decode one item's frames, ``stored_length`` bytes pulled with ``read(n)``, into ``out``.
+
+    ``read(n)`` returns the next ``n`` stored bytes (exactly ``n``; it is never
+    asked for bytes past ``stored_length``), in a buffer that stays valid
+    while decoding runs. ``len(out)`` and ``stored_length`` are the trusted
+    sizes (from the manifest): the frames must decode to exactly ``len(out)``
+    bytes and end exactly at ``stored_length``. ``on_chunk_error(index, why)``
+    builds the exception to raise for a corrupt chunk (index -1: the header,
+    -2: the framing as a whole), so messages can name checkpoint, file and item.
+    """
+    consumed = 0
+    pull = read
+
+    def read(n: int) -> memoryview:
+        nonlocal consumed
+        if consumed + n > stored_length:
+            raise on_chunk_error(-2, f"frames run past the item's {stored_length} stored bytes")
+        consumed += n
+        return pull(n)
+
+    try:
+        header = frames.unpack_header(read(frames.HEADER.size))
+    except frames.FrameError as e:
+        raise on_chunk_error(-1, str(e)) from None
+    if header.raw_total not in (len(out), frames.UNKNOWN_TOTAL):
+        raise on_chunk_error(-1, f"frame holds {header.raw_total} bytes, expected {len(out)}")
+    pending: deque[Future] = deque()
+    pos = 0
+    index = 0
+    try:
+        while True:
+            rec = frames.unpack_chunk(read(frames.CHUNK.size))
+            if rec.is_terminator:
+                break
+            try:
+                frames.check_chunk(rec, header, len(out) - pos)
+            except frames.FrameError as e:
+                raise on_chunk_error(index, str(e)) from None
+            payload = read(rec.stored_len)
+            if xxhash.xxh3_64_intdigest(payload) != rec.checksum:
+                raise on_chunk_error(index, "its checksum does not match its bytes")
+            target = out[pos : pos + rec.raw_len]
+            # The last chunk (the only one, for most tensors) is decoded here:
+            # this thread would only wait for it, and a hand-off adds a wake-up.
+            if pool is None or pos + rec.raw_len == len(out):
+                _decode_checked(codec, rec, payload, target, header, index, on_chunk_error)
+            else:
+                # The payload buffer must outlive the task: read() returns a fresh one.
+                pending.append(
+                    pool.submit(
+                        _decode_checked, codec, rec, payload, target, header, index, on_chunk_error
+                    )
+                )
+                if len(pending) >= window:
+                    pending.popleft().result()
+            pos += rec.raw_len
+            index += 1
+        while pending:
+            pending.popleft().result()
+    finally:
+        for f in pending:
+            f.cancel()
+    if pos != len(out):
+        raise on_chunk_error(index, f"frames end after {pos} of {len(out)} bytes")
+    if consumed != stored_length:
+        raise on_chunk_error(-2, f"{stored_length - consumed} stored bytes follow the last frame")
+
+
+def _decode_checked(codec, rec, payload, target, header, index, on_chunk_error) -> None:
+    try:
+        _decode_chunk(codec, rec, payload, target, header)
+    except ValueError as e:
+        raise on_chunk_error(index, str(e)) from None
