@@ -164,6 +164,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         return self.path
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a save (at ``checkpoint_id``, when given); claims an async save's staging."""
         # DCP's first call of a save given a checkpoint_id: an async save's background
         # part begins here, waiting for this writer's earlier saves before the path
         # changes or any collective runs.
@@ -172,6 +173,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
             self._set_path(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Note this rank; refuse ``use_collectives=False`` (one coordinator commits for all)."""
         if not kwargs.get("use_collectives", True):
             raise ConfigError(
                 "MultiLevelWriter needs dcp.save(..., use_collectives=True) (the default): "
@@ -181,6 +183,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         self.is_coordinator = is_coordinator
 
     def storage_meta(self) -> StorageMeta:
+        """A fresh ``save_id`` for this save; claims an async save's staging at the latest."""
         # DCP's first call of every save (reset only comes with a checkpoint_id): an
         # async save's background part begins here at the latest, before the planner
         # is set up (see Stager.claim; again on the same thread it changes nothing).
@@ -188,6 +191,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         return StorageMeta(checkpoint_id=self.path, save_id=uuid.uuid4().hex)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """The plan unchanged, once every tensor's dtype is known to be storable."""
         # Fail before any byte is written if a tensor cannot be stored.
         for item in plan.items:
             if item.tensor_data is not None:
@@ -195,6 +199,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """The plans unchanged; :class:`CheckpointExistsError` before overwriting unasked."""
         if self.checkpoint.is_committed() and not self.overwrite:
             raise CheckpointExistsError(
                 f"a committed checkpoint already exists at {self.checkpoint.url}; refusing to "
@@ -206,6 +211,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items to its own data files; the future is complete."""
         # An async save's thread writes at background priority; failures are recorded.
         with self._stager.background("write_data", rank=self.rank) as save:
             return self._write_data(plan, planner, save)
@@ -245,6 +251,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Commit (coordinator): the manifest written last, then stale files swept."""
         with self._stager.background("finish", rank=self.rank):
             self._finish(metadata, results)
 
@@ -264,6 +271,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """True when a store can be built for ``checkpoint_id`` (any path or known URL)."""
         try:
             store_for(checkpoint_id)
         except (ValueError, LookupError):

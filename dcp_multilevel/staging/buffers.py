@@ -82,9 +82,11 @@ class HostBufferPool:
 
     @property
     def held_bytes(self) -> int:
+        """Bytes held by all buffer sets, busy or free."""
         return sum(s.capacity for s in self.sets)
 
     def fits(self, nbytes: int) -> bool:
+        """Whether a state of ``nbytes`` can be staged whole under the budget."""
         return self.budget_bytes is None or nbytes <= self.budget_bytes
 
     def try_acquire(self, nbytes: int) -> _BufferSet | None:
@@ -114,6 +116,7 @@ class HostBufferPool:
         return flat
 
     def close(self) -> None:
+        """Free every set no save is using (busy ones stay until their save is done)."""
         self.sets = [s for s in self.sets if s.busy()]
 
 
