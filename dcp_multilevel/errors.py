@@ -3,7 +3,7 @@
 Every error raised on purpose by this package derives from
 :class:`DcpMultilevelError`, and each subclass also derives from the builtin it
 refines, so ``except FileNotFoundError`` keeps working for callers who do not
-know about us. Messages say what failed, where (checkpoint, tier, file, item)
+know about us. Messages say what failed, where (checkpoint, level, file, item)
 and what to do; the same facts are kept as attributes for programs.
 
 Inside ``dcp.save`` / ``dcp.load``, DCP wraps exceptions into
@@ -141,7 +141,7 @@ class UnsafeObjectError(DcpMultilevelError, ValueError):
 
 
 class DrainError(DcpMultilevelError, RuntimeError):
-    """Copying a committed checkpoint to a higher tier failed; the source is untouched."""
+    """Copying a committed checkpoint to a higher level failed; the source is untouched."""
 
 
 class AsyncSaveError(DcpMultilevelError, RuntimeError):

@@ -1,7 +1,7 @@
 """MultiLevelReader: DCP's StorageReader for dcp_multilevel checkpoints.
 
 A reader loads ONE checkpoint, which may be stored as several copies on
-different tiers (node-local disk first, then slower ones). Each copy has its
+different levels (node-local disk first, then slower ones). Each copy has its
 own manifest, encoding and file layout; their DCP metadata must be identical.
 
 Load path::
@@ -74,16 +74,16 @@ class MultiLevelReader(StorageReader):
             node-local ``/nvme/run1/step-100``). May be replaced per load by
             ``dcp.load(..., checkpoint_id=...)`` (only by another spelling of
             the same location when ``fallbacks`` are given).
-        fallbacks: other copies of the SAME checkpoint on slower tiers, in the
+        fallbacks: other copies of the SAME checkpoint on slower levels, in the
             order to try them (e.g. ``["s3://bucket/run1/step-100"]``). They may
             use other codecs and file layouts; their DCP metadata must equal
             that of the copy in use, or they are not used.
         thread_count: data files read (and chunks decoded) in parallel per rank.
-        storage_options: options for the tier of ``path``.
-        fallback_storage_options: options for the tier of each fallback, one
+        storage_options: options for the store of ``path``.
+        fallback_storage_options: options for the store of each fallback, one
             entry (a dict or None) per fallback; default: none for any.
         primary_manifest: the content of ``path``'s ``manifest.json`` when this
-            process cannot read it there (a node-local tier: the manifest is on
+            process cannot read it there (a node-local level: the manifest is on
             rank 0's node, which sends it; see ``CheckpointManager``). It is
             validated as if read from ``path``; data files this process cannot
             see there are read from the fallbacks.

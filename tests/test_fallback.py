@@ -254,7 +254,7 @@ def test_invalid_primary_manifest_takes_metadata_and_data_from_the_fallback(copi
         f"dcp_multilevel: cannot use the copy at {primary.url} (manifest of checkpoint "
         f"{primary.url!r} is invalid: field 'format' is 'other', expected 'dcp_multilevel'. "
         "The checkpoint is damaged or was not written by dcp_multilevel; load it from "
-        f"another tier or copy.); reading the checkpoint from {fallback.url}"
+        f"another level or copy.); reading the checkpoint from {fallback.url}"
     ]
 
 
@@ -390,7 +390,7 @@ def test_missing_primary_and_damaged_fallback_is_a_manifest_error(raw_then_packe
         f"(1) {primary.url}: no committed checkpoint at {primary.url}: {MISSING_MANIFEST}; "
         f"(2) {fallback.url}: manifest of checkpoint {fallback.url!r} is invalid: the top "
         "level must be an object. The checkpoint is damaged or was not written by "
-        "dcp_multilevel; load it from another tier or copy."
+        "dcp_multilevel; load it from another level or copy."
     )
     assert info.value.checkpoint == fallback.url
 

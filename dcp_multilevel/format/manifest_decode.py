@@ -52,7 +52,7 @@ class _Checker:
         where = f"manifest of checkpoint {self.checkpoint!r}" if self.checkpoint else "manifest"
         return ManifestError(
             f"{where} is invalid: {msg}. The checkpoint is damaged or was not written by "
-            "dcp_multilevel; load it from another tier or copy.",
+            "dcp_multilevel; load it from another level or copy.",
             checkpoint=self.checkpoint,
         )
 

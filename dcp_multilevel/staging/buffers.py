@@ -42,7 +42,9 @@ COPY_PIECE = 16 << 20
 class Owner(Protocol):
     """The save a buffer set is lent to; the set is free again once it is done."""
 
-    def done(self) -> bool: ...
+    def done(self) -> bool:
+        """True once the save no longer needs the buffer set."""
+        ...
 
 
 class _BufferSet:

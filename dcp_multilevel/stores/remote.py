@@ -300,7 +300,7 @@ class RemoteStore(Store):
         itself are not touched here: data of uncommitted checkpoints is removed
         by the manager's retention, and S3 multipart uploads a crashed process
         left incomplete need the bucket's ``AbortIncompleteMultipartUpload``
-        lifecycle rule (see docs/tiers.md).
+        lifecycle rule (see docs/levels.md).
         """
         directory = self.spool_dir or tempfile.gettempdir()
         removed = sweep_spools(directory, older_than_s)
