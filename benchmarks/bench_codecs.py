@@ -36,7 +36,6 @@ Quick check (seconds)::
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import sys
@@ -54,6 +53,7 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _cli import add_json, add_root, add_seed, add_wait_idle, names, parser, quiet_dcp_warnings
+from _contenders import CODECS, SAVERS, THREADS, Codec, Saver, make_saver
 from _data import (
     FLOAT_SETS,
     BertConfig,
@@ -61,7 +61,6 @@ from _data import (
     bert_config,
     float_sets,
     state_nbytes,
-    tensor_bytes,
     zeros_like_state,
 )
 from _disk import remove_tree, tree_nbytes
@@ -69,167 +68,10 @@ from _measure import MB, PhaseTimer, median, rounds, timed_each
 from _report import command, fmt, goal_line, markdown_table, measured, print_header, times
 
 State = dict[str, torch.Tensor]
-Encode = Callable[[torch.Tensor], bytes]
-Decode = Callable[[bytes, torch.Tensor], torch.Tensor]
 Stat = Callable[[list[float]], float]  # how repeats of one measurement are summarized
 
-THREADS = (1, 2)
 GOAL_SAVE_FACTOR = 1.3
 GOAL_STOCK_FACTOR = 2.0
-
-
-# --------------------------------------------------------------------------- codecs
-
-
-@dataclass(frozen=True)
-class Codec:
-    name: str
-    note: str
-    # Builds (encode, decode) for a thread count.
-    make: Callable[[int], tuple[Encode, Decode]]
-    threads: tuple[int, ...] = THREADS
-    copy_input: bool = False  # the encoder overwrites its input: hand it a copy
-
-
-class _KeepOpen(io.BytesIO):
-    """A BytesIO whose close() keeps the buffer, like DCP's NoCloseWriter."""
-
-    def close(self) -> None:
-        pass
-
-
-def _stock_codec() -> Codec:
-    from torch.distributed.checkpoint._extension import ZStandard
-
-    def make(_threads: int) -> tuple[Encode, Decode]:
-        ext = ZStandard()
-
-        def encode(t: torch.Tensor) -> bytes:
-            out = _KeepOpen()
-            w = ext.transform_to(out)
-            w.write(tensor_bytes(t))
-            w.close()  # ends the frame, as DCP's _write_item does
-            return out.getvalue()
-
-        def decode(blob: bytes, like: torch.Tensor) -> torch.Tensor:
-            out = torch.empty(like.numel() * like.element_size(), dtype=torch.uint8)
-            view = memoryview(out.numpy())
-            r = ext.transform_from(io.BytesIO(blob))
-            got = 0
-            while got < len(view):
-                n = r.readinto(view[got:])
-                if not n:
-                    raise ValueError(f"stock ZStandard stream ended after {got} of {len(view)} B")
-                got += n
-            return out.view(like.dtype).view(like.shape)
-
-        return encode, decode
-
-    return Codec(
-        "stock-zstd",
-        "torch.distributed.checkpoint._extension.ZStandard, one stream per tensor at the "
-        "zstandard default level (3), no worker threads: one figure, shown under 1 thread",
-        make,
-        threads=(1,),
-    )
-
-
-def _zipnn_codec() -> Codec:
-    from zipnn import ZipNN
-
-    def make(threads: int) -> tuple[Encode, Decode]:
-        z = ZipNN(input_format="torch", threads=threads)
-
-        def decode(blob: bytes, like: torch.Tensor) -> torch.Tensor:
-            return z.decompress(blob)
-
-        return z.compress, decode
-
-    return Codec(
-        "zipnn",
-        "ZipNN(input_format='torch', threads=N), library defaults otherwise; it overwrites "
-        "its input, so it compresses copies made before the clock starts",
-        make,
-        copy_input=True,
-    )
-
-
-def _compression(codec: str, threads: int, args: argparse.Namespace) -> object:
-    from dcp_multilevel.codecs import Compression
-
-    kwargs: dict[str, object] = {"codec": codec, "threads": threads}
-    if args.level is not None:
-        kwargs["level"] = args.level
-    if args.chunk_mib is not None:
-        kwargs["chunk_size"] = int(args.chunk_mib * (1 << 20))
-    return Compression(**kwargs)
-
-
-def _our_codec(codec: str, args: argparse.Namespace) -> Codec:
-    from dcp_multilevel.codecs import compress_tensor, decompress_tensor
-
-    def make(threads: int) -> tuple[Encode, Decode]:
-        comp = _compression(codec, threads, args)
-
-        def encode(t: torch.Tensor) -> bytes:
-            return compress_tensor(t, comp)
-
-        def decode(blob: bytes, like: torch.Tensor) -> torch.Tensor:
-            return decompress_tensor(blob, like=like, threads=threads, codec=codec)
-
-        return encode, decode
-
-    return Codec(
-        f"ours-{codec}",
-        f"dcp_multilevel.codecs {_compression(codec, 1, args)!r} with threads=N",
-        make,
-    )
-
-
-CODECS: dict[str, Callable[[argparse.Namespace], Codec]] = {
-    "stock-zstd": lambda _a: _stock_codec(),
-    "zipnn": lambda _a: _zipnn_codec(),
-    "ours-bytegroup": lambda a: _our_codec("bytegroup", a),
-    "ours-zstd": lambda a: _our_codec("zstd", a),
-}
-
-
-# --------------------------------------------------------------------------- dcp.save writers
-
-
-@dataclass(frozen=True)
-class Saver:
-    name: str
-    note: str
-    writer: Callable[[Path], object]
-    reader: Callable[[Path], object]
-
-
-SAVERS = ("stock", "stock+ZStandard", "ours codec=None", "ours codec=bytegroup", "ours codec=zstd")
-
-
-def make_saver(name: str, args: argparse.Namespace) -> Saver:
-    """The writer ``name`` of :data:`SAVERS` (every one: thread_count=1, fsync)."""
-    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-    from torch.distributed.checkpoint._extension import ZStandard
-
-    from dcp_multilevel import MultiLevelReader, MultiLevelWriter
-
-    def saver(note: str, writer: Callable[[Path], object], reader: Callable[[Path], object]):
-        return Saver(name, f"{note} (thread_count=1, fsync)", writer, reader)
-
-    if name == "stock":
-        return saver("FileSystemWriter(path)", FileSystemWriter, FileSystemReader)
-    if name == "stock+ZStandard":
-        return saver(
-            "FileSystemWriter(path, _extensions=[ZStandard()])",
-            lambda p: FileSystemWriter(p, _extensions=[ZStandard()]),
-            FileSystemReader,
-        )
-    codec = name.removeprefix("ours codec=")
-    comp = None if codec == "None" else _compression(codec, args.save_threads, args)
-    writer = f"MultiLevelWriter(path, codec={comp!r})"
-    return saver(writer, lambda p: MultiLevelWriter(p, codec=comp), MultiLevelReader)
 
 
 # --------------------------------------------------------------------------- measuring
