@@ -74,14 +74,9 @@ def read_item(
     def read(n: int) -> memoryview:
         nonlocal pos
         buf = memoryview(bytearray(n))
-        if handle.read_into(pos, buf) != n:
-            raise TruncatedDataError(
-                f"data file {loc.file!r} of checkpoint {ref.checkpoint} ended inside item "
-                f"{ref.fqn!r}",
-                checkpoint=ref.checkpoint,
-                file=loc.file,
-                fqn=ref.fqn,
-            )
+        got = handle.read_into(pos, buf)
+        if got != n:
+            raise _truncated(ref, pos + got)
         hasher.update(buf)
         pos += n
         return buf
@@ -128,13 +123,7 @@ def read_stored(
     for block in blocks:
         n = handle.read_into(pos, block)
         if n != len(block):
-            raise TruncatedDataError(
-                f"data file {loc.file!r} of checkpoint {ref.checkpoint} ended at byte {pos + n} "
-                f"inside item {ref.fqn!r} (bytes {loc.offset}..{loc.offset + loc.length})",
-                checkpoint=ref.checkpoint,
-                file=loc.file,
-                fqn=ref.fqn,
-            )
+            raise _truncated(ref, pos + n)
         hasher.update(block)
         if on_block is not None:
             on_block(block)
@@ -173,6 +162,17 @@ def item_codec(ref: ItemRef) -> Codec:
             f"{loc.transforms[0]!r}: {e}",
             checkpoint=ref.checkpoint,
         ) from None
+
+
+def _truncated(ref: ItemRef, at: int) -> TruncatedDataError:
+    loc = ref.loc
+    return TruncatedDataError(
+        f"data file {loc.file!r} of checkpoint {ref.checkpoint} ended at byte {at} "
+        f"inside item {ref.fqn!r} (bytes {loc.offset}..{loc.offset + loc.length})",
+        checkpoint=ref.checkpoint,
+        file=loc.file,
+        fqn=ref.fqn,
+    )
 
 
 def _verify(hasher: Hasher, ref: ItemRef) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -210,11 +210,7 @@ def _decode_items(
     c: _Checker, raw: list[Any], state: dict[str, Any], files: dict[str, int]
 ) -> dict[MetadataIndex, ItemLocation]:
     locations: dict[MetadataIndex, ItemLocation] = {}
-    for i, item in enumerate(raw):
-        what = f"items[{i}]"
-        if not isinstance(item, dict):
-            raise c.fail(f"{what} must be an object")
-        fqn, offsets_raw, loc = _decode_location(c, item, what)
+    for what, fqn, offsets_raw, loc in _entries(c, raw):
         file, pos, length, raw_length = loc.file, loc.offset, loc.length, loc.raw_length
         md = state.get(fqn)
         if md is None:
@@ -259,6 +255,17 @@ def _decode_items(
     return locations
 
 
+def _entries(
+    c: _Checker, items: list[Any]
+) -> Iterator[tuple[str, str, list[Any] | None, ItemLocation]]:
+    """``(where, fqn, raw offsets, location)`` of each item entry, each checked on its own."""
+    for i, item in enumerate(items):
+        what = f"items[{i}]"
+        if not isinstance(item, dict):
+            raise c.fail(f"{what} must be an object")
+        yield (what, *_decode_location(c, item, what))
+
+
 def _decode_location(
     c: _Checker, item: Mapping[str, Any], what: str
 ) -> tuple[str, list[Any] | None, ItemLocation]:
@@ -301,11 +308,7 @@ def locations_from_json(
     if not isinstance(items, list):
         raise c.fail("item locations must be a list")
     out: dict[MetadataIndex, ItemLocation] = {}
-    for i, item in enumerate(items):
-        what = f"items[{i}]"
-        if not isinstance(item, dict):
-            raise c.fail(f"{what} must be an object")
-        fqn, offsets_raw, loc = _decode_location(c, item, what)
+    for what, fqn, offsets_raw, loc in _entries(c, items):
         offsets = None if offsets_raw is None else c.shape(offsets_raw, f"{what}.offsets")
         out[MetadataIndex(fqn, offsets)] = loc
     return out
