@@ -22,7 +22,7 @@ from dcp_multilevel.format import decode_manifest, encode_manifest
 
 SUFFIX = (
     ". The checkpoint is damaged or was not written by dcp_multilevel; load it from another "
-    "tier or copy."
+    "level or copy."
 )
 
 
