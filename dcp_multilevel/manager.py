@@ -30,6 +30,7 @@ crashed writers older than ``sweep_older_than_s`` go too.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import time
 import warnings
@@ -45,6 +46,7 @@ from .config import Level
 from .errors import CheckpointNotFoundError, ConfigError, DrainError
 from .levels import Drainer, DrainJob, DrainResult, LevelDriver, driver_for, level_kind
 from .levels.agreement import Restore, gather_views, restorable
+from .levels.topology import NODE_FIELD, Topology, expand_node, node_from_env
 from .metrics import MetricsSink, SaveMetrics
 from .planner import BalancedSavePlanner
 from .reader import MultiLevelReader
@@ -66,6 +68,11 @@ class CheckpointManager:
             0's node has the manifest): drains and loads work, provided a
             higher level holds what a node cannot see.
         tiers: deprecated name of ``levels`` (warns; removed in 0.3).
+        topology: which node each rank is on (``levels/topology.py``); default:
+            from each rank's environment (``DCP_ML_NODE``, torchrun's
+            ``GROUP_RANK``, ...), gathered when a level's path holds
+            ``{node}``, which is then replaced by this rank's node index
+            (``Level("/nvme/{node}/run")``: one directory per simulated node).
         schedule: which levels take each save (default
             :class:`~dcp_multilevel.schedule.FixedInterval`: each level's ``every``).
         planner: save planner (default: one :class:`BalancedSavePlanner`, reused
@@ -88,6 +95,7 @@ class CheckpointManager:
         levels: Sequence[Level] | None = None,
         *,
         tiers: Sequence[Level] | None = None,
+        topology: Topology | None = None,
         schedule: SavePolicy | None = None,
         planner: SavePlanner | None = None,
         drain_policy: str = "skip",
@@ -97,6 +105,20 @@ class CheckpointManager:
         sweep_older_than_s: float | None = 3600.0,
     ) -> None:
         self.levels = _levels_argument(levels, tiers)
+        needs_nodes = any(NODE_FIELD in level.url for level in self.levels)
+        #: Which node each rank is on: given, or gathered from every rank's
+        #: environment (collective) when a level's path names ``{node}``.
+        self.topology = topology
+        if topology is None and needs_nodes:
+            self.topology = Topology(tuple(_dist.all_gather_object(node_from_env())))
+        if self.topology is not None:
+            if self.topology.world_size != _dist.world_size():
+                raise ConfigError(
+                    f"the topology names {self.topology.world_size} ranks, the process group "
+                    f"has {_dist.world_size()}"
+                )
+            node = self.topology.nodes[_dist.rank()]
+            self.levels = [_on_node(level, node) for level in self.levels]
         if level_kind(self.levels[0]) is not None:
             raise ConfigError(
                 f"the first level ({self.levels[0].url}) must be a store (a path or URL): "
@@ -354,6 +376,14 @@ def _levels_argument(levels: Sequence[Level] | None, tiers: Sequence[Level] | No
     if not out or not all(isinstance(lv, Level) for lv in out):
         raise ConfigError("CheckpointManager needs a non-empty list of Level(...) objects")
     return out
+
+
+def _on_node(level: Level, node: int) -> Level:
+    """``level`` with ``{node}`` in its path replaced (a plain Level: no second warning)."""
+    if NODE_FIELD not in level.url:
+        return level
+    values = {f.name: getattr(level, f.name) for f in dataclasses.fields(Level)}
+    return Level(**{**values, "url": expand_node(level.url, node)})
 
 
 def _finish_at_exit(drainer: Drainer) -> None:

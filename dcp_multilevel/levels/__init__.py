@@ -22,6 +22,7 @@ from .base import DrainJob, DrainResult, LevelDriver
 from .drainer import Drainer, run_drain
 from .options import Level
 from .store import StoreLevel
+from .topology import Topology
 
 __all__ = [
     "LEVEL_KINDS",
@@ -30,6 +31,7 @@ __all__ = [
     "Drainer",
     "LevelDriver",
     "StoreLevel",
+    "Topology",
     "driver_for",
     "level_kind",
     "run_drain",
