@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ..format import MANIFEST_NAME, checkpoint_url, parse_step_dir, step_dir
+from ..format import MANIFEST_NAME, checkpoint_url, parse_step_dir
 from ..stores import Store, store_for
 from .stored import StoredCheckpoint
 
@@ -50,27 +50,24 @@ class CheckpointRoot:
 
     def steps(self) -> list[int]:
         """Steps with a committed checkpoint in this view of the root, ascending."""
-        out = []
-        for name in self.store.listdir(""):
-            step = parse_step_dir(name)
-            if step is not None and self.store.exists(f"{name}/{MANIFEST_NAME}"):
-                out.append(step)
-        return sorted(out)
+        return [step for step, committed in self._step_dirs() if committed]
 
     def uncommitted(self) -> list[int]:
         """Steps whose directory holds no manifest (a save or drain that did not finish)."""
+        return [step for step, committed in self._step_dirs() if not committed]
+
+    def _step_dirs(self) -> list[tuple[int, bool]]:
+        """``(step, has a manifest)`` for every step directory below the root, ascending."""
         out = []
         for name in self.store.listdir(""):
             step = parse_step_dir(name)
-            if step is not None and not self.store.exists(f"{name}/{MANIFEST_NAME}"):
-                out.append(step)
+            if step is not None:
+                out.append((step, self.store.exists(f"{name}/{MANIFEST_NAME}")))
         return sorted(out)
 
     def delete(self, step: int) -> None:
         """Remove the checkpoint of ``step``, committed or not (manifest first)."""
-        name = step_dir(step)
-        self.store.remove_tree(f"{name}/{MANIFEST_NAME}")
-        self.store.remove_tree(name)
+        self.checkpoint(step).delete()
 
     def sweep(self, older_than_s: float) -> list[str]:
         """Remove the store's crash leftovers older than ``older_than_s`` (see ``Store.sweep``)."""

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from .. import _dist
 from ..errors import DcpMultilevelError
-from ..format import decode_manifest
 from .base import LevelDriver
 
 __all__ = ["Restore", "Views", "gather_views", "restorable"]
@@ -88,7 +87,7 @@ def _has_files(first: LevelDriver, step: int, manifest: bytes) -> bool:
     """True when this rank's view of the first level has every file ``manifest`` names."""
     ckpt = first.checkpoint(step, manifest_bytes=manifest)
     try:
-        files = decode_manifest(manifest, checkpoint=ckpt.url).files
+        files = ckpt.manifest().files
     except DcpMultilevelError:
         return False
     return set(files) <= ckpt.data_files()
