@@ -1,9 +1,11 @@
 """The only module that touches torch.distributed.
 
-Collectives here run on the caller's (main) thread only. Background threads
+Collectives on the trainer's group run on the caller's (main) thread only. Background threads
 coordinate through the c10d store (``store_set`` / ``store_wait_get``), never
 through the trainer's process group: a collective issued from a background
-thread can interleave with the trainer's own and deadlock.
+thread can interleave with the trainer's own and deadlock. Bulk bytes between
+nodes (partner copies, parity, restores) go point to point over a group of
+our own (:func:`new_group`), used by one thread at a time.
 """
 
 from __future__ import annotations
@@ -12,13 +14,17 @@ import json
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 __all__ = [
     "all_gather_object",
     "broadcast_object",
     "is_active",
+    "new_group",
     "rank",
+    "recv_bytes",
+    "send_bytes",
     "store_set",
     "store_wait_get",
     "world_size",
@@ -72,3 +78,27 @@ def store_wait_get(keys: list[str], timeout_s: float) -> list[Any]:
     store = _store()
     store.wait(keys, timedelta(seconds=timeout_s))
     return [json.loads(store.get(k)) for k in keys]
+
+
+def new_group(timeout_s: float) -> Any:
+    """A new gloo group over every rank, for bulk bytes; None without a process group.
+
+    Collective: every rank creates its groups in the same order (e.g. while
+    constructing a manager). Gloo moves CPU tensors whatever the trainer's
+    backend is (NCCL cannot).
+    """
+    if not is_active():
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def send_bytes(buf: memoryview | bytearray, dst: int, group: Any) -> None:
+    """Send ``buf`` to rank ``dst`` over ``group`` (blocks until it is received)."""
+    if len(buf):
+        dist.send(torch.frombuffer(buf, dtype=torch.uint8), dst, group=group)
+
+
+def recv_bytes(buf: memoryview | bytearray, src: int, group: Any) -> None:
+    """Receive exactly ``len(buf)`` bytes from rank ``src`` over ``group`` into ``buf``."""
+    if len(buf):
+        dist.recv(torch.frombuffer(buf, dtype=torch.uint8), src, group=group)

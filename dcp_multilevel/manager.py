@@ -44,8 +44,25 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from . import _dist, retention
 from .config import Level
 from .errors import CheckpointNotFoundError, ConfigError, DrainError
-from .levels import Drainer, DrainJob, DrainResult, LevelDriver, driver_for, level_kind
-from .levels.agreement import Restore, gather_views, restorable
+from .levels import (
+    LEVEL_KINDS,
+    Drainer,
+    DrainJob,
+    DrainResult,
+    LevelDriver,
+    driver_for,
+    level_kind,
+)
+from .levels.agreement import Restore, Views, gather_views, restorable
+from .levels.base import LevelContext
+from .levels.restore import (
+    RestoreReport,
+    execute,
+    gather_inventories,
+    needed_files,
+    plan_restore,
+    take_inventory,
+)
 from .levels.topology import NODE_FIELD, Topology, expand_node, node_from_env
 from .metrics import MetricsSink, SaveMetrics
 from .planner import BalancedSavePlanner
@@ -105,7 +122,12 @@ class CheckpointManager:
         sweep_older_than_s: float | None = 3600.0,
     ) -> None:
         self.levels = _levels_argument(levels, tiers)
-        needs_nodes = any(NODE_FIELD in level.url for level in self.levels)
+        self._names = [level.url for level in self.levels]  # as written ({node} kept)
+        needs_nodes = any(NODE_FIELD in level.url for level in self.levels) or any(
+            LEVEL_KINDS.get(kind).needs_topology
+            for kind in map(level_kind, self.levels)
+            if kind is not None
+        )
         #: Which node each rank is on: given, or gathered from every rank's
         #: environment (collective) when a level's path names ``{node}``.
         self.topology = topology
@@ -125,6 +147,14 @@ class CheckpointManager:
                 "save() writes each checkpoint there, and the other levels start from it"
             )
         self.drivers: list[LevelDriver] = [driver_for(level) for level in self.levels]
+        context = LevelContext(self.topology, drain_timeout_s)
+        for driver in self.drivers:
+            driver.bind(context)  # collective: node-local kinds make their groups here
+        # Restores move files between nodes over a group of their own (never a
+        # drain's: a drain may be running in its thread while the main thread loads).
+        self._restore_group = None
+        if any(d.node_local for d in self.drivers):
+            self._restore_group = _dist.new_group(drain_timeout_s)
         if self.levels[0].every != 1:
             raise ConfigError(
                 f"the first level ({self.levels[0].url}) must take every save (every=1): "
@@ -146,6 +176,8 @@ class CheckpointManager:
         self._generation = 0
         self.metrics: list[SaveMetrics] = []
         self.last_load_sources: dict[str, int] = {}
+        #: The last load's restore: files each level brought onto this rank's node.
+        self.last_restore: RestoreReport | None = None
         if sweep_older_than_s is not None:
             for driver in self.drivers:
                 try:
@@ -236,9 +268,11 @@ class CheckpointManager:
         for i in range(1, len(self.levels)):
             self._known[i].update(views.everyone[0][i])
         candidates = views.candidates()
+        newest: Restore | None = None
         for step in reversed(candidates):
-            plan = restorable(step, self.drivers, views)
-            if plan is not None:
+            plan = self._restorable(step, views, state_dict, planner)
+            newest = newest or plan
+            if plan.ok:
                 self._load(state_dict, plan, planner)
                 self._resume_drains(views.everyone[0])
                 return step
@@ -246,11 +280,29 @@ class CheckpointManager:
             raise CheckpointNotFoundError(
                 f"committed checkpoints exist (newest: step {candidates[-1]}), but for each of "
                 f"them some rank cannot reach all of its data files on {self.levels[0].url} (a "
-                "node-local level on a lost or new node?) and no higher level holds it. Restore "
-                "the nodes' disks, or start fresh deliberately with a new level location.",
+                "node-local level on a lost or new node?) and no higher level holds it"
+                + _why(newest)
+                + ". Restore the nodes' disks, or start fresh deliberately "
+                "with a new level location.",
                 checkpoint=self.levels[0].checkpoint_url(candidates[-1]),
             )
         return None
+
+    def _restorable(self, step: int, views: Views, state_dict: dict[str, Any],
+                    planner: LoadPlanner | None) -> Restore:  # fmt: skip
+        plan = restorable(
+            step, self.drivers, views, node=self._node(),
+            needs=lambda manifest: needed_files(state_dict, manifest, planner),
+            transfers=self._restore_group is not None,
+        )  # fmt: skip
+        if not plan.ok:
+            logger.warning("dcp_multilevel: step %d cannot be restored: %s", step,
+                           "; ".join(plan.reasons))  # fmt: skip
+        return plan
+
+    def _node(self) -> int:
+        """This rank's node (its rank when the topology is unknown: nothing is shared)."""
+        return self.topology.nodes[_dist.rank()] if self.topology is not None else _dist.rank()
 
     def load(
         self, state_dict: dict[str, Any], step: int, *, planner: LoadPlanner | None = None
@@ -270,19 +322,23 @@ class CheckpointManager:
                 "step or call load_latest().",
                 checkpoint=self.levels[0].checkpoint_url(step),
             )
-        plan = restorable(step, self.drivers, views)
-        if plan is None:
+        plan = self._restorable(step, views, state_dict, planner)
+        if not plan.ok:
             raise CheckpointNotFoundError(
                 f"step {step} is committed on {self.levels[0].url}, but not every rank can reach "
                 "all of its data files there (a node-local level on a lost or new node?) and no "
-                "higher level holds it. Load an earlier step that a higher level holds.",
+                "higher level holds it" + _why(plan) + ". Load an earlier step that a higher "
+                "level holds.",
                 checkpoint=self.levels[0].checkpoint_url(step),
             )
         self._load(state_dict, plan, planner)
 
     def _load(self, state_dict: dict[str, Any], plan: Restore, planner) -> None:
-        # The first level serves what this rank sees there; the rest comes, file
-        # by file, from the higher levels (the reader's per-item fallback).
+        if plan.plan is not None and plan.manifest is not None:
+            self.last_restore = self._bring_files(plan)
+        # The first level serves what this rank sees there (with what the restore
+        # brought); the rest comes, file by file, from the higher levels (the
+        # reader's per-item fallback).
         copies = [self.drivers[i].checkpoint(plan.step) for i in plan.levels]
         options = [self.drivers[i].root.storage_options for i in plan.levels]
         reader = MultiLevelReader(
@@ -290,10 +346,50 @@ class CheckpointManager:
             fallbacks=[c.location for c in copies[1:]],
             storage_options=options[0],
             fallback_storage_options=options[1:],
-            primary_manifest=plan.first_manifest if plan.levels[0] == 0 else None,
+            primary_manifest=plan.manifest if plan.levels[0] == 0 else None,
         )
         dcp.load(state_dict, storage_reader=reader, planner=planner)
         self.last_load_sources = dict(reader.last_load_sources)
+
+    def _bring_files(self, plan: Restore) -> RestoreReport:
+        """Copy or rebuild onto each node the files it lacks (collective), in rounds:
+        a source found damaged is left out of the next round's plan."""
+        assert plan.plan is not None and plan.manifest is not None
+        t0 = time.perf_counter()
+        steps, bad = plan.plan, set()
+        report = RestoreReport(plan.step)
+        for _ in range(_RESTORE_ROUNDS):
+            if not steps.actions:
+                break
+            for drain_driver in self.drivers:  # a running drain must not race the restore
+                self._drainer.finish(drain_driver)
+            found = execute(steps, self.drivers, plan.manifest, self._restore_group,
+                            plan.inventories)  # fmt: skip
+            report.add(steps, self._names, plan.inventories, self._node())
+            found_everywhere = {tuple(b) for part in _dist.all_gather_object(found) for b in part}
+            if not found_everywhere:
+                break
+            bad |= found_everywhere
+            logger.warning("dcp_multilevel: damaged sources for step %d: %s; trying others",
+                           plan.step, sorted(found_everywhere))  # fmt: skip
+            first = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest)
+            manifest = first.manifest()
+            mine = next(i for i in plan.inventories if i.rank == _dist.rank())
+            inventory = take_inventory(plan.step, self.drivers, manifest, mine.needs,
+                                       mine.node, mine.whole)  # fmt: skip
+            plan.inventories = gather_inventories(inventory)
+            steps = plan_restore(plan.step, manifest.files, plan.inventories,
+                                 [d.url for d in self.drivers], bad)  # fmt: skip
+            if not steps.ok:
+                raise CheckpointNotFoundError(
+                    f"step {plan.step} cannot be restored: " + "; ".join(steps.reasons),
+                    checkpoint=self.levels[0].checkpoint_url(plan.step),
+                )
+        report.seconds = time.perf_counter() - t0
+        if report.received:
+            logger.info("dcp_multilevel: step %d restored onto this node: %s in %.2f s",
+                        plan.step, report.received, report.seconds)  # fmt: skip
+        return report
 
     def _resume_drains(self, view: dict[int, list[int]]) -> None:
         first = view[0]
@@ -323,10 +419,16 @@ class CheckpointManager:
         return self._drainer.wait()
 
     def _drained(self, job: DrainJob) -> None:
-        """In the drain worker, after a commit: remember it; rank 0 applies retention there."""
+        """In the drain worker, after a commit: remember it; rank 0 applies retention there
+        (on a node-local level, the lowest rank of each node, on its node's part)."""
         index = self.drivers.index(job.target)
         self._known[index].add(job.step)
-        if _dist.rank() == 0:
+        if job.target.node_local and self.topology is not None:
+            rank = _dist.rank()
+            applies = self.topology.ranks_on(self.topology.nodes[rank])[0] == rank
+        else:
+            applies = _dist.rank() == 0
+        if applies:
             try:
                 self._retain(index)
             except OSError as e:  # retention is housekeeping: the drain itself succeeded
@@ -384,6 +486,14 @@ def _on_node(level: Level, node: int) -> Level:
         return level
     values = {f.name: getattr(level, f.name) for f in dataclasses.fields(Level)}
     return Level(**{**values, "url": expand_node(level.url, node)})
+
+
+#: How many times a restore re-plans around damaged sources before giving up.
+_RESTORE_ROUNDS = 4
+
+
+def _why(plan: Restore | None) -> str:
+    return f" ({'; '.join(plan.reasons)})" if plan is not None and plan.reasons else ""
 
 
 def _finish_at_exit(drainer: Drainer) -> None:

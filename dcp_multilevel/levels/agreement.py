@@ -2,10 +2,12 @@
 
 Each rank lists what it sees on every level (a node-local first level shows
 each node only its own files, and only rank 0's node the manifests). The
-ranks exchange their views, and a step is restorable when every rank can
-read it: a higher level it sees holds the step, or its own view of the first
-level has every data file the step's manifest names. The manifest comes from
-the lowest rank that sees it, sent to all.
+ranks exchange their views; for a candidate step, the manifest comes from
+the lowest rank that sees it on the first level (else on a node-local level,
+which keeps the same bytes), sent to all. Then every rank says what its node
+holds and what its load needs, and the step is restorable when every node can
+have every file it needs: on its own disk, copied or rebuilt from other
+nodes (``restore.py``), or from a store level that holds the whole step.
 
 Collective: every rank calls these functions in the same order, on the main
 thread (they use the trainer's process group through ``_dist``).
@@ -14,12 +16,13 @@ thread (they use the trainer's process group through ``_dist``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from .. import _dist
-from ..errors import DcpMultilevelError
+from ..format import Manifest, decode_manifest
 from .base import LevelDriver
+from .restore import Inventory, RestorePlan, gather_inventories, plan_restore, take_inventory
 
 __all__ = ["Restore", "Views", "gather_views", "restorable"]
 
@@ -45,14 +48,23 @@ class Views:
         return any(step in steps for view in self.everyone for steps in view.values())
 
 
-@dataclass(frozen=True)
+@dataclass
 class Restore:
-    """How this rank loads ``step``: from these levels in order (the first level's
-    copy first when it has one, with the manifest rank 0's node read)."""
+    """How this rank loads ``step``: the transfers every node needs first (``plan``),
+    then the levels to read, in order (the first level first when a manifest
+    for it was found), or why the step cannot be restored (``reasons``)."""
 
     step: int
     levels: list[int]
-    first_manifest: bytes | None
+    manifest: bytes | None  # the first level's manifest (as its holder read it)
+    plan: RestorePlan | None = None
+    inventories: list[Inventory] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when every rank can read everything it needs."""
+        return not self.reasons
 
 
 def gather_views(drivers: Sequence[LevelDriver]) -> Views:
@@ -61,33 +73,58 @@ def gather_views(drivers: Sequence[LevelDriver]) -> Views:
     return Views(mine, _dist.all_gather_object(mine))
 
 
-def restorable(step: int, drivers: Sequence[LevelDriver], views: Views) -> Restore | None:
-    """How this rank loads ``step`` if every rank can, else None (the same on all). Collective."""
-    holders = [r for r, view in enumerate(views.everyone) if step in view[0]]
-    manifest: bytes | None = None
-    if holders:
-        mine = _first_manifest(drivers[0], step) if _dist.rank() == holders[0] else None
-        manifest = _dist.broadcast_object(mine, holders[0])
-    higher = [i for i in range(1, len(drivers)) if step in views.mine[i]]
-    ok = bool(higher) or (manifest is not None and _has_files(drivers[0], step, manifest))
-    if not all(_dist.all_gather_object(ok)):
-        return None
-    return Restore(step, ([0] if manifest is not None else []) + higher, manifest)
+def restorable(
+    step: int,
+    drivers: Sequence[LevelDriver],
+    views: Views,
+    *,
+    node: int,
+    needs: Callable[[Manifest], list[str] | None],
+    transfers: bool,
+) -> Restore:
+    """How every rank can load ``step`` (``Restore.ok``), the same verdict on all. Collective.
+
+    ``node``: this rank's node; ``needs(manifest)``: the files this rank's
+    load reads (None: all); ``transfers``: whether files may be moved between
+    nodes (``restore.py``), else only what each node sees, and store levels, count.
+    """
+    source = _manifest_source(step, drivers, views)
+    whole = [
+        i for i in range(1, len(drivers)) if not drivers[i].node_local and step in views.mine[i]
+    ]
+    raw: bytes | None = None
+    if source is not None:
+        rank, level = source
+        mine = _read_manifest(drivers[level], step) if _dist.rank() == rank else None
+        raw = _dist.broadcast_object(mine, rank)
+    if raw is None:  # only store levels above the first hold it
+        ok = all(_dist.all_gather_object(bool(whole)))
+        why = [] if ok else [f"step {step}: some rank sees it on no level it can read"]
+        return Restore(step, whole, None, reasons=why)
+    manifest = decode_manifest(raw, checkpoint=drivers[0].checkpoint(step).url)
+    inventory = take_inventory(step, drivers, manifest, needs(manifest), node, whole)
+    everyone = gather_inventories(inventory)
+    urls = [d.url for d in drivers]
+    plan = plan_restore(step, manifest.files, everyone, urls, transfers=transfers)
+    local = [i for i in sorted(inventory.files) if i > 0]
+    return Restore(step, [0, *local, *whole], raw, plan, everyone, list(plan.reasons))
 
 
-def _first_manifest(first: LevelDriver, step: int) -> bytes | None:
+def _manifest_source(
+    step: int, drivers: Sequence[LevelDriver], views: Views
+) -> tuple[int, int] | None:
+    """(rank, level) to read the step's first-level manifest from: the first level's
+    holder, else a node-local level's (the same bytes), else None."""
+    for level in [0] + [i for i, d in enumerate(drivers) if i > 0 and d.node_local]:
+        for rank, view in enumerate(views.everyone):
+            if step in view[level]:
+                return rank, level
+    return None
+
+
+def _read_manifest(driver: LevelDriver, step: int) -> bytes | None:
     try:
-        return first.checkpoint(step).manifest_bytes()
-    except OSError as e:  # deleted since listing: this step is not on the first level
+        return driver.checkpoint(step).manifest_bytes()
+    except OSError as e:  # deleted since listing: this step is not on that level
         logger.warning("dcp_multilevel: cannot read the manifest of step %d: %s", step, e)
         return None
-
-
-def _has_files(first: LevelDriver, step: int, manifest: bytes) -> bool:
-    """True when this rank's view of the first level has every file ``manifest`` names."""
-    ckpt = first.checkpoint(step, manifest_bytes=manifest)
-    try:
-        files = ckpt.manifest().files
-    except DcpMultilevelError:
-        return False
-    return set(files) <= ckpt.data_files()

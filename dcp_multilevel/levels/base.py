@@ -12,6 +12,9 @@ group) are further drivers, each in its own file, registered by kind name
 Call order (the manager makes every call; every rank unless said)::
 
     driver = driver_for(level)            construction
+    driver.bind(context)                  construction, collective (every rank, drivers in
+                                          level order): the topology; a kind that moves
+                                          bytes between nodes makes its process group here
     driver.sweep(older_than_s)            construction: crash leftovers
     driver.steps()                        main thread: discovery; rank 0 also for retention
     driver.checkpoint(step)               main thread: the copy a load reads from
@@ -26,6 +29,12 @@ Call order (the manager makes every call; every rank unless said)::
 ``steps``/``uncommitted``/``checkpoint``/``delete``/``sweep`` default to
 checkpoints below the level's ``url`` (``<url>/step-<N>/``); a kind that
 keeps them elsewhere overrides them.
+
+A *node-local* kind (``node_local = True``: partner copies, erasure parity)
+keeps each node's part on that node's own disk: each node sees, and
+retention deletes, its own part (every rank calls ``delete`` then, like
+for the first level), and a load asks every rank what its node holds
+(``levels/restore.py``) instead of trusting one listing.
 """
 
 from __future__ import annotations
@@ -36,11 +45,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint import CheckpointRoot, StoredCheckpoint
+from ..errors import ConfigError
 from ..format import Manifest
 from .link import DrainLink
 from .options import Level
+from .topology import Topology
 
-__all__ = ["DrainJob", "DrainResult", "LevelDriver"]
+__all__ = ["DrainJob", "DrainResult", "LevelContext", "LevelDriver"]
+
+
+@dataclass(frozen=True)
+class LevelContext:
+    """What a driver learns about the job when it is bound (``LevelDriver.bind``)."""
+
+    topology: Topology | None  # which node each rank is on (None: not gathered)
+    timeout_s: float  # how long ranks wait for each other (the drain timeout)
 
 
 @dataclass(frozen=True)
@@ -92,9 +111,27 @@ class LevelDriver(abc.ABC):
         root: where this level's checkpoints are (default: below ``level.url``).
     """
 
+    #: True for a kind whose copies are on node-local disks (see the module docstring).
+    node_local: bool = False
+    #: True for a kind that needs to know which node each rank is on.
+    needs_topology: bool = False
+
     def __init__(self, level: Level, root: CheckpointRoot | None = None) -> None:
         self.level = level
         self.root = root if root is not None else CheckpointRoot(level.url, level.storage_options)
+        self._check_options()
+
+    def _check_options(self) -> None:
+        """Refuse kind options this kind does not take (override to accept some)."""
+        if self.level.kind_options():
+            raise ConfigError(
+                f"level {self.level.url!r} sets {sorted(self.level.kind_options())}, which "
+                f"only partner: (replicas, jump) and erasure: (data, parity) levels take"
+            )
+
+    def bind(self, context: LevelContext) -> None:
+        """Learn the job (collective; see the call order). The default keeps nothing."""
+        return None
 
     @property
     def url(self) -> str:

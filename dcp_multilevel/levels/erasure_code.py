@@ -101,6 +101,22 @@ class ErasureCode:
             parity = self._encoder.encode(blocks, wanted)
             yield [ParityChunk(index, bytes(p), checksum_of(p)) for p in parity]
 
+    def encode_chunk(self, pieces: Sequence[memoryview | bytes]) -> list[bytes]:
+        """The ``parity`` parity pieces of one chunk index (``data`` whole-chunk pieces)."""
+        wanted = tuple(range(self.data, self.data + self.parity))
+        return [bytes(p) for p in self._encoder.encode(tuple(pieces), wanted)]
+
+    def decode_chunk(
+        self, pieces: Sequence[memoryview | bytes], blocks: Sequence[int]
+    ) -> list[bytes]:
+        """The ``data`` member pieces of one chunk index, from any ``data`` pieces of
+        blocks ``blocks`` (whole chunks; the caller vouches for their bytes)."""
+        if len(pieces) != self.data or len(set(blocks)) != self.data:
+            raise ConfigError(
+                f"erasure decode needs {self.data} distinct blocks, got {list(blocks)}"
+            )
+        return [bytes(p) for p in self._decoder.decode(tuple(pieces), tuple(blocks))]
+
     def rebuild(
         self,
         sizes: Sequence[int],

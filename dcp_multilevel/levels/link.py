@@ -15,6 +15,8 @@ Call order for one drain (``link = DrainLink(drain_id, timeout_s)``)::
     rank 0        link.gather()               every other rank's value, in rank order
     rank 0        link.announce_commit()      after its commit on the level
     rank != 0     link.wait_commit()          returns once rank 0 committed
+    any rank      link.put(name, value)       a named value for any rank (e.g. "this
+                  link.get(names)             rank's part is done", parity checksums)
     any rank      link.fail(error)            on any failure: no rank waits out
                                               the timeout for a peer that failed
 
@@ -107,8 +109,35 @@ class DrainLink:
         if "error" in outcome:
             raise DrainError(f"rank 0 could not commit: {outcome['error']}")
 
+    def put(self, name: str, value: Any) -> None:
+        """Publish a JSON-able ``value`` under ``name`` for any rank of this drain."""
+        if self.world_size > 1:
+            _dist.store_set(self._key(f"named/{name}"), {"value": value})
+
+    def get(self, names: list[str]) -> list[Any]:
+        """The values published under ``names`` (waits for each).
+
+        Raises:
+            DrainError: the rank that was to publish one failed instead.
+        """
+        values = self._wait([self._key(f"named/{n}") for n in names])
+        for name, value in zip(names, values, strict=True):
+            if "error" in value:
+                raise DrainError(f"{name}: {value['error']}")
+        return [value["value"] for value in values]
+
+    def done(self) -> None:
+        """This rank's part of the drain is done (see :meth:`wait_done`)."""
+        self.put(f"done/{self.rank}", True)
+
+    def wait_done(self, ranks: list[int]) -> None:
+        """Block until every rank in ``ranks`` called :meth:`done` (or raise its failure)."""
+        self.get([f"done/{r}" for r in ranks if r != self.rank])
+
     def fail(self, error: BaseException) -> None:
         """Tell the other ranks this rank's part of the drain failed with ``error``."""
         if self.world_size > 1:
-            key = self._key("commit" if self.rank == 0 else self.rank)
-            _dist.store_set(key, {"error": f"{type(error).__name__}: {error}"})
+            why = f"{type(error).__name__}: {error}"
+            _dist.store_set(self._key("commit" if self.rank == 0 else self.rank), {"error": why})
+            done = {"error": f"rank {self.rank} failed: {why}"}
+            _dist.store_set(self._key(f"named/done/{self.rank}"), done)

@@ -40,6 +40,13 @@ class Level:
             or :class:`Compression`). Local disk is usually faster than
             compression; remote storage is not.
         storage_options: options for the level's store / fsspec.
+        replicas: ``partner:`` levels: copies of each rank's files in all (its
+            own included), each on another node (``levels/partner.py``).
+        jump: ``partner:`` levels: place the ``i``-th copy ``i * jump`` nodes
+            further along the ring of nodes (spread copies over failure domains).
+        data: ``erasure:`` levels: nodes per Reed-Solomon group.
+        parity: ``erasure:`` levels: parity blocks per group, each on another
+            node; a group survives any ``parity`` lost nodes (``levels/erasure.py``).
     """
 
     url: str
@@ -47,6 +54,13 @@ class Level:
     keep: int | None = None
     codec: Compression | str | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
+    replicas: int | None = None
+    jump: int | None = None
+    data: int | None = None
+    parity: int | None = None
+
+    #: The options only some kinds of level take (checked by their drivers).
+    KIND_OPTIONS = ("replicas", "jump", "data", "parity")
 
     def __post_init__(self) -> None:
         name = f"{type(self).__name__}({self.url!r})"
@@ -59,6 +73,16 @@ class Level:
                 f"checkpoint is never deleted), got {self.keep!r}"
             )
         Compression.of(self.codec)
+        for option in self.KIND_OPTIONS:
+            value = getattr(self, option)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ConfigError(f"{name}.{option} must be an integer >= 1, got {value!r}")
+
+    def kind_options(self) -> dict[str, int]:
+        """The kind-specific options this level sets (``replicas=2``, ...)."""
+        return {o: getattr(self, o) for o in self.KIND_OPTIONS if getattr(self, o) is not None}
 
     def checkpoint_url(self, step: int) -> str:
         """Where this level holds the checkpoint of ``step``."""

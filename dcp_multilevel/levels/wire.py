@@ -1,0 +1,236 @@
+"""Bytes between nodes: files and member streams, verified as they are sent.
+
+The node-local levels (partner copies, erasure parity) and the restore move
+checkpoint bytes point to point over a gloo group of their own
+(``_dist.new_group``), never the trainer's. Every transfer here is a
+*stream* of a length both sides know beforehand (from the manifest or a
+group's description), cut in fixed blocks, followed by one status word:
+
+    sender     stream.write(view) ... stream.finish(ok)   blocks of ``block`` bytes,
+                                                          zero padding up to the
+                                                          length, then the status
+    receiver   for view in receive(...)                   the same blocks, then
+                                                          True when the sender
+                                                          vouched for the bytes
+
+The sender verifies what it sends while it reads (every item against the
+manifest's checksum, every parity chunk against its own), so a damaged
+source costs one transfer, never a wrong copy: on a failure mid-way it pads
+the stream to its length (the receiver is never left waiting) and sends a
+bad status, and the receiver discards what it got.
+
+Both sides must walk their transfers in one agreed order (the callers build
+the same list on every rank), which is what keeps blocking sends and
+receives from deadlocking.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from .. import _dist
+from ..checkpoint import StoredCheckpoint
+from ..errors import ChecksumMismatchError, DcpMultilevelError, TruncatedDataError
+from ..format import Hasher
+from ..stores import Store
+
+__all__ = [
+    "SOURCE_ERRORS",
+    "WIRE_BLOCK",
+    "FileVerifier",
+    "OutStream",
+    "file_blocks",
+    "receive",
+    "recv_file",
+    "send_file",
+    "status",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Bytes per send of a file transfer.
+WIRE_BLOCK = 16 << 20
+
+_OK, _BAD = b"\x01" * 8, b"\x00" * 8
+
+#: The failures that condemn one source (the transfer itself goes on, padded).
+SOURCE_ERRORS = (OSError, DcpMultilevelError)
+
+
+class OutStream:
+    """The sending end of one stream of ``length`` bytes to ``dst`` (see the module docstring)."""
+
+    def __init__(self, length: int, dst: int, group: Any, block: int = WIRE_BLOCK) -> None:
+        self.length = length
+        self.dst = dst
+        self.group = group
+        self._buf = bytearray(max(1, min(block, length)))
+        self._fill = 0
+        self.sent = 0
+
+    def write(self, view: memoryview | bytes) -> None:
+        """Append ``view`` to the stream (sent in whole blocks)."""
+        view = memoryview(view).cast("B")
+        while len(view):
+            n = min(len(self._buf) - self._fill, len(view), self.length - self.sent - self._fill)
+            if n <= 0:
+                raise DcpMultilevelError(
+                    f"stream to rank {self.dst} got more than its {self.length} bytes"
+                )
+            self._buf[self._fill : self._fill + n] = view[:n]
+            self._fill += n
+            view = view[n:]
+            if self._fill == len(self._buf) or self.sent + self._fill == self.length:
+                self._flush()
+
+    def _flush(self) -> None:
+        if self._fill:
+            _dist.send_bytes(memoryview(self._buf)[: self._fill], self.dst, self.group)
+            self.sent += self._fill
+            self._fill = 0
+
+    def finish(self, ok: bool) -> None:
+        """Pad the stream to its length with zeros, then send the status (``ok``)."""
+        self._flush()
+        if self.sent < self.length:
+            ok = False  # a short stream is never vouched for
+            zeros = bytes(len(self._buf))
+            while self.sent < self.length:
+                self.write(zeros[: self.length - self.sent])
+        _dist.send_bytes(bytearray(_OK if ok else _BAD), self.dst, self.group)
+
+
+def receive(length: int, src: int, group: Any, block: int = WIRE_BLOCK) -> Iterator[memoryview]:
+    """The blocks of a stream from ``src`` (views of one reused buffer).
+
+    Use :func:`status` after the last block for the sender's verdict.
+    """
+    buf = memoryview(bytearray(max(1, min(block, length))))
+    got = 0
+    while got < length:
+        view = buf[: min(len(buf), length - got)]
+        _dist.recv_bytes(view, src, group)
+        got += len(view)
+        yield view
+
+
+def status(src: int, group: Any) -> bool:
+    """The sender's verdict on the stream just received: True when it vouched for every byte."""
+    word = bytearray(8)
+    _dist.recv_bytes(word, src, group)
+    return bytes(word) == _OK
+
+
+class FileVerifier:
+    """Checks every item of one data file against the manifest as its bytes stream by.
+
+    Feed the file's bytes in order (:meth:`feed`); each item's checksum is
+    checked as soon as its last byte went by, and :meth:`finish` checks that
+    every item was seen. Bytes no item covers are not checked (none are vouched for).
+    """
+
+    def __init__(self, ckpt: StoredCheckpoint, file: str) -> None:
+        manifest = ckpt.manifest()
+        self.ckpt = ckpt
+        self.file = file
+        self.size = manifest.files[file]
+        self._items = sorted(
+            ((i.fqn, loc) for i, loc in manifest.locations.items() if loc.file == file),
+            key=lambda e: e[1].offset,
+        )
+        self._next = 0  # first item not yet finished
+        self._open: dict[int, Hasher] = {}
+
+    def feed(self, pos: int, view: memoryview) -> None:
+        """Bytes ``pos .. pos+len(view)`` of the file (called in file order)."""
+        end = pos + len(view)
+        i = self._next
+        while i < len(self._items):
+            fqn, loc = self._items[i]
+            if loc.offset >= end and loc.offset + loc.length > end:
+                break  # starts after this view (empty items at its end are done here)
+            lo, hi = max(pos, loc.offset), min(end, loc.offset + loc.length)
+            if hi > lo:
+                self._open.setdefault(i, Hasher()).update(view[lo - pos : hi - pos])
+            if loc.offset + loc.length <= end:
+                hasher = self._open.pop(i, Hasher())
+                if hasher.hexdigest() != loc.checksum:
+                    raise ChecksumMismatchError(
+                        f"checksum mismatch for item {fqn!r} in {self.file!r} of checkpoint "
+                        f"{self.ckpt.url} (bytes {loc.offset}..{loc.offset + loc.length})",
+                        checkpoint=self.ckpt.url, file=self.file, fqn=fqn,
+                    )  # fmt: skip
+                self._next = i + 1
+            i += 1
+
+    def finish(self) -> None:
+        """Raise TruncatedDataError unless every item of the file went by."""
+        self.feed(self.size, memoryview(b""))  # empty items at the very end
+        if self._next < len(self._items):
+            fqn, loc = self._items[self._next]
+            raise TruncatedDataError(
+                f"data file {self.file!r} of {self.ckpt.url} ended before item {fqn!r} "
+                f"(bytes {loc.offset}..{loc.offset + loc.length})",
+                checkpoint=self.ckpt.url, file=self.file, fqn=fqn,
+            )  # fmt: skip
+
+
+def file_blocks(ckpt: StoredCheckpoint, file: str, block: int = WIRE_BLOCK) -> Iterator[memoryview]:
+    """The bytes of data file ``file`` of ``ckpt`` in blocks (one reused buffer), each
+    item verified against the manifest once its last byte was read.
+
+    Raises:
+        CorruptCheckpointError: an item does not match its checksum.
+        TruncatedDataError: the file is missing or has the wrong size.
+        OSError: the store could not be read.
+    """
+    verifier = FileVerifier(ckpt, file)
+    size = verifier.size
+    with ckpt.open_data(file, "(a transfer)") as handle:
+        buf = memoryview(bytearray(max(1, min(block, size))))
+        pos = 0
+        while pos < size:
+            view = buf[: min(len(buf), size - pos)]
+            if handle.read_into(pos, view) != len(view):
+                raise TruncatedDataError(
+                    f"data file {file!r} of {ckpt.url} ended at byte {pos}",
+                    checkpoint=ckpt.url, file=file,
+                )  # fmt: skip
+            verifier.feed(pos, view)
+            yield view
+            pos += len(view)
+    verifier.finish()
+
+
+def send_file(ckpt: StoredCheckpoint, file: str, dst: int, group: Any) -> bool:
+    """Send ``file`` of ``ckpt`` to ``dst``, verified on the way; False if it was damaged."""
+    out = OutStream(ckpt.manifest().files[file], dst, group)
+    try:
+        for view in file_blocks(ckpt, file):
+            out.write(view)
+    except SOURCE_ERRORS as e:
+        logger.warning("dcp_multilevel: not sending %s of %s: %s", file, ckpt.url, e)
+        out.finish(False)
+        return False
+    out.finish(True)
+    return True
+
+
+def recv_file(store: Store, file: str, size: int, src: int, group: Any) -> bool:
+    """Receive ``file`` (``size`` bytes) from ``src`` into ``store``; False (nothing kept)
+    when the sender found its copy damaged."""
+
+    class _Damaged(Exception):
+        pass
+
+    try:
+        with store.open_write(file) as out:
+            for view in receive(size, src, group):
+                out.write(view)
+            if not status(src, group):
+                raise _Damaged  # leaves the block: the temporary file is removed
+    except _Damaged:
+        return False
+    return True
