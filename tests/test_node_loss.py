@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -115,3 +114,22 @@ def test_partner_level_restores_a_replaced_node_and_a_shrunk_world(tmp_path):
     shutil.rmtree(tmp_path / "n1")
     out = run_ranks(_load_job, 2, root, 1, "partner", opts, timeout=240)
     assert [o[:2] for o in out] == [(2, True), (2, True)]
+
+
+def test_erasure_level_rebuilds_any_lost_node(tmp_path):
+    root = str(tmp_path)
+    opts = {"data": 2, "parity": 1}
+    run_ranks(_save_job, 3, root, 1, "erasure", opts, [1, 2], timeout=240)
+    # Groups: nodes {0, 1} with parity on node 2; node {2} with parity on node 0.
+    assert sorted(p.name for p in (tmp_path / "n2/erasure/step-2/parity").iterdir()) == [
+        "0-2.bin", "group-0.json", "group-1.json",
+    ]  # fmt: skip
+    saved = tmp_path.parent / f"{tmp_path.name}-saved"
+    shutil.copytree(tmp_path, saved)
+    for lost in range(3):  # a restore adds files to the survivors too: start over each time
+        shutil.rmtree(tmp_path)
+        shutil.copytree(saved, tmp_path)
+        shutil.rmtree(tmp_path / f"n{lost}")
+        out = run_ranks(_load_job, 3, root, 1, "erasure", opts, timeout=240)
+        assert [o[:2] for o in out] == [(2, True)] * 3, (lost, out)
+        assert any("rebuilt" in source for source in out[lost][2]), (lost, out[lost][2])

@@ -286,7 +286,11 @@ def _rebuild_for(
             if not any(file in m for m in members):
                 continue
             k, m = desc["data"], desc["parity"]
-            lost = [y for y in range(k) if members[y] & wanted]
+            # Rebuild the members this node lacks and cannot copy (together: one pass).
+            lost = [
+                y for y in range(k)
+                if any(_copy_source(f, node, inventories, bad) is None for f in members[y] & wanted)
+            ]  # fmt: skip
             holders = _block_holders(level, g, desc, members, inventories, bad)
             usable = [(b, holders[b]) for b in range(k + m) if b not in lost and b in holders]
             if len(usable) >= k:
