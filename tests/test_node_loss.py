@@ -39,18 +39,18 @@ def _blank() -> dict:
 
 
 def _same(a: dict, b: dict) -> bool:
+    """Bit-exact equality of two nested state dicts."""
     if a.keys() != b.keys():
         return False
-    for k in a:
-        if isinstance(a[k], dict):
-            if not _same(a[k], b[k]):
+    for key, x in a.items():
+        y = b[key]
+        if isinstance(x, dict):
+            if not _same(x, y):
                 return False
-        elif isinstance(a[k], torch.Tensor):
-            if a[k].dtype != b[k].dtype or not torch.equal(
-                a[k].view(torch.uint8), b[k].view(torch.uint8)
-            ):
+        elif isinstance(x, torch.Tensor):
+            if x.dtype != y.dtype or not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
                 return False
-        elif a[k] != b[k]:
+        elif x != y:
             return False
     return True
 
