@@ -226,7 +226,7 @@ class CheckpointManager:
             removed = self._retain(0)  # local listing only; higher levels: after their drains
         if _dist.world_size() > 1:
             skip, removed = _dist.broadcast_object((skip, removed), 0)
-            if _dist.rank() != 0:
+            if self._deletes_for_node():
                 for s in removed:
                     self.drivers[0].delete(s)
         source = self.drivers[0].checkpoint(step)
@@ -274,7 +274,9 @@ class CheckpointManager:
             newest = newest or plan
             if plan.ok:
                 self._load(state_dict, plan, planner)
-                self._resume_drains(views.everyone[0])
+                # Newer steps were not restorable: their files are not all there to drain.
+                self._resume_drains({i: [s for s in steps if s <= step]
+                                     for i, steps in views.everyone[0].items()})  # fmt: skip
                 return step
         if candidates:
             raise CheckpointNotFoundError(
@@ -299,6 +301,15 @@ class CheckpointManager:
             logger.warning("dcp_multilevel: step %d cannot be restored: %s", step,
                            "; ".join(plan.reasons))  # fmt: skip
         return plan
+
+    def _deletes_for_node(self) -> bool:
+        """True on the rank that applies rank 0's first-level retention to its node's
+        view: one rank per node (all but rank 0, when the topology is unknown)."""
+        rank = _dist.rank()
+        if self.topology is None:
+            return rank != 0
+        nodes = self.topology.nodes
+        return nodes[rank] != nodes[0] and self.topology.ranks_on(nodes[rank])[0] == rank
 
     def _node(self) -> int:
         """This rank's node (its rank when the topology is unknown: nothing is shared)."""
@@ -365,8 +376,8 @@ class CheckpointManager:
                 self._drainer.finish(drain_driver)
             found = execute(steps, self.drivers, plan.manifest, self._restore_group,
                             plan.inventories)  # fmt: skip
-            report.add(steps, self._names, plan.inventories, self._node())
             found_everywhere = {tuple(b) for part in _dist.all_gather_object(found) for b in part}
+            report.add(steps, self._names, plan.inventories, self._node(), found_everywhere)
             if not found_everywhere:
                 break
             bad |= found_everywhere

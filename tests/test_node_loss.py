@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 
 import pytest
 import torch
 
 from dcp_multilevel import CheckpointManager, Level
-from tests._dist import run_ranks
+from dcp_multilevel.errors import CheckpointNotFoundError
+from tests._dist import RankError, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -55,49 +57,76 @@ def _same(a: dict, b: dict) -> bool:
     return True
 
 
-def _levels(root: str, kind: str, **options) -> list[Level]:
-    return [
+def _levels(root: str, kind: str, options: dict, remote: bool = False) -> list[Level]:
+    levels = [
         Level(f"{root}/n{{node}}/l1", keep=2),
         Level(f"{kind}:{root}/n{{node}}/{kind}", keep=2, **options),
     ]
+    if remote:  # a store every node reaches (a shared path stands in for s3://)
+        levels.append(Level(f"{root}/remote", keep=2))
+    return levels
 
 
 def _save_job(
-    rank: int, world: int, root: str, per_node: int, kind: str, options: dict, steps: list[int]
-) -> None:
+    rank: int, world: int, root: str, per_node: int, kind: str, options: dict, steps: list[int],
+    remote: bool = False,
+) -> list[dict]:  # fmt: skip
     os.environ["DCP_ML_NODE"] = str(rank // per_node)
-    mgr = CheckpointManager(_levels(root, kind, **options), drain_policy="wait")
+    mgr = CheckpointManager(_levels(root, kind, options, remote), drain_policy="wait")
     for step in steps:
-        mgr.save(_state(step), step=step)
+        metrics = mgr.save(_state(step), step=step)
+        assert metrics.drains_started  # in the background: save returned after the first level
     results = mgr.wait()
     mgr.close()
-    assert all(r.committed for r in results if r.step == steps[-1]), results
+    last = [r for r in results if r.step == steps[-1]]
+    assert last and all(r.committed and r.error is None for r in last), results
+    return [r.record(rank) for r in last]
 
 
 def _load_job(
-    rank: int, world: int, root: str, per_node: int, kind: str, options: dict
-) -> tuple[int | None, bool, dict]:
+    rank: int, world: int, root: str, per_node: int, kind: str, options: dict,
+    remote: bool = False,
+) -> tuple[int | None, bool, dict, dict | str]:  # fmt: skip
+    """(step, bit-exact, what the restore brought, the reader's sources or the error)."""
     os.environ["DCP_ML_NODE"] = str(rank // per_node)
-    mgr = CheckpointManager(_levels(root, kind, **options))
+    mgr = CheckpointManager(_levels(root, kind, options, remote))
     state = _blank()
-    step = mgr.load_latest(state)
+    try:
+        step = mgr.load_latest(state)
+    except CheckpointNotFoundError as e:
+        mgr.close()
+        return None, False, {}, str(e)
     mgr.close()
     received = mgr.last_restore.received if mgr.last_restore else {}
-    return step, _same(state, _state(step)) if step is not None else False, received
+    exact = _same(state, _state(step)) if step is not None else False
+    return step, exact, received, mgr.last_load_sources
+
+
+def _flip_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
 
 
 def test_partner_level_restores_a_replaced_node_and_a_shrunk_world(tmp_path):
     root = str(tmp_path)
     opts = {"replicas": 2}
-    run_ranks(_save_job, 4, root, 2, "partner", opts, [1, 2], timeout=240)
-    # Node 1 holds copies of node 0's files, and its own files (hard links).
-    held = sorted(p.name.split("-")[0] for p in (tmp_path / "n1/partner/step-2/data").iterdir())
+    records = run_ranks(_save_job, 4, root, 2, "partner", opts, [1, 2, 3], timeout=240)
+    # Metrics per level: the receiving ranks stored bytes, every rank sent its files.
+    partner = [r for rank in records for r in rank if r["level"].startswith("partner:")]
+    assert len(partner) == 4 and all(r["bytes"] > 0 and r["bytes_sent"] > 0 for r in partner)
+    # Retention per node (keep=2), and node 1 holds copies of node 0's files and
+    # its own files (hard links).
+    for node in (0, 1):
+        assert sorted(p.name for p in (tmp_path / f"n{node}/partner").iterdir()) == [
+            "step-2", "step-3",
+        ]  # fmt: skip
+    held = sorted(p.name.split("-")[0] for p in (tmp_path / "n1/partner/step-3/data").iterdir())
     assert held == ["0", "1", "2", "3"]
-    assert (tmp_path / "n1/partner/step-2/manifest.json").exists()
+    assert (tmp_path / "n1/partner/step-3/manifest.json").exists()
     shutil.rmtree(tmp_path / "n1")  # node 1 is lost with its disk; a new one replaces it
     out = run_ranks(_load_job, 4, root, 2, "partner", opts, timeout=240)
-    assert [o[0] for o in out] == [2, 2, 2, 2]
-    assert all(o[1] for o in out), "not bit-exact"
+    assert [o[:2] for o in out] == [(3, True)] * 4, "not bit-exact"
     # The replaced node got node 1's files from the copies on node 0, and node 0's
     # from node 0's first level; node 0 linked node 1's copies into its first level.
     assert out[2][2] == {
@@ -106,14 +135,14 @@ def test_partner_level_restores_a_replaced_node_and_a_shrunk_world(tmp_path):
     }, out[2][2]
     assert out[0][2] == {f"partner:{root}/n{{node}}/partner (this node)": 2}, out[0][2]
     # The replaced node's first level holds its files again.
-    names = sorted(p.name[:2] for p in (tmp_path / "n1/l1/step-2/data").iterdir())
+    names = sorted(p.name[:2] for p in (tmp_path / "n1/l1/step-3/data").iterdir())
     assert names == ["0-", "1-", "2-", "3-"]
 
     # Fewer ranks: the job restarts with 2 ranks, one on node 0 and one on a new,
     # empty node 1; DCP reshards from the restored files.
     shutil.rmtree(tmp_path / "n1")
     out = run_ranks(_load_job, 2, root, 1, "partner", opts, timeout=240)
-    assert [o[:2] for o in out] == [(2, True), (2, True)]
+    assert [o[:2] for o in out] == [(3, True), (3, True)]
 
 
 def test_erasure_level_rebuilds_any_lost_node(tmp_path):
@@ -133,3 +162,82 @@ def test_erasure_level_rebuilds_any_lost_node(tmp_path):
         out = run_ranks(_load_job, 3, root, 1, "erasure", opts, timeout=240)
         assert [o[:2] for o in out] == [(2, True)] * 3, (lost, out)
         assert any("rebuilt" in source for source in out[lost][2]), (lost, out[lost][2])
+
+
+def test_losing_more_nodes_than_erasure_tolerates_falls_back_to_the_remote(tmp_path):
+    root = str(tmp_path)
+    opts = {"data": 2, "parity": 1}
+    run_ranks(_save_job, 3, root, 1, "erasure", opts, [1, 2], True, timeout=240)
+    shutil.rmtree(tmp_path / "n0")
+    shutil.rmtree(tmp_path / "n1")  # two of group 0's three blocks: RS(2+1) cannot rebuild
+    out = run_ranks(_load_job, 3, root, 1, "erasure", opts, True, timeout=240)
+    assert [o[:2] for o in out] == [(2, True)] * 3
+    assert all(f"{root}/remote/step-2" in " ".join(o[3]) for o in out), out
+    # Without the remote: a clear error naming the step, the level, the group, the nodes.
+    shutil.rmtree(tmp_path / "n0")
+    shutil.rmtree(tmp_path / "n1")
+    out = run_ranks(_load_job, 3, root, 1, "erasure", opts, False, timeout=240)
+    message = out[0][3]
+    assert out[0][0] is None and isinstance(message, str)
+    assert "step 2" in message and f"erasure:{root}/n0/erasure: group 0 of step 2" in message
+    assert "RS(2+1) needs 2 intact blocks, has 1 (blocks of nodes [0, 1] lost" in message
+    assert "(lost or replaced): [0, 1]" in message
+
+
+def test_a_flipped_byte_in_a_partner_copy_is_never_loaded(tmp_path):
+    root = str(tmp_path)
+    opts = {"replicas": 2}
+    run_ranks(_save_job, 4, root, 2, "partner", opts, [1], True, timeout=240)
+    (copy,) = (tmp_path / "n0/partner/step-1/data").glob("2-*.bin")
+    _flip_byte(copy)  # node 0's copy of rank 2's file
+    shutil.rmtree(tmp_path / "n1")
+    out = run_ranks(_load_job, 4, root, 2, "partner", opts, True, timeout=240)
+    assert [o[:2] for o in out] == [(1, True)] * 4
+    # The damaged copy was refused (never sent); rank 2's items came from the remote.
+    assert out[2][2][f"partner:{root}/n{{node}}/partner (node 0)"] == 1  # rank 3's file only
+    assert any("remote" in url for url in out[2][3]), out[2][3]
+
+
+def test_a_flipped_byte_in_a_parity_chunk_is_detected_and_the_remote_serves(tmp_path):
+    root = str(tmp_path)
+    opts = {"data": 2, "parity": 1}
+    run_ranks(_save_job, 3, root, 1, "erasure", opts, [1], True, timeout=240)
+    _flip_byte(tmp_path / "n2/erasure/step-1/parity/0-2.bin")
+    shutil.rmtree(tmp_path / "n0")
+    out = run_ranks(_load_job, 3, root, 1, "erasure", opts, True, timeout=240)
+    assert [o[:2] for o in out] == [(1, True)] * 3
+    assert not any("rebuilt" in source for source in out[0][2]), out[0][2]
+    assert any("remote" in url for url in out[0][3]), out[0][3]
+
+
+def _killed_mid_transfer_job(rank: int, world: int, root: str) -> None:
+    """Saves step 1 (copied to partners), then dies by SIGKILL in step 2's copy."""
+    from dcp_multilevel import _dist
+
+    os.environ["DCP_ML_NODE"] = str(rank // 2)
+    mgr = CheckpointManager(_levels(root, "partner", {"replicas": 2}), drain_policy="wait")
+    mgr.save(_state(1), step=1)
+    mgr.wait()
+    if rank == 3:
+        send = _dist.send_bytes
+
+        def send_then_die(buf, dst, group):
+            send(buf, dst, group)  # the first block is out: the receiver is mid-file
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        _dist.send_bytes = send_then_die
+    mgr.save(_state(2), step=2)
+    mgr.wait()
+
+
+def test_sigkill_during_the_copy_leaves_the_previous_step_restorable(tmp_path):
+    root = str(tmp_path)
+    with pytest.raises(RankError):
+        run_ranks(_killed_mid_transfer_job, 4, root, timeout=240)
+    for node in (0, 1):  # step 2 is committed on the first level, on no node's partner part
+        assert (tmp_path / f"n{node}/partner/step-1/manifest.json").exists()
+        assert not (tmp_path / f"n{node}/partner/step-2/manifest.json").exists()
+    assert (tmp_path / "n0/l1/step-2/manifest.json").exists()
+    shutil.rmtree(tmp_path / "n1")
+    out = run_ranks(_load_job, 4, root, 2, "partner", {"replicas": 2}, timeout=240)
+    assert [o[:2] for o in out] == [(1, True)] * 4

@@ -74,16 +74,17 @@ class PartnerLevel(NodeLocalLevel):
                 if send_file(job.source, file, dst, self.group):
                     sent += manifest.files[file]
                 else:
-                    damaged.append(f"{file} (on this rank's first level)")
+                    damaged.append(f"{file} (unreadable or damaged on this rank's first level)")
             elif dst == rank:
                 size = manifest.files[file]
                 if recv_file(target.store, file, size, src, self.group):
                     received += size
                 else:
-                    damaged.append(f"{file} (rank {src} found it damaged)")
+                    damaged.append(f"{file} (rank {src} could not read it intact)")
         if damaged:
             raise DrainError(
-                f"step {job.step} not copied to {self.url}: damaged files {damaged}; the "
-                "first level's copy failed its checksums, so no partner holds it"
+                f"step {job.step} not copied to {self.url}: files {damaged}; a file that "
+                "fails its checksums on the first level is never copied (the step is not on "
+                "this level; the next save is copied as usual)"
             )
         return {"bytes_stored": received, "bytes_sent": sent}

@@ -185,7 +185,9 @@ def plan_restore(
     """How every node gets the files its ranks need (pure; see the module docstring).
 
     ``bad`` holds the sources found damaged in earlier rounds:
-    ``("copy", level, rank, file)`` and ``("block", level, group, block, rank)``.
+    ``("copy", node, file)`` (every copy of ``file`` on ``node``: after a restore
+    linked one level's copy into another, both are the same bytes) and
+    ``("block", level, group, block, rank)``.
     With ``transfers=False`` (no group to move bytes over) only store levels help.
     """
     plan = RestorePlan(step)
@@ -218,8 +220,8 @@ def plan_restore(
             if source is not None:
                 plan.actions.append(Copy(file, source[0], source[1], dst))
                 continue
-            action = _rebuild_for(file, node, needed - have, groups, inventories, bad, dst) \
-                if transfers else None  # fmt: skip
+            action = _rebuild_for(file, node, needed - have, groups, inventories, bad, dst,
+                                  level_urls, step) if transfers else None  # fmt: skip
             if isinstance(action, Rebuild):
                 plan.actions.append(action)
                 desc = groups[action.level][action.group]
@@ -235,21 +237,27 @@ def plan_restore(
                 f"node {node} (ranks {ranks}) lacks {len(unmet)} file(s) of step {step} that no "
                 f"node holds and no level can rebuild (e.g. {unmet[0]})"
             ))  # fmt: skip
+            copying = sorted({i for inv in inventories for i in inv.files if i > 0} - set(groups))
+            for i in copying:
+                plan.reasons.append(f"{level_urls[i]}: no node here holds a copy of {unmet[0]}")
     if plan.reasons:
         lost = _lost_nodes(inventories)
         if lost:
-            plan.reasons.append(f"nodes of the saving job not here now: {lost}")
+            plan.reasons.append(
+                f"nodes that held step {step} and hold none of it now (lost or replaced): {lost}"
+            )
         plan.reasons = list(dict.fromkeys(plan.reasons))
         plan.actions = []
     return plan
 
 
 def _lost_nodes(inventories: Sequence[Inventory]) -> list[int]:
+    """Nodes of the saving job (its placement) on which no rank holds the step now."""
     placement = next((inv.placement for inv in inventories if inv.placement), None)
     if not placement:
         return []
-    here = {inv.node for inv in inventories}
-    return sorted(set(placement) - here)
+    holding = {inv.node for inv in inventories if any(fs for fs in inv.files.values())}
+    return sorted(set(placement) - holding)
 
 
 def _copy_source(
@@ -259,14 +267,11 @@ def _copy_source(
     options = sorted(
         (level, inv.rank)
         for inv in inventories
-        if inv.node != node
+        if inv.node != node and ("copy", inv.node, file) not in bad
         for level, fs in inv.files.items()
         if file in fs
     )
-    for level, rank in options:
-        if ("copy", level, rank, file) not in bad:
-            return level, rank
-    return None
+    return options[0] if options else None
 
 
 def _rebuild_for(
@@ -277,6 +282,8 @@ def _rebuild_for(
     inventories: Sequence[Inventory],
     bad: set[tuple[Any, ...]],
     dst: int,
+    level_urls: Sequence[str],
+    step: int,
 ) -> Rebuild | str | None:
     """A rebuild that yields ``file`` on ``node``, or why none can (None: no group has it)."""
     reason: str | None = None
@@ -301,7 +308,7 @@ def _rebuild_for(
                 if b not in holders
             ]
             reason = (
-                f"erasure level (#{level}) group {g} of step: RS({k}+{m}) needs {k} intact "
+                f"{level_urls[level]}: group {g} of step {step}: RS({k}+{m}) needs {k} intact "
                 f"blocks, has {len(usable)} (blocks of nodes {gone} lost or damaged; tolerates "
                 f"{m})"
             )
@@ -338,15 +345,15 @@ class RestoreReport:
     received: dict[str, int] = field(default_factory=dict)  # source -> files brought here
     seconds: float = 0.0
 
-    def add(self, plan: RestorePlan, names: Sequence[str],
-            inventories: Sequence[Inventory], node: int) -> None:  # fmt: skip
-        """Count the files ``plan`` brings onto ``node``, by where they came from
-        (``names``: each level as the user wrote it)."""
+    def add(self, plan: RestorePlan, names: Sequence[str], inventories: Sequence[Inventory],
+            node: int, bad: set[tuple[Any, ...]]) -> None:  # fmt: skip
+        """Count the files ``plan`` brought onto ``node``, by where they came from
+        (``names``: each level as the user wrote it; ``bad``: the sources that failed)."""
         nodes = {inv.rank: inv.node for inv in inventories}
         descs = {(level, g): desc for inv in inventories
                  for level, held in inv.groups.items() for g, desc in held.items()}  # fmt: skip
         for action in plan.actions:
-            if nodes.get(action.dst) != node:
+            if nodes.get(action.dst) != node or _failed(action, nodes, bad):
                 continue
             name = names[action.level]
             count = 1
@@ -359,6 +366,15 @@ class RestoreReport:
                 members = descs[(action.level, action.group)]["members"]
                 count = sum(len(members[y]["files"]) for y in action.members)
             self.received[key] = self.received.get(key, 0) + count
+
+
+def _failed(action: Link | Copy | Rebuild, nodes: dict[int, int], bad: set[tuple[Any, ...]]
+            ) -> bool:  # fmt: skip
+    if isinstance(action, Copy):
+        return ("copy", nodes[action.src], action.file) in bad
+    if isinstance(action, Rebuild):
+        return any(("block", action.level, action.group, b, r) in bad for b, r in action.sources)
+    return False
 
 
 def execute(
@@ -374,6 +390,7 @@ def execute(
     """
     me = _dist.rank()
     step = plan.step
+    nodes = {inv.rank: inv.node for inv in inventories}
     into = drivers[0].checkpoint(step, manifest_bytes=manifest_bytes)
     files = into.manifest().files
     bad: list[tuple[Any, ...]] = []
@@ -392,7 +409,7 @@ def execute(
             elif me == action.dst and not recv_file(
                 into.store, action.file, files[action.file], action.src, group
             ):
-                bad.append(("copy", action.level, action.src, action.file))
+                bad.append(("copy", nodes[action.src], action.file))
             continue
         driver = drivers[action.level]
         desc = descs[(action.level, action.group)]

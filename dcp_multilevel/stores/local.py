@@ -151,7 +151,7 @@ class LocalStore(Store):
         """Remove ``path`` (a symlink itself, not its target); with ``sync``, fsync its parent."""
         target = self._abs(path)
         if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
+            shutil.rmtree(target, onerror=_gone_is_fine)
         else:
             target.unlink(missing_ok=True)
         if self.sync and target.parent.exists():
@@ -164,3 +164,9 @@ class LocalStore(Store):
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _gone_is_fine(function: object, path: str, exc_info: tuple) -> None:
+    """rmtree's error handler: what another process removed first is removed."""
+    if not issubclass(exc_info[0], FileNotFoundError):
+        raise exc_info[1]
