@@ -1,0 +1,239 @@
+"""Restore planning (pure), erasure group layout, and the byte-stream helpers of the
+node-local levels: what each node must fetch, from where, and what cannot be had."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dcp_multilevel import ConfigError, Level
+from dcp_multilevel.levels import driver_for
+from dcp_multilevel.levels.erasure import group_layout, rechunk
+from dcp_multilevel.levels.erasure_code import ErasureCode
+from dcp_multilevel.levels.restore import Copy, Inventory, Link, Rebuild, plan_restore
+from dcp_multilevel.levels.topology import Topology
+
+URLS = ["/l1", "partner:/p", "erasure:/e", "s3://remote"]
+
+
+def _files(ranks: int) -> dict[str, int]:
+    return {f"data/{r}-0.t.bin": 100 + r for r in range(ranks)}
+
+
+# --------------------------------------------------------------------------- copies
+
+
+def test_nothing_to_do_when_every_node_holds_what_it_needs():
+    files = _files(2)
+    invs = [Inventory(r, r, None, files={0: sorted(files)}) for r in range(2)]
+    plan = plan_restore(7, files, invs, URLS)
+    assert plan.ok and plan.actions == []
+
+
+def test_a_replaced_node_copies_from_the_lowest_level_then_the_lowest_rank():
+    files = _files(4)
+    names = sorted(files)
+    invs = [
+        Inventory(0, 0, None, files={0: names[:2], 1: names}),
+        Inventory(1, 0, None, files={0: names[:2], 1: names}),
+        Inventory(2, 1, None),  # a new, empty disk
+        Inventory(3, 1, None),
+    ]
+    plan = plan_restore(7, files, invs, URLS)
+    assert plan.ok
+    # Node 0 links node 1's copies into its first level; node 1 (rank 2 receives
+    # for it) gets node 0's own files from node 0's first level, the rest from copies.
+    assert plan.actions == [
+        Link(names[2], 1, 0),
+        Link(names[3], 1, 0),
+        Copy(names[0], 0, 0, 2),
+        Copy(names[1], 0, 0, 2),
+        Copy(names[2], 1, 0, 2),
+        Copy(names[3], 1, 0, 2),
+    ]
+
+
+def test_only_the_files_a_node_needs_are_fetched():
+    files = _files(2)
+    names = sorted(files)
+    invs = [Inventory(0, 0, [names[0]], files={0: [names[0]], 1: [names[1]]}),
+            Inventory(1, 1, [names[1]])]  # fmt: skip
+    plan = plan_restore(7, files, invs, URLS)
+    assert plan.actions == [Copy(names[1], 1, 0, 1)]
+
+
+def test_a_damaged_source_is_left_out_and_a_store_level_covers_the_rest():
+    files = _files(2)
+    names = sorted(files)
+    invs = [Inventory(0, 0, None, files={0: [names[0]], 1: names}, whole=[3]),
+            Inventory(1, 1, None, whole=[3])]  # fmt: skip
+    bad = {("copy", 0, names[1])}
+    plan = plan_restore(7, files, invs, URLS, bad)
+    assert plan.ok
+    assert Copy(names[1], 1, 0, 1) not in plan.actions  # the remote serves it
+    assert Copy(names[0], 0, 0, 1) in plan.actions
+    # Without the store level the step cannot be restored, and the reasons say why.
+    for inv in invs:
+        inv.whole = []
+    plan = plan_restore(7, files, invs, URLS, bad)
+    assert not plan.ok and plan.actions == []
+    assert plan.reasons[0] == (
+        f"node 1 (ranks [1]) lacks 1 file(s) of step 7 that no node holds and no level can "
+        f"rebuild (e.g. {names[1]})"
+    )
+    assert f"partner:/p: no node here holds a copy of {names[1]}" in plan.reasons
+
+
+def test_without_transfers_only_what_a_node_sees_and_store_levels_count():
+    files = _files(2)
+    names = sorted(files)
+    invs = [Inventory(0, 0, None, files={0: names}), Inventory(1, 1, None, files={0: [names[1]]})]
+    assert not plan_restore(7, files, invs, URLS, transfers=False).ok
+    invs[1].whole = [3]
+    assert plan_restore(7, files, invs, URLS, transfers=False).ok
+
+
+# --------------------------------------------------------------------------- erasure
+
+
+def _erasure_inventories(
+    nodes: int, data: int, parity: int, lost: set[int]
+) -> tuple[dict[str, int], list[Inventory]]:
+    """One rank per node, the erasure level at index 2; ``lost`` nodes are empty."""
+    files = _files(nodes)
+    layout = group_layout(list(range(nodes)), data, parity)
+    descs = {}
+    for g, (members, keepers) in enumerate(layout):
+        descs[str(g)] = {
+            "group": str(g), "data": len(members), "parity": parity, "chunk": 64,
+            "stripe": 128, "parity_nodes": keepers,
+            "members": [{"node": n, "files": [[f"data/{n}-0.t.bin", 100 + n]]} for n in members],
+        }  # fmt: skip
+    invs = []
+    for node in range(nodes):
+        if node in lost:
+            invs.append(Inventory(node, node, None))
+            continue
+        own = [f"data/{node}-0.t.bin"]
+        mine = {
+            g: d
+            for g, d in descs.items()
+            if node in d["parity_nodes"] or node in [m["node"] for m in d["members"]]
+        }
+        held = [[g, d["data"] + d["parity_nodes"].index(node)]
+                for g, d in descs.items() if node in d["parity_nodes"]]  # fmt: skip
+        invs.append(Inventory(node, node, None, files={0: own, 2: own}, parity={2: held},
+                              groups={2: mine}, placement=list(range(nodes))))  # fmt: skip
+    return files, invs
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(2, 9), st.integers(1, 4), st.integers(1, 3), st.randoms(use_true_random=False))
+def test_any_parity_lost_nodes_are_rebuilt_and_one_more_in_a_group_is_not(nodes, data, parity, rnd):
+    if nodes < data + parity:
+        with pytest.raises(ConfigError, match=f"needs at least {data + parity} nodes"):
+            group_layout(list(range(nodes)), data, parity)
+        return
+    layout = group_layout(list(range(nodes)), data, parity)
+    for members, keepers in layout:  # parity never on a node of its own group
+        assert not set(members) & set(keepers) and len(set(keepers)) == parity
+    lost = set(rnd.sample(range(nodes), rnd.randint(1, parity)))
+    files, invs = _erasure_inventories(nodes, data, parity, lost)
+    plan = plan_restore(7, files, invs, URLS)
+    assert plan.ok, plan.reasons
+    # Every node ends with every file: held, copied, or rebuilt from intact blocks.
+    for inv in invs:
+        got = {f for fs in inv.files.values() for f in fs}
+        for action in plan.actions:
+            if action.dst != inv.rank:
+                continue
+            if isinstance(action, Copy):
+                assert action.src not in lost
+                got.add(action.file)
+            elif isinstance(action, Rebuild):
+                assert all(rank not in lost for _, rank in action.sources)
+                assert len(action.sources) == len(layout[int(action.group)][0])
+                got |= {f"data/{layout[int(action.group)][0][y]}-0.t.bin" for y in action.members}
+        assert got == set(files)
+    # One more loss inside a group than its parity: not restorable, the group is named.
+    members, keepers = layout[0]
+    blocks = members + keepers
+    too_many = set(blocks[: parity + 1])
+    files, invs = _erasure_inventories(nodes, data, parity, too_many)
+    plan = plan_restore(7, files, invs, URLS)
+    assert not plan.ok
+    if len(members) > 1:  # else every node that knew the group is gone with it
+        assert any("erasure:/e: group 0 of step 7" in r for r in plan.reasons), plan.reasons
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    ("level", "message"),
+    [
+        (Level("partner:"), "names no directory"),
+        (Level("partner:s3://b/p"), "is not a local path"),
+        (Level("partner:/p", codec="zstd"), "keeps the first level's files byte for byte"),
+        (Level("partner:/p", replicas=1), "needs replicas >= 2"),
+        (Level("partner:/p", data=2), "a partner level takes ['replicas', 'jump']"),
+        (Level("erasure:/e", data=2), "needs data= and parity="),
+        (Level("/plain", replicas=2), "only partner: (replicas, jump) and erasure: (data, parity)"),
+    ],
+)
+def test_bad_node_level_options_are_named(level, message):
+    with pytest.raises(ConfigError) as info:
+        driver_for(level)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("level", "topology", "message"),
+    [
+        (Level("partner:/p"), Topology((0, 0)), "every rank is on node 0"),
+        (Level("partner:/p", replicas=3), Topology((0, 1)), "replicas=3 needs 3 nodes"),
+        (Level("partner:/p", jump=2), Topology((0, 1)), "jump=2 places copies on the same node"),
+        (Level("erasure:/e", data=2, parity=2), Topology((0, 1, 2)), "needs at least 4 nodes"),
+    ],
+)
+def test_copies_on_the_same_node_are_refused(level, topology, message):
+    with pytest.raises(ConfigError) as info:
+        driver_for(level).check_topology(topology)
+    assert message in str(info.value)
+
+
+def test_kind_options_must_be_positive_integers():
+    with pytest.raises(ConfigError, match=r"replicas must be an integer >= 1, got 0"):
+        Level("partner:/p", replicas=0)
+
+
+# --------------------------------------------------------------------------- streams
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.binary(max_size=40), max_size=6), st.integers(1, 16), st.integers(0, 3))
+def test_rechunk_keeps_the_bytes_and_pads_to_whole_chunks(pieces, chunk, extra):
+    total = sum(map(len, pieces))
+    length = (-(-total // chunk) + extra) * chunk
+    out = b"".join(bytes(c) for c in rechunk((memoryview(p) for p in pieces), chunk, length))
+    assert out == b"".join(pieces) + bytes(length - total)
+
+
+@pytest.mark.parametrize(("data", "parity"), [(2, 1), (3, 2)])
+def test_chunk_coding_matches_the_whole_member_code(data, parity):
+    rng = random.Random(data * 10 + parity)
+    code = ErasureCode(data, parity, chunk=32)
+    members = [rng.randbytes(96) for _ in range(data)]
+    whole = [[p.data for p in chunks] for chunks in code.encode(members)]
+    for index in range(3):
+        pieces = [m[index * 32 : (index + 1) * 32] for m in members]
+        parity_pieces = code.encode_chunk(pieces)
+        assert parity_pieces == whole[index]
+        blocks = pieces + parity_pieces
+        for keep in itertools.combinations(range(data + parity), data):
+            decoded = code.decode_chunk([blocks[b] for b in keep], list(keep))
+            assert decoded == pieces
