@@ -155,13 +155,25 @@ def test_erasure_level_rebuilds_any_lost_node(tmp_path):
     ]  # fmt: skip
     saved = tmp_path.parent / f"{tmp_path.name}-saved"
     shutil.copytree(tmp_path, saved)
-    for lost in range(3):  # a restore adds files to the survivors too: start over each time
+    for lost in (0, 2):  # a member of group 0; its parity node (also group 1's member)
+        # A restore adds files to the survivors too: start over each time.
         shutil.rmtree(tmp_path)
         shutil.copytree(saved, tmp_path)
         shutil.rmtree(tmp_path / f"n{lost}")
         out = run_ranks(_load_job, 3, root, 1, "erasure", opts, timeout=240)
         assert [o[:2] for o in out] == [(2, True)] * 3, (lost, out)
         assert any("rebuilt" in source for source in out[lost][2]), (lost, out[lost][2])
+
+
+def test_erasure_with_two_parity_blocks_survives_losing_two_nodes(tmp_path):
+    root = str(tmp_path)
+    opts = {"data": 2, "parity": 2}
+    run_ranks(_save_job, 4, root, 1, "erasure", opts, [1], timeout=240)
+    shutil.rmtree(tmp_path / "n0")
+    shutil.rmtree(tmp_path / "n1")  # both members of group 0: rebuilt from its two parity blocks
+    out = run_ranks(_load_job, 4, root, 1, "erasure", opts, timeout=240)
+    assert [o[:2] for o in out] == [(1, True)] * 4
+    assert any("rebuilt from nodes [2, 3]" in source for source in out[0][2]), out[0][2]
 
 
 def test_losing_more_nodes_than_erasure_tolerates_falls_back_to_the_remote(tmp_path):

@@ -403,18 +403,20 @@ def rebuild(
                 y: _MemberWriter(stack, into, manifest, desc["members"][y]["files"])
                 for y in missing
             }
-            wrong: CorruptCheckpointError | None = None
+            wrong: OSError | None = None
             for _ in range(stripe // chunk):
                 decoded = code.decode_chunk([next(s) for s in streams], blocks)
                 for y, writer in writers.items():
                     if wrong is None:
                         try:
                             writer.write(decoded[y])
-                        except CorruptCheckpointError as e:
-                            wrong = e  # every stream is still drained to its end
+                        except OSError as e:  # damage, or this disk: drain the streams first
+                            wrong = e
             for block, rank in sources:
                 if rank != me and not status(rank, group):
                     bad.append((block, rank))
+            if wrong is not None and not isinstance(wrong, CorruptCheckpointError):
+                raise wrong  # this node could not write: not the sources' fault
             if not bad and wrong is None:
                 try:
                     for writer in writers.values():

@@ -225,12 +225,20 @@ def recv_file(store: Store, file: str, size: int, src: int, group: Any) -> bool:
     class _Damaged(Exception):
         pass
 
+    stream = receive(size, src, group)
     try:
         with store.open_write(file) as out:
-            for view in receive(size, src, group):
+            for view in stream:
                 out.write(view)
             if not status(src, group):
                 raise _Damaged  # leaves the block: the temporary file is removed
     except _Damaged:
         return False
+    except OSError:
+        # This side failed (a full disk): take the rest of the stream anyway, so
+        # the sender is not left blocked until the group's timeout, then report.
+        for _ in stream:
+            pass
+        status(src, group)
+        raise
     return True
