@@ -40,7 +40,22 @@ __all__ = [
 
 
 class DcpMultilevelError(Exception):
-    """Base of every error this package raises on purpose."""
+    """Base of every error this package raises on purpose.
+
+    Errors pickle with their message and attributes: DCP sends a failed rank's
+    exception to every rank (``CheckpointException.failures``), and keyword-only
+    constructors would otherwise fail to unpickle there.
+    """
+
+    def __reduce__(self) -> tuple:
+        return _rebuild, (type(self), str(self), dict(self.__dict__))
+
+
+def _rebuild(cls: type[DcpMultilevelError], message: str, attrs: dict) -> DcpMultilevelError:
+    err = cls.__new__(cls, message)
+    err.args = (message,)
+    err.__dict__.update(attrs)
+    return err
 
 
 class ConfigError(DcpMultilevelError, ValueError):

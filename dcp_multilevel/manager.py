@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from . import _dist, retention
@@ -56,11 +57,13 @@ from .levels import (
 from .levels.agreement import Restore, Views, gather_views, restorable
 from .levels.base import LevelContext
 from .levels.restore import (
+    RestorePlan,
     RestoreReport,
     execute,
     gather_inventories,
     needed_files,
     plan_restore,
+    set_aside_damaged,
     take_inventory,
 )
 from .levels.topology import NODE_FIELD, Topology, expand_node, node_from_env
@@ -295,7 +298,7 @@ class CheckpointManager:
         plan = restorable(
             step, self.drivers, views, node=self._node(),
             needs=lambda manifest: needed_files(state_dict, manifest, planner),
-            transfers=self._restore_group is not None,
+            transfers=self._restore_group is not None, names=self._names,
         )  # fmt: skip
         if not plan.ok:
             logger.warning("dcp_multilevel: step %d cannot be restored: %s", step,
@@ -347,6 +350,22 @@ class CheckpointManager:
     def _load(self, state_dict: dict[str, Any], plan: Restore, planner) -> None:
         if plan.plan is not None and plan.manifest is not None:
             self.last_restore = self._bring_files(plan)
+        try:
+            self._read(state_dict, plan, planner)
+        except CheckpointException:
+            # Every rank sees DCP's failure. A first-level file damaged since the
+            # save (the reader found no intact copy on this node, and no store
+            # level holds the step) may still be intact on another node: set the
+            # damaged ones aside, fetch them like lost ones, and read again.
+            if plan.plan is None or plan.manifest is None or self._restore_group is None:
+                raise
+            bad = self._set_aside_damaged(plan)
+            if not bad:
+                raise
+            self.last_restore = self._bring_files(plan, bad)
+            self._read(state_dict, plan, planner)
+
+    def _read(self, state_dict: dict[str, Any], plan: Restore, planner) -> None:
         # The first level serves what this rank sees there (with what the restore
         # brought); the rest comes, file by file, from the higher levels (the
         # reader's per-item fallback).
@@ -362,12 +381,32 @@ class CheckpointManager:
         dcp.load(state_dict, storage_reader=reader, planner=planner)
         self.last_load_sources = dict(reader.last_load_sources)
 
-    def _bring_files(self, plan: Restore) -> RestoreReport:
+    def _set_aside_damaged(self, plan: Restore) -> set[tuple[Any, ...]]:
+        """Check this node's first-level files of the step (one rank per node) and
+        rename the damaged ones aside; every node's findings, as bad sources. Collective."""
+        assert plan.manifest is not None
+        found: list[str] = []
+        rank = _dist.rank()
+        node = self._node()
+        if self.topology is None or self.topology.ranks_on(node)[0] == rank:
+            first = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest)
+            found = set_aside_damaged(first, [i for i in plan.inventories if i.node == node])
+        everyone = _dist.all_gather_object((node, found))
+        bad = {("copy", n, f) for n, files in everyone for f in files}
+        if bad:
+            logger.warning("dcp_multilevel: step %d: damaged first-level files set aside, "
+                           "fetching intact copies: %s", plan.step, sorted(bad))  # fmt: skip
+        return bad
+
+    def _bring_files(self, plan: Restore, bad: set[tuple[Any, ...]] | None = None
+                     ) -> RestoreReport:  # fmt: skip
         """Copy or rebuild onto each node the files it lacks (collective), in rounds:
-        a source found damaged is left out of the next round's plan."""
+        a source found damaged (``bad``, and what each round finds) is left out of
+        the next round's plan."""
         assert plan.plan is not None and plan.manifest is not None
         t0 = time.perf_counter()
-        steps, bad = plan.plan, set()
+        bad = set(bad or ())
+        steps = self._replan(plan, bad) if bad else plan.plan
         report = RestoreReport(plan.step)
         for _ in range(_RESTORE_ROUNDS):
             if not steps.actions:
@@ -383,24 +422,28 @@ class CheckpointManager:
             bad |= found_everywhere
             logger.warning("dcp_multilevel: damaged sources for step %d: %s; trying others",
                            plan.step, sorted(found_everywhere))  # fmt: skip
-            first = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest)
-            manifest = first.manifest()
-            mine = next(i for i in plan.inventories if i.rank == _dist.rank())
-            inventory = take_inventory(plan.step, self.drivers, manifest, mine.needs,
-                                       mine.node, mine.whole)  # fmt: skip
-            plan.inventories = gather_inventories(inventory)
-            steps = plan_restore(plan.step, manifest.files, plan.inventories,
-                                 [d.url for d in self.drivers], bad)  # fmt: skip
-            if not steps.ok:
-                raise CheckpointNotFoundError(
-                    f"step {plan.step} cannot be restored: " + "; ".join(steps.reasons),
-                    checkpoint=self.levels[0].checkpoint_url(plan.step),
-                )
+            steps = self._replan(plan, bad)
         report.seconds = time.perf_counter() - t0
         if report.received:
             logger.info("dcp_multilevel: step %d restored onto this node: %s in %.2f s",
                         plan.step, report.received, report.seconds)  # fmt: skip
         return report
+
+    def _replan(self, plan: Restore, bad: set[tuple[Any, ...]]) -> RestorePlan:
+        """A new plan from fresh inventories, leaving ``bad`` out (collective)."""
+        assert plan.manifest is not None
+        manifest = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest).manifest()
+        mine = next(i for i in plan.inventories if i.rank == _dist.rank())
+        inventory = take_inventory(plan.step, self.drivers, manifest, mine.needs, mine.node,
+                                   mine.whole)  # fmt: skip
+        plan.inventories = gather_inventories(inventory)
+        steps = plan_restore(plan.step, manifest.files, plan.inventories, self._names, bad)
+        if not steps.ok:
+            raise CheckpointNotFoundError(
+                f"step {plan.step} cannot be restored: " + "; ".join(steps.reasons),
+                checkpoint=self.levels[0].checkpoint_url(plan.step),
+            )
+        return steps
 
     def _resume_drains(self, view: dict[int, list[int]]) -> None:
         first = view[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import signal
 import subprocess
@@ -373,12 +374,18 @@ def _node_local_only(rank: int, world: int, root: str) -> str:
 def test_node_local_steps_no_rank_set_can_read_are_an_error_not_a_fresh_start(tmp_path):
     messages = run_ranks(_node_local_only, 2, str(tmp_path), timeout=180)
     for rank, message in enumerate(messages):
-        assert message == (
-            "committed checkpoints exist (newest: step 1), but for each of them some rank "
-            f"cannot reach all of its data files on {_node_dir(str(tmp_path), rank)} (a "
-            "node-local level on a lost or new node?) and no higher level holds it. Restore the "
-            "nodes' disks, or start fresh deliberately with a new level location."
-        )
+        assert re.fullmatch(
+            re.escape(
+                "committed checkpoints exist (newest: step 1), but for each of them some rank "
+                f"cannot reach all of its data files on {_node_dir(str(tmp_path), rank)} (a "
+                "node-local level on a lost or new node?) and no higher level holds it (node 0 "
+                "(ranks [0]) lacks 1 file(s) of step 1 that no node holds and no level can "
+                "rebuild (e.g. data/1-0.@.bin); node 1 (ranks [1]) lacks 1 file(s) of step 1 "
+                "that no node holds and no level can rebuild (e.g. data/0-0.@.bin)). Restore "
+                "the nodes' disks, or start fresh deliberately with a new level location."
+            ).replace("@", "[0-9a-f]+"),
+            message,
+        ), message
 
 
 # --------------------------------------------------------------------------- drain copies

@@ -191,7 +191,7 @@ def test_losing_more_nodes_than_erasure_tolerates_falls_back_to_the_remote(tmp_p
     out = run_ranks(_load_job, 3, root, 1, "erasure", opts, False, timeout=240)
     message = out[0][3]
     assert out[0][0] is None and isinstance(message, str)
-    assert "step 2" in message and f"erasure:{root}/n0/erasure: group 0 of step 2" in message
+    assert "step 2" in message and f"erasure:{root}/n{{node}}/erasure: group 0 of step 2" in message
     assert "RS(2+1) needs 2 intact blocks, has 1 (blocks of nodes [0, 1] lost" in message
     assert "(lost or replaced): [0, 1]" in message
 
@@ -253,3 +253,19 @@ def test_sigkill_during_the_copy_leaves_the_previous_step_restorable(tmp_path):
     shutil.rmtree(tmp_path / "n1")
     out = run_ranks(_load_job, 4, root, 2, "partner", {"replicas": 2}, timeout=240)
     assert [o[:2] for o in out] == [(1, True)] * 4
+
+
+def test_a_damaged_first_level_file_is_fetched_intact_from_another_node(tmp_path):
+    root = str(tmp_path)
+    opts = {"replicas": 2}
+    run_ranks(_save_job, 2, root, 1, "partner", opts, [1], timeout=240)
+    (own,) = (tmp_path / "n0/l1/step-1/data").glob("0-*.bin")
+    _flip_byte(own)  # no node is lost, and there is no remote: node 1's copy is intact
+    out = run_ranks(_load_job, 2, root, 1, "partner", opts, timeout=240)
+    assert [o[:2] for o in out] == [(1, True)] * 2
+    # Node 1's copy (its partner copy, which node 1's restore also linked into its
+    # first level) replaced the damaged file.
+    ((source, files),) = out[0][2].items()
+    assert source.endswith("(node 1)") and files == 1, out[0][2]
+    # The damaged file is kept aside for inspection, the intact one took its place.
+    assert len(list((tmp_path / "n0/l1/step-1/data").glob("0-*.bin.damaged-*"))) == 1

@@ -81,12 +81,14 @@ def restorable(
     node: int,
     needs: Callable[[Manifest], list[str] | None],
     transfers: bool,
+    names: Sequence[str] | None = None,
 ) -> Restore:
     """How every rank can load ``step`` (``Restore.ok``), the same verdict on all. Collective.
 
     ``node``: this rank's node; ``needs(manifest)``: the files this rank's
     load reads (None: all); ``transfers``: whether files may be moved between
-    nodes (``restore.py``), else only what each node sees, and store levels, count.
+    nodes (``restore.py``), else only what each node sees, and store levels, count;
+    ``names``: the levels as the user wrote them (for messages; default: their URLs).
     """
     source = _manifest_source(step, drivers, views)
     whole = [
@@ -104,7 +106,7 @@ def restorable(
     manifest = decode_manifest(raw, checkpoint=drivers[0].checkpoint(step).url)
     inventory = take_inventory(step, drivers, manifest, needs(manifest), node, whole)
     everyone = gather_inventories(inventory)
-    urls = [d.url for d in drivers]
+    urls = list(names) if names is not None else [d.url for d in drivers]
     plan = plan_restore(step, manifest.files, everyone, urls, transfers=transfers)
     local = [i for i in sorted(inventory.files) if i > 0]
     return Restore(step, [0, *local, *whole], raw, plan, everyone, list(plan.reasons))

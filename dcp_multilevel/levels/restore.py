@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -39,7 +41,7 @@ from ..format import Manifest
 from .base import LevelDriver
 from .erasure import ErasureLevel, block_chunks, rebuild, send_block
 from .node_local import PLACEMENT_NAME, link_or_copy
-from .wire import recv_file, send_file
+from .wire import SOURCE_ERRORS, file_blocks, recv_file, send_file
 
 __all__ = [
     "Copy",
@@ -52,6 +54,7 @@ __all__ = [
     "gather_inventories",
     "needed_files",
     "plan_restore",
+    "set_aside_damaged",
     "take_inventory",
 ]
 
@@ -199,13 +202,16 @@ def plan_restore(
         for level, descs in inv.groups.items():
             for g, desc in descs.items():
                 groups.setdefault(level, {}).setdefault(g, desc)
+    lacking: list[str] = []  # one line per node that lacks files (first in the reasons)
     for node, invs in sorted(nodes.items()):
         dst = min(inv.rank for inv in invs)
-        have = {f for inv in invs for fs in inv.files.values() for f in fs}
+        # Copies on this node found damaged (and what a restore linked to them).
+        spoiled = {key[2] for key in bad if key[0] == "copy" and key[1] == node}
+        have = {f for inv in invs for fs in inv.files.values() for f in fs} - spoiled
         needed = set(files)
         if all(inv.needs is not None for inv in invs):
             needed = {f for inv in invs for f in inv.needs or ()}
-        mine = {f for inv in invs for f in inv.files.get(0, ())}
+        mine = {f for inv in invs for f in inv.files.get(0, ())} - spoiled
         for file in sorted(needed & (have - mine)):  # on another level of this very node
             level = min(i for inv in invs for i, fs in inv.files.items() if file in fs)
             plan.actions.append(Link(file, level, dst))
@@ -233,13 +239,14 @@ def plan_restore(
                     plan.reasons.append(action)
         if unmet:
             ranks = sorted(inv.rank for inv in invs)
-            plan.reasons.insert(0, (
+            lacking.append(
                 f"node {node} (ranks {ranks}) lacks {len(unmet)} file(s) of step {step} that no "
                 f"node holds and no level can rebuild (e.g. {unmet[0]})"
-            ))  # fmt: skip
+            )
             copying = sorted({i for inv in inventories for i in inv.files if i > 0} - set(groups))
             for i in copying:
                 plan.reasons.append(f"{level_urls[i]}: no node here holds a copy of {unmet[0]}")
+    plan.reasons[:0] = lacking
     if plan.reasons:
         lost = _lost_nodes(inventories)
         if lost:
@@ -366,6 +373,30 @@ class RestoreReport:
                 members = descs[(action.level, action.group)]["members"]
                 count = sum(len(members[y]["files"]) for y in action.members)
             self.received[key] = self.received.get(key, 0) + count
+
+
+def set_aside_damaged(first: StoredCheckpoint, node: Sequence[Inventory]) -> list[str]:
+    """Read every file the ranks ``node`` need from this node's first-level copy
+    ``first``, checking every item; rename the damaged ones aside (kept for
+    inspection as ``<file>.damaged-<unix time>``) and return their names."""
+    files = first.manifest().files
+    needed = set(files)
+    if all(inv.needs is not None for inv in node):
+        needed = {f for inv in node for f in inv.needs or ()}
+    damaged = []
+    for file in sorted(first.data_files() & needed):
+        try:
+            for _ in file_blocks(first, file):
+                pass
+        except SOURCE_ERRORS as e:
+            path = first.store.local_path(file)
+            if path is None:
+                continue  # not a local directory: the reader's fallbacks are all there is
+            logger.warning("dcp_multilevel: %s of %s is damaged (%s); setting it aside",
+                           file, first.url, e)  # fmt: skip
+            os.replace(path, f"{path}.damaged-{int(time.time())}")
+            damaged.append(file)
+    return damaged
 
 
 def _failed(action: Link | Copy | Rebuild, nodes: dict[int, int], bad: set[tuple[Any, ...]]
