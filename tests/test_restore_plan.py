@@ -81,10 +81,12 @@ def test_a_damaged_source_is_left_out_and_a_store_level_covers_the_rest():
         inv.whole = []
     plan = plan_restore(7, files, invs, URLS, bad)
     assert not plan.ok and plan.actions == []
-    assert plan.reasons[0] == (
-        f"node 1 (ranks [1]) lacks 1 file(s) of step 7 that no node holds and no level can "
+    # Node 0's own copy is the damaged one: neither node can have the file.
+    assert plan.reasons[:2] == [
+        f"node {n} (ranks [{n}]) lacks 1 file(s) of step 7 that no node holds and no level can "
         f"rebuild (e.g. {names[1]})"
-    )
+        for n in (0, 1)
+    ]
     assert f"partner:/p: no node here holds a copy of {names[1]}" in plan.reasons
 
 

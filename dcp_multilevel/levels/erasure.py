@@ -128,6 +128,7 @@ class ErasureLevel(NodeLocalLevel):
             sizes = [sum(size for _, size in m["files"]) for m in described]
             out.append({
                 "group": str(g), "data": len(members), "parity": self.parity, "chunk": CHUNK,
+                "coder": ErasureCode(len(members), self.parity).coder,
                 "stripe": stripe_length(sizes, CHUNK), "members": described,
                 "parity_nodes": parity_nodes, "save_id": manifest.save_id,
             })  # fmt: skip
@@ -383,6 +384,12 @@ def rebuild(
     me = _dist.rank()
     k, stripe, chunk = desc["data"], desc["stripe"], desc["chunk"]
     code = ErasureCode(k, desc["parity"], chunk)
+    if desc.get("coder") != code.coder:
+        raise CorruptCheckpointError(
+            f"group {desc['group']} was coded with {desc.get('coder')!r}; this release codes "
+            f"RS({k}+{desc['parity']}) with {code.coder!r} and cannot rebuild it",
+            checkpoint=manifest.url,
+        )
     bad: list[tuple[int, int]] = []
     streams: list[Iterator[Any]] = []
     for block, rank in sources:
