@@ -119,8 +119,12 @@ def group_entries(
     def zfec_rebuild() -> None:
         assert code.rebuild(sizes, survivors, parity_blocks)[0] == members[0]
 
-    entries = [(f"ErasureCode ({code.coder})", ours_encode), ("zfec library", zfec_encode),
-               ("numpy-gf256", numpy_encode), (f"rebuild ({code.coder})", zfec_rebuild)]  # fmt: skip
+    entries = [
+        (f"ErasureCode ({code.coder})", ours_encode),
+        ("zfec library", zfec_encode),
+        ("numpy-gf256", numpy_encode),
+        (f"rebuild ({code.coder})", zfec_rebuild),
+    ]
     return sum(sizes), entries
 
 
