@@ -104,12 +104,21 @@ def restorable(
         why = [] if ok else [f"step {step}: some rank sees it on no level it can read"]
         return Restore(step, whole, None, reasons=why)
     manifest = decode_manifest(raw, checkpoint=drivers[0].checkpoint(step).url)
-    inventory = take_inventory(step, drivers, manifest, needs(manifest), node, whole)
+    wanted = needs(manifest)
+    if wanted is not None and set(wanted) >= set(manifest.files):
+        wanted = None  # "every file", said in one word to every rank
+    inventory = take_inventory(step, drivers, manifest, wanted, node, whole)
+    local = [i for i in sorted(inventory.files) if i > 0]
+    levels = [0, *local, *whole]
+    # The common case first: every rank's node already holds what it needs on the
+    # first level. One boolean each, instead of every rank's file lists.
+    own = set(inventory.files.get(0, ()))
+    if all(_dist.all_gather_object(set(wanted or manifest.files) <= own)):
+        return Restore(step, levels, raw, RestorePlan(step), [inventory])
     everyone = gather_inventories(inventory)
     urls = list(names) if names is not None else [d.url for d in drivers]
     plan = plan_restore(step, manifest.files, everyone, urls, transfers=transfers)
-    local = [i for i in sorted(inventory.files) if i > 0]
-    return Restore(step, [0, *local, *whole], raw, plan, everyone, list(plan.reasons))
+    return Restore(step, levels, raw, plan, everyone, list(plan.reasons))
 
 
 def _manifest_source(
