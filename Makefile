@@ -10,13 +10,14 @@ PIP := $(VENV)/bin/python -m pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_OUT ?= demo_out
+NODELOSS_OUT ?= $(DEMO_OUT)/nodeloss
 
 # Re-install only when the dependencies or the C extension change (repeated
 # `make test` is fast; the editable install builds the extension in place).
 STAMP := $(VENV)/.stamp-setup
 NATIVE_SRC := setup.py dcp_multilevel/codecs/_planes.c
 
-.PHONY: setup test lint format demo bench clean
+.PHONY: setup test lint format demo demo-nodeloss bench clean
 
 setup: $(STAMP)
 
@@ -41,6 +42,21 @@ format: setup
 
 demo: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=2 examples/train_demo.py --out $(DEMO_OUT)
+
+# Lose a node and restore it: 4 ranks on simulated nodes (one directory each) save,
+# one node's directory is deleted, a restart restores it from the other nodes and
+# checks the state bit for bit. Twice: partner copies (2 nodes of 2 ranks), then
+# erasure coding (4 nodes of 1 rank, RS(2+1)). Each step fails the target on error.
+NODELOSS := OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=4 examples/node_loss.py
+
+demo-nodeloss: setup
+	rm -rf $(NODELOSS_OUT)
+	$(NODELOSS) --out $(NODELOSS_OUT)/partner --level partner --ranks-per-node 2 save
+	rm -rf $(NODELOSS_OUT)/partner/node1
+	$(NODELOSS) --out $(NODELOSS_OUT)/partner --level partner --ranks-per-node 2 restore
+	$(NODELOSS) --out $(NODELOSS_OUT)/erasure --level erasure --ranks-per-node 1 save
+	rm -rf $(NODELOSS_OUT)/erasure/node2
+	$(NODELOSS) --out $(NODELOSS_OUT)/erasure --level erasure --ranks-per-node 1 restore
 
 bench: setup
 	$(PIP) install -q -e '.[bench]' $(TORCH_SPEC)
