@@ -71,6 +71,7 @@ from .metrics import MetricsSink, SaveMetrics
 from .planner import BalancedSavePlanner
 from .reader import MultiLevelReader
 from .schedule import FixedInterval, SavePolicy
+from .stores.location import parse_location
 from .writer import MultiLevelWriter
 
 __all__ = ["CheckpointManager", "SaveMetrics"]
@@ -144,6 +145,17 @@ class CheckpointManager:
                 )
             node = self.topology.nodes[_dist.rank()]
             self.levels = [_on_node(level, node) for level in self.levels]
+        node_kinds = [
+            k
+            for k in map(level_kind, self.levels)
+            if k is not None and LEVEL_KINDS.get(k).node_local
+        ]
+        if node_kinds and parse_location(self.levels[0].url).scheme != "file":
+            raise ConfigError(
+                f"the first level ({self.levels[0].url}) must be a path on each node's own disk "
+                f"when a level keeps copies between nodes ({', '.join(node_kinds)}): those "
+                "levels protect node-local checkpoints, and restore into that path"
+            )
         if level_kind(self.levels[0]) is not None:
             raise ConfigError(
                 f"the first level ({self.levels[0].url}) must be a store (a path or URL): "
@@ -276,7 +288,14 @@ class CheckpointManager:
             plan = self._restorable(step, views, state_dict, planner)
             newest = newest or plan
             if plan.ok:
-                self._load(state_dict, plan, planner)
+                try:
+                    self._load(state_dict, plan, planner)
+                except CheckpointNotFoundError as e:
+                    # Damage found only while copying (every rank re-planned alike):
+                    # the next older step may still be whole.
+                    logger.warning("dcp_multilevel: %s; trying an older step", e)
+                    plan.reasons.append(str(e))
+                    continue
                 # Newer steps were not restorable: their files are not all there to drain.
                 self._resume_drains({i: [s for s in steps if s <= step]
                                      for i, steps in views.everyone[0].items()})  # fmt: skip
@@ -362,7 +381,7 @@ class CheckpointManager:
             bad = self._set_aside_damaged(plan)
             if not bad:
                 raise
-            self.last_restore = self._bring_files(plan, bad)
+            self.last_restore = self._bring_files(plan, bad, self.last_restore)
             self._read(state_dict, plan, planner)
 
     def _read(self, state_dict: dict[str, Any], plan: Restore, planner) -> None:
@@ -401,16 +420,16 @@ class CheckpointManager:
                            "fetching intact copies: %s", plan.step, sorted(bad))  # fmt: skip
         return bad
 
-    def _bring_files(self, plan: Restore, bad: set[tuple[Any, ...]] | None = None
-                     ) -> RestoreReport:  # fmt: skip
+    def _bring_files(self, plan: Restore, bad: set[tuple[Any, ...]] | None = None,
+                     report: RestoreReport | None = None) -> RestoreReport:  # fmt: skip
         """Copy or rebuild onto each node the files it lacks (collective), in rounds:
         a source found damaged (``bad``, and what each round finds) is left out of
-        the next round's plan."""
+        the next round's plan. Counts go on ``report`` (a new one by default)."""
         assert plan.plan is not None and plan.manifest is not None
         t0 = time.perf_counter()
         bad = set(bad or ())
         steps = self._replan(plan, bad) if bad else plan.plan
-        report = RestoreReport(plan.step)
+        report = report if report is not None else RestoreReport(plan.step)
         for _ in range(_RESTORE_ROUNDS):
             if not steps.actions:
                 break
@@ -426,7 +445,7 @@ class CheckpointManager:
             logger.warning("dcp_multilevel: damaged sources for step %d: %s; trying others",
                            plan.step, sorted(found_everywhere))  # fmt: skip
             steps = self._replan(plan, bad)
-        report.seconds = time.perf_counter() - t0
+        report.seconds += time.perf_counter() - t0
         if report.received:
             logger.info("dcp_multilevel: step %d restored onto this node: %s in %.2f s",
                         plan.step, report.received, report.seconds)  # fmt: skip

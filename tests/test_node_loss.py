@@ -269,3 +269,14 @@ def test_a_damaged_first_level_file_is_fetched_intact_from_another_node(tmp_path
     assert source.endswith("(node 1)") and files == 1, out[0][2]
     # The damaged file is kept aside for inspection, the intact one took its place.
     assert len(list((tmp_path / "n0/l1/step-1/data").glob("0-*.bin.damaged-*"))) == 1
+
+
+def test_damage_found_while_copying_falls_back_to_an_older_whole_step(tmp_path):
+    root = str(tmp_path)
+    opts = {"replicas": 2}
+    run_ranks(_save_job, 4, root, 2, "partner", opts, [1, 2], timeout=240)
+    (copy,) = (tmp_path / "n0/partner/step-2/data").glob("2-*.bin")
+    _flip_byte(copy)  # the only surviving copy of rank 2's file of step 2
+    shutil.rmtree(tmp_path / "n1")
+    out = run_ranks(_load_job, 4, root, 2, "partner", opts, timeout=240)
+    assert [o[:2] for o in out] == [(1, True)] * 4

@@ -239,3 +239,10 @@ def test_chunk_coding_matches_the_whole_member_code(data, parity):
         for keep in itertools.combinations(range(data + parity), data):
             decoded = code.decode_chunk([blocks[b] for b in keep], list(keep))
             assert decoded == pieces
+
+
+def test_node_local_levels_need_a_first_level_on_the_nodes_own_disk():
+    from dcp_multilevel import CheckpointManager
+
+    with pytest.raises(ConfigError, match="must be a path on each node's own disk"):
+        CheckpointManager([Level("memory://bucket/l1"), Level("partner:/p")])
