@@ -162,7 +162,10 @@ def test_erasure_level_rebuilds_any_lost_node(tmp_path):
         shutil.rmtree(tmp_path / f"n{lost}")
         out = run_ranks(_load_job, 3, root, 1, "erasure", opts, timeout=240)
         assert [o[:2] for o in out] == [(2, True)] * 3, (lost, out)
-        assert any("rebuilt" in source for source in out[lost][2]), (lost, out[lost][2])
+        # The lost member is rebuilt once, on the first node that needs it; the
+        # other nodes copy the rebuilt files from there.
+        rebuilt = [o[2] for o in out if any("rebuilt" in source for source in o[2])]
+        assert len(rebuilt) == 1, (lost, [o[2] for o in out])
 
 
 def test_erasure_with_two_parity_blocks_survives_losing_two_nodes(tmp_path):
@@ -218,7 +221,7 @@ def test_a_flipped_byte_in_a_parity_chunk_is_detected_and_the_remote_serves(tmp_
     shutil.rmtree(tmp_path / "n0")
     out = run_ranks(_load_job, 3, root, 1, "erasure", opts, True, timeout=240)
     assert [o[:2] for o in out] == [(1, True)] * 3
-    assert not any("rebuilt" in source for source in out[0][2]), out[0][2]
+    assert not any("rebuilt" in source for o in out for source in o[2]), out
     assert any("remote" in url for url in out[0][3]), out[0][3]
 
 

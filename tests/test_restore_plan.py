@@ -147,20 +147,23 @@ def test_any_parity_lost_nodes_are_rebuilt_and_one_more_in_a_group_is_not(nodes,
     files, invs = _erasure_inventories(nodes, data, parity, lost)
     plan = plan_restore(7, files, invs, URLS)
     assert plan.ok, plan.reasons
-    # Every node ends with every file: held, copied, or rebuilt from intact blocks.
-    for inv in invs:
-        got = {f for fs in inv.files.values() for f in fs}
-        for action in plan.actions:
-            if action.dst != inv.rank:
-                continue
-            if isinstance(action, Copy):
-                assert action.src not in lost
-                got.add(action.file)
-            elif isinstance(action, Rebuild):
-                assert all(rank not in lost for _, rank in action.sources)
-                assert len(action.sources) == len(layout[int(action.group)][0])
-                got |= {f"data/{layout[int(action.group)][0][y]}-0.t.bin" for y in action.members}
-        assert got == set(files)
+    # Walking the plan in order (as every rank does), every copy's source holds the
+    # file by then, every rebuild reads intact blocks only, each lost member is
+    # rebuilt once (then copied), and every node ends with every file.
+    holds = {inv.rank: {f for fs in inv.files.values() for f in fs} for inv in invs}
+    rebuilt_members = []
+    for action in plan.actions:
+        if isinstance(action, Copy):
+            assert action.file in holds[action.src]
+            holds[action.dst].add(action.file)
+        elif isinstance(action, Rebuild):
+            assert all(rank not in lost for _, rank in action.sources)
+            assert len(action.sources) == len(layout[int(action.group)][0])
+            members_of = layout[int(action.group)][0]
+            rebuilt_members += [(action.group, y) for y in action.members]
+            holds[action.dst] |= {f"data/{members_of[y]}-0.t.bin" for y in action.members}
+    assert len(rebuilt_members) == len(set(rebuilt_members))
+    assert all(got == set(files) for got in holds.values())
     # One more loss inside a group than its parity: not restorable, the group is named.
     members, keepers = layout[0]
     blocks = members + keepers

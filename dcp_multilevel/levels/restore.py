@@ -203,6 +203,7 @@ def plan_restore(
             for g, desc in descs.items():
                 groups.setdefault(level, {}).setdefault(g, desc)
     lacking: list[str] = []  # one line per node that lacks files (first in the reasons)
+    arrived: dict[int, tuple[int, set[str]]] = {}  # node -> (receiving rank, rebuilt files)
     for node, invs in sorted(nodes.items()):
         dst = min(inv.rank for inv in invs)
         # Copies on this node found damaged (and what a restore linked to them).
@@ -222,7 +223,7 @@ def plan_restore(
         for file in missing:
             if file in rebuilt:
                 continue
-            source = _copy_source(file, node, inventories, bad) if transfers else None
+            source = _copy_source(file, node, inventories, bad, arrived) if transfers else None
             if source is not None:
                 plan.actions.append(Copy(file, source[0], source[1], dst))
                 continue
@@ -232,6 +233,7 @@ def plan_restore(
                 plan.actions.append(action)
                 desc = groups[action.level][action.group]
                 rebuilt |= {f for y in action.members for f, _ in desc["members"][y]["files"]}
+                arrived.setdefault(node, (dst, set()))[1].update(rebuilt)
                 continue
             if not covered:
                 unmet.append(file)
@@ -268,9 +270,15 @@ def _lost_nodes(inventories: Sequence[Inventory]) -> list[int]:
 
 
 def _copy_source(
-    file: str, node: int, inventories: Sequence[Inventory], bad: set[tuple[Any, ...]]
+    file: str,
+    node: int,
+    inventories: Sequence[Inventory],
+    bad: set[tuple[Any, ...]],
+    arrived: dict[int, tuple[int, set[str]]] | None = None,
 ) -> tuple[int, int] | None:
-    """(level, rank) of the first intact copy of ``file`` on another node, lowest level first."""
+    """(level, rank) of the first intact copy of ``file`` on another node, lowest level
+    first; else a node that an earlier action of the plan brings it to (``arrived``:
+    node -> (its receiving rank, files)), so a lost member is rebuilt once, then copied."""
     options = sorted(
         (level, inv.rank)
         for inv in inventories
@@ -278,7 +286,12 @@ def _copy_source(
         for level, fs in inv.files.items()
         if file in fs
     )
-    return options[0] if options else None
+    if options:
+        return options[0]
+    for other, (rank, files) in sorted((arrived or {}).items()):
+        if other != node and file in files and ("copy", other, file) not in bad:
+            return 0, rank
+    return None
 
 
 def _rebuild_for(
