@@ -1,13 +1,29 @@
 """When to save to which level: save-decision policies (pure: no I/O, no torch.distributed).
 
-- ``base.py``: :class:`SavePolicy`, the interface and its contract.
+- ``base.py``: :class:`SavePolicy`, the interface and its contract, and what a
+  decision sees (:class:`Observation`) and says (:class:`Decision`).
 - ``fixed.py``: :class:`FixedInterval`, each level's ``every`` (the default).
+- ``failures.py``: failure classes and rates, from published reports.
+- ``young_daly.py``: the Young/Daly interval per level (:class:`YoungDaly`).
 
 A new policy is a new file with a :class:`SavePolicy` subclass, passed as
 ``CheckpointManager(..., schedule=...)``.
 """
 
-from .base import SavePolicy
+from .base import Decision, LevelState, Observation, SavePolicy
+from .failures import FailureClass, FailureModel
 from .fixed import FixedInterval
+from .young_daly import YoungDaly, daly_interval, young_interval
 
-__all__ = ["FixedInterval", "SavePolicy"]
+__all__ = [
+    "Decision",
+    "FailureClass",
+    "FailureModel",
+    "FixedInterval",
+    "LevelState",
+    "Observation",
+    "SavePolicy",
+    "YoungDaly",
+    "daly_interval",
+    "young_interval",
+]

@@ -1,34 +1,132 @@
-"""The save-decision point: which levels take the save of a step.
+"""The save-decision point: which levels take a save, and when.
 
-A :class:`SavePolicy` answers, for every level above the first (the first
-takes every save), whether the save of ``step`` goes there. The manager asks
-it once per level at each save, and again when it decides what the first
-level must keep (a step due on a level it is not on yet is kept) and what
-to drain again after a restart.
+Two ways to answer, one interface:
+
+* :meth:`SavePolicy.due` ``(index, level, step)``: a fixed rule per level
+  above the first (the first takes every save). The manager asks it once
+  per level at each ``save``, and again when it decides what the first level
+  must keep (a step due on a level it is not on yet is kept) and what to
+  drain again after a restart: answers for a past step must not change.
+* :meth:`SavePolicy.decide` ``(observation)``: an adaptive rule (measured
+  save costs, failure rates, the loss curve, the clock) decides at each
+  training step which levels, the first included, take a save of it, and
+  says why (:class:`Decision`). The default answers from ``due`` (the first
+  level every step, the others when ``due``).
 
 Call order and contract (every rank, main thread)::
 
+    policy.decide(observation)        at each training step (the failure
+                                      simulator, ``dcp_multilevel.sim``, calls it too)
     policy.due(index, level, step)    for each level index >= 1, at each save,
                                       at retention and at load_latest
 
-Every rank must take the same decision for the same inputs: a diverging
-decision would hang the collective part of a drain. Answers for a past step
-must not change (retention and resumed drains ask again later). Policies
-are pure: no I/O, no torch.distributed.
+Every rank must take the same decision: a diverging one would hang the
+collective save. Policies are pure (no I/O, no torch.distributed), so the
+same :class:`Observation` gives the same :class:`Decision` on every rank;
+the caller makes the observations identical (values agreed at the last
+save). Time is the job's clock in seconds, as the caller counts it.
 """
 
 from __future__ import annotations
 
-import abc
+from dataclasses import dataclass, field
+from typing import Any
 
 from ..levels.options import Level
 
-__all__ = ["SavePolicy"]
+__all__ = ["Decision", "LevelState", "Observation", "SavePolicy"]
 
 
-class SavePolicy(abc.ABC):
-    """Decides which levels take the save of a step (see the module docstring)."""
+@dataclass(frozen=True)
+class LevelState:
+    """What a policy knows of one level at one step.
 
-    @abc.abstractmethod
+    Attributes:
+        index: the level's position (0: the first level).
+        level: its configuration (``every``, ...).
+        last_step / last_time: the newest save that went to it (None: none yet).
+        cost_seconds: measured cost of one save there: for the first level the
+            training time a save blocks; for a higher level its drain's seconds
+            (background: it blocks training only through the first level's
+            save it starts from). None until measured.
+        restore_seconds: measured (or estimated) time to restore from it; None if unknown.
+    """
+
+    index: int
+    level: Level
+    last_step: int | None = None
+    last_time: float | None = None
+    cost_seconds: float | None = None
+    restore_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class Observation:
+    """The inputs of one decision (identical on every rank).
+
+    Attributes:
+        step: the training step that just finished (a save would hold it).
+        time: the job's clock at that step, in seconds.
+        step_seconds: the measured mean time of one training step (None: unknown).
+        loss: the training loss at this step, if the caller gives it.
+        levels: every level's state, first level first.
+    """
+
+    step: int
+    time: float
+    levels: tuple[LevelState, ...]
+    step_seconds: float | None = None
+    loss: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which levels take a save of the observed step, and why.
+
+    ``levels`` holds level indexes; a non-empty set always includes 0 (a
+    higher level is drained from the first level's copy). ``policy`` names
+    the rule that fired, ``inputs`` what it used (costs, rates, loss),
+    ``intervals`` the interval in seconds it chose per level (for the
+    metrics record that makes each decision explainable).
+    """
+
+    levels: frozenset[int]
+    policy: str
+    inputs: dict[str, Any] = field(default_factory=dict)
+    intervals: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.levels and 0 not in self.levels:
+            object.__setattr__(self, "levels", self.levels | {0})
+
+    def record(self) -> dict[str, Any]:
+        """This decision as a metrics record (JSON-able)."""
+        return {
+            "kind": "decision", "levels": sorted(self.levels), "policy": self.policy,
+            "inputs": dict(self.inputs),
+            "intervals": {str(k): v for k, v in sorted(self.intervals.items())},
+        }  # fmt: skip
+
+
+class SavePolicy:
+    """Decides which levels take a save (see the module docstring).
+
+    A subclass implements :meth:`due` (a fixed rule) or :meth:`decide` (an
+    adaptive one), or both.
+    """
+
     def due(self, index: int, level: Level, step: int) -> bool:
         """Whether the save of ``step`` goes to ``level`` (the ``index``-th, 1 and up)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} decides from observations (decide()), not per step "
+            "(due()): use it where the manager passes observations"
+        )
+
+    def decide(self, observation: Observation) -> Decision:
+        """The levels that take a save of ``observation.step``; default: from :meth:`due`."""
+        chosen = {
+            state.index
+            for state in observation.levels[1:]
+            if self.due(state.index, state.level, observation.step)
+        }
+        return Decision(frozenset(chosen | {0}), type(self).__name__)

@@ -1,0 +1,105 @@
+"""Save-decision policies (pure): the Young/Daly closed forms, failure rates from the
+published figures, and decisions from observations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dcp_multilevel import ConfigError, Level
+from dcp_multilevel.schedule import (
+    Decision,
+    FailureClass,
+    FailureModel,
+    FixedInterval,
+    LevelState,
+    Observation,
+    YoungDaly,
+    daly_interval,
+    young_interval,
+)
+
+LEVELS = (Level("/l1"), Level("partner:/p", replicas=2), Level("s3://b/r", every=4))
+
+
+def _obs(time: float, last: list[float | None], costs: list[float | None], step: int = 10):
+    states = tuple(
+        LevelState(i, LEVELS[i], None if t is None else 0, t, c)
+        for i, (t, c) in enumerate(zip(last, costs, strict=True))
+    )
+    return Observation(step, time, states)
+
+
+def test_young_and_daly_closed_forms():
+    assert young_interval(10, 28800) == pytest.approx(math.sqrt(2 * 10 * 28800))
+    # Daly's refinement: slightly shorter than Young's for a small cost ratio...
+    c, m = 10.0, 28800.0
+    r = c / (2 * m)
+    expected = math.sqrt(2 * c * m) * (1 + math.sqrt(r) / 3 + r / 9) - c
+    assert daly_interval(c, m) == pytest.approx(expected)
+    assert daly_interval(c, m) == pytest.approx(young_interval(c, m), rel=0.02)
+    # ...and the mean time between failures itself once a save costs 2 M or more.
+    assert daly_interval(100, 40) == 40
+
+
+def test_failure_rates_reproduce_the_published_figures():
+    assert FailureModel.for_gpus(1024).mtbf_hours == pytest.approx(7.9)
+    assert FailureModel.for_gpus(16384).mtbf_hours == pytest.approx(1.8)
+    model = FailureModel(8.0)
+    per_hour = {i: r * 3600 for i, r in model.covered_by(("first", "node", "store")).items()}
+    assert per_hour == pytest.approx({0: 0.21 / 8, 1: 0.78 / 8, 2: 0.01 / 8})
+    # Without a node-local level, node losses are the remote's to cover.
+    per_hour = {i: r * 3600 for i, r in model.covered_by(("first", "store")).items()}
+    assert per_hour == pytest.approx({0: 0.21 / 8, 1: 0.79 / 8})
+    with pytest.raises(ConfigError, match="shares must add up to 1"):
+        FailureModel(8.0, (FailureClass("node", 0.5, "node"),))
+    with pytest.raises(ConfigError, match="survived_by must be one of"):
+        FailureClass("odd", 1.0, "rack")
+
+
+def test_young_daly_saves_each_level_once_its_interval_passed():
+    model = FailureModel(8.0)
+    policy = YoungDaly(model, ("first", "node", "store"))
+    # Nothing saved yet: every level is due.
+    first = policy.decide(_obs(0.0, [None, None, None], [None, None, None]))
+    assert first.levels == {0, 1, 2} and first.policy == "young-daly"
+    costs = [2.0, 30.0, 600.0]
+    rates = model.covered_by(("first", "node", "store"))
+    expected = {i: daly_interval(2.0, 1 / rates[i]) for i in range(3)}
+    expected[2] = max(expected[2], 600.0)
+    decision = policy.decide(_obs(10.0, [0.0, 0.0, 0.0], costs))
+    assert decision.levels == frozenset()
+    assert decision.intervals == pytest.approx(expected)
+    # The node level covers most failures: its interval is the shortest.
+    assert expected[1] < expected[0] < expected[2]
+    later = policy.decide(_obs(expected[1] + 1, [0.0, 0.0, 0.0], costs))
+    assert later.levels == {0, 1}  # a level above the first always brings the first
+    assert later.record()["intervals"]["1"] == pytest.approx(expected[1])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.floats(0.01, 100),
+    st.floats(0.1, 100),
+    st.lists(st.floats(0, 1e5), min_size=3, max_size=3),
+    st.floats(0, 1e5),
+)
+def test_young_daly_never_saves_a_level_before_its_interval(cost, mtbf_hours, last, now):
+    policy = YoungDaly(FailureModel(mtbf_hours), ("first", "node", "store"))
+    now = max(now, *last)
+    decision = policy.decide(_obs(now, list(last), [cost, cost, cost]))
+    for i in range(3):
+        if i in decision.levels and i > 0:
+            assert now - last[i] >= decision.intervals[i]
+        if now - last[i] >= decision.intervals[i]:
+            assert i in decision.levels
+
+
+def test_a_per_step_rule_decides_through_due():
+    decision = FixedInterval().decide(_obs(0.0, [None] * 3, [None] * 3, step=8))
+    assert decision == Decision(frozenset({0, 1, 2}), "FixedInterval")
+    decision = FixedInterval().decide(_obs(0.0, [None] * 3, [None] * 3, step=6))
+    assert decision.levels == {0, 1}
