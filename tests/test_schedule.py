@@ -15,8 +15,11 @@ from dcp_multilevel.schedule import (
     FailureClass,
     FailureModel,
     FixedInterval,
+    Interval,
     LevelState,
     Observation,
+    OverheadBound,
+    TimeBounds,
     YoungDaly,
     daly_interval,
     young_interval,
@@ -63,13 +66,14 @@ def test_failure_rates_reproduce_the_published_figures():
 def test_young_daly_saves_each_level_once_its_interval_passed():
     model = FailureModel(8.0)
     policy = YoungDaly(model, ("first", "node", "store"))
-    # Nothing saved yet: every level is due.
+    # Nothing saved yet: the intervals count from the start of the job.
     first = policy.decide(_obs(0.0, [None, None, None], [None, None, None]))
-    assert first.levels == {0, 1, 2} and first.policy == "young-daly"
-    costs = [2.0, 30.0, 600.0]
+    assert first.levels == frozenset() and first.policy == "young-daly"
+    assert policy.decide(_obs(1e6, [None, None, None], [None, None, None])).levels == {0, 1, 2}
+    costs = [2.0, 30.0, 5000.0]  # the remote's drain takes longer than its interval
     rates = model.covered_by(("first", "node", "store"))
     expected = {i: daly_interval(2.0, 1 / rates[i]) for i in range(3)}
-    expected[2] = max(expected[2], 600.0)
+    expected[2] = max(expected[2], 5000.0)
     decision = policy.decide(_obs(10.0, [0.0, 0.0, 0.0], costs))
     assert decision.levels == frozenset()
     assert decision.intervals == pytest.approx(expected)
@@ -78,6 +82,53 @@ def test_young_daly_saves_each_level_once_its_interval_passed():
     later = policy.decide(_obs(expected[1] + 1, [0.0, 0.0, 0.0], costs))
     assert later.levels == {0, 1}  # a level above the first always brings the first
     assert later.record()["intervals"]["1"] == pytest.approx(expected[1])
+    assert later.inputs["rules"] == {"0": "young-daly", "1": "young-daly", "2": "drain-duration"}
+
+
+def test_bounds_on_intervals_and_which_rule_fired():
+    model = FailureModel(8.0)
+    inner = YoungDaly(model, ("first", "node", "store"))
+    costs = [600.0, 30.0, 600.0]  # a slow first level: Young/Daly would block > 3.5 %
+    bounded = OverheadBound(inner, target=0.035)
+    intervals, _ = bounded.intervals(_obs(0.0, [0.0] * 3, costs))
+    assert intervals[0] == Interval(600.0 / 0.035, "overhead-bound")
+    decision = bounded.decide(_obs(600.0 / 0.035, [0.0] * 3, costs))
+    assert 0 in decision.levels and "overhead-bound" in decision.policy
+    clamped = TimeBounds(inner, min_seconds={1: 3600.0}, max_seconds={2: 3000.0})
+    intervals, _ = clamped.intervals(_obs(0.0, [0.0] * 3, [2.0, 30.0, 600.0]))
+    assert intervals[1] == Interval(3600.0, "time-floor")  # Young/Daly: ~384 s
+    assert intervals[2] == Interval(3000.0, "time-ceiling")  # Young/Daly: ~3394 s
+    with pytest.raises(ConfigError, match="min_seconds 10 is more than max_seconds 5"):
+        TimeBounds(inner, 10, 5).intervals(_obs(0.0, [0.0] * 3, costs))
+    with pytest.raises(ConfigError, match="overhead target must be in"):
+        OverheadBound(inner, 0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.floats(0.01, 1000),
+    st.floats(0.05, 50),
+    st.floats(0, 1e4),
+    st.floats(0, 1e5),
+    st.floats(0, 1e5),
+    st.floats(0, 1e5),
+)
+def test_bounded_policies_never_save_closer_than_the_floor_nor_wait_past_the_ceiling(
+    cost, mtbf_hours, floor, extra, last, now
+):
+    ceiling = floor + extra
+    policy = TimeBounds(OverheadBound(YoungDaly(FailureModel(mtbf_hours))), floor, ceiling)
+    now = max(now, last)
+    states = tuple(
+        LevelState(i, LEVELS[i], 0, last, cost, survives=k)
+        for i, k in enumerate(("first", "node", "store"))
+    )
+    decision = policy.decide(Observation(10, now, states))
+    for i in range(3):
+        if i in decision.levels:
+            assert now - last >= floor
+        if now - last >= ceiling:
+            assert i in decision.levels
 
 
 @settings(max_examples=100, deadline=None)

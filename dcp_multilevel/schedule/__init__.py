@@ -4,6 +4,9 @@
   decision sees (:class:`Observation`) and says (:class:`Decision`).
 - ``fixed.py``: :class:`FixedInterval`, each level's ``every`` (the default).
 - ``failures.py``: failure classes and rates, from published reports.
+- ``intervals.py``: policies that pick an interval per level
+  (:class:`IntervalPolicy`), the CheckFreq-style :class:`OverheadBound`, and
+  :class:`TimeBounds` (a floor and a ceiling in seconds).
 - ``young_daly.py``: the Young/Daly interval per level (:class:`YoungDaly`).
 
 A new policy is a new file with a :class:`SavePolicy` subclass, passed as
@@ -13,6 +16,7 @@ A new policy is a new file with a :class:`SavePolicy` subclass, passed as
 from .base import Decision, LevelState, Observation, SavePolicy
 from .failures import FailureClass, FailureModel
 from .fixed import FixedInterval
+from .intervals import Interval, IntervalPolicy, OverheadBound, TimeBounds
 from .young_daly import YoungDaly, daly_interval, young_interval
 
 __all__ = [
@@ -20,9 +24,13 @@ __all__ = [
     "FailureClass",
     "FailureModel",
     "FixedInterval",
+    "Interval",
+    "IntervalPolicy",
     "LevelState",
     "Observation",
+    "OverheadBound",
     "SavePolicy",
+    "TimeBounds",
     "YoungDaly",
     "daly_interval",
     "young_interval",

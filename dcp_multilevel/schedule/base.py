@@ -50,6 +50,9 @@ class LevelState:
             (background: it blocks training only through the first level's
             save it starts from). None until measured.
         restore_seconds: measured (or estimated) time to restore from it; None if unknown.
+        survives: the failures it survives (``schedule/failures.py``): ``"first"``
+            (a process crash: the node's own disk), ``"node"`` (a lost node:
+            copies on other nodes) or ``"store"`` (anything: a store elsewhere).
     """
 
     index: int
@@ -58,6 +61,7 @@ class LevelState:
     last_time: float | None = None
     cost_seconds: float | None = None
     restore_seconds: float | None = None
+    survives: str | None = None
 
 
 @dataclass(frozen=True)

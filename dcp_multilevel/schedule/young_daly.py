@@ -14,9 +14,12 @@ measured duration (a new drain cannot start before the last one ended).
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from .base import Decision, LevelState, Observation, SavePolicy
+from ..errors import ConfigError
+from .base import Observation
 from .failures import FailureModel
+from .intervals import Interval, IntervalPolicy
 
 __all__ = ["YoungDaly", "daly_interval", "young_interval"]
 
@@ -34,50 +37,63 @@ def daly_interval(cost: float, mtbf: float) -> float:
     return math.sqrt(2.0 * cost * mtbf) * (1.0 + math.sqrt(ratio) / 3.0 + ratio / 9.0) - cost
 
 
-class YoungDaly(SavePolicy):
+class YoungDaly(IntervalPolicy):
     """A save goes to each level once its Young/Daly interval has passed since its last.
 
     Args:
         failures: the failure rates by class.
         kinds: what each level survives, first level first (``"first"``,
-            ``"node"``, ``"store"``; see ``failures.py``).
+            ``"node"``, ``"store"``; see ``failures.py``); default: each
+            observed level's ``survives``.
         formula: ``"daly"`` (default) or ``"young"``.
-        default_cost: seconds assumed for a level whose cost is not measured yet.
+        default_cost: seconds assumed for the first level's save until one is measured.
     """
 
     def __init__(
         self,
         failures: FailureModel,
-        kinds: tuple[str, ...],
+        kinds: tuple[str, ...] | None = None,
         *,
         formula: str = "daly",
         default_cost: float = 1.0,
     ) -> None:
+        if formula not in ("daly", "young"):
+            raise ConfigError(f"formula must be 'daly' or 'young', got {formula!r}")
         self.failures = failures
-        self.kinds = tuple(kinds)
-        self.formula = {"daly": daly_interval, "young": young_interval}[formula]
+        self.kinds = tuple(kinds) if kinds is not None else None
+        self.formula = formula
         self.default_cost = default_cost
 
-    def interval(self, state: LevelState, first: LevelState, rate: float) -> float:
-        """The interval in seconds for one level (``inf`` for a level no failure needs)."""
-        if rate <= 0:
-            return math.inf
-        blocked = first.cost_seconds if first.cost_seconds is not None else self.default_cost
-        chosen = self.formula(blocked, 1.0 / rate)
-        if state.index > 0 and state.cost_seconds is not None:
-            chosen = max(chosen, state.cost_seconds)
-        return chosen
+    def _kinds(self, observation: Observation) -> tuple[str, ...]:
+        if self.kinds is not None:
+            return self.kinds
+        kinds = tuple(s.survives for s in observation.levels)
+        if any(k is None for k in kinds):
+            raise ConfigError(
+                "YoungDaly needs to know what each level survives: pass kinds=(...) or "
+                "observations whose levels say it (LevelState.survives)"
+            )
+        return kinds  # type: ignore[return-value]
 
-    def decide(self, observation: Observation) -> Decision:
-        """Levels whose interval has passed (a level never saved to is due at once)."""
-        rates = self.failures.covered_by(self.kinds)
+    def intervals(self, observation: Observation) -> tuple[dict[int, Interval], dict[str, Any]]:
+        """Per level: the formula on the first level's blocked cost and the mean time
+        between the failures the level covers (never shorter than its drain)."""
+        rates = self.failures.covered_by(self._kinds(observation))
         first = observation.levels[0]
-        intervals = {s.index: self.interval(s, first, rates[s.index]) for s in observation.levels}
-        chosen = frozenset(
-            s.index
-            for s in observation.levels
-            if s.last_time is None or observation.time - s.last_time >= intervals[s.index]
-        )
-        inputs = {"cost_seconds": first.cost_seconds, "rates_per_hour": {
-            str(i): r * 3600.0 for i, r in rates.items()}}  # fmt: skip
-        return Decision(chosen, "young-daly", inputs, intervals)
+        blocked = first.cost_seconds if first.cost_seconds is not None else self.default_cost
+        formula = daly_interval if self.formula == "daly" else young_interval
+        out = {}
+        for state in observation.levels:
+            rate = rates.get(state.index, 0.0)
+            if rate <= 0:
+                out[state.index] = Interval(math.inf, "no-failures")
+                continue
+            seconds, rule = formula(blocked, 1.0 / rate), "young-daly"
+            if state.index > 0 and state.cost_seconds is not None and state.cost_seconds > seconds:
+                seconds, rule = state.cost_seconds, "drain-duration"
+            out[state.index] = Interval(seconds, rule)
+        inputs = {
+            "blocked_seconds": blocked,
+            "rates_per_hour": {str(i): r * 3600.0 for i, r in sorted(rates.items())},
+        }
+        return out, inputs

@@ -1,0 +1,138 @@
+"""Policies that choose an interval per level, and the bounds put on them.
+
+An :class:`IntervalPolicy` says, for each level, how many seconds should pass
+between two of its saves and which rule chose that (:meth:`~IntervalPolicy.intervals`,
+an :class:`Interval` per level); a level is due
+once that much time passed since its last save (a level never saved to
+counts from the start of the job, time 0). Wrappers change the intervals of
+another policy:
+
+* :class:`OverheadBound` (CheckFreq, FAST '21): the first level's interval is
+  at least ``cost / target``, so saving blocks at most ``target`` of the
+  training time (3.5 % in CheckFreq's runs);
+* :class:`TimeBounds`: at least ``min_seconds`` and at most ``max_seconds``
+  between two saves of a level, whatever the policy inside says.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from .base import Decision, Observation, SavePolicy
+
+__all__ = ["Interval", "IntervalPolicy", "OverheadBound", "TimeBounds"]
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Seconds between two saves of a level, and the rule that chose them."""
+
+    seconds: float
+    rule: str
+
+
+Intervals = dict[int, Interval]
+
+
+class IntervalPolicy(SavePolicy):
+    """A policy that picks an interval in seconds per level (see the module docstring)."""
+
+    def intervals(self, observation: Observation) -> tuple[Intervals, dict[str, Any]]:
+        """An :class:`Interval` per level index, and the inputs that chose them."""
+        raise NotImplementedError
+
+    def decide(self, observation: Observation) -> Decision:
+        """The levels whose interval passed since their last save (the start for none).
+
+        The decision names the rules that set the chosen levels' intervals
+        (all levels' when none is chosen); ``inputs["rules"]`` has each level's.
+        """
+        intervals, inputs = self.intervals(observation)
+        chosen = frozenset(
+            s.index
+            for s in observation.levels
+            if s.index in intervals
+            and observation.time - (s.last_time or 0.0) >= intervals[s.index].seconds
+        )
+        named = chosen or frozenset(intervals)
+        rules = sorted({intervals[i].rule for i in named if i in intervals})
+        inputs = {**inputs, "rules": {str(i): v.rule for i, v in sorted(intervals.items())}}
+        seconds = {i: v.seconds for i, v in intervals.items()}
+        return Decision(chosen, "+".join(rules) or "none", inputs, seconds)
+
+
+class OverheadBound(IntervalPolicy):
+    """Keep the first level's blocked time under ``target`` of the training time.
+
+    The first level's interval becomes at least ``cost / target`` (its measured
+    blocked seconds per save); the others' are ``inner``'s.
+    """
+
+    def __init__(self, inner: IntervalPolicy, target: float = 0.035) -> None:
+        if not 0 < target < 1:
+            raise ConfigError(f"overhead target must be in (0, 1), got {target!r}")
+        self.inner = inner
+        self.target = target
+
+    def intervals(self, observation: Observation) -> tuple[Intervals, dict[str, Any]]:
+        """``inner``'s intervals, the first level's raised to its bound."""
+        intervals, inputs = self.inner.intervals(observation)
+        cost = observation.levels[0].cost_seconds
+        current = intervals.get(0)
+        if cost is not None and current is not None and current.seconds < cost / self.target:
+            intervals = {**intervals, 0: Interval(cost / self.target, "overhead-bound")}
+        return intervals, {**inputs, "overhead_target": self.target}
+
+
+class TimeBounds(IntervalPolicy):
+    """At least ``min_seconds`` and at most ``max_seconds`` between a level's saves.
+
+    Each bound is one number for every level or a mapping from level index
+    to seconds (levels not named are not bounded).
+
+    Raises:
+        ConfigError: a bound is negative, or a level's floor is above its ceiling.
+    """
+
+    def __init__(
+        self,
+        inner: IntervalPolicy,
+        min_seconds: float | Mapping[int, float] | None = None,
+        max_seconds: float | Mapping[int, float] | None = None,
+    ) -> None:
+        for name, bound in (("min_seconds", min_seconds), ("max_seconds", max_seconds)):
+            values = bound.values() if isinstance(bound, Mapping) else [bound]
+            if any(v is not None and not v >= 0 for v in values):
+                raise ConfigError(f"{name} must be >= 0, got {bound!r}")
+        self.inner = inner
+        self.min_seconds = min_seconds
+        self.max_seconds = max_seconds
+
+    @staticmethod
+    def _bound(bound: float | Mapping[int, float] | None, index: int) -> float | None:
+        if bound is None or isinstance(bound, (int, float)):
+            return bound
+        return bound.get(index)
+
+    def intervals(self, observation: Observation) -> tuple[Intervals, dict[str, Any]]:
+        """``inner``'s intervals, clamped into each level's bounds."""
+        intervals, inputs = self.inner.intervals(observation)
+        out = dict(intervals)
+        for state in observation.levels:
+            low = self._bound(self.min_seconds, state.index)
+            high = self._bound(self.max_seconds, state.index)
+            if low is not None and high is not None and low > high:
+                raise ConfigError(
+                    f"level {state.index}: min_seconds {low} is more than max_seconds {high}"
+                )
+            chosen = intervals.get(state.index, Interval(math.inf, "none"))
+            if low is not None and chosen.seconds < low:
+                chosen = Interval(low, "time-floor")
+            if high is not None and chosen.seconds > high:
+                chosen = Interval(high, "time-ceiling")
+            out[state.index] = chosen
+        return out, inputs
