@@ -3,6 +3,7 @@ published figures, and decisions from observations."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from dcp_multilevel import ConfigError, Level
 from dcp_multilevel.schedule import (
+    ConvergenceAware,
     Decision,
     FailureClass,
     FailureModel,
@@ -19,6 +21,7 @@ from dcp_multilevel.schedule import (
     LevelState,
     Observation,
     OverheadBound,
+    Schedule,
     TimeBounds,
     YoungDaly,
     daly_interval,
@@ -154,3 +157,43 @@ def test_a_per_step_rule_decides_through_due():
     assert decision == Decision(frozenset({0, 1, 2}), "FixedInterval")
     decision = FixedInterval().decide(_obs(0.0, [None] * 3, [None] * 3, step=6))
     assert decision.levels == {0, 1}
+
+
+def test_convergence_aware_intervals_grow_as_progress_slows():
+    inner = YoungDaly(FailureModel(8.0), ("first", "node", "store"))
+    policy = ConvergenceAware(inner)
+    scales = []
+    for k in range(1, 60):
+        t = 600.0 * k
+        loss = 2.0 + 8.0 * (t / 600.0) ** -0.5  # a power-law training curve
+        obs = Observation(k, t, _obs(t, [0.0] * 3, [2.0, 30.0, 600.0]).levels, loss=loss)
+        intervals, inputs = policy.intervals(obs)
+        base, _ = inner.intervals(obs)
+        scales.append(intervals[0].seconds / base[0].seconds)
+        if inputs["progress_weight"] is not None:
+            assert intervals[0].rule == "young-daly+convergence"
+    assert scales[0] == 1.0  # no trend yet: the inner policy's intervals
+    assert all(b >= a - 1e-9 for a, b in itertools.pairwise(scales[2:]))  # progress slows
+    assert 1.0 < scales[-1] <= 4.0
+    # A flat loss carries no progress to weigh: the inner intervals stand.
+    flat = ConvergenceAware(inner)
+    for k in range(1, 10):
+        obs = Observation(k, 60.0 * k, _obs(0, [0.0] * 3, [2.0] * 3).levels, loss=3.0)
+        assert flat.intervals(obs)[1]["progress_weight"] is None
+
+
+def test_schedule_auto_composes_the_policies():
+    policy = Schedule.auto(mtbf_hours=8, min_seconds=60, max_seconds=86400)
+    assert isinstance(policy, TimeBounds)
+    assert isinstance(policy.inner, OverheadBound)
+    assert isinstance(policy.inner.inner, ConvergenceAware)
+    assert isinstance(policy.inner.inner.inner, YoungDaly)
+    states = tuple(
+        LevelState(i, LEVELS[i], 0, 0.0, 2.0, survives=k)
+        for i, k in enumerate(("first", "node", "store"))
+    )
+    decision = policy.decide(Observation(100, 1e5, states, loss=1.0))
+    assert decision.levels == {0, 1, 2} and decision.record()["kind"] == "decision"
+    assert Schedule.auto(gpus=16384).inner.inner.failures.mtbf_hours == pytest.approx(1.8)
+    with pytest.raises(ConfigError, match="needs the job's failure rate"):
+        Schedule.auto()

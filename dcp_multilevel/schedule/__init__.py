@@ -8,18 +8,24 @@
   (:class:`IntervalPolicy`), the CheckFreq-style :class:`OverheadBound`, and
   :class:`TimeBounds` (a floor and a ceiling in seconds).
 - ``young_daly.py``: the Young/Daly interval per level (:class:`YoungDaly`).
+- ``convergence.py``: :class:`ConvergenceAware`, intervals scaled by the loss
+  curve's progress (COCI's idea).
+- ``auto.py``: :meth:`Schedule.auto`, all of them composed.
 
 A new policy is a new file with a :class:`SavePolicy` subclass, passed as
 ``CheckpointManager(..., schedule=...)``.
 """
 
+from .auto import Schedule
 from .base import Decision, LevelState, Observation, SavePolicy
+from .convergence import ConvergenceAware
 from .failures import FailureClass, FailureModel
 from .fixed import FixedInterval
 from .intervals import Interval, IntervalPolicy, OverheadBound, TimeBounds
 from .young_daly import YoungDaly, daly_interval, young_interval
 
 __all__ = [
+    "ConvergenceAware",
     "Decision",
     "FailureClass",
     "FailureModel",
@@ -30,6 +36,7 @@ __all__ = [
     "Observation",
     "OverheadBound",
     "SavePolicy",
+    "Schedule",
     "TimeBounds",
     "YoungDaly",
     "daly_interval",

@@ -1,0 +1,57 @@
+"""``Schedule.auto``: the policies composed as the issue describes, from one or two numbers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..errors import ConfigError
+from .convergence import ConvergenceAware
+from .failures import FailureModel
+from .intervals import IntervalPolicy, OverheadBound, TimeBounds
+from .young_daly import YoungDaly
+
+__all__ = ["Schedule"]
+
+
+class Schedule:
+    """Factories of save policies (``CheckpointManager(schedule=Schedule.auto(...))``)."""
+
+    @staticmethod
+    def auto(
+        mtbf_hours: float | None = None,
+        *,
+        gpus: int | None = None,
+        overhead: float = 0.035,
+        convergence: bool = True,
+        min_seconds: float | Mapping[int, float] | None = None,
+        max_seconds: float | Mapping[int, float] | None = None,
+    ) -> IntervalPolicy:
+        """Young/Daly per level from measured costs and failure rates, scaled by the
+        loss curve's progress (COCI), the first level kept under ``overhead`` of
+        the training time (CheckFreq), within ``min_seconds``/``max_seconds``.
+
+        Give the job's mean time between failures (``mtbf_hours``) or its GPU
+        count (``gpus``: the published rates, ``schedule/failures.py``).
+
+        Raises:
+            ConfigError: neither or both of ``mtbf_hours`` and ``gpus``.
+        """
+        if (mtbf_hours is None) == (gpus is None):
+            raise ConfigError(
+                "Schedule.auto needs the job's failure rate: mtbf_hours=... (measured on your "
+                "cluster) or gpus=... (published rates by job size), not both"
+            )
+        failures = (
+            FailureModel(mtbf_hours)
+            if mtbf_hours is not None
+            else FailureModel.for_gpus(
+                gpus  # type: ignore[arg-type]
+            )
+        )
+        policy: IntervalPolicy = YoungDaly(failures)
+        if convergence:
+            policy = ConvergenceAware(policy)
+        policy = OverheadBound(policy, overhead)
+        if min_seconds is not None or max_seconds is not None:
+            policy = TimeBounds(policy, min_seconds, max_seconds)
+        return policy
