@@ -4,7 +4,10 @@ Call order (every rank, main thread; the same steps on every rank)::
 
     mgr = CheckpointManager([Level(local, every=1, keep=2), Level(remote, every=4)])
     step = mgr.load_latest(state_dict)   # None on a fresh start; resumes drains left behind
-    mgr.save(state_dict, step=s)          # returns once the first level committed;
+    mgr.step(state_dict, step=s, loss=l)  # each training step: saves when the schedule
+                                          # says so (the same decision on every rank)
+    mgr.save(state_dict, step=s)          # or save explicitly: returns once the first
+                                          # level committed;
                                           # due higher levels are drained in the background
     mgr.wait()                            # drains done; DrainError if one failed
     mgr.close()                           # also run at interpreter exit (errors logged)
@@ -32,6 +35,8 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import signal
+import statistics
 import time
 import warnings
 import weakref
@@ -43,6 +48,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from . import _dist, retention
+from .cadence import Cadence
 from .config import Level
 from .errors import CheckpointNotFoundError, ConfigError, DrainError
 from .levels import (
@@ -83,8 +89,8 @@ class CheckpointManager:
     """Saves to several levels with their own intervals and retention; loads the newest.
 
     Args:
-        levels: fastest first. The first takes every save (``every=1``) and
-            must be a store level (``save`` writes there). It may be
+        levels: fastest first. The first takes every :meth:`save` (its ``every``
+            paces :meth:`step`) and must be a store level (``save`` writes there). It may be
             node-local (each node sees only its own ranks' files; only rank
             0's node has the manifest): drains and loads work, provided a
             higher level holds what a node cannot see.
@@ -95,7 +101,9 @@ class CheckpointManager:
             ``{node}``, which is then replaced by this rank's node index
             (``Level("/nvme/{node}/run")``: one directory per simulated node).
         schedule: which levels take each save (default
-            :class:`~dcp_multilevel.schedule.FixedInterval`: each level's ``every``).
+            :class:`~dcp_multilevel.schedule.FixedInterval`: each level's ``every``;
+            ``Schedule.auto(mtbf_hours=...)``: measured, failure- and
+            convergence-aware intervals, for :meth:`step`).
         planner: save planner (default: one :class:`BalancedSavePlanner`, reused
             so DCP's plan cache works across saves).
         drain_policy: ``"skip"`` or ``"wait"`` when a save is due on a level whose
@@ -106,6 +114,11 @@ class CheckpointManager:
             rank its own file, otherwise only rank 0 writes).
         on_metrics: called with every metrics record (a dict) on every rank;
             drain records arrive from the drain's background thread.
+        save_on_sigterm: on SIGTERM, :meth:`step` saves the current step to the
+            first level on every rank, then exits (``cadence.py``); the handler
+            is restored by :meth:`close`.
+        check_seconds: at most this much training time between two of
+            :meth:`step`'s agreements across ranks (adaptive schedules, SIGTERM).
         sweep_older_than_s: at construction, temporary files older than this
             (crash leftovers: the first level's ``*.tmp-*``, remote stores' spool
             files of dead processes) are removed; None: no sweep.
@@ -124,6 +137,8 @@ class CheckpointManager:
         metrics_path: str | None = None,
         on_metrics: Callable[[dict[str, Any]], None] | None = None,
         sweep_older_than_s: float | None = 3600.0,
+        save_on_sigterm: bool = False,
+        check_seconds: float = 10.0,
     ) -> None:
         self.levels = _levels_argument(levels, tiers)
         self._names = [level.url for level in self.levels]  # as written ({node} kept)
@@ -170,12 +185,14 @@ class CheckpointManager:
         self._restore_group = None
         if any(d.node_local for d in self.drivers):
             self._restore_group = _dist.new_group(drain_timeout_s)
-        if self.levels[0].every != 1:
-            raise ConfigError(
-                f"the first level ({self.levels[0].url}) must take every save (every=1): "
-                "save() returns once it is committed there, and higher levels are copied from it"
-            )
         self.schedule = schedule if schedule is not None else FixedInterval()
+        survives = ["first"] + ["node" if d.node_local else "store" for d in self.drivers[1:]]
+        self._cadence = Cadence(self.schedule, self.levels, survives,
+                                check_seconds=check_seconds,
+                                save_on_sigterm=save_on_sigterm)  # fmt: skip
+        # step -> the levels a decision sent it to (adaptive policies cannot be
+        # asked again about a past step; retention and resumed drains look here).
+        self._decided: dict[int, frozenset[int]] = {}
         self._planner = planner or BalancedSavePlanner()
         self._sink = MetricsSink(metrics_path, on_metrics, _dist.rank())
         self._drainer = Drainer(
@@ -204,17 +221,77 @@ class CheckpointManager:
         atexit.register(self._exit_hook)
 
     def _due(self, index: int, step: int) -> bool:
-        return self.schedule.due(index, self.levels[index], step)
+        if step in self._decided:
+            return index in self._decided[step]
+        try:
+            return self.schedule.due(index, self.levels[index], step)
+        except NotImplementedError:  # an adaptive policy: only its recorded decisions count
+            return False
 
     # ------------------------------------------------------------------ save
+
+    def step(
+        self, state_dict: dict[str, Any], step: int, *, loss: float | None = None
+    ) -> SaveMetrics | None:
+        """The training loop's hook: save ``step`` to the levels the schedule says are due.
+
+        Call it after every training step, on every rank (collective at the
+        schedule's check steps, see ``cadence.py``). ``loss``: the step's loss
+        (a convergence-aware schedule reads rank 0's). Returns the save's
+        metrics, or None when nothing was saved. With ``save_on_sigterm``,
+        after a SIGTERM on any rank: saves ``step`` to the first level, waits
+        for its commit, and raises ``SystemExit(143)`` on every rank.
+        """
+        _check_step(step)
+        tick = self._cadence.tick(step, loss, self._costs)
+        try:
+            if tick.stop:
+                metrics = self._save(state_dict, step, [])
+                self._cadence.saved(step, [0])
+                self._sink.emit({"kind": "sigterm", "rank": _dist.rank(), "step": step,
+                                 "unix": time.time()})  # fmt: skip
+                logger.warning("dcp_multilevel: step %d committed after SIGTERM; exiting", step)
+                self._cadence.close()
+                raise SystemExit(128 + signal.SIGTERM)
+            if tick.decision is None:
+                return None
+            self._decided[step] = tick.decision.levels
+            self._sink.emit({**tick.decision.record(), "step": step, "rank": _dist.rank(),
+                             "unix": time.time()})  # fmt: skip
+            higher = sorted(i for i in tick.decision.levels if i > 0)
+            metrics = self._save(state_dict, step, higher)
+            started = {self.levels.index(lv) for lv in self.levels if lv.url in
+                       metrics.drains_started}  # fmt: skip
+            self._cadence.saved(step, [0, *sorted(started)])
+            return metrics
+        finally:
+            self._cadence.stepped()
+
+    def _costs(self) -> tuple[float | None, dict[int, float]]:
+        """This rank's measured costs: the first level's blocked seconds per save (median
+        of the last five), and each higher level's last committed drain's seconds."""
+        recent = [m.blocked_seconds + m.waited_seconds for m in self.metrics[-5:]]
+        blocked = statistics.median(recent) if recent else None
+        drains: dict[int, float] = {}
+        for result in self._drainer.results:
+            if result.committed:
+                index = next((i for i, d in enumerate(self.drivers) if d.url == result.level), None)
+                if index is not None:
+                    drains[index] = result.seconds
+        return blocked, drains
 
     def save(self, state_dict: dict[str, Any], step: int) -> SaveMetrics:
         """Save ``state_dict`` as ``step``; return once the first level has committed it.
 
-        Collective (every rank, same step).
+        The first level takes every ``save`` (its ``every`` is for :meth:`step`);
+        higher levels take it when the schedule says so. Collective (every rank,
+        same step).
         """
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"step must be a non-negative integer, got {step!r}")
+        _check_step(step)
+        return self._save(state_dict, step, [i for i in range(1, len(self.levels))
+                                             if self._due(i, step)])  # fmt: skip
+
+    def _save(self, state_dict: dict[str, Any], step: int, due: list[int]) -> SaveMetrics:
         first = self.levels[0]
         writer = MultiLevelWriter(
             first.checkpoint_url(step), codec=first.codec, storage_options=first.storage_options
@@ -225,7 +302,6 @@ class CheckpointManager:
         committed = time.time()
         self._generation += 1
         metrics = SaveMetrics(step, first.url, writer.bytes_written, blocked)
-        due = [i for i in range(1, len(self.levels)) if self._due(i, step)]
         # Rank 0 decides which drains to skip (policy "skip", previous drain still
         # running) and applies first-level retention from its listing (its node
         # has the manifests); every rank follows: a drain needs every rank's
@@ -511,10 +587,12 @@ class CheckpointManager:
                 logger.warning("dcp_multilevel: retention on %s failed: %s", job.target.url, e)
 
     def close(self) -> None:
-        """Wait for drains (raising their errors), then stop the workers."""
+        """Wait for drains (raising their errors), then stop the workers; restore the
+        SIGTERM handler (``save_on_sigterm``)."""
         try:
             self.wait()
         finally:
+            self._cadence.close()
             self._drainer.close()
             self._exit_hook.detach()
 
@@ -566,6 +644,11 @@ def _on_node(level: Level, node: int) -> Level:
 
 #: How many times a restore re-plans around damaged sources before giving up.
 _RESTORE_ROUNDS = 4
+
+
+def _check_step(step: object) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"step must be a non-negative integer, got {step!r}")
 
 
 def _why(plan: Restore | None) -> str:

@@ -139,8 +139,8 @@ def test_a_missing_requested_step_is_an_error_never_a_fresh_start(tmp_path):
 
 
 def test_configuration_errors():
-    with pytest.raises(ConfigError, match="must take every save"):
-        CheckpointManager([Level("/tmp/x", every=2)])
+    with pytest.raises(ConfigError, match="step must be a non-negative integer, got -1"):
+        CheckpointManager([Level("/tmp/x", every=2)]).step({}, -1)
     with pytest.raises(ConfigError, match=r"keep must be None or an integer >= 1"):
         Level("/tmp/x", keep=0)
 

@@ -21,6 +21,7 @@ from dcp_multilevel.schedule import (
     LevelState,
     Observation,
     OverheadBound,
+    SavePolicy,
     Schedule,
     TimeBounds,
     YoungDaly,
@@ -152,11 +153,28 @@ def test_young_daly_never_saves_a_level_before_its_interval(cost, mtbf_hours, la
             assert i in decision.levels
 
 
+class EveryThird(SavePolicy):
+    def due(self, index, level, step):
+        return step % 3 == 0
+
+
 def test_a_per_step_rule_decides_through_due():
-    decision = FixedInterval().decide(_obs(0.0, [None] * 3, [None] * 3, step=8))
-    assert decision == Decision(frozenset({0, 1, 2}), "FixedInterval")
-    decision = FixedInterval().decide(_obs(0.0, [None] * 3, [None] * 3, step=6))
-    assert decision.levels == {0, 1}
+    decision = EveryThird().decide(_obs(0.0, [None] * 3, [None] * 3, step=6))
+    assert decision == Decision(frozenset({0, 1, 2}), "EveryThird")
+    decision = EveryThird().decide(_obs(0.0, [None] * 3, [None] * 3, step=7))
+    assert decision.levels == {0}  # the first level takes every step's save
+    assert not EveryThird.deterministic  # asked on rank 0, sent to the others
+
+
+def test_fixed_intervals_pace_every_level_the_first_included():
+    policy = FixedInterval()
+    assert policy.deterministic
+    levels = (Level("/l1", every=2), Level("partner:/p", replicas=2, every=3), LEVELS[2])
+    obs = [Observation(s, 0.0, tuple(LevelState(i, lv) for i, lv in enumerate(levels)))
+           for s in range(9)]  # fmt: skip
+    assert [sorted(policy.decide(o).levels) for o in obs] == [
+        [0, 1, 2], [], [0], [0, 1], [0, 2], [], [0, 1], [], [0, 2],
+    ]  # fmt: skip
 
 
 def test_convergence_aware_intervals_grow_as_progress_slows():

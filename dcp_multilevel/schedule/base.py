@@ -119,6 +119,10 @@ class SavePolicy:
     adaptive one), or both.
     """
 
+    #: True when the step number alone decides (the same on every rank with no
+    #: exchange); otherwise the manager asks rank 0 and sends its decision.
+    deterministic: bool = False
+
     def due(self, index: int, level: Level, step: int) -> bool:
         """Whether the save of ``step`` goes to ``level`` (the ``index``-th, 1 and up)."""
         raise NotImplementedError(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..levels.options import Level
-from .base import SavePolicy
+from .base import Decision, Observation, SavePolicy
 
 __all__ = ["FixedInterval"]
 
@@ -15,9 +15,18 @@ class FixedInterval(SavePolicy):
     what torchtitan's ``interval`` and Orbax's ``save_interval_steps`` do.
     """
 
+    deterministic = True
+
     def due(self, index: int, level: Level, step: int) -> bool:
         """``step % level.every == 0``."""
         return step % level.every == 0
+
+    def decide(self, observation: Observation) -> Decision:
+        """Every level whose ``every`` divides the step (the first level's too)."""
+        chosen = {
+            s.index for s in observation.levels if self.due(s.index, s.level, observation.step)
+        }
+        return Decision(frozenset(chosen), "fixed-interval")
 
     def __repr__(self) -> str:
         return "FixedInterval()"

@@ -1,0 +1,105 @@
+"""CheckpointManager.step: one save decision on every rank, and saving on SIGTERM.
+
+Real processes (gloo), real files, real signals.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_multilevel import BalancedSavePlanner, CheckpointManager, Level
+from dcp_multilevel.schedule import ConvergenceAware, FailureModel, FixedInterval, YoungDaly
+from tests._dist import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.full((64, 64), float(step)), "step": step}
+
+
+class FailOnRankOne(BalancedSavePlanner):
+    """Fails the planning of rank 1's second save (a save failing on one rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def create_local_plan(self):
+        self.calls += 1
+        if torch.distributed.get_rank() == 1 and self.calls == 2:
+            raise RuntimeError("rank 1 cannot plan this save")
+        return super().create_local_plan()
+
+
+def _adaptive_job(rank: int, world: int, root: str) -> list[tuple[int, list[str] | str]]:
+    levels = [Level(f"{root}/l1", keep=2), Level(f"{root}/remote", keep=2)]
+    # A tiny mean time between failures: Young/Daly saves every fraction of a second;
+    # the losses (which differ per rank) scale the intervals.
+    policy = ConvergenceAware(YoungDaly(FailureModel(0.0002), default_cost=0.02))
+    mgr = CheckpointManager(levels, schedule=policy, planner=FailOnRankOne(),
+                            drain_policy="wait")  # fmt: skip
+    taken: list[tuple[int, list[str] | str]] = []
+    for step in range(80):
+        time.sleep(0.01 * (1 + rank))  # ranks at different paces, losses that differ
+        try:
+            metrics = mgr.step(_state(step), step=step, loss=10.0 / (step + 1) + rank)
+        except CheckpointException:
+            taken.append((step, "failed"))
+            continue
+        if metrics is not None:
+            taken.append((step, metrics.drains_started))
+    mgr.close()
+    return taken
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_takes_rank_0s_decisions_even_after_a_failed_save(tmp_path, world):
+    taken = run_ranks(_adaptive_job, world, str(tmp_path), timeout=240)
+    assert all(t == taken[0] for t in taken), taken
+    saves = [step for step, what in taken[0] if what != "failed"]
+    assert len(saves) >= 3 and [what for _, what in taken[0]].count("failed") == 1, taken[0]
+    assert any(what and what != "failed" for _, what in taken[0])  # the remote took some
+
+
+def _sigterm_job(rank: int, world: int, root: str) -> tuple[str, int, int]:
+    levels = [Level(f"{root}/l1", every=1000), Level(f"{root}/remote", every=1000)]
+    mgr = CheckpointManager(levels, schedule=FixedInterval(), save_on_sigterm=True,
+                            check_seconds=0.0)  # fmt: skip
+    step = 1
+    try:
+        for step in range(1, 200):
+            if rank == 1 and step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)  # only rank 1 is told
+            time.sleep(0.005)
+            mgr.step(_state(step), step=step)
+    except SystemExit as e:
+        return "exited", e.code, step
+    finally:
+        handler = signal.getsignal(signal.SIGTERM)
+    return "ran out", handler == signal.SIG_DFL, step
+
+
+def _resume_job(rank: int, world: int, root: str) -> int | None:
+    mgr = CheckpointManager([Level(f"{root}/l1"), Level(f"{root}/remote")])
+    state = {"w": torch.zeros(64, 64), "step": -1}
+    step = mgr.load_latest(state)
+    mgr.close()
+    assert step is not None and torch.equal(state["w"], _state(step)["w"])
+    return step
+
+
+def test_sigterm_on_one_rank_saves_the_same_step_everywhere_then_exits(tmp_path):
+    out = run_ranks(_sigterm_job, 2, str(tmp_path), timeout=240)
+    assert [o[:2] for o in out] == [("exited", 143), ("exited", 143)], out
+    stopped = out[0][2]
+    assert out[1][2] == stopped and stopped >= 5
+    assert (tmp_path / "l1" / f"step-{stopped}" / "manifest.json").exists()
+    assert not (tmp_path / "remote").exists() or not list((tmp_path / "remote").iterdir())
+    assert run_ranks(_resume_job, 2, str(tmp_path), timeout=240) == [stopped, stopped]
