@@ -43,8 +43,9 @@ def _adaptive_job(rank: int, world: int, root: str) -> list[tuple[int, list[str]
     # A tiny mean time between failures: Young/Daly saves every fraction of a second;
     # the losses (which differ per rank) scale the intervals.
     policy = ConvergenceAware(YoungDaly(FailureModel(0.0002), default_cost=0.02))
+    records: list[dict] = []
     mgr = CheckpointManager(levels, schedule=policy, planner=FailOnRankOne(),
-                            drain_policy="wait")  # fmt: skip
+                            drain_policy="wait", on_metrics=records.append)  # fmt: skip
     taken: list[tuple[int, list[str] | str]] = []
     for step in range(80):
         time.sleep(0.01 * (1 + rank))  # ranks at different paces, losses that differ
@@ -56,6 +57,12 @@ def _adaptive_job(rank: int, world: int, root: str) -> list[tuple[int, list[str]
         if metrics is not None:
             taken.append((step, metrics.drains_started))
     mgr.close()
+    # Every decision that saved is explained: which rule fired, on what, with what interval.
+    decisions = [r for r in records if r["kind"] == "decision"]
+    assert [r["step"] for r in decisions] == [step for step, _ in taken]
+    for r in decisions:
+        assert "young-daly" in r["policy"] and r["intervals"]["0"] > 0
+        assert {"blocked_seconds", "rates_per_hour", "rules"} <= set(r["inputs"])
     return taken
 
 
