@@ -58,6 +58,10 @@ Costs = Callable[[], tuple[float | None, dict[int, float]]]
 _STEP_WEIGHT = 0.1
 
 
+def _no_costs() -> tuple[float | None, dict[int, float]]:
+    return None, {}
+
+
 @dataclass(frozen=True)
 class Tick:
     """What one training step asks of the manager."""
@@ -145,8 +149,8 @@ class Cadence:
             )  # fmt: skip
         deterministic = self.policy.deterministic
         decision: Decision | None = None
-        if deterministic:
-            decision = self.policy.decide(self.observation(step, loss, costs))
+        if deterministic:  # the step number decides: no costs to gather
+            decision = self.policy.decide(self.observation(step, loss, _no_costs))
         if (deterministic and not self.save_on_sigterm) or step < self._next_check:
             return Tick(decision if decision is not None and decision.levels else None)
         mine: dict[str, Any] = {"sigterm": self._signalled}

@@ -273,11 +273,13 @@ class CheckpointManager:
         recent = [m.blocked_seconds + m.waited_seconds for m in self.metrics[-5:]]
         blocked = statistics.median(recent) if recent else None
         drains: dict[int, float] = {}
-        for result in self._drainer.results:
-            if result.committed:
-                index = next((i for i, d in enumerate(self.drivers) if d.url == result.level), None)
-                if index is not None:
-                    drains[index] = result.seconds
+        index_of = {d.url: i for i, d in enumerate(self.drivers)}
+        for result in reversed(self._drainer.results):  # the newest first
+            index = index_of.get(result.level)
+            if result.committed and index is not None and index not in drains:
+                drains[index] = result.seconds
+                if len(drains) == len(self.drivers) - 1:
+                    break
         return blocked, drains
 
     def save(self, state_dict: dict[str, Any], step: int) -> SaveMetrics:
