@@ -47,7 +47,9 @@ def _adaptive_job(rank: int, world: int, root: str) -> list[tuple[int, list[str]
     mgr = CheckpointManager(levels, schedule=policy, planner=FailOnRankOne(),
                             drain_policy="wait", on_metrics=records.append)  # fmt: skip
     taken: list[tuple[int, list[str] | str]] = []
-    for step in range(80):
+    for step in range(2000):
+        if len(taken) >= 4:  # the same step on every rank while their decisions agree
+            break
         time.sleep(0.01 * (1 + rank))  # ranks at different paces, losses that differ
         try:
             metrics = mgr.step(_state(step), step=step, loss=10.0 / (step + 1) + rank)
@@ -71,7 +73,7 @@ def test_every_rank_takes_rank_0s_decisions_even_after_a_failed_save(tmp_path, w
     taken = run_ranks(_adaptive_job, world, str(tmp_path), timeout=240)
     assert all(t == taken[0] for t in taken), taken
     saves = [step for step, what in taken[0] if what != "failed"]
-    assert len(saves) >= 3 and [what for _, what in taken[0]].count("failed") == 1, taken[0]
+    assert len(saves) == 3 and [what for _, what in taken[0]].count("failed") == 1, taken[0]
     assert any(what and what != "failed" for _, what in taken[0])  # the remote took some
 
 
