@@ -51,15 +51,15 @@ __all__ = ["Cadence", "Costs", "Tick"]
 logger = logging.getLogger(__name__)
 
 #: Measured costs on this rank: (first level's blocked seconds per save, or None;
-#: level index -> its last drain's seconds).
-Costs = Callable[[], tuple[float | None, dict[int, float]]]
+#: level index -> its last drain's seconds; the levels whose drain is running).
+Costs = Callable[[], tuple[float | None, dict[int, float], set[int]]]
 
 #: Weight of the newest step in the step-time average (exponential).
 _STEP_WEIGHT = 0.1
 
 
-def _no_costs() -> tuple[float | None, dict[int, float]]:
-    return None, {}
+def _no_costs() -> tuple[float | None, dict[int, float], set[int]]:
+    return None, {}, set()
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class Cadence:
 
     def observation(self, step: int, loss: float | None, costs: Costs) -> Observation:
         """This rank's view of ``step`` (rank 0's is the one decisions are made from)."""
-        blocked, drains = costs()
+        blocked, drains, busy = costs()
         states = tuple(
             LevelState(
                 i, level,
@@ -132,6 +132,7 @@ class Cadence:
                 last_time=self._last[i][1] if i in self._last else None,
                 cost_seconds=blocked if i == 0 else drains.get(i),
                 survives=self.survives[i],
+                busy=i in busy,
             )
             for i, level in enumerate(self.levels)
         )  # fmt: skip

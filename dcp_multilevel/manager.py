@@ -267,9 +267,10 @@ class CheckpointManager:
         finally:
             self._cadence.stepped()
 
-    def _costs(self) -> tuple[float | None, dict[int, float]]:
+    def _costs(self) -> tuple[float | None, dict[int, float], set[int]]:
         """This rank's measured costs: the first level's blocked seconds per save (median
-        of the last five), and each higher level's last committed drain's seconds."""
+        of the last five), each higher level's last committed drain's seconds, and the
+        levels a drain is running to."""
         recent = [m.blocked_seconds + m.waited_seconds for m in self.metrics[-5:]]
         blocked = statistics.median(recent) if recent else None
         drains: dict[int, float] = {}
@@ -280,7 +281,8 @@ class CheckpointManager:
                 drains[index] = result.seconds
                 if len(drains) == len(self.drivers) - 1:
                     break
-        return blocked, drains
+        busy = {i for i, d in enumerate(self.drivers) if i > 0 and self._drainer.busy(d)}
+        return blocked, drains, busy
 
     def save(self, state_dict: dict[str, Any], step: int) -> SaveMetrics:
         """Save ``state_dict`` as ``step``; return once the first level has committed it.

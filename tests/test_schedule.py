@@ -89,6 +89,12 @@ def test_young_daly_saves_each_level_once_its_interval_passed():
     assert later.inputs["rules"] == {"0": "young-daly", "1": "young-daly", "2": "drain-duration"}
 
 
+def test_a_level_whose_copy_is_still_running_is_not_chosen():
+    policy = YoungDaly(FailureModel(8.0), ("first", "node", "store"))
+    states = tuple(LevelState(i, LEVELS[i], 0, 0.0, 2.0, busy=i == 2) for i in range(3))
+    assert policy.decide(Observation(10, 1e7, states)).levels == {0, 1}
+
+
 def test_bounds_on_intervals_and_which_rule_fired():
     model = FailureModel(8.0)
     inner = YoungDaly(model, ("first", "node", "store"))

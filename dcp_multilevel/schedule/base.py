@@ -50,6 +50,8 @@ class LevelState:
             (background: it blocks training only through the first level's
             save it starts from). None until measured.
         restore_seconds: measured (or estimated) time to restore from it; None if unknown.
+        busy: a copy to it is still running (a save sent there now would be
+            skipped: interval policies leave it out until it is done).
         survives: the failures it survives (``schedule/failures.py``): ``"first"``
             (a process crash: the node's own disk), ``"node"`` (a lost node:
             copies on other nodes) or ``"store"`` (anything: a store elsewhere).
@@ -62,6 +64,7 @@ class LevelState:
     cost_seconds: float | None = None
     restore_seconds: float | None = None
     survives: str | None = None
+    busy: bool = False
 
 
 @dataclass(frozen=True)

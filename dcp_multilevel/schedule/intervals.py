@@ -46,7 +46,8 @@ class IntervalPolicy(SavePolicy):
         raise NotImplementedError
 
     def decide(self, observation: Observation) -> Decision:
-        """The levels whose interval passed since their last save (the start for none).
+        """The levels whose interval passed since their last save (the start for none),
+        but not a busy one (its previous copy still running).
 
         The decision names the rules that set the chosen levels' intervals
         (all levels' when none is chosen); ``inputs["rules"]`` has each level's.
@@ -56,6 +57,7 @@ class IntervalPolicy(SavePolicy):
             s.index
             for s in observation.levels
             if s.index in intervals
+            and not s.busy
             and observation.time - (s.last_time or 0.0) >= intervals[s.index].seconds
         )
         named = chosen or frozenset(intervals)
