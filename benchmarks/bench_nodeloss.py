@@ -81,7 +81,7 @@ faster than from the remote alone; erasure storage exactly (k+m)/k of the
 checkpoint plus padding under 1 % of it; encode throughput at least that of
 zfec itself on the same bytes (within 5 %).
 
-    python benchmarks/bench_nodeloss.py --json /tmp/nodeloss.json   # ~10 min
+    python benchmarks/bench_nodeloss.py --json /tmp/nodeloss.json   # ~9 min
     python benchmarks/bench_nodeloss.py --quick                     # tiny state, one round
 """
 
