@@ -4,7 +4,9 @@
   directory behind a simulated link of ``mbps`` MB/s. Every upload
   (``put_file``/``pipe_file``) and download (``cat_file``) holds one shared link
   per direction for ``bytes / bandwidth`` seconds (FIFO), the real copy running
-  inside that time.
+  inside that time. The link is shared within one process, or, with
+  ``link_dir=<dir>``, by every process that names the same directory (a
+  simulated node's ranks sharing its network link).
 * :func:`moto_s3`: a moto ``ThreadedMotoServer`` on 127.0.0.1 (a free port, dummy
   credentials, ``AWS_ENDPOINT_URL``), run in a child process so that its request
   handling does not compete for the measuring process's GIL; reached with s3fs.
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 import subprocess
@@ -20,7 +23,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import fsspec
@@ -60,21 +63,74 @@ def _link(mbps: float, direction: str) -> _Link:
         return _LINKS.setdefault((mbps, direction), _Link(mbps * 1e6))
 
 
+class _FileLink:
+    """A :class:`_Link` whose state is a file, so that processes share it.
+
+    The time the link is next free (``time.monotonic``, one clock for every
+    process on a Linux machine) is kept in ``path`` and updated under an
+    exclusive ``flock``: transfers from every process naming the file queue
+    FIFO on it.
+    """
+
+    def __init__(self, path: str, bytes_per_s: float) -> None:
+        self.path = path
+        self.bytes_per_s = bytes_per_s
+
+    def hold(self, nbytes: int) -> float:
+        """Reserve the link for ``nbytes``; return the ``time.monotonic`` it ends."""
+        # Every call opens the file anew: flock then also orders this process's threads.
+        with open(self.path, "a+b") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                f.seek(0)
+                text = f.read().decode() or "0"
+                start = max(time.monotonic(), float(text))
+                free_at = start + nbytes / self.bytes_per_s
+                f.seek(0)
+                f.truncate()
+                f.write(repr(free_at).encode())
+                f.flush()
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+        return free_at
+
+    @staticmethod
+    def until(t: float) -> None:
+        delay = t - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
+def _shared_link(link_dir: str, mbps: float, direction: str) -> _FileLink:
+    os.makedirs(link_dir, exist_ok=True)
+    return _FileLink(os.path.join(link_dir, f"{direction}-{mbps:g}"), mbps * 1e6)
+
+
 class ThrottledFileSystem(LocalFileSystem):
     """``throttled:///path``: a local directory behind a bandwidth-limited link.
 
     Uploads (``put_file``, ``pipe_file``) and downloads (``cat_file``) take at
     least ``bytes / (mbps * 1e6)`` seconds each, queued on one link per
-    direction shared by every instance with the same ``mbps``; metadata calls
-    (``info``, ``ls``, ``rm``) are free.
+    direction shared by every instance with the same ``mbps`` in this process,
+    or, with ``link_dir``, by every instance in any process with the same
+    ``link_dir`` and ``mbps``; metadata calls (``info``, ``ls``, ``rm``) are free.
     """
 
     protocol = ("throttled",)
 
-    def __init__(self, mbps: float = 200.0, **kwargs: Any) -> None:
+    def __init__(self, mbps: float = 200.0, link_dir: str | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("auto_mkdir", True)
         super().__init__(**kwargs)
         self.mbps = float(mbps)
+        self.link_dir = link_dir
+
+    def _hold(self, direction: str, nbytes: int) -> Callable[[], None]:
+        """Reserve this filesystem's link in ``direction``; returns the wait for its end."""
+        if self.link_dir is None:
+            done = _link(self.mbps, direction).hold(nbytes)
+            return lambda: _Link.until(done)
+        done = _shared_link(self.link_dir, self.mbps, direction).hold(nbytes)
+        return lambda: _FileLink.until(done)
 
     @classmethod
     def _strip_protocol(cls, path: Any) -> str:
@@ -84,18 +140,18 @@ class ThrottledFileSystem(LocalFileSystem):
         return super()._strip_protocol(path)
 
     def put_file(self, lpath: str, rpath: str, callback: Any = None, **kwargs: Any) -> None:
-        done = _link(self.mbps, "up").hold(os.path.getsize(lpath))
+        wait = self._hold("up", os.path.getsize(lpath))
         super().put_file(lpath, rpath, callback=callback, **kwargs)
-        _Link.until(done)
+        wait()
 
     def pipe_file(self, path: str, value: bytes, *args: Any, **kwargs: Any) -> None:
-        done = _link(self.mbps, "up").hold(len(value))
+        wait = self._hold("up", len(value))
         super().pipe_file(path, value, *args, **kwargs)
-        _Link.until(done)
+        wait()
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kw: Any):
         data = super().cat_file(path, start=start, end=end, **kw)
-        _Link.until(_link(self.mbps, "down").hold(len(data)))
+        self._hold("down", len(data))()
         return data
 
 
