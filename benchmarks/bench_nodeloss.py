@@ -44,8 +44,8 @@ store: ``new_job``). Per configuration and round:
    so no rank computes; the drains run meanwhile); then ``mgr.wait()``. Each
    manager's first save carries one-time costs (DCP's plan cache, first use of
    the gloo groups) and is left out of the medians. Per level and save:
-   ``DrainResult.bytes_stored`` (new bytes on the level; for the remote, rank
-   0's figure, which is the whole level's) and ``bytes_sent`` (bytes sent to
+   ``DrainResult.bytes_stored`` (new bytes this rank put on the level) and
+   ``bytes_sent`` (bytes sent to
    other ranks) summed over ranks, drain seconds of the slowest rank. After
    the last save, the bytes on disk: the node-local level's files that are
    not hard links to L1 (partner copies; erasure parity blocks).
@@ -476,12 +476,7 @@ def summarize(records: list[dict], cfg: Config, lose_node: int) -> Summary:
             for lv in levels
         }
 
-    stored = per_level("stored", _sum_by)
-    # A store level's coordinator (rank 0) reports the bytes of the whole level, the
-    # other ranks their own share: the level's bytes are rank 0's figure.
-    remote = _max_by([r for r in mine if r["rank"] == 0],
-                     lambda s: s["drains"].get("remote", {}).get("stored", 0))  # fmt: skip
-    stored["remote"] = _of(remote, cfg.name)
+    stored = per_level("stored", _sum_by)  # every rank reports its own share
     restores: dict[int, list[dict]] = {}
     for r in mine:
         restores.setdefault(r["round"], []).append(r)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import itertools
 import logging
 import signal
 import statistics
@@ -206,6 +207,10 @@ class CheckpointManager:
         self._known: dict[int, set[int]] = {i: set() for i in range(n)}
         self._skipped: dict[int, set[int]] = {i: set() for i in range(n)}
         self._generation = 0
+        # Drain ids key values in the c10d store that every manager of the process
+        # group shares: a second manager must not read the first one's. Managers are
+        # built collectively, in the same order on every rank: the same number.
+        self._instance = next(_INSTANCES)
         self.metrics: list[SaveMetrics] = []
         self.last_load_sources: dict[str, int] = {}
         #: The last load's restore: files each level brought onto this rank's node.
@@ -326,7 +331,8 @@ class CheckpointManager:
                     self.drivers[0].delete(s)
         source = self.drivers[0].checkpoint(step)
         for i in due:
-            job = DrainJob(step, source, self.drivers[i], f"{i}-{step}-{self._generation}",
+            job = DrainJob(step, source, self.drivers[i],
+                           f"m{self._instance}-{i}-{step}-{self._generation}",
                            committed)  # fmt: skip
             if self._drainer.submit(job, skip=i in skip) is None:
                 self._skipped[i].add(step)
@@ -560,7 +566,7 @@ class CheckpointManager:
                 # skip=False: the same decision on every rank (wait for a running drain).
                 self._drainer.submit(DrainJob(
                     step, self.drivers[0].checkpoint(step), self.drivers[i],
-                    f"{i}-{step}-{self._generation}-resume", time.time(),
+                    f"m{self._instance}-{i}-{step}-{self._generation}-resume", time.time(),
                 ), skip=False)  # fmt: skip
 
     # ------------------------------------------------------------------ lifecycle
@@ -645,6 +651,9 @@ def _on_node(level: Level, node: int) -> Level:
     values = {f.name: getattr(level, f.name) for f in dataclasses.fields(Level)}
     return Level(**{**values, "url": expand_node(level.url, node)})
 
+
+#: Numbers the managers of this process (see ``_instance``).
+_INSTANCES = itertools.count()
 
 #: How many times a restore re-plans around damaged sources before giving up.
 _RESTORE_ROUNDS = 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import signal
@@ -539,3 +540,30 @@ def test_a_remote_first_tier_drains_verbatim_by_streaming(tmp_path):
     assert fresh.load_latest(loaded) == 6
     check(loaded, 6)
     fresh.close()
+
+
+def _two_managers_job(rank: int, world: int, root: str) -> list[bool]:
+    import time as time_
+
+    from dcp_multilevel.levels import store
+
+    out = []
+    for name in ("a", "b"):  # the same steps, other roots, one process group
+        if name == "b" and rank == 0:  # rank 0 commits late: nobody may finish before it
+            copy = store.copy_rank_files
+            store.copy_rank_files = lambda *a, copy=copy: (time_.sleep(1.5), copy(*a))[1]
+        mgr = CheckpointManager([Level(f"{root}/{name}/l1"), Level(f"{root}/{name}/remote")],
+                                drain_policy="wait")  # fmt: skip
+        mgr.save({"w": torch.full((32, 32), float(rank))}, step=1)
+        done = all(r.committed and r.error is None for r in mgr.wait())
+        # A finished drain means "on the level": its manifest is there.
+        out.append(done and os.path.exists(f"{root}/{name}/remote/step-1/manifest.json"))
+        mgr.close()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_two_managers_in_one_process_group_drain_apart(tmp_path):
+    # Drains agree through the c10d store, which every manager of the group shares:
+    # manager b's ranks must not take manager a's values (its commit, its manifest).
+    assert run_ranks(_two_managers_job, 2, str(tmp_path), timeout=180) == [[True, True]] * 2

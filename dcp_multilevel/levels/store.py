@@ -68,11 +68,13 @@ class StoreLevel(LevelDriver):
         )  # fmt: skip
         link.announce_commit()
         result.committed = True
-        result.bytes_stored = sum(files.values())
+        # bytes_stored stays this rank's share (as on every rank: sums add up);
+        # the level's total is in the details.
+        result.details["level_bytes"] = sum(files.values())
         result.lag_seconds = time.time() - job.committed_unix
         logger.info(
             "dcp_multilevel: step %d committed on %s (%d bytes, lag %.2f s)",
-            job.step, self.url, result.bytes_stored, result.lag_seconds,
+            job.step, self.url, result.details["level_bytes"], result.lag_seconds,
         )  # fmt: skip
         return result
 
