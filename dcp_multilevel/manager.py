@@ -14,8 +14,10 @@ Call order (every rank, main thread; the same steps on every rank)::
 
 The manager composes the parts, each in its own place: levels and their
 drivers (``levels/``: who sends which bytes where, drains, the collective
-agreement on what to load), the save-decision policy (``schedule/``), the
-retention rules (``retention.py``), stored checkpoints (``checkpoint/``).
+agreement on what to load, restores), the save-decision policy
+(``schedule/``) and when ``step`` asks it (``cadence.py``), the load path
+(``loading.py``), the retention rules (``retention.py``), stored
+checkpoints (``checkpoint/``).
 
 A checkpoint exists on a level iff its manifest there exists. The first
 level may be node-local: then only rank 0's node has the manifest, and
@@ -45,7 +47,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from . import _dist, retention
@@ -61,22 +62,13 @@ from .levels import (
     driver_for,
     level_kind,
 )
-from .levels.agreement import Restore, Views, gather_views, restorable
+from .levels.agreement import Restore, gather_views
 from .levels.base import LevelContext
-from .levels.restore import (
-    RestorePlan,
-    RestoreReport,
-    execute,
-    gather_inventories,
-    needed_files,
-    plan_restore,
-    set_aside_damaged,
-    take_inventory,
-)
+from .levels.restore import RestoreReport
 from .levels.topology import NODE_FIELD, Topology, expand_node, node_from_env
+from .loading import Loader
 from .metrics import MetricsSink, SaveMetrics
 from .planner import BalancedSavePlanner
-from .reader import MultiLevelReader
 from .schedule import FixedInterval, SavePolicy
 from .stores.location import parse_location
 from .writer import MultiLevelWriter
@@ -212,9 +204,8 @@ class CheckpointManager:
         # built collectively, in the same order on every rank: the same number.
         self._instance = next(_INSTANCES)
         self.metrics: list[SaveMetrics] = []
-        self.last_load_sources: dict[str, int] = {}
-        #: The last load's restore: files each level brought onto this rank's node.
-        self.last_restore: RestoreReport | None = None
+        self._loader = Loader(self.drivers, self._names, self.topology, self._restore_group,
+                              self._drainer)  # fmt: skip
         if sweep_older_than_s is not None:
             for driver in self.drivers:
                 try:
@@ -351,6 +342,16 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load
 
+    @property
+    def last_load_sources(self) -> dict[str, int]:
+        """After a load: how many items each copy served on this rank."""
+        return self._loader.last_load_sources
+
+    @property
+    def last_restore(self) -> RestoreReport | None:
+        """The last load's restore: files brought onto this rank's node, by source."""
+        return self._loader.last_restore
+
     def steps(self, level_index: int) -> list[int]:
         """Steps with a complete checkpoint on level ``level_index``, ascending."""
         return self.drivers[level_index].steps()
@@ -371,11 +372,11 @@ class CheckpointManager:
         candidates = views.candidates()
         newest: Restore | None = None
         for step in reversed(candidates):
-            plan = self._restorable(step, views, state_dict, planner)
+            plan = self._loader.plan(step, views, state_dict, planner)
             newest = newest or plan
             if plan.ok:
                 try:
-                    self._load(state_dict, plan, planner)
+                    self._loader.load(state_dict, plan, planner)
                 except CheckpointNotFoundError as e:
                     # Damage found only while copying (every rank re-planned alike):
                     # the next older step may still be whole.
@@ -398,18 +399,6 @@ class CheckpointManager:
             )
         return None
 
-    def _restorable(self, step: int, views: Views, state_dict: dict[str, Any],
-                    planner: LoadPlanner | None) -> Restore:  # fmt: skip
-        plan = restorable(
-            step, self.drivers, views, node=self._node(),
-            needs=lambda manifest: needed_files(state_dict, manifest, planner),
-            transfers=self._restore_group is not None, names=self._names,
-        )  # fmt: skip
-        if not plan.ok:
-            logger.warning("dcp_multilevel: step %d cannot be restored: %s", step,
-                           "; ".join(plan.reasons))  # fmt: skip
-        return plan
-
     def _deletes_for_node(self) -> bool:
         """True on the rank that applies rank 0's first-level retention to its node's
         view: one rank per node (all but rank 0, when the topology is unknown)."""
@@ -418,10 +407,6 @@ class CheckpointManager:
             return rank != 0
         nodes = self.topology.nodes
         return nodes[rank] != nodes[0] and self.topology.ranks_on(nodes[rank])[0] == rank
-
-    def _node(self) -> int:
-        """This rank's node (its rank when the topology is unknown: nothing is shared)."""
-        return self.topology.nodes[_dist.rank()] if self.topology is not None else _dist.rank()
 
     def load(
         self, state_dict: dict[str, Any], step: int, *, planner: LoadPlanner | None = None
@@ -441,7 +426,7 @@ class CheckpointManager:
                 "step or call load_latest().",
                 checkpoint=self.levels[0].checkpoint_url(step),
             )
-        plan = self._restorable(step, views, state_dict, planner)
+        plan = self._loader.plan(step, views, state_dict, planner)
         if not plan.ok:
             raise CheckpointNotFoundError(
                 f"step {step} is committed on {self.levels[0].url}, but not every rank can reach "
@@ -450,108 +435,7 @@ class CheckpointManager:
                 "level holds.",
                 checkpoint=self.levels[0].checkpoint_url(step),
             )
-        self._load(state_dict, plan, planner)
-
-    def _load(self, state_dict: dict[str, Any], plan: Restore, planner) -> None:
-        if plan.plan is not None and plan.manifest is not None:
-            self.last_restore = self._bring_files(plan)
-        try:
-            self._read(state_dict, plan, planner)
-        except CheckpointException:
-            # Every rank sees DCP's failure. A first-level file damaged since the
-            # save (the reader found no intact copy on this node, and no store
-            # level holds the step) may still be intact on another node: set the
-            # damaged ones aside, fetch them like lost ones, and read again.
-            if plan.plan is None or plan.manifest is None or self._restore_group is None:
-                raise
-            bad = self._set_aside_damaged(plan)
-            if not bad:
-                raise
-            self.last_restore = self._bring_files(plan, bad, self.last_restore)
-            self._read(state_dict, plan, planner)
-
-    def _read(self, state_dict: dict[str, Any], plan: Restore, planner) -> None:
-        # The first level serves what this rank sees there (with what the restore
-        # brought); the rest comes, file by file, from the higher levels (the
-        # reader's per-item fallback).
-        copies = [self.drivers[i].checkpoint(plan.step) for i in plan.levels]
-        options = [self.drivers[i].root.storage_options for i in plan.levels]
-        reader = MultiLevelReader(
-            copies[0].location,
-            fallbacks=[c.location for c in copies[1:]],
-            storage_options=options[0],
-            fallback_storage_options=options[1:],
-            primary_manifest=plan.manifest if plan.levels[0] == 0 else None,
-        )
-        dcp.load(state_dict, storage_reader=reader, planner=planner)
-        self.last_load_sources = dict(reader.last_load_sources)
-
-    def _set_aside_damaged(self, plan: Restore) -> set[tuple[Any, ...]]:
-        """Check this node's first-level files of the step (one rank per node) and
-        rename the damaged ones aside; every node's findings, as bad sources. Collective."""
-        assert plan.manifest is not None
-        found: list[str] = []
-        rank = _dist.rank()
-        node = self._node()
-        if self.topology is None or self.topology.ranks_on(node)[0] == rank:
-            first = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest)
-            mine = [i for i in plan.inventories if i.node == node]
-            if len(plan.inventories) < _dist.world_size():  # the fast path kept only ours
-                mine = [dataclasses.replace(mine[0], needs=None)]  # check every file here
-            found = set_aside_damaged(first, mine)
-        everyone = _dist.all_gather_object((node, found))
-        bad = {("copy", n, f) for n, files in everyone for f in files}
-        if bad:
-            logger.warning("dcp_multilevel: step %d: damaged first-level files set aside, "
-                           "fetching intact copies: %s", plan.step, sorted(bad))  # fmt: skip
-        return bad
-
-    def _bring_files(self, plan: Restore, bad: set[tuple[Any, ...]] | None = None,
-                     report: RestoreReport | None = None) -> RestoreReport:  # fmt: skip
-        """Copy or rebuild onto each node the files it lacks (collective), in rounds:
-        a source found damaged (``bad``, and what each round finds) is left out of
-        the next round's plan. Counts go on ``report`` (a new one by default)."""
-        assert plan.plan is not None and plan.manifest is not None
-        t0 = time.perf_counter()
-        bad = set(bad or ())
-        steps = self._replan(plan, bad) if bad else plan.plan
-        report = report if report is not None else RestoreReport(plan.step)
-        for _ in range(_RESTORE_ROUNDS):
-            if not steps.actions:
-                break
-            for drain_driver in self.drivers:  # a running drain must not race the restore
-                self._drainer.finish(drain_driver)
-            found = execute(steps, self.drivers, plan.manifest, self._restore_group,
-                            plan.inventories)  # fmt: skip
-            found_everywhere = {tuple(b) for part in _dist.all_gather_object(found) for b in part}
-            report.add(steps, self._names, plan.inventories, self._node(), found_everywhere)
-            if not found_everywhere:
-                break
-            bad |= found_everywhere
-            logger.warning("dcp_multilevel: damaged sources for step %d: %s; trying others",
-                           plan.step, sorted(found_everywhere))  # fmt: skip
-            steps = self._replan(plan, bad)
-        report.seconds += time.perf_counter() - t0
-        if report.received:
-            logger.info("dcp_multilevel: step %d restored onto this node: %s in %.2f s",
-                        plan.step, report.received, report.seconds)  # fmt: skip
-        return report
-
-    def _replan(self, plan: Restore, bad: set[tuple[Any, ...]]) -> RestorePlan:
-        """A new plan from fresh inventories, leaving ``bad`` out (collective)."""
-        assert plan.manifest is not None
-        manifest = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest).manifest()
-        mine = next(i for i in plan.inventories if i.rank == _dist.rank())
-        inventory = take_inventory(plan.step, self.drivers, manifest, mine.needs, mine.node,
-                                   mine.whole)  # fmt: skip
-        plan.inventories = gather_inventories(inventory)
-        steps = plan_restore(plan.step, manifest.files, plan.inventories, self._names, bad)
-        if not steps.ok:
-            raise CheckpointNotFoundError(
-                f"step {plan.step} cannot be restored: " + "; ".join(steps.reasons),
-                checkpoint=self.levels[0].checkpoint_url(plan.step),
-            )
-        return steps
+        self._loader.load(state_dict, plan, planner)
 
     def _resume_drains(self, view: dict[int, list[int]]) -> None:
         first = view[0]
@@ -654,9 +538,6 @@ def _on_node(level: Level, node: int) -> Level:
 
 #: Numbers the managers of this process (see ``_instance``).
 _INSTANCES = itertools.count()
-
-#: How many times a restore re-plans around damaged sources before giving up.
-_RESTORE_ROUNDS = 4
 
 
 def _check_step(step: object) -> None:

@@ -12,9 +12,18 @@ from hypothesis import strategies as st
 
 from dcp_multilevel import ConfigError, Level
 from dcp_multilevel.levels import driver_for
-from dcp_multilevel.levels.erasure import group_layout, rechunk
+from dcp_multilevel.levels.erasure import group_layout
+from dcp_multilevel.levels.erasure_blocks import rechunk
 from dcp_multilevel.levels.erasure_code import ErasureCode
-from dcp_multilevel.levels.restore import Copy, Inventory, Link, Rebuild, plan_restore
+from dcp_multilevel.levels.restore_plan import (
+    Copy,
+    Inventory,
+    Link,
+    Rebuild,
+    in_rounds,
+    participants,
+    plan_restore,
+)
 from dcp_multilevel.levels.topology import Topology
 
 URLS = ["/l1", "partner:/p", "erasure:/e", "s3://remote"]
@@ -249,3 +258,31 @@ def test_node_local_levels_need_a_first_level_on_the_nodes_own_disk():
 
     with pytest.raises(ConfigError, match="must be a path on each node's own disk"):
         CheckpointManager([Level("memory://bucket/l1"), Level("partner:/p")])
+
+
+def _makespan(actions) -> int:
+    """Time steps to carry ``actions`` out when each rank takes its own in list order,
+    each action taking one step once all its ranks are free (blocking transfers)."""
+    free: dict[int, int] = {}
+    end = 0
+    for action in actions:
+        ranks = participants(action)
+        start = max((free.get(r, 0) for r in ranks), default=0)
+        for r in ranks:
+            free[r] = start + 1
+        end = max(end, start + 1)
+    return end
+
+
+def test_transfers_between_different_nodes_run_at_once():
+    # Node-local first levels, replicated state: every node needs every node's file.
+    nodes = 6
+    files = _files(nodes)
+    invs = [Inventory(n, n, None, files={0: [f"data/{n}-0.t.bin"]}) for n in range(nodes)]
+    plan = plan_restore(7, files, invs, URLS)
+    assert len(plan.actions) == nodes * (nodes - 1)
+    # A rank moves one file at a time, and each takes part in 2 (nodes - 1) copies:
+    # that many rounds at best; node after node, the copies would wait on each other.
+    assert _makespan(plan.actions) < 3 * (nodes - 1)  # first fit: 13 here, 10 at best
+    assert _makespan(sorted(plan.actions, key=lambda a: a.dst)) > 4 * nodes
+    assert in_rounds(plan.actions) == plan.actions  # ordering is idempotent

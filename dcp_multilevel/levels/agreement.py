@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from .. import _dist
 from ..format import Manifest, decode_manifest
 from .base import LevelDriver
-from .restore import Inventory, RestorePlan, gather_inventories, plan_restore, take_inventory
+from .restore import gather_inventories, take_inventory
+from .restore_plan import Inventory, RestorePlan, plan_restore
 
 __all__ = ["Restore", "Views", "gather_views", "restorable"]
 

@@ -8,9 +8,9 @@ lacks files its ranks must read. Before ``dcp.load``, the ranks:
    DCP's load planner on its state_dict, or all files), and what its node
    holds of the step on every level (``take_inventory``);
 2. exchange them (one all-gather) and compute the same :class:`RestorePlan`
-   on every rank (:func:`plan_restore`, pure): per missing file, in order,
-   a copy from another node holding it (its first level or a partner copy),
-   else an erasure rebuild of the member it belongs to, else a store level
+   on every rank (``restore_plan.py``, pure): per missing file, in order,
+   a link from another level of the node, a copy from another node holding
+   it, an erasure rebuild of the member it belongs to, a store level
    holding the whole step (the reader reads it there), else the step cannot
    be restored from here, and the reasons name the nodes, levels and groups;
 3. carry the plan out (:func:`execute`) over the restore's gloo group, into
@@ -39,21 +39,17 @@ from .. import _dist
 from ..checkpoint import StoredCheckpoint
 from ..format import Manifest
 from .base import LevelDriver
-from .erasure import ErasureLevel, block_chunks, rebuild, send_block
+from .erasure import ErasureLevel
+from .erasure_blocks import block_chunks, rebuild, send_block
 from .node_local import PLACEMENT_NAME, link_or_copy
+from .restore_plan import Copy, Inventory, Link, Rebuild, RestorePlan
 from .wire import SOURCE_ERRORS, file_blocks, recv_file, send_file
 
 __all__ = [
-    "Copy",
-    "Inventory",
-    "Link",
-    "Rebuild",
-    "RestorePlan",
     "RestoreReport",
     "execute",
     "gather_inventories",
     "needed_files",
-    "plan_restore",
     "set_aside_damaged",
     "take_inventory",
 ]
@@ -80,20 +76,6 @@ def needed_files(state_dict: dict[str, Any], manifest: Manifest, planner: Any) -
     except Exception as e:  # noqa: BLE001 - the real load will report it; fetch everything
         logger.debug("dcp_multilevel: load dry run failed (%s); restoring every file", e)
         return None
-
-
-@dataclass
-class Inventory:
-    """One rank's view of one step (JSON-able: exchanged with every rank)."""
-
-    rank: int
-    node: int
-    needs: list[str] | None  # None: every file
-    files: dict[int, list[str]] = field(default_factory=dict)  # level -> files on this node
-    whole: list[int] = field(default_factory=list)  # store levels above the first holding it
-    parity: dict[int, list[list[Any]]] = field(default_factory=dict)  # level -> [[group, block]]
-    groups: dict[int, dict[str, Any]] = field(default_factory=dict)  # level -> group -> desc
-    placement: list[int] | None = None  # node of each rank of the save, if recorded
 
 
 def take_inventory(
@@ -130,231 +112,6 @@ def _placement(ckpt: StoredCheckpoint) -> list[int] | None:
         return list(json.loads(ckpt.store.read_bytes(PLACEMENT_NAME))["nodes"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-@dataclass(frozen=True)
-class Link:
-    """Make ``file``, which ``dst``'s node holds on level ``level``, appear on its first level."""
-
-    file: str
-    level: int
-    dst: int
-
-
-@dataclass(frozen=True)
-class Copy:
-    """Send ``file`` from ``src``'s node (its copy on level ``level``) to ``dst``'s."""
-
-    file: str
-    level: int
-    src: int
-    dst: int
-
-
-@dataclass(frozen=True)
-class Rebuild:
-    """Rebuild members ``members`` of erasure group ``group`` (level ``level``) on
-    ``dst``'s node from ``sources`` ((block, rank) pairs)."""
-
-    level: int
-    group: str
-    members: tuple[int, ...]
-    sources: tuple[tuple[int, int], ...]
-    dst: int
-
-
-@dataclass
-class RestorePlan:
-    """Every rank's part of a restore (the same on every rank)."""
-
-    step: int
-    actions: list[Link | Copy | Rebuild] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)  # why it cannot work; empty: it can
-
-    @property
-    def ok(self) -> bool:
-        """True when every rank can read every file it needs."""
-        return not self.reasons
-
-
-def plan_restore(
-    step: int,
-    files: dict[str, int],
-    inventories: Sequence[Inventory],
-    level_urls: Sequence[str],
-    bad: set[tuple[Any, ...]] = frozenset(),  # type: ignore[assignment]
-    transfers: bool = True,
-) -> RestorePlan:
-    """How every node gets the files its ranks need (pure; see the module docstring).
-
-    ``bad`` holds the sources found damaged in earlier rounds:
-    ``("copy", node, file)`` (every copy of ``file`` on ``node``: after a restore
-    linked one level's copy into another, both are the same bytes) and
-    ``("block", level, group, block, rank)``.
-    With ``transfers=False`` (no group to move bytes over) only store levels help.
-    """
-    plan = RestorePlan(step)
-    nodes: dict[int, list[Inventory]] = {}
-    for inv in inventories:
-        nodes.setdefault(inv.node, []).append(inv)
-    groups: dict[int, dict[str, dict[str, Any]]] = {}
-    for inv in inventories:
-        for level, descs in inv.groups.items():
-            for g, desc in descs.items():
-                groups.setdefault(level, {}).setdefault(g, desc)
-    lacking: list[str] = []  # one line per node that lacks files (first in the reasons)
-    arrived: dict[int, tuple[int, set[str]]] = {}  # node -> (receiving rank, rebuilt files)
-    for node, invs in sorted(nodes.items()):
-        dst = min(inv.rank for inv in invs)
-        # Copies on this node found damaged (and what a restore linked to them).
-        spoiled = {key[2] for key in bad if key[0] == "copy" and key[1] == node}
-        have = {f for inv in invs for fs in inv.files.values() for f in fs} - spoiled
-        needed = set(files)
-        if all(inv.needs is not None for inv in invs):
-            needed = {f for inv in invs for f in inv.needs or ()}
-        mine = {f for inv in invs for f in inv.files.get(0, ())} - spoiled
-        for file in sorted(needed & (have - mine)):  # on another level of this very node
-            level = min(i for inv in invs for i, fs in inv.files.items() if file in fs)
-            plan.actions.append(Link(file, level, dst))
-        missing = sorted(needed - have)
-        covered = any(inv.whole for inv in invs)
-        unmet: list[str] = []
-        rebuilt: set[str] = set()
-        for file in missing:
-            if file in rebuilt:
-                continue
-            source = _copy_source(file, node, inventories, bad, arrived) if transfers else None
-            if source is not None:
-                plan.actions.append(Copy(file, source[0], source[1], dst))
-                continue
-            action = _rebuild_for(file, node, needed - have, groups, inventories, bad, dst,
-                                  level_urls, step) if transfers else None  # fmt: skip
-            if isinstance(action, Rebuild):
-                plan.actions.append(action)
-                desc = groups[action.level][action.group]
-                rebuilt |= {f for y in action.members for f, _ in desc["members"][y]["files"]}
-                arrived.setdefault(node, (dst, set()))[1].update(rebuilt)
-                continue
-            if not covered:
-                unmet.append(file)
-                if isinstance(action, str):
-                    plan.reasons.append(action)
-        if unmet:
-            ranks = sorted(inv.rank for inv in invs)
-            lacking.append(
-                f"node {node} (ranks {ranks}) lacks {len(unmet)} file(s) of step {step} that no "
-                f"node holds and no level can rebuild (e.g. {unmet[0]})"
-            )
-            copying = sorted({i for inv in inventories for i in inv.files if i > 0} - set(groups))
-            for i in copying:
-                plan.reasons.append(f"{level_urls[i]}: no node here holds a copy of {unmet[0]}")
-    plan.reasons[:0] = lacking
-    if plan.reasons:
-        lost = _lost_nodes(inventories)
-        if lost:
-            plan.reasons.append(
-                f"nodes that held step {step} and hold none of it now (lost or replaced): {lost}"
-            )
-        plan.reasons = list(dict.fromkeys(plan.reasons))
-        plan.actions = []
-    return plan
-
-
-def _lost_nodes(inventories: Sequence[Inventory]) -> list[int]:
-    """Nodes of the saving job (its placement) on which no rank holds the step now."""
-    placement = next((inv.placement for inv in inventories if inv.placement), None)
-    if not placement:
-        return []
-    holding = {inv.node for inv in inventories if any(fs for fs in inv.files.values())}
-    return sorted(set(placement) - holding)
-
-
-def _copy_source(
-    file: str,
-    node: int,
-    inventories: Sequence[Inventory],
-    bad: set[tuple[Any, ...]],
-    arrived: dict[int, tuple[int, set[str]]] | None = None,
-) -> tuple[int, int] | None:
-    """(level, rank) of the first intact copy of ``file`` on another node, lowest level
-    first; else a node that an earlier action of the plan brings it to (``arrived``:
-    node -> (its receiving rank, files)), so a lost member is rebuilt once, then copied."""
-    options = sorted(
-        (level, inv.rank)
-        for inv in inventories
-        if inv.node != node and ("copy", inv.node, file) not in bad
-        for level, fs in inv.files.items()
-        if file in fs
-    )
-    if options:
-        return options[0]
-    for other, (rank, files) in sorted((arrived or {}).items()):
-        if other != node and file in files and ("copy", other, file) not in bad:
-            return 0, rank
-    return None
-
-
-def _rebuild_for(
-    file: str,
-    node: int,
-    wanted: set[str],
-    groups: dict[int, dict[str, dict[str, Any]]],
-    inventories: Sequence[Inventory],
-    bad: set[tuple[Any, ...]],
-    dst: int,
-    level_urls: Sequence[str],
-    step: int,
-) -> Rebuild | str | None:
-    """A rebuild that yields ``file`` on ``node``, or why none can (None: no group has it)."""
-    reason: str | None = None
-    for level, descs in sorted(groups.items()):
-        for g, desc in sorted(descs.items()):
-            members = [{f for f, _ in m["files"]} for m in desc["members"]]
-            if not any(file in m for m in members):
-                continue
-            k, m = desc["data"], desc["parity"]
-            # Rebuild the members this node lacks and cannot copy (together: one pass).
-            lost = [
-                y for y in range(k)
-                if any(_copy_source(f, node, inventories, bad) is None for f in members[y] & wanted)
-            ]  # fmt: skip
-            holders = _block_holders(level, g, desc, members, inventories, bad)
-            usable = [(b, holders[b]) for b in range(k + m) if b not in lost and b in holders]
-            if len(usable) >= k:
-                return Rebuild(level, g, tuple(lost), tuple(usable[:k]), dst)
-            gone = [
-                desc["members"][b]["node"] if b < k else desc["parity_nodes"][b - k]
-                for b in range(k + m)
-                if b not in holders
-            ]
-            reason = (
-                f"{level_urls[level]}: group {g} of step {step}: RS({k}+{m}) needs {k} intact "
-                f"blocks, has {len(usable)} (blocks of nodes {gone} lost or damaged; tolerates "
-                f"{m})"
-            )
-    return reason
-
-
-def _block_holders(
-    level: int,
-    g: str,
-    desc: dict[str, Any],
-    members: list[set[str]],
-    inventories: Sequence[Inventory],
-    bad: set[tuple[Any, ...]],
-) -> dict[int, int]:
-    """block -> the lowest rank that can stream it intact."""
-    out: dict[int, int] = {}
-    k = desc["data"]
-    for inv in sorted(inventories, key=lambda i: i.rank):
-        held = set(inv.files.get(level, ()))
-        for y, files in enumerate(members):
-            if y not in out and files <= held and ("block", level, g, y, inv.rank) not in bad:
-                out[y] = inv.rank
-        for pg, b in inv.parity.get(level, ()):
-            if pg == g and b >= k and b not in out and ("block", level, g, b, inv.rank) not in bad:
-                out[b] = inv.rank
-    return out
 
 
 @dataclass

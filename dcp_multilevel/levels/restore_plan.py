@@ -1,0 +1,320 @@
+"""Restore planning, pure: which files each node must receive, and from where.
+
+Every rank computes the same :class:`RestorePlan` from every rank's
+:class:`Inventory` (what its ranks need, what its node holds on every level;
+``restore.py`` takes and exchanges them). For each node, for each file its
+ranks need and its first level lacks, in order:
+
+1. a :class:`Link` from another level of the same node (a hard link: no bytes move);
+2. a :class:`Copy` from another node holding it (the lowest level first), or
+   from a node an earlier action of the plan brings it to;
+3. a :class:`Rebuild` of the erasure member it belongs to (every member of
+   the group the node lacks, in one pass, from any ``data`` intact blocks),
+   once, on the first node that needs it;
+4. a store level holding the whole step (the reader reads it there);
+5. else the step cannot be restored, and :attr:`RestorePlan.reasons` names
+   the nodes, levels and groups.
+
+Sources found damaged in an earlier round are left out (``bad``). No I/O,
+no torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Copy",
+    "Inventory",
+    "Link",
+    "Rebuild",
+    "RestorePlan",
+    "in_rounds",
+    "participants",
+    "plan_restore",
+]
+
+
+@dataclass
+class Inventory:
+    """One rank's view of one step (JSON-able: exchanged with every rank)."""
+
+    rank: int
+    node: int
+    needs: list[str] | None  # None: every file
+    files: dict[int, list[str]] = field(default_factory=dict)  # level -> files on this node
+    whole: list[int] = field(default_factory=list)  # store levels above the first holding it
+    parity: dict[int, list[list[Any]]] = field(default_factory=dict)  # level -> [[group, block]]
+    groups: dict[int, dict[str, Any]] = field(default_factory=dict)  # level -> group -> desc
+    placement: list[int] | None = None  # node of each rank of the save, if recorded
+
+
+@dataclass(frozen=True)
+class Link:
+    """Make ``file``, which ``dst``'s node holds on level ``level``, appear on its first level."""
+
+    file: str
+    level: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Send ``file`` from ``src``'s node (its copy on level ``level``) to ``dst``'s."""
+
+    file: str
+    level: int
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class Rebuild:
+    """Rebuild members ``members`` of erasure group ``group`` (level ``level``) on
+    ``dst``'s node from ``sources`` ((block, rank) pairs); ``brings`` names the
+    files the rebuilt members hold."""
+
+    level: int
+    group: str
+    members: tuple[int, ...]
+    sources: tuple[tuple[int, int], ...]
+    dst: int
+    brings: tuple[str, ...] = ()
+
+
+@dataclass
+class RestorePlan:
+    """Every rank's part of a restore (the same on every rank)."""
+
+    step: int
+    actions: list[Link | Copy | Rebuild] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)  # why it cannot work; empty: it can
+
+    @property
+    def ok(self) -> bool:
+        """True when every rank can read every file it needs."""
+        return not self.reasons
+
+
+def plan_restore(
+    step: int,
+    files: dict[str, int],
+    inventories: Sequence[Inventory],
+    level_urls: Sequence[str],
+    bad: set[tuple[Any, ...]] = frozenset(),  # type: ignore[assignment]
+    transfers: bool = True,
+) -> RestorePlan:
+    """How every node gets the files its ranks need (pure; see the module docstring).
+
+    ``bad`` holds the sources found damaged in earlier rounds:
+    ``("copy", node, file)`` (every copy of ``file`` on ``node``: after a restore
+    linked one level's copy into another, both are the same bytes) and
+    ``("block", level, group, block, rank)``.
+    With ``transfers=False`` (no group to move bytes over) only store levels help.
+    """
+    plan = RestorePlan(step)
+    nodes: dict[int, list[Inventory]] = {}
+    for inv in inventories:
+        nodes.setdefault(inv.node, []).append(inv)
+    groups: dict[int, dict[str, dict[str, Any]]] = {}
+    for inv in inventories:
+        for level, descs in inv.groups.items():
+            for g, desc in descs.items():
+                groups.setdefault(level, {}).setdefault(g, desc)
+    lacking: list[str] = []  # one line per node that lacks files (first in the reasons)
+    arrived: dict[int, tuple[int, set[str]]] = {}  # node -> (receiving rank, rebuilt files)
+    for node, invs in sorted(nodes.items()):
+        dst = min(inv.rank for inv in invs)
+        # Copies on this node found damaged (and what a restore linked to them).
+        spoiled = {key[2] for key in bad if key[0] == "copy" and key[1] == node}
+        have = {f for inv in invs for fs in inv.files.values() for f in fs} - spoiled
+        needed = set(files)
+        if all(inv.needs is not None for inv in invs):
+            needed = {f for inv in invs for f in inv.needs or ()}
+        mine = {f for inv in invs for f in inv.files.get(0, ())} - spoiled
+        for file in sorted(needed & (have - mine)):  # on another level of this very node
+            level = min(i for inv in invs for i, fs in inv.files.items() if file in fs)
+            plan.actions.append(Link(file, level, dst))
+        missing = sorted(needed - have)
+        covered = any(inv.whole for inv in invs)
+        unmet: list[str] = []
+        rebuilt: set[str] = set()
+        for file in missing:
+            if file in rebuilt:
+                continue
+            source = _copy_source(file, node, inventories, bad, arrived) if transfers else None
+            if source is not None:
+                plan.actions.append(Copy(file, source[0], source[1], dst))
+                continue
+            action = _rebuild_for(file, node, needed - have, groups, inventories, bad, dst,
+                                  level_urls, step) if transfers else None  # fmt: skip
+            if isinstance(action, Rebuild):
+                plan.actions.append(action)
+                desc = groups[action.level][action.group]
+                rebuilt |= {f for y in action.members for f, _ in desc["members"][y]["files"]}
+                arrived.setdefault(node, (dst, set()))[1].update(rebuilt)
+                continue
+            if not covered:
+                unmet.append(file)
+                if isinstance(action, str):
+                    plan.reasons.append(action)
+        if unmet:
+            ranks = sorted(inv.rank for inv in invs)
+            lacking.append(
+                f"node {node} (ranks {ranks}) lacks {len(unmet)} file(s) of step {step} that no "
+                f"node holds and no level can rebuild (e.g. {unmet[0]})"
+            )
+            copying = sorted({i for inv in inventories for i in inv.files if i > 0} - set(groups))
+            for i in copying:
+                plan.reasons.append(f"{level_urls[i]}: no node here holds a copy of {unmet[0]}")
+    plan.reasons[:0] = lacking
+    if plan.reasons:
+        lost = _lost_nodes(inventories)
+        if lost:
+            plan.reasons.append(
+                f"nodes that held step {step} and hold none of it now (lost or replaced): {lost}"
+            )
+        plan.reasons = list(dict.fromkeys(plan.reasons))
+        plan.actions = []
+    plan.actions = in_rounds(plan.actions)
+    return plan
+
+
+def participants(action: Link | Copy | Rebuild) -> set[int]:
+    """The ranks that take part in ``action``."""
+    if isinstance(action, Copy):
+        return {action.src, action.dst}
+    if isinstance(action, Rebuild):
+        return {action.dst, *(rank for _, rank in action.sources)}
+    return {action.dst}
+
+
+def in_rounds(actions: Sequence[Link | Copy | Rebuild]) -> list[Link | Copy | Rebuild]:
+    """``actions`` ordered so that transfers between different ranks run at once.
+
+    Every rank carries out its own actions in list order and waits only on its
+    partners (blocking sends), so actions that share no rank overlap. Each
+    action goes to the earliest *round* in which none of its ranks is busy
+    (first fit) and after the action that brings its source the file; the
+    list is then sorted
+    by round (stable, so the order stays one total order, the same on every
+    rank: no deadlock). Without this, a node receiving three files before
+    sending its own holds up every node waiting for it.
+    """
+    taken: dict[int, set[int]] = {}  # rank -> the rounds it is busy in
+    ready: dict[tuple[int, str], int] = {}  # (rank, file) -> round it holds the file from
+    rounds = []
+    for action in actions:
+        ranks = participants(action)
+        start = ready.get((action.src, action.file), 0) if isinstance(action, Copy) else 0
+        while any(start in taken.get(r, ()) for r in ranks):
+            start += 1  # first fit: the earliest round free for all of its ranks
+        rounds.append(start)
+        for r in ranks:
+            taken.setdefault(r, set()).add(start)
+        if isinstance(action, (Copy, Link)):
+            ready[(action.dst, action.file)] = start + 1
+        else:
+            ready.update({(action.dst, f): start + 1 for f in action.brings})
+    order = sorted(range(len(actions)), key=lambda i: (rounds[i], i))
+    return [actions[i] for i in order]
+
+
+def _lost_nodes(inventories: Sequence[Inventory]) -> list[int]:
+    """Nodes of the saving job (its placement) on which no rank holds the step now."""
+    placement = next((inv.placement for inv in inventories if inv.placement), None)
+    if not placement:
+        return []
+    holding = {inv.node for inv in inventories if any(fs for fs in inv.files.values())}
+    return sorted(set(placement) - holding)
+
+
+def _copy_source(
+    file: str,
+    node: int,
+    inventories: Sequence[Inventory],
+    bad: set[tuple[Any, ...]],
+    arrived: dict[int, tuple[int, set[str]]] | None = None,
+) -> tuple[int, int] | None:
+    """(level, rank) of the first intact copy of ``file`` on another node, lowest level
+    first; else a node that an earlier action of the plan brings it to (``arrived``:
+    node -> (its receiving rank, files)), so a lost member is rebuilt once, then copied."""
+    options = sorted(
+        (level, inv.rank)
+        for inv in inventories
+        if inv.node != node and ("copy", inv.node, file) not in bad
+        for level, fs in inv.files.items()
+        if file in fs
+    )
+    if options:
+        return options[0]
+    for other, (rank, files) in sorted((arrived or {}).items()):
+        if other != node and file in files and ("copy", other, file) not in bad:
+            return 0, rank
+    return None
+
+
+def _rebuild_for(
+    file: str,
+    node: int,
+    wanted: set[str],
+    groups: dict[int, dict[str, dict[str, Any]]],
+    inventories: Sequence[Inventory],
+    bad: set[tuple[Any, ...]],
+    dst: int,
+    level_urls: Sequence[str],
+    step: int,
+) -> Rebuild | str | None:
+    """A rebuild that yields ``file`` on ``node``, or why none can (None: no group has it)."""
+    reason: str | None = None
+    for level, descs in sorted(groups.items()):
+        for g, desc in sorted(descs.items()):
+            members = [{f for f, _ in m["files"]} for m in desc["members"]]
+            if not any(file in m for m in members):
+                continue
+            k, m = desc["data"], desc["parity"]
+            # Rebuild the members this node lacks and cannot copy (together: one pass).
+            lost = [
+                y for y in range(k)
+                if any(_copy_source(f, node, inventories, bad) is None for f in members[y] & wanted)
+            ]  # fmt: skip
+            holders = _block_holders(level, g, desc, members, inventories, bad)
+            usable = [(b, holders[b]) for b in range(k + m) if b not in lost and b in holders]
+            if len(usable) >= k:
+                brings = tuple(sorted(f for y in lost for f in members[y]))
+                return Rebuild(level, g, tuple(lost), tuple(usable[:k]), dst, brings)
+            gone = [
+                desc["members"][b]["node"] if b < k else desc["parity_nodes"][b - k]
+                for b in range(k + m)
+                if b not in holders
+            ]
+            reason = (
+                f"{level_urls[level]}: group {g} of step {step}: RS({k}+{m}) needs {k} intact "
+                f"blocks, has {len(usable)} (blocks of nodes {gone} lost or damaged; tolerates "
+                f"{m})"
+            )
+    return reason
+
+
+def _block_holders(
+    level: int,
+    g: str,
+    desc: dict[str, Any],
+    members: list[set[str]],
+    inventories: Sequence[Inventory],
+    bad: set[tuple[Any, ...]],
+) -> dict[int, int]:
+    """block -> the lowest rank that can stream it intact."""
+    out: dict[int, int] = {}
+    k = desc["data"]
+    for inv in sorted(inventories, key=lambda i: i.rank):
+        held = set(inv.files.get(level, ()))
+        for y, files in enumerate(members):
+            if y not in out and files <= held and ("block", level, g, y, inv.rank) not in bad:
+                out[y] = inv.rank
+        for pg, b in inv.parity.get(level, ()):
+            if pg == g and b >= k and b not in out and ("block", level, g, b, inv.rank) not in bad:
+                out[b] = inv.rank
+    return out

@@ -1,0 +1,201 @@
+"""Loading a step through the levels: agree on it, bring each node what it lacks, read.
+
+The manager's load path (``CheckpointManager.load_latest`` / ``load``) after it
+listed every level: :meth:`Loader.plan` agrees collectively on how every rank
+can load a step (``levels/agreement.py``, ``levels/restore.py``);
+:meth:`Loader.load` carries out the restore (copies, links, rebuilds over the
+restore's gloo group, in rounds that leave damaged sources out), reads with a
+:class:`~dcp_multilevel.reader.MultiLevelReader` over the levels holding the
+step, and, when that read fails on a first-level file damaged since the save,
+sets the damaged files aside, fetches intact copies from other nodes and
+reads again.
+
+Call order (every rank, main thread, the same steps)::
+
+    restore = loader.plan(step, views, state_dict, planner)   collective
+    loader.load(state_dict, restore, planner)                 collective, when restore.ok
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import LoadPlanner
+
+from . import _dist
+from .errors import CheckpointNotFoundError
+from .levels import Drainer, LevelDriver
+from .levels.agreement import Restore, Views, restorable
+from .levels.restore import (
+    RestoreReport,
+    execute,
+    gather_inventories,
+    needed_files,
+    set_aside_damaged,
+    take_inventory,
+)
+from .levels.restore_plan import RestorePlan, plan_restore
+from .levels.topology import Topology
+from .reader import MultiLevelReader
+
+__all__ = ["Loader"]
+
+logger = logging.getLogger(__name__)
+
+#: How many times a restore re-plans around damaged sources before giving up.
+_RESTORE_ROUNDS = 4
+
+
+class Loader:
+    """Plans and carries out loads for a manager (see the module docstring).
+
+    Args:
+        drivers: the manager's level drivers, first level first.
+        names: the levels as the user wrote them (for messages and reports).
+        topology: which node each rank is on (None: unknown; nothing is shared).
+        restore_group: the gloo group restores move bytes over (None: no transfers).
+        drainer: the manager's drainer (a restore first lets running drains end).
+    """
+
+    def __init__(
+        self,
+        drivers: Sequence[LevelDriver],
+        names: Sequence[str],
+        topology: Topology | None,
+        restore_group: Any,
+        drainer: Drainer,
+    ) -> None:
+        self.drivers = list(drivers)
+        self._names = list(names)
+        self.topology = topology
+        self._restore_group = restore_group
+        self._drainer = drainer
+        #: After a load: how many items each copy served on this rank.
+        self.last_load_sources: dict[str, int] = {}
+        #: The last load's restore: files brought onto this rank's node, by source.
+        self.last_restore: RestoreReport | None = None
+
+    def plan(self, step: int, views: Views, state_dict: dict[str, Any],
+             planner: LoadPlanner | None) -> Restore:  # fmt: skip
+        """How every rank can load ``step`` (``Restore.ok``), logged when it cannot. Collective."""
+        plan = restorable(
+            step, self.drivers, views, node=self.node(),
+            needs=lambda manifest: needed_files(state_dict, manifest, planner),
+            transfers=self._restore_group is not None, names=self._names,
+        )  # fmt: skip
+        if not plan.ok:
+            logger.warning("dcp_multilevel: step %d cannot be restored: %s", step,
+                           "; ".join(plan.reasons))  # fmt: skip
+        return plan
+
+    def node(self) -> int:
+        """This rank's node (its rank when the topology is unknown: nothing is shared)."""
+        return self.topology.nodes[_dist.rank()] if self.topology is not None else _dist.rank()
+
+    def load(self, state_dict: dict[str, Any], plan: Restore, planner: LoadPlanner | None) -> None:
+        """Bring each node what it lacks, then ``dcp.load`` through the levels. Collective."""
+        if plan.plan is not None and plan.manifest is not None:
+            self.last_restore = self._bring_files(plan)
+        try:
+            self._read(state_dict, plan, planner)
+        except CheckpointException:
+            # Every rank sees DCP's failure. A first-level file damaged since the
+            # save (the reader found no intact copy on this node, and no store
+            # level holds the step) may still be intact on another node: set the
+            # damaged ones aside, fetch them like lost ones, and read again.
+            if plan.plan is None or plan.manifest is None or self._restore_group is None:
+                raise
+            bad = self._set_aside_damaged(plan)
+            if not bad:
+                raise
+            self.last_restore = self._bring_files(plan, bad, self.last_restore)
+            self._read(state_dict, plan, planner)
+
+    def _read(self, state_dict: dict[str, Any], plan: Restore, planner) -> None:
+        # The first level serves what this rank sees there (with what the restore
+        # brought); the rest comes, file by file, from the higher levels (the
+        # reader's per-item fallback).
+        copies = [self.drivers[i].checkpoint(plan.step) for i in plan.levels]
+        options = [self.drivers[i].root.storage_options for i in plan.levels]
+        reader = MultiLevelReader(
+            copies[0].location,
+            fallbacks=[c.location for c in copies[1:]],
+            storage_options=options[0],
+            fallback_storage_options=options[1:],
+            primary_manifest=plan.manifest if plan.levels[0] == 0 else None,
+        )
+        dcp.load(state_dict, storage_reader=reader, planner=planner)
+        self.last_load_sources = dict(reader.last_load_sources)
+
+    def _set_aside_damaged(self, plan: Restore) -> set[tuple[Any, ...]]:
+        """Check this node's first-level files of the step (one rank per node) and
+        rename the damaged ones aside; every node's findings, as bad sources. Collective."""
+        assert plan.manifest is not None
+        found: list[str] = []
+        rank = _dist.rank()
+        node = self.node()
+        if self.topology is None or self.topology.ranks_on(node)[0] == rank:
+            first = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest)
+            mine = [i for i in plan.inventories if i.node == node]
+            if len(plan.inventories) < _dist.world_size():  # the fast path kept only ours
+                mine = [dataclasses.replace(mine[0], needs=None)]  # check every file here
+            found = set_aside_damaged(first, mine)
+        everyone = _dist.all_gather_object((node, found))
+        bad = {("copy", n, f) for n, files in everyone for f in files}
+        if bad:
+            logger.warning("dcp_multilevel: step %d: damaged first-level files set aside, "
+                           "fetching intact copies: %s", plan.step, sorted(bad))  # fmt: skip
+        return bad
+
+    def _bring_files(self, plan: Restore, bad: set[tuple[Any, ...]] | None = None,
+                     report: RestoreReport | None = None) -> RestoreReport:  # fmt: skip
+        """Copy or rebuild onto each node the files it lacks (collective), in rounds:
+        a source found damaged (``bad``, and what each round finds) is left out of
+        the next round's plan. Counts go on ``report`` (a new one by default)."""
+        assert plan.plan is not None and plan.manifest is not None
+        t0 = time.perf_counter()
+        bad = set(bad or ())
+        steps = self._replan(plan, bad) if bad else plan.plan
+        report = report if report is not None else RestoreReport(plan.step)
+        for _ in range(_RESTORE_ROUNDS):
+            if not steps.actions:
+                break
+            for drain_driver in self.drivers:  # a running drain must not race the restore
+                self._drainer.finish(drain_driver)
+            found = execute(steps, self.drivers, plan.manifest, self._restore_group,
+                            plan.inventories)  # fmt: skip
+            found_everywhere = {tuple(b) for part in _dist.all_gather_object(found) for b in part}
+            report.add(steps, self._names, plan.inventories, self.node(), found_everywhere)
+            if not found_everywhere:
+                break
+            bad |= found_everywhere
+            logger.warning("dcp_multilevel: damaged sources for step %d: %s; trying others",
+                           plan.step, sorted(found_everywhere))  # fmt: skip
+            steps = self._replan(plan, bad)
+        report.seconds += time.perf_counter() - t0
+        if report.received:
+            logger.info("dcp_multilevel: step %d restored onto this node: %s in %.2f s",
+                        plan.step, report.received, report.seconds)  # fmt: skip
+        return report
+
+    def _replan(self, plan: Restore, bad: set[tuple[Any, ...]]) -> RestorePlan:
+        """A new plan from fresh inventories, leaving ``bad`` out (collective)."""
+        assert plan.manifest is not None
+        manifest = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest).manifest()
+        mine = next(i for i in plan.inventories if i.rank == _dist.rank())
+        inventory = take_inventory(plan.step, self.drivers, manifest, mine.needs, mine.node,
+                                   mine.whole)  # fmt: skip
+        plan.inventories = gather_inventories(inventory)
+        steps = plan_restore(plan.step, manifest.files, plan.inventories, self._names, bad)
+        if not steps.ok:
+            raise CheckpointNotFoundError(
+                f"step {plan.step} cannot be restored: " + "; ".join(steps.reasons),
+                checkpoint=self.drivers[0].level.checkpoint_url(plan.step),
+            )
+        return steps
