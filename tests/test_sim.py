@@ -203,6 +203,16 @@ def test_failures_during_a_save_and_during_a_restore():
     ]  # fmt: skip
 
 
+def test_a_class_no_level_survives_restarts_from_step_zero():
+    """First level only: a node loss leaves nothing, however fresh the checkpoint."""
+    levels = (SimLevel("first", 1.0, 2.0),)
+    run = simulate(_job(levels=levels), EverySteps((1,)), failures=[(55.0, "node")])
+    (failure,) = run.failures
+    assert (failure.survivors, failure.level, failure.restored_step) == ((), None, 0)
+    assert failure.checkpoints == ((5, 54.0),) and failure.lost_seconds == 50.0
+    assert run.wall == 55.0 + 20 * 10.0 + 19 * 1.0
+
+
 def test_a_drain_still_running_skips_the_next_save_of_its_level():
     """Saves every step (10 s), a 25 s drain: the drain starts at steps 1, 4, 7."""
     levels = (SimLevel("first", 1.0), SimLevel("store", 25.0))

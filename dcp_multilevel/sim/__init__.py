@@ -10,7 +10,8 @@ fault-tolerance overhead (blocked + lost + restore).
 - ``model.py``: the job and its levels (:class:`Job`, :class:`SimLevel`).
 - ``arrivals.py``: failure arrivals, drawn per class or placed by hand.
 - ``loss.py``: loss curves and the value of progress.
-- ``engine.py``: one run (:func:`simulate` -> :class:`RunResult`).
+- ``engine.py``: one run (:func:`simulate`); ``results.py``: what it gives
+  (:class:`RunResult`, a :class:`FailureRecord` per failure).
 - ``policies.py``: fixed intervals in seconds or steps, Young/Daly with
   look-ahead, and the :class:`Lookahead` ability that lets a run skip steps.
 - ``evaluate.py``: many seeds with confidence intervals (:func:`evaluate`),
@@ -21,11 +22,12 @@ See docs/schedule.md.
 """
 
 from .arrivals import Failure
-from .engine import FailureRecord, RunResult, simulate
+from .engine import simulate
 from .evaluate import BruteForce, Estimate, Summary, best_fixed, evaluate
 from .loss import LossCurve, PowerLaw, Recorded
 from .model import Job, SimLevel
 from .policies import EverySteps, FixedSeconds, Lookahead, YoungDalyAhead
+from .results import FailureRecord, RunResult
 
 __all__ = [
     "BruteForce",

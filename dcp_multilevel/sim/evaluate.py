@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..schedule.base import SavePolicy
-from .engine import RunResult, simulate
+from .engine import simulate
 from .model import Job
 from .policies import FixedSeconds
+from .results import RunResult
 
 __all__ = ["BruteForce", "Estimate", "Summary", "best_fixed", "evaluate"]
 
