@@ -1,0 +1,200 @@
+"""Simulated fault-tolerance overhead of save policies (issue 15), with measured costs.
+
+A simulation, not a measurement: ``dcp_multilevel.sim`` plays training runs
+with failures and counts what each save policy costs (time blocked saving,
+progress lost and computed again, restores). The costs per save and restore
+come from this project's benchmarks (``dcp_multilevel/sim/measured.py`` says
+which, and marks the partner level's placeholders); the failure rates from
+the published reports (``FailureModel.for_gpus``: Meta 2024, Llama 3).
+
+Scenarios: 1,024 and 16,384 GPUs; one level (every save straight to the
+remote, blocking) or three (node-local first level, partner copies, remote
+drained in the background); the whole run, or exploratory runs stopped early
+with probability 0.5. Each run is ``--hours`` of failure-free training
+(6 s steps) valued by a Chinchilla-shaped loss curve (``sim/loss.py``).
+
+Policies:
+
+* **fixed 500 steps**: torchtitan's default cadence (``Checkpoint.interval =
+  500`` steps, torchtitan/config/job_config.py), every save on every level;
+* **Young/Daly, one interval**: Daly's interval for the first level's cost
+  and the job's mean time between failures (all classes), every save on
+  every level (the textbook schedule, the levels treated as one);
+* **Young/Daly per level**: ``schedule.YoungDaly`` (each level's interval
+  from the failures it is the lowest to survive);
+* **brute-force best**: the best ``FixedSeconds`` intervals per level over a
+  grid around Young/Daly's (searched on ``--search-seeds`` other seeds, then
+  run on the table's seeds, so the search's luck does not flatter it).
+
+Every policy runs on the same seeds (the same failures). Means over
+``--seeds`` runs with 95 % confidence intervals (mean ± 1.96 sd / sqrt(n));
+the overhead is a share of the failure-free time of the steps reached
+(value-weighted: each second weighted by the value of the progress it delays
+or discards, ``sim/loss.py``); "vs best" divides it by the brute-force best's.
+
+    python benchmarks/bench_schedule.py            # ~10 minutes on one core
+    python benchmarks/bench_schedule.py --quick    # fewer seeds, shorter runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+from _cli import parser
+from _report import markdown_table
+from dcp_multilevel.schedule import daly_interval
+from dcp_multilevel.sim import (
+    Estimate,
+    EverySteps,
+    FixedSeconds,
+    Job,
+    Summary,
+    YoungDalyAhead,
+    best_fixed,
+    evaluate,
+)
+from dcp_multilevel.sim import measured as m
+
+GPUS = (1024, 16384)
+# The brute-force grid, around Young/Daly's interval per level: the first level's own
+# interval matters only below the others' (above, it never fires alone); the store level
+# covers 1 % of failures (a flat optimum).
+FIRST_FACTORS = (0.5, 0.7, 1.0, 1.4)
+FACTORS = (0.5, 0.6, 0.7, 0.85, 1.0, 1.2, 1.4, 2.0)
+STORE_FACTORS = (0.5, 1.0, 2.0, 4.0)
+
+
+def young_daly_intervals(job: Job) -> tuple[float, ...]:
+    """``YoungDaly``'s interval per level at the measured costs (seconds)."""
+    policy = YoungDalyAhead(job.failures, job.kinds)
+    rates = job.failures.covered_by(job.kinds)
+    states = job.level_states()
+    return tuple(policy.interval(s, states[0], rates[s.index]) for s in states)
+
+
+def grids(job: Job) -> list[list[float]]:
+    out = []
+    for i, interval in enumerate(young_daly_intervals(job)):
+        factors = FACTORS
+        if i > 0 and job.levels[i].kind == "store":
+            factors = STORE_FACTORS
+        elif i == 0 and len(job.levels) > 1:
+            factors = FIRST_FACTORS
+        out.append([interval * f for f in factors] if math.isfinite(interval) else [math.inf])
+    return out
+
+
+def policies(job: Job, search_seeds: range) -> list[tuple[str, object, str]]:
+    n = len(job.levels)
+    every = m.TORCHTITAN_INTERVAL_STEPS
+    one = daly_interval(job.levels[0].cost_seconds, job.failures.mtbf_hours * 3600.0)
+    searched = best_fixed(job, grids(job), search_seeds)
+    yd = young_daly_intervals(job)
+    return [
+        (f"fixed {every} steps (torchtitan)", EverySteps((every,) * n),
+         f"{every * job.step_seconds:.0f} s"),
+        ("Young/Daly, one interval", FixedSeconds((one,) * n), f"{one:.0f} s"),
+        ("Young/Daly per level", YoungDalyAhead(job.failures, job.kinds), show(yd)),
+        (f"brute-force best ({len(searched.tried)} tried)", FixedSeconds(searched.best),
+         show(searched.best)),
+    ]  # fmt: skip
+
+
+def show(intervals: tuple[float, ...]) -> str:
+    return " / ".join("never" if math.isinf(x) else f"{x:.0f} s" for x in intervals)
+
+
+def pct(e: Estimate) -> str:
+    return f"{100 * e.mean:.2f} ± {100 * e.half_width:.2f}"
+
+
+def row(name: str, intervals: str, s: Summary) -> list[str]:
+    runs = s.runs
+    return [
+        name, intervals, pct(s.fraction), pct(s.value_fraction),
+        f"{s.blocked.mean:.0f}", f"{s.lost.mean:.0f}", f"{s.restore.mean:.0f}",
+        f"{sum(len(r.failures) for r in runs) / len(runs):.1f}",
+    ]  # fmt: skip
+
+
+def run_scenario(gpus: int, levels: str, early: bool, args: argparse.Namespace) -> dict:
+    chosen = m.one_level() if levels == "one" else m.three_levels()
+    job = m.scenario(gpus, chosen, early_stop=early, hours=args.hours)
+    seeds = range(args.seeds)
+    search = range(10_000, 10_000 + args.search_seeds)
+    t0 = time.perf_counter()
+    rows, raw, summaries = [], [], []
+    for name, policy, intervals in policies(job, search):
+        s = evaluate(job, policy, seeds)  # type: ignore[arg-type]
+        summaries.append(s)
+        rows.append(row(name, intervals, s))
+        raw.append({"policy": name, "intervals": intervals,
+                    "fraction": [s.fraction.mean, s.fraction.half_width],
+                    "value_fraction": [s.value_fraction.mean, s.value_fraction.half_width],
+                    "blocked_s": s.blocked.mean, "lost_s": s.lost.mean,
+                    "restore_s": s.restore.mean})  # fmt: skip
+    title = (
+        f"### {gpus:,} GPUs (MTBF {job.failures.mtbf_hours:.2f} h), "
+        f"{'one level (remote only)' if levels == 'one' else 'three levels'}, "
+        f"{'exploratory (stopped early with p = 0.5)' if early else 'whole run'}"
+    )
+    best = summaries[-1].fraction.mean
+    for r, s in zip(rows, summaries, strict=True):
+        r.insert(3, f"{s.fraction.mean / best:.2f}x")
+    headers = (
+        "policy | intervals (per level) | overhead % | vs best | value-weighted % | "
+        "blocked s | lost s | restore s | failures"
+    )
+    text = f"{title}\n\n{markdown_table(headers, rows)}\n\n({time.perf_counter() - t0:.0f} s)\n"
+    print(text, flush=True)
+    return {"gpus": gpus, "levels": levels, "early_stop": early, "rows": raw}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__)
+    p.add_argument("--seeds", type=int, default=40, help="runs per policy and scenario; 40")
+    p.add_argument(
+        "--search-seeds",
+        type=int,
+        default=24,
+        help="runs per grid point of the brute-force search (other seeds); 24",
+    )
+    p.add_argument(
+        "--hours", type=float, default=72.0, help="failure-free length of a run, hours; 72"
+    )
+    p.add_argument("--quick", action="store_true", help="8 seeds, 4 search seeds, 24 h runs")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = p.parse_args(argv)  # fmt: skip
+    if args.quick:
+        args.seeds, args.search_seeds, args.hours = 8, 4, 24.0
+    three = m.three_levels()
+    print("## Simulated fault-tolerance overhead (dcp_multilevel.sim)\n")
+    print(f"- step {m.STEP_SECONDS} s, {args.hours:g} h failure-free per run, "
+          f"{args.seeds} seeds per policy ({args.search_seeds} other seeds per grid point "
+          "for the brute-force search)")  # fmt: skip
+    print(f"- one level: direct save to the remote blocks {m.DIRECT_SAVE_S} s, restore "
+          f"{m.STORE_RESTORE_S} s")  # fmt: skip
+    print("- three levels (cost = blocked s for the first, drain s above; restore s): "
+          + "; ".join(f"{lv.kind} {lv.cost_seconds} / {lv.restore_seconds}" for lv in three)
+          + f" (node level: PLACEHOLDERS {', '.join(m.PLACEHOLDERS)})")  # fmt: skip
+    print("- failure classes: "
+          + ", ".join(f"{c.name} {100 * c.share:.0f} % (survived by {c.survived_by})"
+                      for c in m.scenario(1024, three).failures.classes) + "\n")  # fmt: skip
+    results = []
+    t0 = time.perf_counter()
+    for early in (False, True):
+        for levels in ("one", "three"):
+            for gpus in GPUS:
+                results.append(run_scenario(gpus, levels, early, args))
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
