@@ -22,6 +22,10 @@ Policies:
   every level (the textbook schedule, the levels treated as one);
 * **Young/Daly per level**: ``schedule.YoungDaly`` (each level's interval
   from the failures it is the lowest to survive);
+* **ours: Schedule.auto**: ``Schedule.auto(mtbf_hours=...)``: Young/Daly per
+  level, the first level under 3.5 % of the training time (``OverheadBound``);
+  asked at every step (no look-ahead); and the same with ``convergence=True``
+  (intervals scaled by the loss curve's progress, ``ConvergenceAware``);
 * **brute-force best**: the best ``FixedSeconds`` intervals per level over a
   grid around Young/Daly's (searched on ``--search-seeds`` other seeds, then
   run on the table's seeds, so the search's luck does not flatter it).
@@ -46,7 +50,7 @@ from pathlib import Path
 
 from _cli import parser
 from _report import markdown_table
-from dcp_multilevel.schedule import daly_interval
+from dcp_multilevel.schedule import Observation, Schedule, daly_interval
 from dcp_multilevel.sim import (
     Estimate,
     EverySteps,
@@ -71,9 +75,9 @@ STORE_FACTORS = (0.5, 1.0, 2.0, 4.0)
 def young_daly_intervals(job: Job) -> tuple[float, ...]:
     """``YoungDaly``'s interval per level at the measured costs (seconds)."""
     policy = YoungDalyAhead(job.failures, job.kinds)
-    rates = job.failures.covered_by(job.kinds)
     states = job.level_states()
-    return tuple(policy.interval(s, states[0], rates[s.index]) for s in states)
+    intervals, _ = policy.intervals(Observation(0, 0.0, tuple(states), job.step_seconds))
+    return tuple(intervals[s.index].seconds for s in states)
 
 
 def grids(job: Job) -> list[list[float]]:
@@ -99,6 +103,10 @@ def policies(job: Job, search_seeds: range) -> list[tuple[str, object, str]]:
          f"{every * job.step_seconds:.0f} s"),
         ("Young/Daly, one interval", FixedSeconds((one,) * n), f"{one:.0f} s"),
         ("Young/Daly per level", YoungDalyAhead(job.failures, job.kinds), show(yd)),
+        ("ours: Schedule.auto", Schedule.auto(mtbf_hours=job.failures.mtbf_hours),
+         "adaptive"),
+        ("Schedule.auto, convergence on",
+         Schedule.auto(mtbf_hours=job.failures.mtbf_hours, convergence=True), "adaptive"),
         (f"brute-force best ({len(searched.tried)} tried)", FixedSeconds(searched.best),
          show(searched.best)),
     ]  # fmt: skip

@@ -207,7 +207,7 @@ def test_convergence_aware_intervals_grow_as_progress_slows():
 
 
 def test_schedule_auto_composes_the_policies():
-    policy = Schedule.auto(mtbf_hours=8, min_seconds=60, max_seconds=86400)
+    policy = Schedule.auto(mtbf_hours=8, convergence=True, min_seconds=60, max_seconds=86400)
     assert isinstance(policy, TimeBounds)
     assert isinstance(policy.inner, OverheadBound)
     assert isinstance(policy.inner.inner, ConvergenceAware)
@@ -218,6 +218,6 @@ def test_schedule_auto_composes_the_policies():
     )
     decision = policy.decide(Observation(100, 1e5, states, loss=1.0))
     assert decision.levels == {0, 1, 2} and decision.record()["kind"] == "decision"
-    assert Schedule.auto(gpus=16384).inner.inner.failures.mtbf_hours == pytest.approx(1.8)
+    assert Schedule.auto(gpus=16384).inner.failures.mtbf_hours == pytest.approx(1.8)
     with pytest.raises(ConfigError, match="needs the job's failure rate"):
         Schedule.auto()

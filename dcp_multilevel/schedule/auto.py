@@ -22,13 +22,16 @@ class Schedule:
         *,
         gpus: int | None = None,
         overhead: float = 0.035,
-        convergence: bool = True,
+        convergence: bool = False,
         min_seconds: float | Mapping[int, float] | None = None,
         max_seconds: float | Mapping[int, float] | None = None,
     ) -> IntervalPolicy:
-        """Young/Daly per level from measured costs and failure rates, scaled by the
-        loss curve's progress (COCI), the first level kept under ``overhead`` of
-        the training time (CheckFreq), within ``min_seconds``/``max_seconds``.
+        """Young/Daly per level from measured costs and failure rates, the first
+        level kept under ``overhead`` of the training time (CheckFreq), within
+        ``min_seconds``/``max_seconds``; with ``convergence=True`` also scaled by
+        the loss curve's progress (``ConvergenceAware``: off by default, as in
+        the failure simulator it lost more work than it saved in blocked time,
+        ``docs/benchmarks.md``).
 
         Give the job's mean time between failures (``mtbf_hours``) or its GPU
         count (``gpus``: the published rates, ``schedule/failures.py``).

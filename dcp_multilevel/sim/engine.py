@@ -129,6 +129,7 @@ class _Run:
                     None if newest is None else newest[0],
                     None if newest is None else newest[1],
                     level.cost_seconds, level.restore_seconds,
+                    survives=level.kind, busy=self.running[i] is not None,
                 )
             )  # fmt: skip
         return tuple(out)
@@ -156,8 +157,12 @@ class _Run:
             self.step = target
             if self.step >= self.stop:
                 break
+            now = self.time_at(self.step)
+            if any(r is not None and r[2] <= now for r in self.running):
+                self._settle(now)  # a drain ended: its level is no longer busy
+                self.states = self._states()
             obs = Observation(
-                self.step, self.time_at(self.step), self.states, self.dt,
+                self.step, now, self.states, self.dt,
                 None if self.value.losses is None else self.value.losses[self.step],
             )  # fmt: skip
             decision = self.policy.decide(obs)
