@@ -4,7 +4,7 @@ A simulation, not a measurement: ``dcp_multilevel.sim`` plays training runs
 with failures and counts what each save policy costs (time blocked saving,
 progress lost and computed again, restores). The costs per save and restore
 come from this project's benchmarks (``dcp_multilevel/sim/measured.py`` says
-which, and marks the partner level's placeholders); the failure rates from
+which); the failure rates from
 the published reports (``FailureModel.for_gpus``: Meta 2024, Llama 3).
 
 Scenarios: 1,024 and 16,384 GPUs; one level (every save straight to the
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{m.STORE_RESTORE_S} s")  # fmt: skip
     print("- three levels (cost = blocked s for the first, drain s above; restore s): "
           + "; ".join(f"{lv.kind} {lv.cost_seconds} / {lv.restore_seconds}" for lv in three)
-          + f" (node level: PLACEHOLDERS {', '.join(m.PLACEHOLDERS)})")  # fmt: skip
+          + " (node level: the remote's scaled by bench_nodeloss's partner ratios)")  # fmt: skip
     print("- failure classes: "
           + ", ".join(f"{c.name} {100 * c.share:.0f} % (survived by {c.survived_by})"
                       for c in m.scenario(1024, three).failures.classes) + "\n")  # fmt: skip
