@@ -32,6 +32,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 
@@ -95,8 +96,13 @@ def _rank(rank: int, world: int, store_path: str, root: str, name: str, args: di
                 "saves": saves, "blocked": blocked, "wall": wall, "steps": step,
                 "rules": dict(rules),
             }))  # fmt: skip
-    finally:
-        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - any failure must end this rank with a code
+        traceback.print_exc()
+        os._exit(1)  # the parent's spawn reports it
+    dist.destroy_process_group()
+    # Leave without tearing DDP down: destroying its Reducer joins gloo's worker,
+    # which can wait for the GIL this thread holds (a hang seen here, in torch).
+    os._exit(0)
 
 
 def run_once(name: str, args, scratch: Path) -> dict:
