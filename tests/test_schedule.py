@@ -221,3 +221,14 @@ def test_schedule_auto_composes_the_policies():
     assert Schedule.auto(gpus=16384).inner.failures.mtbf_hours == pytest.approx(1.8)
     with pytest.raises(ConfigError, match="needs the job's failure rate"):
         Schedule.auto()
+
+
+def test_the_overhead_bound_spaces_saves_of_every_level():
+    # A cheap remote interval would bring a first-level save with it every time.
+    policy = OverheadBound(YoungDaly(FailureModel(0.001), ("first", "node", "store")))
+    costs = [0.1, 0.5, 0.5]
+    intervals, _ = policy.intervals(_obs(0.0, [0.0] * 3, costs))
+    assert all(v.seconds >= 0.1 / 0.035 for v in intervals.values())
+    # Level 2 last saved long ago, but the last save of any level was 1 s ago.
+    assert policy.decide(_obs(100.0, [99.0, 99.0, 0.0], costs)).levels == frozenset()
+    assert policy.decide(_obs(110.0, [99.0, 99.0, 0.0], costs)).levels >= {0, 2}

@@ -7,9 +7,9 @@ once that much time passed since its last save (a level never saved to
 counts from the start of the job, time 0). Wrappers change the intervals of
 another policy:
 
-* :class:`OverheadBound` (CheckFreq, FAST '21): the first level's interval is
-  at least ``cost / target``, so saving blocks at most ``target`` of the
-  training time (3.5 % in CheckFreq's runs);
+* :class:`OverheadBound` (CheckFreq, FAST '21): at least ``cost / target``
+  between two saves of any level (each is a first-level save), so saving
+  blocks at most ``target`` of the training time (3.5 % in CheckFreq's runs);
 * :class:`TimeBounds`: at least ``min_seconds`` and at most ``max_seconds``
   between two saves of a level, whatever the policy inside says.
 """
@@ -68,10 +68,11 @@ class IntervalPolicy(SavePolicy):
 
 
 class OverheadBound(IntervalPolicy):
-    """Keep the first level's blocked time under ``target`` of the training time.
+    """Keep the time blocked saving under ``target`` of the training time.
 
-    The first level's interval becomes at least ``cost / target`` (its measured
-    blocked seconds per save); the others' are ``inner``'s.
+    Every interval becomes at least ``cost / target`` (the first level's
+    measured blocked seconds per save), and no save comes sooner than that
+    after the previous one, whatever level it is for.
     """
 
     def __init__(self, inner: IntervalPolicy, target: float = 0.035) -> None:
@@ -81,13 +82,29 @@ class OverheadBound(IntervalPolicy):
         self.target = target
 
     def intervals(self, observation: Observation) -> tuple[Intervals, dict[str, Any]]:
-        """``inner``'s intervals, the first level's raised to its bound."""
+        """``inner``'s intervals, each raised to the bound: a save to any level is a
+        first-level save too (higher levels are drained from it)."""
         intervals, inputs = self.inner.intervals(observation)
         cost = observation.levels[0].cost_seconds
-        current = intervals.get(0)
-        if cost is not None and current is not None and current.seconds < cost / self.target:
-            intervals = {**intervals, 0: Interval(cost / self.target, "overhead-bound")}
+        if cost is not None:
+            bound = cost / self.target
+            intervals = {
+                i: v if v.seconds >= bound else Interval(bound, "overhead-bound")
+                for i, v in intervals.items()
+            }
         return intervals, {**inputs, "overhead_target": self.target}
+
+    def decide(self, observation: Observation) -> Decision:
+        """As :class:`IntervalPolicy`, and nothing until ``cost / target`` passed since the
+        last save of any level (the first level's: every save goes there)."""
+        decision = super().decide(observation)
+        first = observation.levels[0]
+        if decision.levels and first.cost_seconds is not None:
+            since = observation.time - (first.last_time or 0.0)
+            if since < first.cost_seconds / self.target:
+                return Decision(frozenset(), "overhead-bound", decision.inputs,
+                                decision.intervals)  # fmt: skip
+        return decision
 
 
 class TimeBounds(IntervalPolicy):
