@@ -138,9 +138,8 @@ class Loader:
         rename the damaged ones aside; every node's findings, as bad sources. Collective."""
         assert plan.manifest is not None
         found: list[str] = []
-        rank = _dist.rank()
         node = self.node()
-        if self.topology is None or self.topology.ranks_on(node)[0] == rank:
+        if self.topology is None or self.topology.leads(_dist.rank()):
             first = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest)
             mine = [i for i in plan.inventories if i.node == node]
             if len(plan.inventories) < _dist.world_size():  # the fast path kept only ours

@@ -135,10 +135,11 @@ class CheckpointManager:
     ) -> None:
         self.levels = _levels_argument(levels, tiers)
         self._names = [level.url for level in self.levels]  # as written ({node} kept)
+        # The levels' kinds (name, driver class); store levels have none. {node}
+        # does not change a kind.
+        kinds = [(k, LEVEL_KINDS.get(k)) for k in map(level_kind, self.levels) if k is not None]
         needs_nodes = any(NODE_FIELD in level.url for level in self.levels) or any(
-            LEVEL_KINDS.get(kind).needs_topology
-            for kind in map(level_kind, self.levels)
-            if kind is not None
+            cls.needs_topology for _, cls in kinds
         )
         #: Which node each rank is on: given, or gathered from every rank's
         #: environment (collective) when a level's path names ``{node}``.
@@ -153,11 +154,7 @@ class CheckpointManager:
                 )
             node = self.topology.nodes[_dist.rank()]
             self.levels = [_on_node(level, node) for level in self.levels]
-        node_kinds = [
-            k
-            for k in map(level_kind, self.levels)
-            if k is not None and LEVEL_KINDS.get(k).node_local
-        ]
+        node_kinds = [name for name, cls in kinds if cls.node_local]
         if node_kinds and parse_location(self.levels[0].url).scheme != "file":
             raise ConfigError(
                 f"the first level ({self.levels[0].url}) must be a path on each node's own disk "
@@ -242,7 +239,7 @@ class CheckpointManager:
         tick = self._cadence.tick(step, loss, self._costs)
         try:
             if tick.stop:
-                metrics = self._save(state_dict, step, [])
+                self._save(state_dict, step, [])
                 self._cadence.saved(step, [0])
                 self._sink.emit({"kind": "sigterm", "rank": _dist.rank(), "step": step,
                                  "unix": time.time()})  # fmt: skip
@@ -256,9 +253,8 @@ class CheckpointManager:
                              "unix": time.time()})  # fmt: skip
             higher = sorted(i for i in tick.decision.levels if i > 0)
             metrics = self._save(state_dict, step, higher)
-            started = {self.levels.index(lv) for lv in self.levels if lv.url in
-                       metrics.drains_started}  # fmt: skip
-            self._cadence.saved(step, [0, *sorted(started)])
+            started = [i for i in higher if self.levels[i].url in metrics.drains_started]
+            self._cadence.saved(step, [0, *started])
             return metrics
         finally:
             self._cadence.stepped()
@@ -406,7 +402,7 @@ class CheckpointManager:
         if self.topology is None:
             return rank != 0
         nodes = self.topology.nodes
-        return nodes[rank] != nodes[0] and self.topology.ranks_on(nodes[rank])[0] == rank
+        return nodes[rank] != nodes[0] and self.topology.leads(rank)
 
     def load(
         self, state_dict: dict[str, Any], step: int, *, planner: LoadPlanner | None = None
@@ -470,8 +466,7 @@ class CheckpointManager:
         index = self.drivers.index(job.target)
         self._known[index].add(job.step)
         if job.target.node_local and self.topology is not None:
-            rank = _dist.rank()
-            applies = self.topology.ranks_on(self.topology.nodes[rank])[0] == rank
+            applies = self.topology.leads(_dist.rank())
         else:
             applies = _dist.rank() == 0
         if applies:

@@ -159,8 +159,7 @@ class NodeLocalLevel(LevelDriver):
         counts = self.exchange(job, manifest, target, link)
         linked = self._own_files(job.source, target, manifest, rank)
         link.done()
-        ranks = topology.ranks_on(topology.nodes[rank])
-        if rank == ranks[0]:
+        if topology.leads(rank):
             # The node commits only once every rank's part is done (all of them: a
             # level holds a step on every node or is not asked for it).
             link.wait_done(list(range(topology.world_size)))

@@ -114,6 +114,15 @@ class Topology:
         """The ranks on ``node``, ascending (empty for an unknown node)."""
         return tuple(r for r, n in enumerate(self.nodes) if n == node)
 
+    def leader(self, node: int) -> int:
+        """The lowest rank on ``node``: the one that acts for the node (its commits,
+        its retention, what it receives in a restore)."""
+        return self.ranks_on(node)[0]
+
+    def leads(self, rank: int) -> bool:
+        """True when ``rank`` is the lowest rank on its node."""
+        return self.leader(self.nodes[rank]) == rank
+
     def local_index(self, rank: int) -> int:
         """``rank``'s position among the ranks of its node (0 for the lowest)."""
         return self.ranks_on(self.nodes[rank]).index(rank)
