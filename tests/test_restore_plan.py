@@ -286,3 +286,39 @@ def test_transfers_between_different_nodes_run_at_once():
     assert _makespan(plan.actions) < 3 * (nodes - 1)  # first fit: 13 here, 10 at best
     assert _makespan(sorted(plan.actions, key=lambda a: a.dst)) > 4 * nodes
     assert in_rounds(plan.actions) == plan.actions  # ordering is idempotent
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=8))
+def test_a_file_streamed_in_any_blocks_is_checked_item_by_item(tmp_path_factory, cuts):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_multilevel import MultiLevelWriter
+    from dcp_multilevel.checkpoint import StoredCheckpoint
+    from dcp_multilevel.errors import ChecksumMismatchError, TruncatedDataError
+    from dcp_multilevel.levels.wire import FileVerifier
+
+    root = tmp_path_factory.mktemp("ckpt")
+    state = {"a": torch.arange(1000.0), "b": torch.zeros(0), "c": torch.ones(700)}
+    dcp.save(state, storage_writer=MultiLevelWriter(str(root)))
+    ckpt = StoredCheckpoint.at(str(root))
+    (file,) = ckpt.manifest().files
+    data = bytearray((root / file).read_bytes())
+
+    def stream(buf: bytes) -> None:
+        verifier, pos = FileVerifier(ckpt, file), 0
+        for n in [*cuts, len(buf)]:  # arbitrary blocks, then the rest
+            verifier.feed(pos, memoryview(buf)[pos : pos + n])
+            pos = min(len(buf), pos + n)
+        verifier.finish()
+
+    stream(bytes(data))  # intact: every item checks out
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 1
+    with pytest.raises(ChecksumMismatchError, match="checksum mismatch for item"):
+        stream(bytes(flipped))
+    with pytest.raises(TruncatedDataError, match="ended at byte"):
+        verifier = FileVerifier(ckpt, file)
+        verifier.feed(0, memoryview(bytes(data))[:100])
+        verifier.finish()

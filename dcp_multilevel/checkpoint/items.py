@@ -30,7 +30,15 @@ from ..format import Hasher, ItemLocation
 from ..format.tensor_bytes import pieces
 from ..stores import ReadHandle
 
-__all__ = ["ItemRef", "blocks_of", "item_codec", "read_item", "read_stored"]
+__all__ = [
+    "ItemRef",
+    "blocks_of",
+    "item_codec",
+    "read_item",
+    "read_stored",
+    "truncated",
+    "verify",
+]
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,7 @@ def read_item(
         buf = memoryview(bytearray(n))
         got = handle.read_into(pos, buf)
         if got != n:
-            raise _truncated(ref, pos + got)
+            raise truncated(ref, pos + got)
         hasher.update(buf)
         pos += n
         return buf
@@ -95,7 +103,7 @@ def read_item(
         read, out, codec, stored_length=loc.length, pool=pool, window=window,
         on_chunk_error=chunk_error,
     )  # fmt: skip
-    _verify(hasher, ref)
+    verify(hasher, ref)
 
 
 def read_stored(
@@ -123,12 +131,12 @@ def read_stored(
     for block in blocks:
         n = handle.read_into(pos, block)
         if n != len(block):
-            raise _truncated(ref, pos + n)
+            raise truncated(ref, pos + n)
         hasher.update(block)
         if on_block is not None:
             on_block(block)
         pos += n
-    _verify(hasher, ref)
+    verify(hasher, ref)
 
 
 def blocks_of(buf: memoryview, length: int) -> Iterator[memoryview]:
@@ -164,7 +172,8 @@ def item_codec(ref: ItemRef) -> Codec:
         ) from None
 
 
-def _truncated(ref: ItemRef, at: int) -> TruncatedDataError:
+def truncated(ref: ItemRef, at: int) -> TruncatedDataError:
+    """The error for the item's file ending at byte ``at``, inside or before the item."""
     loc = ref.loc
     return TruncatedDataError(
         f"data file {loc.file!r} of checkpoint {ref.checkpoint} ended at byte {at} "
@@ -175,7 +184,9 @@ def _truncated(ref: ItemRef, at: int) -> TruncatedDataError:
     )
 
 
-def _verify(hasher: Hasher, ref: ItemRef) -> None:
+def verify(hasher: Hasher, ref: ItemRef) -> None:
+    """Raise ChecksumMismatchError unless ``hasher`` (over all the item's stored bytes)
+    matches the manifest's checksum."""
     actual = hasher.hexdigest()
     loc = ref.loc
     if actual != loc.checksum:
