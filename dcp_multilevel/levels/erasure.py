@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from contextlib import ExitStack
 from typing import Any
 
 from ..checkpoint import StoredCheckpoint
@@ -56,7 +55,7 @@ from .link import DrainLink
 from .node_local import NodeLocalLevel, rank_files
 from .options import Level
 from .topology import Topology
-from .wire import OutStream, receive, status
+from .wire import OutStream, receive, recv_file, status
 
 __all__ = ["ErasureLevel", "group_layout"]
 
@@ -125,21 +124,18 @@ class ErasureLevel(NodeLocalLevel):
             })  # fmt: skip
         return out
 
-    def _leader(self, node: int) -> int:
-        assert self.topology is not None
-        return self.topology.ranks_on(node)[0]
-
     def exchange(
         self, job: DrainJob, manifest: Manifest, target: StoredCheckpoint, link: DrainLink
     ) -> dict[str, int]:
         """Stream members to each group's encoder; encode; spread the parity blocks."""
+        topology = self.topology
+        assert topology is not None
         rank = link.rank
         stored = sent = 0
-        self._checksums: dict[str, dict[str, list[str]]] = {}
         for desc in self.groups(manifest):
             g, k, stripe = desc["group"], desc["data"], desc["stripe"]
-            senders = [self._leader(m["node"]) for m in desc["members"]]
-            keepers = [self._leader(n) for n in desc["parity_nodes"]]
+            senders = [topology.leader(m["node"]) for m in desc["members"]]
+            keepers = [topology.leader(n) for n in desc["parity_nodes"]]
             if rank in senders:
                 member = desc["members"][senders.index(rank)]
                 sent += send_block(member_chunks(job.source, member["files"], stripe, CHUNK),
@@ -148,12 +144,9 @@ class ErasureLevel(NodeLocalLevel):
                 stored += self._encode(desc, senders, keepers, target, link)
             elif rank in keepers:
                 b = k + keepers.index(rank)
-                with ExitStack() as stack:
-                    out = stack.enter_context(target.store.open_write(parity_path(g, b)))
-                    for view in receive(stripe, keepers[0], self.group, CHUNK):
-                        out.write(view)
-                    if not status(keepers[0], self.group):
-                        raise DrainError(f"group {g} of step {job.step}: the encoder failed")
+                path = parity_path(g, b)
+                if not recv_file(target.store, path, stripe, keepers[0], self.group, CHUNK):
+                    raise DrainError(f"group {g} of step {job.step}: the encoder failed")
                 stored += stripe
         return {"bytes_stored": stored, "bytes_sent": sent}
 

@@ -31,8 +31,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from .. import _dist
-from ..checkpoint import StoredCheckpoint
-from ..errors import ChecksumMismatchError, DcpMultilevelError, TruncatedDataError
+from ..checkpoint import ItemRef, StoredCheckpoint
+from ..checkpoint.items import truncated, verify
+from ..errors import DcpMultilevelError, TruncatedDataError
 from ..format import Hasher
 from ..stores import Store
 
@@ -127,8 +128,9 @@ class FileVerifier:
     """Checks every item of one data file against the manifest as its bytes stream by.
 
     Feed the file's bytes in order (:meth:`feed`); each item's checksum is
-    checked as soon as its last byte went by, and :meth:`finish` checks that
-    every item was seen. Bytes no item covers are not checked (none are vouched for).
+    checked as soon as its last byte went by (``checkpoint/items.py``'s check
+    and messages), and :meth:`finish` checks that every item was seen. Bytes no
+    item covers are not checked (none are vouched for).
     """
 
     def __init__(self, ckpt: StoredCheckpoint, file: str) -> None:
@@ -136,45 +138,36 @@ class FileVerifier:
         self.ckpt = ckpt
         self.file = file
         self.size = manifest.files[file]
-        self._items = sorted(
-            ((i.fqn, loc) for i, loc in manifest.locations.items() if loc.file == file),
-            key=lambda e: e[1].offset,
-        )
-        self._next = 0  # first item not yet finished
-        self._open: dict[int, Hasher] = {}
+        refs = (ItemRef(ckpt.url, i.fqn, loc) for i, loc in manifest.locations.items())
+        self._items = sorted((r for r in refs if r.loc.file == file), key=lambda r: r.loc.offset)
+        self._next = 0  # the item being hashed (items do not overlap: one at a time)
+        self._hasher = Hasher()
+        self._fed = 0  # bytes seen so far
 
     def feed(self, pos: int, view: memoryview) -> None:
         """Bytes ``pos .. pos+len(view)`` of the file (called in file order)."""
         end = pos + len(view)
-        i = self._next
-        while i < len(self._items):
-            fqn, loc = self._items[i]
-            if loc.offset >= end and loc.offset + loc.length > end:
-                break  # starts after this view (empty items at its end are done here)
-            lo, hi = max(pos, loc.offset), min(end, loc.offset + loc.length)
+        self._fed = max(self._fed, end)
+        while self._next < len(self._items):
+            ref = self._items[self._next]
+            start, stop = ref.loc.offset, ref.loc.offset + ref.loc.length
+            if start >= end and stop > end:
+                return  # starts after this view (empty items at its end are done here)
+            lo, hi = max(pos, start), min(end, stop)
             if hi > lo:
-                self._open.setdefault(i, Hasher()).update(view[lo - pos : hi - pos])
-            if loc.offset + loc.length <= end:
-                hasher = self._open.pop(i, Hasher())
-                if hasher.hexdigest() != loc.checksum:
-                    raise ChecksumMismatchError(
-                        f"checksum mismatch for item {fqn!r} in {self.file!r} of checkpoint "
-                        f"{self.ckpt.url} (bytes {loc.offset}..{loc.offset + loc.length})",
-                        checkpoint=self.ckpt.url, file=self.file, fqn=fqn,
-                    )  # fmt: skip
-                self._next = i + 1
-            i += 1
+                self._hasher.update(view[lo - pos : hi - pos])
+            if stop > end:
+                return  # goes on in the next view
+            verify(self._hasher, ref)
+            self._hasher = Hasher()
+            self._next += 1
 
     def finish(self) -> None:
         """Raise TruncatedDataError unless every item of the file went by."""
-        self.feed(self.size, memoryview(b""))  # empty items at the very end
+        if self._fed == self.size:
+            self.feed(self.size, memoryview(b""))  # empty items at the very end
         if self._next < len(self._items):
-            fqn, loc = self._items[self._next]
-            raise TruncatedDataError(
-                f"data file {self.file!r} of {self.ckpt.url} ended before item {fqn!r} "
-                f"(bytes {loc.offset}..{loc.offset + loc.length})",
-                checkpoint=self.ckpt.url, file=self.file, fqn=fqn,
-            )  # fmt: skip
+            raise truncated(self._items[self._next], self._fed)
 
 
 def file_blocks(ckpt: StoredCheckpoint, file: str, block: int = WIRE_BLOCK) -> Iterator[memoryview]:
@@ -218,14 +211,16 @@ def send_file(ckpt: StoredCheckpoint, file: str, dst: int, group: Any) -> bool:
     return True
 
 
-def recv_file(store: Store, file: str, size: int, src: int, group: Any) -> bool:
-    """Receive ``file`` (``size`` bytes) from ``src`` into ``store``; False (nothing kept)
-    when the sender found its copy damaged."""
+def recv_file(
+    store: Store, file: str, size: int, src: int, group: Any, block: int = WIRE_BLOCK
+) -> bool:
+    """Receive ``file`` (``size`` bytes, sent in ``block``-byte pieces) from ``src`` into
+    ``store``; False (nothing kept) when the sender found its copy damaged."""
 
     class _Damaged(Exception):
         pass
 
-    stream = receive(size, src, group)
+    stream = receive(size, src, group, block)
     try:
         with store.open_write(file) as out:
             for view in stream:
