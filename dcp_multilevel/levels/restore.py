@@ -42,7 +42,7 @@ from .base import LevelDriver
 from .erasure import ErasureLevel
 from .erasure_blocks import block_chunks, rebuild, send_block
 from .node_local import PLACEMENT_NAME, link_or_copy
-from .restore_plan import Copy, Inventory, Link, Rebuild, RestorePlan
+from .restore_plan import Copy, Inventory, Link, Rebuild, RestorePlan, group_descriptions
 from .wire import SOURCE_ERRORS, file_blocks, recv_file, send_file
 
 __all__ = [
@@ -127,8 +127,6 @@ class RestoreReport:
         """Count the files ``plan`` brought onto ``node``, by where they came from
         (``names``: each level as the user wrote it; ``bad``: the sources that failed)."""
         nodes = {inv.rank: inv.node for inv in inventories}
-        descs = {(level, g): desc for inv in inventories
-                 for level, held in inv.groups.items() for g, desc in held.items()}  # fmt: skip
         for action in plan.actions:
             if nodes.get(action.dst) != node or _failed(action, nodes, bad):
                 continue
@@ -140,8 +138,7 @@ class RestoreReport:
                 key = f"{name} (node {nodes[action.src]})"
             else:
                 key = f"{name} (rebuilt from nodes {sorted(nodes[r] for _, r in action.sources)})"
-                members = descs[(action.level, action.group)]["members"]
-                count = sum(len(members[y]["files"]) for y in action.members)
+                count = len(action.brings)
             self.received[key] = self.received.get(key, 0) + count
 
 
@@ -195,9 +192,7 @@ def execute(
     into = drivers[0].checkpoint(step, manifest_bytes=manifest_bytes)
     files = into.manifest().files
     bad: list[tuple[Any, ...]] = []
-    # A replaced node holds no group description: take them from the inventories.
-    descs = {(level, g): desc for inv in inventories
-             for level, held in inv.groups.items() for g, desc in held.items()}  # fmt: skip
+    descs = group_descriptions(inventories)
     for action in plan.actions:
         if isinstance(action, Link):
             if me == action.dst:
@@ -213,7 +208,7 @@ def execute(
                 bad.append(("copy", nodes[action.src], action.file))
             continue
         driver = drivers[action.level]
-        desc = descs[(action.level, action.group)]
+        desc = descs[action.level][action.group]
         if me == action.dst:
             local = {b: driver.checkpoint(step, manifest_bytes=manifest_bytes)
                      for b, r in action.sources if r == me}  # fmt: skip

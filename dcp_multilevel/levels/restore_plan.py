@@ -31,6 +31,7 @@ __all__ = [
     "Link",
     "Rebuild",
     "RestorePlan",
+    "group_descriptions",
     "in_rounds",
     "participants",
     "plan_restore",
@@ -118,11 +119,7 @@ def plan_restore(
     nodes: dict[int, list[Inventory]] = {}
     for inv in inventories:
         nodes.setdefault(inv.node, []).append(inv)
-    groups: dict[int, dict[str, dict[str, Any]]] = {}
-    for inv in inventories:
-        for level, descs in inv.groups.items():
-            for g, desc in descs.items():
-                groups.setdefault(level, {}).setdefault(g, desc)
+    groups = group_descriptions(inventories)
     lacking: list[str] = []  # one line per node that lacks files (first in the reasons)
     arrived: dict[int, tuple[int, set[str]]] = {}  # node -> (receiving rank, rebuilt files)
     for node, invs in sorted(nodes.items()):
@@ -152,8 +149,7 @@ def plan_restore(
                                   level_urls, step) if transfers else None  # fmt: skip
             if isinstance(action, Rebuild):
                 plan.actions.append(action)
-                desc = groups[action.level][action.group]
-                rebuilt |= {f for y in action.members for f, _ in desc["members"][y]["files"]}
+                rebuilt |= set(action.brings)
                 arrived.setdefault(node, (dst, set()))[1].update(rebuilt)
                 continue
             if not covered:
@@ -180,6 +176,17 @@ def plan_restore(
         plan.actions = []
     plan.actions = in_rounds(plan.actions)
     return plan
+
+
+def group_descriptions(inventories: Sequence[Inventory]) -> dict[int, dict[str, dict[str, Any]]]:
+    """Every erasure group any rank's node described: level -> group -> description
+    (a replaced node holds none: it takes them from the others)."""
+    groups: dict[int, dict[str, dict[str, Any]]] = {}
+    for inv in inventories:
+        for level, descs in inv.groups.items():
+            for g, desc in descs.items():
+                groups.setdefault(level, {}).setdefault(g, desc)
+    return groups
 
 
 def participants(action: Link | Copy | Rebuild) -> set[int]:
