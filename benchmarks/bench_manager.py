@@ -229,9 +229,9 @@ def run_cell(
     return cell
 
 
-def restart_and_load(state: State, levels: list[Level], step: int) -> float:
-    """A restarted process on the same node (L1 intact) resumes: the seconds
-    ``load_latest`` took (the restore after a process crash; checked bit for bit)."""
+def timed_load(state: State, levels: list[Level]) -> tuple[int | None, float, dict, State]:
+    """A new manager's ``load_latest`` into zeroed tensors: (step, seconds, the reader's
+    sources, the loaded state)."""
     fresh = CheckpointManager(levels)
     dest = zeros_like_state(state)
     t0 = time.perf_counter()
@@ -239,6 +239,13 @@ def restart_and_load(state: State, levels: list[Level], step: int) -> float:
     load_s = time.perf_counter() - t0
     sources = fresh.last_load_sources
     fresh.close()
+    return got, load_s, sources, dest
+
+
+def restart_and_load(state: State, levels: list[Level], step: int) -> float:
+    """A restarted process on the same node (L1 intact) resumes: the seconds
+    ``load_latest`` took (the restore after a process crash; checked bit for bit)."""
+    got, load_s, sources, dest = timed_load(state, levels)
     if got != step or any(s.startswith(levels[1].url) for s in sources):
         raise AssertionError(f"load_latest returned step {got} from {sources}, expected "
                              f"{step} from L1")  # fmt: skip
@@ -250,13 +257,7 @@ def lose_l1_and_load(state: State, levels: list[Level], step: int) -> tuple[str,
     """Lose the node (delete L1), resume from the remote, compare bit for bit.
     Returns the verdict and the seconds ``load_latest`` took."""
     shutil.rmtree(levels[0].url)
-    fresh = CheckpointManager(levels)
-    dest = zeros_like_state(state)
-    t0 = time.perf_counter()
-    got = fresh.load_latest(dest)
-    load_s = time.perf_counter() - t0
-    sources = fresh.last_load_sources
-    fresh.close()
+    got, load_s, sources, dest = timed_load(state, levels)
     try:
         if got != step:
             raise AssertionError(f"load_latest returned step {got}, expected {step}")
