@@ -92,9 +92,11 @@ class Random(Arrivals):
         return Failure(self._next[i], self._classes[i].name)
 
     def peek(self) -> Failure:
+        """The next failure, not consumed."""
         return self._head
 
     def pop(self) -> Failure:
+        """The next failure, consumed (its class's next arrival is drawn)."""
         failure = self._head
         if self._next:
             i = min(range(len(self._next)), key=self._next.__getitem__)
@@ -111,9 +113,11 @@ class Injected(Arrivals):
         self._at = 0
 
     def peek(self) -> Failure:
+        """The next placed failure (none left: one that never comes), not consumed."""
         return self._failures[self._at] if self._at < len(self._failures) else _NEVER
 
     def pop(self) -> Failure:
+        """The next placed failure, consumed."""
         failure = self.peek()
         self._at += 1
         return failure

@@ -37,6 +37,7 @@ class Estimate:
 
     @classmethod
     def of(cls, samples: Sequence[float]) -> Estimate:
+        """The mean of ``samples`` with its 95 % half-width (infinite below two samples)."""
         x = np.asarray(samples, dtype=np.float64)
         if x.size < 2:
             return cls(float(x.mean()) if x.size else math.nan, math.inf)
@@ -80,6 +81,7 @@ class Summary:
 
     @classmethod
     def of(cls, runs: Sequence[RunResult]) -> Summary:
+        """The estimates over ``runs`` (one policy, many seeds)."""
         runs = tuple(runs)
         return cls(
             runs=runs,

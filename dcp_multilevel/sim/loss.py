@@ -85,6 +85,7 @@ class PowerLaw(LossCurve):
         )
 
     def losses(self, steps: np.ndarray) -> np.ndarray:
+        """The loss at each of ``steps``."""
         return self.a + self.b * (np.asarray(steps, dtype=np.float64) + self.offset) ** -self.c
 
 
@@ -105,4 +106,5 @@ class Recorded(LossCurve):
             raise ConfigError("Recorded.steps must increase")
 
     def losses(self, steps: np.ndarray) -> np.ndarray:
+        """The recorded loss at each of ``steps``, interpolated linearly."""
         return np.interp(np.asarray(steps, dtype=np.float64), self.steps, self.values)

@@ -53,6 +53,7 @@ class FixedSeconds(SavePolicy):
             raise ConfigError(f"FixedSeconds intervals must be > 0, got {self.intervals!r}")
 
     def decide(self, observation: Observation) -> Decision:
+        """Each level whose interval passed since its last save (at once: never saved)."""
         chosen = frozenset(
             s.index
             for s in observation.levels
@@ -62,6 +63,7 @@ class FixedSeconds(SavePolicy):
         return Decision(chosen, "fixed-seconds", intervals=dict(enumerate(self.intervals)))
 
     def quiet_until(self, observation: Observation) -> float:
+        """The earliest time a level's interval runs out (see :class:`Lookahead`)."""
         due = math.inf
         for s in observation.levels:
             interval = self.intervals[s.index]
@@ -86,11 +88,13 @@ class EverySteps(SavePolicy):
             raise ConfigError(f"EverySteps needs integers >= 1, got {self.every!r}")
 
     def decide(self, observation: Observation) -> Decision:
+        """Each level whose step count divides the step."""
         step = observation.step
         chosen = frozenset(s.index for s in observation.levels if step % self.every[s.index] == 0)
         return Decision(chosen, "every-steps", {"every": list(self.every)})
 
     def quiet_until(self, observation: Observation) -> float:
+        """The time of the next step some level's count divides (see :class:`Lookahead`)."""
         if observation.step_seconds is None:
             return -math.inf  # cannot tell the time of a later step: ask every step
         step = observation.step
@@ -106,6 +110,7 @@ class YoungDalyAhead(YoungDaly):
     with :class:`Lookahead`, from its own :meth:`YoungDaly.intervals`."""
 
     def quiet_until(self, observation: Observation) -> float:
+        """The earliest time a level's Young/Daly interval runs out (see :class:`Lookahead`)."""
         intervals, _ = self.intervals(observation)
         return min(
             (
