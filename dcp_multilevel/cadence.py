@@ -32,9 +32,11 @@ Call order (every rank, main thread)::
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import signal
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +55,9 @@ logger = logging.getLogger(__name__)
 #: Measured costs on this rank: (first level's blocked seconds per save, or None;
 #: level index -> its last drain's seconds; the levels whose drain is running).
 Costs = Callable[[], tuple[float | None, dict[int, float], set[int]]]
+
+#: Saves whose median is the first level's cost (as the manager's metrics).
+_RECENT_SAVES = 5
 
 #: Weight of the newest step in the step-time average (exponential).
 _STEP_WEIGHT = 0.1
@@ -103,6 +108,10 @@ class Cadence:
         self._last: dict[int, tuple[int, float]] = {}  # level -> (step, clock) of its last save
         self._next_check = 0
         self._signalled = False
+        self.blocked_seconds = 0.0  # of the clock, the time step() spent saving
+        self._save_seconds: collections.deque[float] = collections.deque(maxlen=_RECENT_SAVES)
+        self._tick_time: float | None = None
+        self._saving = False
         self._previous: Any = None
         if save_on_sigterm:
             if threading.current_thread() is not threading.main_thread():
@@ -125,6 +134,10 @@ class Cadence:
     def observation(self, step: int, loss: float | None, costs: Costs) -> Observation:
         """This rank's view of ``step`` (rank 0's is the one decisions are made from)."""
         blocked, drains, busy = costs()
+        if self._save_seconds:
+            # What step() spent per save, decision and collectives included: the
+            # same measure as blocked_seconds, so the overhead bound adds like to like.
+            blocked = statistics.median(self._save_seconds)
         states = tuple(
             LevelState(
                 i, level,
@@ -136,11 +149,12 @@ class Cadence:
             )
             for i, level in enumerate(self.levels)
         )  # fmt: skip
-        return Observation(step, self.clock, states, self.step_seconds, loss)
+        return Observation(step, self.clock, states, self.step_seconds, loss,
+                           self.blocked_seconds)  # fmt: skip
 
     def tick(self, step: int, loss: float | None, costs: Costs) -> Tick:
         """The decision for ``step`` (collective at check steps; see the module docstring)."""
-        now = time.monotonic()
+        now = self._tick_time = time.monotonic()
         if self._start is None:
             self._start = now
         elif self._last_return is not None:
@@ -183,10 +197,17 @@ class Cadence:
         """Record a committed save of ``step`` to ``levels`` (every rank, same arguments)."""
         for index in levels:
             self._last[index] = (step, self.clock)
+        self._saving = True
 
     def stepped(self) -> None:
-        """Mark the end of the manager's work in this step (step times exclude saving)."""
+        """Mark the end of the manager's work in this step (step times exclude saving;
+        the time of a save adds to ``blocked_seconds``)."""
         self._last_return = time.monotonic()
+        if self._saving and self._tick_time is not None:
+            took = self._last_return - self._tick_time
+            self.blocked_seconds += took
+            self._save_seconds.append(took)
+        self._saving = False
 
     def close(self) -> None:
         """Restore the SIGTERM handler that was there before."""

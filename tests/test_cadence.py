@@ -14,7 +14,13 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_multilevel import BalancedSavePlanner, CheckpointManager, Level
-from dcp_multilevel.schedule import ConvergenceAware, FailureModel, FixedInterval, YoungDaly
+from dcp_multilevel.schedule import (
+    ConvergenceAware,
+    FailureModel,
+    FixedInterval,
+    OverheadBound,
+    YoungDaly,
+)
 from tests._dist import run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -112,3 +118,44 @@ def test_sigterm_on_one_rank_saves_the_same_step_everywhere_then_exits(tmp_path)
     assert (tmp_path / "l1" / f"step-{stopped}" / "manifest.json").exists()
     assert not (tmp_path / "remote").exists() or not list((tmp_path / "remote").iterdir())
     assert run_ranks(_resume_job, 2, str(tmp_path), timeout=240) == [stopped, stopped]
+
+
+def _bounded_job(rank: int, world: int, root: str) -> tuple[list[dict], float, float]:
+    levels = [Level(f"{root}/l1", keep=2)]
+    policy = OverheadBound(YoungDaly(FailureModel(0.0002), ("first",)), target=0.25)
+    records: list[dict] = []
+    mgr = CheckpointManager(levels, schedule=policy, planner=SlowFirstSave(),
+                            on_metrics=records.append)  # fmt: skip
+    start = time.monotonic()
+    for step in range(800):
+        time.sleep(0.01)
+        mgr.step(_state(step), step=step)
+    wall = time.monotonic() - start
+    mgr.close()
+    blocked = sum(r["blocked_seconds"] + r["waited_seconds"] for r in records
+                  if r["kind"] == "save")  # fmt: skip
+    return [r for r in records if r["kind"] == "decision"], blocked, wall
+
+
+class SlowFirstSave(BalancedSavePlanner):
+    """The first save blocks training for a second (a cold first save, measured by nobody)."""
+
+    calls = 0
+
+    def create_local_plan(self):
+        SlowFirstSave.calls += 1
+        if SlowFirstSave.calls == 1:
+            time.sleep(1.0)
+        return super().create_local_plan()
+
+
+def test_the_manager_tells_the_overhead_bound_the_runs_blocked_time(tmp_path):
+    (decisions, blocked, wall), _ = run_ranks(_bounded_job, 2, str(tmp_path), timeout=240)
+    # Each decision says how long the run had been blocked by then: 0 before the
+    # first save, then at least the slow first save's second, never less later.
+    seen = [d["inputs"]["run_blocked_seconds"] for d in decisions]
+    assert seen[0] == 0 and seen[1] >= 1.0 and seen == sorted(seen), seen
+    # And the run stays under the bound, slow first save included (the rule
+    # itself: tests/test_schedule.py).
+    assert len(decisions) >= 3
+    assert blocked <= 0.25 * wall + 0.1, (blocked, wall)

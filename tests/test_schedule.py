@@ -3,6 +3,7 @@ published figures, and decisions from observations."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -232,3 +233,43 @@ def test_the_overhead_bound_spaces_saves_of_every_level():
     # Level 2 last saved long ago, but the last save of any level was 1 s ago.
     assert policy.decide(_obs(100.0, [99.0, 99.0, 0.0], costs)).levels == frozenset()
     assert policy.decide(_obs(110.0, [99.0, 99.0, 0.0], costs)).levels >= {0, 2}
+
+
+def test_the_overhead_bound_pays_back_a_save_that_took_longer_than_its_cost():
+    policy = OverheadBound(YoungDaly(FailureModel(0.001), ("first", "node", "store")))
+    costs = [0.1, 0.5, 0.5]
+    spaced = _obs(110.0, [99.0, 99.0, 0.0], costs)  # 11 s since the last save: spaced enough
+    assert policy.decide(spaced).levels >= {0, 2}
+    # The run so far blocked 3.8 s of 110 s (a slow first save): one more 0.1 s save
+    # would make it 3.9 / 110.1 = 3.54 % > 3.5 %, so the bound waits...
+    slow = dataclasses.replace(spaced, blocked_seconds=3.8)
+    decision = policy.decide(slow)
+    assert decision.levels == frozenset() and decision.policy == "overhead-bound"
+    # ...until the run's time brings it back under: (3.8 + 0.1) / (t + 0.1) <= 0.035.
+    later = dataclasses.replace(slow, time=3.9 / 0.035)
+    assert policy.decide(later).levels >= {0, 2}
+    assert policy.decide(dataclasses.replace(slow, blocked_seconds=3.7)).levels >= {0, 2}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.01, 5.0), min_size=2, max_size=30), st.floats(0.01, 0.2))
+def test_the_overhead_bound_holds_after_every_save_but_for_the_newest_estimate_error(costs, target):
+    # Saves really cost ``costs``; the policy knows the previous save's (as the
+    # manager's median of recent saves). After every save but the first (nothing
+    # measured before it), blocked / time is under target, over by at most the
+    # newest save's underestimate; an overestimate never lets it over.
+    level = Level("/l1")
+    policy = OverheadBound(YoungDaly(FailureModel(0.001), ("first",)), target)
+    time, blocked, last, measured = 0.0, 0.0, None, None
+    for cost in costs:
+        while True:
+            time += 0.05
+            state = LevelState(0, level, None if last is None else 0, last, measured)
+            if policy.decide(Observation(1, time, (state,), blocked_seconds=blocked)).levels:
+                break
+        time += cost
+        blocked += cost
+        if measured is not None:
+            slack = (1 - target) * max(0.0, cost - measured)
+            assert blocked <= target * time + slack + 1e-9
+        last, measured = time, cost

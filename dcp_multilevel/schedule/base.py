@@ -77,6 +77,8 @@ class Observation:
         step_seconds: the measured mean time of one training step (None: unknown).
         loss: the training loss at this step, if the caller gives it.
         levels: every level's state, first level first.
+        blocked_seconds: of ``time``, the seconds training was blocked saving
+            (None: not tracked, e.g. by the simulator, which charges it itself).
     """
 
     step: int
@@ -84,6 +86,7 @@ class Observation:
     levels: tuple[LevelState, ...]
     step_seconds: float | None = None
     loss: float | None = None
+    blocked_seconds: float | None = None
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,10 @@ counts from the start of the job, time 0). Wrappers change the intervals of
 another policy:
 
 * :class:`OverheadBound` (CheckFreq, FAST '21): at least ``cost / target``
-  between two saves of any level (each is a first-level save), so saving
-  blocks at most ``target`` of the training time (3.5 % in CheckFreq's runs);
+  between two saves of any level (each is a first-level save), and no save
+  that would take the run's blocked time over ``target`` of its time, so
+  saving blocks at most ``target`` of the training time (3.5 % in CheckFreq's
+  runs);
 * :class:`TimeBounds`: at least ``min_seconds`` and at most ``max_seconds``
   between two saves of a level, whatever the policy inside says.
 """
@@ -92,16 +94,28 @@ class OverheadBound(IntervalPolicy):
                 i: v if v.seconds >= bound else Interval(bound, "overhead-bound")
                 for i, v in intervals.items()
             }
-        return intervals, {**inputs, "overhead_target": self.target}
+        inputs = {**inputs, "overhead_target": self.target}
+        if observation.blocked_seconds is not None:
+            inputs["run_blocked_seconds"] = observation.blocked_seconds
+        return intervals, inputs
 
     def decide(self, observation: Observation) -> Decision:
         """As :class:`IntervalPolicy`, and nothing until ``cost / target`` passed since the
-        last save of any level (the first level's: every save goes there)."""
+        last save of any level (the first level's: every save goes there), nor while
+        one more save would take the job's blocked time so far over ``target``.
+
+        The second rule is the bound over the whole run: the spacing alone
+        trusts ``cost``, which is a median of past saves; a save that took longer
+        (the first one, measured by nobody before it) is paid back by waiting.
+        """
         decision = super().decide(observation)
         first = observation.levels[0]
-        if decision.levels and first.cost_seconds is not None:
+        cost = first.cost_seconds
+        if decision.levels and cost is not None:
             since = observation.time - (first.last_time or 0.0)
-            if since < first.cost_seconds / self.target:
+            blocked = observation.blocked_seconds
+            over = blocked is not None and blocked + cost > self.target * (observation.time + cost)
+            if since < cost / self.target or over:
                 return Decision(frozenset(), "overhead-bound", decision.inputs,
                                 decision.intervals)  # fmt: skip
         return decision
