@@ -17,7 +17,7 @@ NODELOSS_OUT ?= $(DEMO_OUT)/nodeloss
 STAMP := $(VENV)/.stamp-setup
 NATIVE_SRC := setup.py dcp_multilevel/codecs/_planes.c
 
-.PHONY: setup test lint format demo demo-nodeloss bench clean
+.PHONY: setup test lint format demo demo-nodeloss bench plots clean
 
 setup: $(STAMP)
 
@@ -66,6 +66,12 @@ bench: setup
 	$(VENV)/bin/python benchmarks/bench_codecs.py
 	$(VENV)/bin/python benchmarks/bench_manager.py
 	$(VENV)/bin/python benchmarks/bench_async.py
+
+# The summary's plots (docs/img/*.png) from the benchmarks' JSON in benchmarks/results/
+# (each file holds the command that wrote it; a missing one skips its plot).
+plots: setup
+	$(PIP) install -q -e '.[plots]' $(TORCH_SPEC)
+	$(VENV)/bin/python benchmarks/plots.py
 
 # Removes build and run outputs; keeps the virtual environment (`rm -rf .venv`
 # for a full reset).

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
 import pickle
@@ -42,7 +43,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from _data import bert_adamw_meta_state, bert_config, bert_state
 from _measure import median, rotated, spread
 from _phases import PHASES, Clock, timed_planner, timed_writer
-from _report import markdown_table, verdict
+from _report import command, markdown_table, verdict
 from dcp_multilevel import BalancedSavePlanner, MultiLevelWriter
 
 PLANNERS = {"stock": DefaultSavePlanner, "ours": BalancedSavePlanner}
@@ -83,15 +84,15 @@ def _nlogn(n: int) -> float:
 # ------------------------------------------------------------------ plan only
 
 
-def plan_only(world_sizes: list[int], repeat: int) -> tuple[str, list[str]]:
-    """The plan-only table and one PASS/MISS line per goal."""
+def plan_only(world_sizes: list[int], repeat: int) -> tuple[str, list[str], list[dict]]:
+    """The plan-only table, one PASS/MISS line per goal, and the figures per world size."""
     state = bert_adamw_meta_state(bert_config())
     # Data parallel: every rank's local plan is the same (stock's and ours are
     # equal), and reaches the coordinator unpickled (DCP's gather_object), one
     # object tree per rank.
     blob = pickle.dumps(_local_plan(DefaultSavePlanner, state)[1])
     local_items = len(pickle.loads(blob).items)  # noqa: S301 - our own bytes
-    rows, measured = [], []
+    rows, measured, figures = [], [], []
     for n in world_sizes:
         wall: dict[str, list[float]] = {"stock": [], "ours": []}
         cpu: dict[str, list[float]] = {"stock": [], "ours": []}
@@ -124,6 +125,13 @@ def plan_only(world_sizes: list[int], repeat: int) -> tuple[str, list[str]]:
         s_c, o_c = median(cpu["stock"]), median(cpu["ours"])
         (s_b, s_i), (o_b, o_i) = results["stock"], results["ours"]
         measured.append((n, big_n, s_t, o_t, _ratio(o_b), s_c, o_c))
+        figures.append({
+            "ranks": n, "items_x_ranks": big_n,
+            "stock": {"rank_bytes_max": max(s_b), "rank_bytes_mean": sum(s_b) / n,
+                      "rank_bytes_min": min(s_b), "plan_s": s_t, "plan_cpu_s": s_c},
+            "ours": {"rank_bytes_max": max(o_b), "rank_bytes_mean": sum(o_b) / n,
+                     "rank_bytes_min": min(o_b), "plan_s": o_t, "plan_cpu_s": o_c},
+        })  # fmt: skip
         rows.append(
             [n, f"{_ratio(s_b):.3f}", f"{_ratio(o_b):.3f}", f"{_ratio(s_i):.2f}",
              f"{_ratio(o_i):.2f}", f"{s_t:.3f}", f"{o_t:.3f}", f"{o_t / s_t:.2f}",
@@ -136,7 +144,7 @@ def plan_only(world_sizes: list[int], repeat: int) -> tuple[str, list[str]]:
         "ours max/mean items | stock plan s | ours plan s | ours/stock time | stock CPU s | "
         "ours CPU s | ours/stock CPU | N = items x ranks | ours ns / (N log2 N) | ours items"
     )
-    return markdown_table(headers, rows), _goals(measured)
+    return markdown_table(headers, rows), _goals(measured), figures
 
 
 def _goals(measured: list[tuple]) -> list[str]:
@@ -274,6 +282,7 @@ def main() -> None:
     ap.add_argument("--e2e-repeat", type=int, default=4, help="saves per pair (median)")
     ap.add_argument("--e2e-no-sync", action="store_true", help="writers skip fsync")
     ap.add_argument("--e2e-scale", type=float, default=1.0, help="fraction of BERT-large layers")
+    ap.add_argument("--json", type=Path, default=None, help="also write the plan-only figures here")
     args = ap.parse_args()
 
     sizes = [2**k for k in range(1, 11) if args.min_ranks <= 2**k <= args.max_ranks]
@@ -282,10 +291,14 @@ def main() -> None:
             "## Plan only: BERT-large + AdamW, data parallel (coordinator's "
             f"create_global_plan, median of {args.repeat})\n"
         )
-        table, goals = plan_only(sizes, args.repeat)
+        table, goals, figures = plan_only(sizes, args.repeat)
         print(table)
         print("\nGoals (issue 3):\n")
         print("\n".join(f"- {line}" for line in goals))
+        if args.json:
+            doc = {"command": command(__file__), "state": "BERT-large + AdamW, replicated",
+                   "plan_only": figures}  # fmt: skip
+            args.json.write_text(json.dumps(doc, indent=1))
     if not args.skip_e2e:
         print(
             f"\n## End to end: {args.e2e_ranks} gloo ranks, replicated BERT-large model state "

@@ -26,11 +26,12 @@ Quick check::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 # Measure this checkout's dcp_multilevel whatever is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _cli import add_root, add_seed, add_wait_idle, names, parser, quiet_dcp_warnings
+from _cli import add_json, add_root, add_seed, add_wait_idle, names, parser, quiet_dcp_warnings
 from _data import assert_state_equal, bert_config, bert_state, state_nbytes, zeros_like_state
 from _disk import (
     evict_tree,
@@ -53,7 +54,7 @@ from _disk import (
     tree_nbytes,
 )
 from _measure import PhaseTimer, gbps, median, rounds, timed
-from _report import fmt, goal_line, markdown_table, measured, print_header, samples
+from _report import command, fmt, goal_line, markdown_table, measured, print_header, samples
 from dcp_multilevel import MultiLevelReader, MultiLevelWriter
 
 #: Default wait between a write and the cold read of its data, per GB written.
@@ -314,6 +315,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", default=",".join(CONFIGS),
                    help=f"comma-separated subset of: {', '.join(CONFIGS)}")
     add_seed(p)
+    add_json(p)
     add_wait_idle(p)
     p.add_argument("--settle", type=float, default=None, help=(
         "seconds from the end of a write to the start of the cold read of that data,\n"
@@ -372,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     print()
     print(report({e.name: e.note for e in entries}, results, nbytes, timer))
+    if args.json:
+        doc = {"command": command(__file__), "state_bytes": nbytes,
+               "samples": {name: asdict(s) for name, s in results.items()}}  # fmt: skip
+        args.json.write_text(json.dumps(doc, indent=1))
     return 0
 
 

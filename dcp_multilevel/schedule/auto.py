@@ -31,7 +31,7 @@ class Schedule:
         ``min_seconds``/``max_seconds``; with ``convergence=True`` also scaled by
         the loss curve's progress (``ConvergenceAware``: off by default, as in
         the failure simulator it lost more work than it saved in blocked time,
-        ``docs/benchmarks.md``).
+        ``docs/benchmarks-log.md``).
 
         Give the job's mean time between failures (``mtbf_hours``) or its GPU
         count (``gpus``: the published rates, ``schedule/failures.py``).

@@ -1,0 +1,162 @@
+"""The summary's plots, drawn from the benchmarks' JSON output (``make plots``).
+
+Each plot reads one file of ``benchmarks/results/`` (written by the
+benchmark's ``--json``; the command that wrote it is inside, under
+``"command"``, except for ``bench_async.py``'s) and writes one PNG to
+``docs/img/``. A missing results file skips its plot with a line saying
+which command makes it. Medians, as in the benchmarks' own tables; whiskers
+span the samples.
+
+    python benchmarks/plots.py [--results benchmarks/results] [--out docs/img]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on CI or a server
+import matplotlib.pyplot as plt
+
+HERE = Path(__file__).resolve().parent
+STOCK, OURS, OTHER = "#8c8c8c", "#1f77b4", "#ff7f0e"
+
+
+def _gbps(nbytes: int, seconds: list[float]) -> tuple[float, float, float]:
+    """Median, lowest and highest GB/s of ``seconds`` samples (zeros when none)."""
+    rates = [nbytes / 1e9 / s for s in seconds if s > 0]
+    if not rates:
+        return 0.0, 0.0, 0.0
+    return statistics.median(rates), min(rates), max(rates)
+
+
+def _bars(ax, labels: list[str], series: dict[str, list[tuple[float, float, float]]],
+          colors: list[str]) -> None:  # fmt: skip
+    """Grouped bars with whiskers from the lowest to the highest sample."""
+    width = 0.8 / len(series)
+    for k, ((name, values), color) in enumerate(zip(series.items(), colors, strict=True)):
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(labels))]
+        mids = [v[0] for v in values]
+        err = [[v[0] - v[1] for v in values], [v[2] - v[0] for v in values]]
+        ax.bar(xs, mids, width, label=name, color=color, yerr=err, capsize=3)
+    ax.set_xticks(range(len(labels)), labels)
+
+
+def save_load(doc: dict, out: Path) -> None:
+    """GB/s of save, warm load and cold load per method (bench_save_load.py)."""
+    nbytes = doc["state_bytes"]
+    names = [n for n in doc["samples"] if "random" not in n]
+    kinds = {"save": "save_s", "warm load": "warm_s", "cold load": "cold_s"}
+    series = {
+        kind: [_gbps(nbytes, doc["samples"][n][key]) for n in names] for kind, key in kinds.items()
+    }
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    _bars(ax, names, series, ["#2ca02c", OURS, "#9467bd"])
+    ax.set_ylabel("GB/s (higher is better)")
+    ax.set_title(f"dcp.save / dcp.load of BERT-large ({nbytes / 1e9:.2f} GB fp32), one process")
+    ax.legend()
+    ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def planner(doc: dict, out: Path) -> None:
+    """Largest rank's bytes per save against the world size (bench_planner.py)."""
+    rows = doc["plan_only"]
+    ranks = [r["ranks"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, color, label in (("stock", STOCK, "stock DefaultSavePlanner"),
+                               ("ours", OURS, "BalancedSavePlanner")):  # fmt: skip
+        ax.plot(ranks, [r[name]["rank_bytes_max"] / 1e9 for r in rows], "o-", color=color,
+                label=f"{label}: busiest rank")  # fmt: skip
+    ax.plot(ranks, [r["ours"]["rank_bytes_mean"] / 1e9 for r in rows], ":", color="k",
+            label="mean per rank (the ideal)")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks (data parallel, state replicated on every rank)")
+    ax.set_ylabel("GB written by the busiest rank")
+    ax.set_title(f"Who writes what: {doc.get('state', 'replicated state')}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def codecs(doc: dict, out: Path) -> None:
+    """Compression ratio against one-thread compression speed, per codec and data set
+    (bench_codecs.py)."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    markers = dict(zip(doc["codecs"], "osD^v<>", strict=False))
+    colors = {"stock-zstd": STOCK, "zipnn": OTHER, "ours-bytegroup": OURS, "ours-zstd": "#17becf"}
+    seen: set[str] = set()
+    for data_set, per in doc["codecs"].items():
+        for name, r in per.items():
+            secs = r["comp_s"].get("1") or next(iter(r["comp_s"].values()), None)
+            if not secs:
+                continue
+            speed = r["raw_bytes"] / 1e6 / statistics.median(secs)
+            ratio = r["comp_bytes"] / r["raw_bytes"]
+            ax.scatter(speed, ratio, marker=markers[data_set], color=colors.get(name, "k"),
+                       s=60, label=None if name in seen else name)  # fmt: skip
+            seen.add(name)
+    for data_set, marker in markers.items():
+        ax.scatter([], [], marker=marker, color="k", label=data_set)
+    ax.set_xlabel("compression MB/s, one thread (right is better)")
+    ax.set_ylabel("stored / raw bytes (lower is better)")
+    ax.set_title("Codecs on real weights and optimizer state")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def async_blocked(doc: dict, out: Path) -> None:
+    """Training time blocked by each dcp.async_save, stock against ours (bench_async.py)."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for variant, color in (("stock", STOCK), ("ours", OURS)):
+        for k, run in enumerate(doc.get(variant) or []):
+            saves = range(1, len(run["blocked"]) + 1)
+            ax.plot(saves, run["blocked"], "o-", color=color, alpha=0.8,
+                    label=f"{variant} (a process per line)" if k == 0 else None)  # fmt: skip
+    ax.set_xlabel("save number (save 1 includes one-time set-up on both sides)")
+    ax.set_ylabel("seconds training is blocked")
+    some = next(iter(doc.values()))[0]
+    ax.set_title(f"dcp.async_save of {some['state_bytes'] / 1e9:.2f} GB, blocked time per save")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+#: results file -> (plot, PNG name, the benchmark and options that write the results file).
+PLOTS: dict[str, tuple[Callable[[dict, Path], None], str, str]] = {
+    "save_load.json": (save_load, "save_load.png", "bench_save_load.py"),
+    "planner.json": (planner, "planner_balance.png", "bench_planner.py --skip-e2e"),
+    "codecs.json": (codecs, "codecs.png", "bench_codecs.py --savers ''"),
+    "async.json": (async_blocked, "async_blocked.png", "bench_async.py"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", type=Path, default=HERE / "results")
+    p.add_argument("--out", type=Path, default=HERE.parent / "docs" / "img")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, (plot, png, cmd) in PLOTS.items():
+        src = args.results / name
+        if not src.exists():
+            print(f"skipped {png}: no {src} (made by: python benchmarks/{cmd} --json {src})")
+            continue
+        plot(json.loads(src.read_text()), args.out / png)
+        plt.close("all")
+        print(f"wrote {args.out / png} from {src}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
