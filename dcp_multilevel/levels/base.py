@@ -161,6 +161,13 @@ class LevelDriver(abc.ABC):
         """Remove crash leftovers older than ``older_than_s`` seconds; return what went."""
         return self.root.sweep(older_than_s)
 
+    def holdings(self, step: int) -> dict[str, Any] | None:
+        """What this node holds of ``step`` besides whole data files, for a restore's
+        inventory (``levels/restore.py``): ``{"groups": {group: description},
+        "parity": [[group, block], ...]}`` for a level of erasure-coded groups;
+        None (the default) for a level that holds whole files only."""
+        return None
+
     @abc.abstractmethod
     def drain(self, job: DrainJob, manifest: Manifest, link: DrainLink) -> DrainResult:
         """Bring ``job.source`` (whose manifest is ``manifest``) onto this level.

@@ -197,7 +197,8 @@ class ErasureLevel(NodeLocalLevel):
         return out
 
     def holdings(self, step: int) -> dict[str, Any]:
-        """The group descriptions and parity blocks this node holds for ``step``."""
+        """The group descriptions and parity blocks this node holds for ``step``
+        (``LevelDriver.holdings``)."""
         ckpt = self.checkpoint(step)
         names = set(ckpt.store.listdir(PARITY_DIR))
         groups: dict[str, Any] = {}

@@ -39,7 +39,6 @@ from .. import _dist
 from ..checkpoint import StoredCheckpoint
 from ..format import Manifest
 from .base import LevelDriver
-from .erasure import ErasureLevel
 from .erasure_blocks import block_chunks, rebuild, send_block
 from .node_local import PLACEMENT_NAME, link_or_copy
 from .restore_plan import Copy, Inventory, Link, Rebuild, RestorePlan, group_descriptions
@@ -97,8 +96,8 @@ def take_inventory(
             if i > 0 and not ckpt.is_committed():
                 continue
             inv.files[i] = sorted(ckpt.data_files() & names)
-            if isinstance(driver, ErasureLevel):
-                held = driver.holdings(step)
+            held = driver.holdings(step)
+            if held is not None:
                 inv.parity[i], inv.groups[i] = held["parity"], held["groups"]
             if i > 0 and inv.placement is None:
                 inv.placement = _placement(ckpt)
