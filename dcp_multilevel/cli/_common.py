@@ -39,6 +39,7 @@ __all__ = [
     "Target",
     "emit_json",
     "format_bytes",
+    "format_codecs",
     "format_time",
     "json_option",
     "one_line",
@@ -244,6 +245,14 @@ def format_bytes(n: int | None) -> str:
             return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def format_codecs(codecs: list[str] | None) -> str:
+    """Codec descriptors for people: the built-ins without their package prefix
+    (``bytegroup/3``), ``none`` for uncoded, ``-`` when unknown."""
+    if codecs is None:
+        return "-"
+    return ", ".join(c.removeprefix("dcp_multilevel.") for c in codecs) or "none"
 
 
 def format_time(unix: float | None) -> str:

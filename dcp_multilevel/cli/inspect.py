@@ -14,6 +14,7 @@ from ..format import Manifest, dtype_name, rank_of_file
 from ._common import (
     emit_json,
     format_bytes,
+    format_codecs,
     format_time,
     json_option,
     open_checkpoint,
@@ -106,7 +107,7 @@ def _header(doc: dict[str, Any]) -> Table:
         ("size", f"{format_bytes(doc['stored_bytes'])} on disk, "
                  f"{format_bytes(doc['raw_bytes'])} raw "
                  f"(ratio {_ratio(doc['raw_bytes'], doc['stored_bytes']) or '-'})"),
-        ("codecs", ", ".join(doc["codecs"]) or "none"),
+        ("codecs", format_codecs(doc["codecs"])),
     ]  # fmt: skip
     for k, v in rows:
         table.add_row(k, v)
@@ -138,7 +139,7 @@ def _chunks_table(item: dict[str, Any]) -> Table:
         table.add_row(
             "-" if c["offsets"] is None else str(c["offsets"]), c["file"],
             f"{c['pos']}..{c['pos'] + c['length']}", str(c["raw_length"]),
-            ", ".join(c["transforms"]) or "none", c["checksum"],
+            format_codecs(c["transforms"]), c["checksum"],
         )  # fmt: skip
     return table
 

@@ -19,6 +19,7 @@ from ._common import (
     Target,
     emit_json,
     format_bytes,
+    format_codecs,
     format_time,
     json_option,
     one_line,
@@ -73,13 +74,13 @@ def _table(listing: dict[str, Any]) -> Table:
         if c["error"] is not None:
             state = f"unreadable: {c['error']}"
         else:
-            state = "complete" if c["complete"] else "incomplete (no manifest)"
+            state = "complete" if c["complete"] else "incomplete"
         table.add_row(
             "-" if c["step"] is None else str(c["step"]),
             format_time(c.get("created_unix")),
             format_bytes(c.get("stored_bytes")),
             format_bytes(c.get("raw_bytes")),
-            ", ".join(c.get("codecs") or []) or ("none" if c.get("codecs") == [] else "-"),
+            format_codecs(c.get("codecs")),
             str(c.get("world_size", "-")),
             state,
         )

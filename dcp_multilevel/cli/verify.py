@@ -13,7 +13,6 @@ from dataclasses import asdict
 from typing import Any
 
 import click
-from rich.table import Table
 
 from ..checkpoint import StoredCheckpoint, VerifyResult, verify_checkpoint
 from ._common import (
@@ -65,16 +64,16 @@ def _report(ckpt: StoredCheckpoint, result: VerifyResult) -> dict[str, Any]:
     }
 
 
-def _problems_table(report: dict[str, Any]) -> Table:
-    table = Table(title=f"bad items in {report['url']}", title_justify="left")
-    for name in ("FQN", "offsets", "file", "bytes", "error"):
-        table.add_column(name, overflow="fold")
+def _problem_lines(report: dict[str, Any]) -> list[str]:
+    """One line per bad item (lines, not a table: the messages are long and name the file)."""
+    lines = []
     for p in report["problems"]:
-        table.add_row(
-            p["fqn"], "-" if p["offsets"] is None else str(p["offsets"]), p["file"],
-            f"{p['start']}..{p['end']}", f"{p['error']}: {p['message']}",
-        )  # fmt: skip
-    return table
+        where = "" if p["offsets"] is None else f" (chunk at {p['offsets']})"
+        lines.append(
+            f"  {p['fqn']}{where}: {p['file']} bytes {p['start']}..{p['end']}: "
+            f"{p['error']}: {p['message']}"
+        )
+    return lines
 
 
 @click.command("verify")
@@ -115,7 +114,8 @@ def verify(ckpts: tuple[str, ...], latest: bool, storage_options: dict, as_json:
                     f"BAD  {ckpt.url}: {len(result.problems)} of {result.items} items bad",
                     highlight=False,
                 )
-                console.print(_problems_table(report))
+                for line in _problem_lines(report):
+                    console.print(line, highlight=False, soft_wrap=True)
     ok = all(r["ok"] for r in reports)
     if as_json:
         emit_json({"ok": ok, "checkpoints": reports})
