@@ -16,12 +16,8 @@ from __future__ import annotations
 import click
 
 from .._version import __version__
+from . import copy, gc, inspect, ls, verify
 from ._common import ErrorHandlingGroup
-from .copy import copy
-from .gc import gc
-from .inspect import inspect
-from .ls import ls
-from .verify import verify
 
 __all__ = ["main"]
 
@@ -37,5 +33,7 @@ def main() -> None:
     """
 
 
-for _command in (ls, inspect, verify, copy, gc):
+# The modules stay the package's attributes (``cli.verify`` is the module); each
+# holds one command of the same name.
+for _command in (ls.ls, inspect.inspect, verify.verify, copy.copy, gc.gc):
     main.add_command(_command)

@@ -64,9 +64,14 @@ def copy_checkpoint(
             result["status"] = "already-present"
             return result
         other = dest.manifest().save_id
+        what = (
+            f"another copy of save {other}, stored differently (other codec or files)"
+            if other == manifest.save_id
+            else f"save {other}, copying save {manifest.save_id}"
+        )
         raise CheckpointExistsError(
-            f"{dest.url} already holds a different committed checkpoint (save {other}, "
-            f"copying save {manifest.save_id}); delete it first or pick another destination",
+            f"{dest.url} already holds a different committed checkpoint ({what}); "
+            "delete it first or pick another destination",
             checkpoint=dest.url,
         )
     # The source's manifest, read against DEST's files: checks what an earlier run left.
