@@ -9,6 +9,8 @@
 - ``destinations.py``: where a loaded item's bytes land and how the reader
   hands verified bytes to DCP's ``LoadPlanner`` (non-tensor objects vetted
   with ``weights_only`` loading).
+- ``verify.py``: :func:`verify_checkpoint`: every item of a checkpoint read
+  back verified and decoded, every bad one reported (the CLI's ``verify``).
 - ``chain.py``: reading one checkpoint from a chain of copies (the reader's
   record of which copy failed for which item, and the errors it raises).
 
@@ -18,13 +20,18 @@ Nothing here knows about levels, drains or torch.distributed.
 from .items import ItemRef, blocks_of, read_item, read_stored
 from .root import CheckpointRoot
 from .stored import StoredCheckpoint, new_save_id
+from .verify import ItemProblem, VerifyResult, verify_checkpoint, verify_file
 
 __all__ = [
     "CheckpointRoot",
+    "ItemProblem",
     "ItemRef",
     "StoredCheckpoint",
+    "VerifyResult",
     "blocks_of",
     "new_save_id",
     "read_item",
     "read_stored",
+    "verify_checkpoint",
+    "verify_file",
 ]

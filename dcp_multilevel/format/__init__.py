@@ -13,6 +13,7 @@ from .layout import (
     data_file_path,
     is_rank_file,
     parse_step_dir,
+    rank_of_file,
     step_dir,
 )
 from .manifest import (
@@ -44,6 +45,7 @@ __all__ = [
     "locations_from_json",
     "locations_to_json",
     "parse_step_dir",
+    "rank_of_file",
     "step_dir",
     "validate_relpath",
 ]

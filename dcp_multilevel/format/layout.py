@@ -28,6 +28,7 @@ __all__ = [
     "data_file_path",
     "is_rank_file",
     "parse_step_dir",
+    "rank_of_file",
     "step_dir",
 ]
 
@@ -39,6 +40,7 @@ DATA_DIR = "data"
 TMP_MARKER = ".tmp-"
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_RANK_FILE = re.compile(rf"^{DATA_DIR}/(\d+)-\d+\.")
 
 
 def step_dir(step: int) -> str:
@@ -65,3 +67,9 @@ def data_file_path(rank: int, n: int, token: str) -> str:
 def is_rank_file(path: str, rank: int) -> bool:
     """True when the data file ``path`` (as :func:`data_file_path` names it) is ``rank``'s."""
     return path.startswith(f"{DATA_DIR}/{rank}-")
+
+
+def rank_of_file(path: str) -> int | None:
+    """The rank that wrote the data file ``path`` (as :func:`data_file_path` names it), or None."""
+    m = _RANK_FILE.match(path)
+    return int(m.group(1)) if m else None

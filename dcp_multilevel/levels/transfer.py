@@ -49,7 +49,7 @@ from ..errors import TruncatedDataError
 from ..format import Hasher, ItemLocation, Manifest, data_file_path, is_rank_file
 from ..stores import ReadHandle, Store
 
-__all__ = ["BLOCK", "PART_BYTES", "CopyStats", "copy_rank_files"]
+__all__ = ["BLOCK", "PART_BYTES", "CopyStats", "copy_file_verbatim", "copy_rank_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +184,31 @@ def _parts(items: list[Item]) -> Iterable[list[Item]]:
 # --------------------------------------------------------------------------- verbatim
 
 
+def copy_file_verbatim(
+    source: StoredCheckpoint, file: str, target: Store, out: str | None = None
+) -> int:
+    """Copy the committed data file ``file`` of ``source`` to ``out`` (default: the
+    same path) in ``target`` as it is, verifying every item while copying.
+
+    The whole-checkpoint copy of the command-line tool uses this: keeping
+    names and offsets lets the copy reuse the source's manifest unchanged.
+    Returns the file's size. Nothing is left at ``out`` when the copy fails
+    (a local source's upload is removed again; a streamed write is discarded).
+
+    Raises:
+        CorruptCheckpointError: an item does not match its checksum on ``source``.
+        OSError: a store could not be read or written.
+    """
+    manifest = source.manifest()
+    size = manifest.files[file]
+    items = sorted(
+        ((index, loc) for index, loc in manifest.locations.items() if loc.file == file),
+        key=lambda e: e[1].offset,
+    )
+    _copy_verbatim(source, file, size, items, target, out if out is not None else file)
+    return size
+
+
 def _copy_verbatim(
     source: StoredCheckpoint, file: str, size: int, items: list[Item], target: Store, out: str
 ) -> Output:
@@ -221,7 +246,7 @@ def _scan(
 ) -> None:
     """Read ``file`` in blocks, verifying every item; pass all bytes to ``sink`` if given."""
     buf = memoryview(bytearray(max(1, min(BLOCK, size))))
-    with source.open_data(file, items[0][0].fqn) as handle:
+    with source.open_data(file, items[0][0].fqn if items else "(no item)") as handle:
         pos = 0
         for index, loc in items:
             if sink is not None and loc.offset > pos:

@@ -1,0 +1,152 @@
+"""``dcp-multilevel copy CKPT DEST``: one committed checkpoint to another place, verified.
+
+The copy keeps the source's file names, offsets and manifest bytes, so it
+is the same checkpoint (same ``save_id``, same checksums), bit for bit:
+
+1. each data file is copied as it is (``levels/transfer.py``'s verbatim
+   copy), every item verified against the source's checksums on the way;
+2. a data file already at DEST is kept when it has the recorded size and
+   every item in it checks out (a re-run after an interruption resumes
+   there); otherwise it is copied again;
+3. the manifest is written last (the commit): an interrupted copy is never
+   a committed checkpoint. Afterwards, anything else under DEST's ``data/``
+   (an earlier attempt's debris) is removed, as a save does after its commit.
+
+DEST that holds a different committed checkpoint is refused; one that holds
+this very checkpoint (the same manifest) is left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ..checkpoint import StoredCheckpoint, verify_file
+from ..errors import CheckpointExistsError, ConfigError
+from ..format import MANIFEST_NAME, checkpoint_url, parse_step_dir
+from ..levels.transfer import copy_file_verbatim
+from ..stores import store_for
+from ._common import (
+    emit_json,
+    format_bytes,
+    json_option,
+    open_checkpoint,
+    options_for,
+    progress,
+    stdout_console,
+    storage_options_option,
+)
+
+__all__ = ["copy", "copy_checkpoint"]
+
+
+def copy_checkpoint(
+    source: StoredCheckpoint, dest: StoredCheckpoint, *, show_progress: bool = False
+) -> dict[str, Any]:
+    """Copy the committed checkpoint ``source`` to ``dest`` (resumable; see the module).
+
+    Returns what ``copy --json`` prints.
+
+    Raises:
+        CheckpointExistsError: ``dest`` holds a different committed checkpoint.
+        CorruptCheckpointError: an item of ``source`` does not match its checksum.
+        OSError: a store could not be read or written.
+    """
+    manifest = source.manifest()
+    manifest_bytes = source.manifest_bytes()
+    result: dict[str, Any] = {
+        "source": source.url, "dest": dest.url, "save_id": manifest.save_id,
+        "status": "copied", "copied": [], "kept": [], "bytes_copied": 0,
+    }  # fmt: skip
+    if dest.is_committed():
+        if dest.manifest_bytes() == manifest_bytes:
+            result["status"] = "already-present"
+            return result
+        other = dest.manifest().save_id
+        what = (
+            f"another copy of save {other}, stored differently (other codec or files)"
+            if other == manifest.save_id
+            else f"save {other}, copying save {manifest.save_id}"
+        )
+        raise CheckpointExistsError(
+            f"{dest.url} already holds a different committed checkpoint ({what}); "
+            "delete it first or pick another destination",
+            checkpoint=dest.url,
+        )
+    # The source's manifest, read against DEST's files: checks what an earlier run left.
+    staged = StoredCheckpoint(dest.store, location=dest.location, manifest_bytes=manifest_bytes)
+    total = sum(manifest.files.values())
+    with progress(f"copy to {dest.url}", total, enabled=show_progress) as advance:
+        for file, size in sorted(manifest.files.items()):
+            if dest.store.exists(file) and not verify_file(staged, file):
+                result["kept"].append(file)
+                advance(size)
+                continue
+            copy_file_verbatim(source, file, dest.store, file)
+            result["copied"].append(file)
+            result["bytes_copied"] += size
+            advance(size)
+    if result["kept"]:
+        result["status"] = "resumed"
+    dest.store.write_atomic(MANIFEST_NAME, manifest_bytes)
+    dest.forget()
+    dest.sweep(keep=manifest.files)
+    return result
+
+
+@click.command("copy")
+@click.argument("ckpt", metavar="CKPT")
+@click.argument("dest", metavar="DEST")
+@click.option(
+    "--into-root",
+    is_flag=True,
+    help="DEST is a root (a level): copy to DEST/step-<N>, N from CKPT's step-<N> name.",
+)
+@storage_options_option(help_text="Store options (JSON object) for CKPT, and for DEST too "
+                        "unless --dest-storage-options is given.")  # fmt: skip
+@storage_options_option("--dest-storage-options", help_text="Store options (JSON) for DEST.")
+@json_option
+def copy(
+    ckpt: str,
+    dest: str,
+    into_root: bool,
+    storage_options: dict,
+    dest_storage_options: dict,
+    as_json: bool,
+) -> None:
+    """Copy the committed checkpoint CKPT to DEST (another directory, bucket or level),
+    bit for bit, verifying every item on the way.
+
+    Resumable: after an interruption, run it again; data files already complete
+    and correct at DEST are kept. The manifest is written last, so an interrupted
+    copy is never a committed checkpoint. Refuses to overwrite a different
+    committed checkpoint at DEST (exit status 1).
+    """
+    source = open_checkpoint(ckpt, storage_options)
+    if into_root:
+        step = parse_step_dir(ckpt.rstrip("/").rsplit("/", 1)[-1])
+        if step is None:
+            raise ConfigError(
+                f"--into-root needs CKPT named step-<N> (as below a level's root), got {ckpt!r}"
+            )
+        dest = checkpoint_url(dest, step)
+    options = options_for(dest, dest_storage_options or storage_options)
+    target = StoredCheckpoint(store_for(dest, **options), location=dest)
+    result = copy_checkpoint(source, target, show_progress=not as_json)
+    if as_json:
+        emit_json(result)
+        return
+    console = stdout_console()
+    if result["status"] == "already-present":
+        console.print(
+            f"{target.url} already holds this checkpoint; nothing copied", highlight=False
+        )
+        return
+    kept = result["kept"]
+    resumed = f"; kept {len(kept)} complete file(s) from an earlier run" if kept else ""
+    console.print(
+        f"copied {source.url} -> {target.url}: {len(result['copied'])} file(s), "
+        f"{format_bytes(result['bytes_copied'])}{resumed}",
+        highlight=False,
+    )

@@ -1,0 +1,157 @@
+"""``dcp-multilevel gc ROOT --keep N``: retention and debris sweep for one root (level).
+
+The rules are the manager's (``retention.py``), applied to what is in ROOT:
+
+- **expired**: committed checkpoints past the newest ``--keep``; the newest
+  committed one is never deleted;
+- **abandoned**: ``step-<N>`` directories without a manifest that are older
+  (by step) than the newest committed checkpoint, or whose files were all
+  last modified more than ``--older-than`` seconds ago (age is known only on
+  local directories);
+- **temporaries**: ``*.tmp-*`` files of crashed writers older than
+  ``--older-than`` seconds (``CheckpointRoot.sweep``; local directories only:
+  an object store publishes objects only whole).
+
+Checkpoints are deleted manifest first, so a half-deleted one does not
+exist. Nothing here knows what a running job is doing: do not run ``gc`` on
+a level a ``CheckpointManager`` is writing to with a short ``--older-than``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import click
+
+from ..checkpoint import CheckpointRoot
+from ..errors import ConfigError
+from ..format import TMP_MARKER, step_dir
+from ..retention import abandoned, expired
+from ._common import emit_json, json_option, resolve, stdout_console, storage_options_option
+
+__all__ = ["gc", "plan_gc"]
+
+#: The manager's default age for sweeping temporaries (``sweep_older_than_s``).
+DEFAULT_OLDER_THAN_S = 3600.0
+
+
+def _age(root: CheckpointRoot, name: str, now: float) -> float | None:
+    """Seconds since anything below ``name`` last changed; None where the store cannot tell."""
+    top = root.store.local_path(name)
+    if top is None:
+        return None
+    newest = os.lstat(top).st_mtime
+    for directory, dirs, files in os.walk(top):
+        for entry in dirs + files:
+            try:
+                newest = max(newest, os.lstat(os.path.join(directory, entry)).st_mtime)
+            except FileNotFoundError:
+                continue  # removed while we looked
+    return now - newest
+
+
+def _temporaries(
+    root: CheckpointRoot, skip: set[str], older_than_s: float, now: float
+) -> list[str]:
+    """The temporaries ``CheckpointRoot.sweep`` would remove outside the ``skip`` directories
+    (the same rule as ``LocalStore.sweep``: ``.tmp-`` in the name, older than the cutoff)."""
+    top = root.store.local_path("")
+    if top is None:
+        return []
+    found = []
+    for directory, dirs, files in os.walk(top):
+        rel_dir = os.path.relpath(directory, top)
+        if rel_dir == ".":
+            dirs[:] = [d for d in dirs if d not in skip]
+        for name in files:
+            path = os.path.join(directory, name)
+            if TMP_MARKER in name and os.lstat(path).st_mtime < now - older_than_s:
+                found.append(os.path.relpath(path, top))
+    return sorted(found)
+
+
+def plan_gc(root: CheckpointRoot, keep: int, older_than_s: float) -> dict[str, Any]:
+    """What ``gc`` deletes in ``root`` (the JSON shape of ``gc --dry-run --json``)."""
+    now = time.time()
+    complete = root.steps()
+    uncommitted = root.uncommitted()
+    gone = expired(complete, keep, protected=())
+    by_step = set(abandoned(uncommitted, complete, protected=()))
+    for step in uncommitted:
+        age = _age(root, step_dir(step), now)
+        if age is not None and age > older_than_s:
+            by_step.add(step)
+    debris = sorted(by_step)
+    skip = {step_dir(s) for s in gone + debris}
+    return {
+        "root": root.store.url,
+        "keep": keep,
+        "older_than_s": older_than_s,
+        "kept": [s for s in complete if s not in gone],
+        "expired": gone,
+        "abandoned": debris,
+        "temporaries": _temporaries(root, skip, older_than_s, now),
+    }
+
+
+@click.command("gc")
+@click.argument("root", metavar="ROOT")
+@click.option(
+    "--keep",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Committed checkpoints to keep (the newest N; the newest is always kept).",
+)
+@click.option(
+    "--older-than",
+    "older_than_s",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_OLDER_THAN_S,
+    show_default=True,
+    metavar="SECONDS",
+    help="Age after which temporaries and incomplete step directories count as debris.",
+)
+@click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")
+@storage_options_option()
+@json_option
+def gc(
+    root: str, keep: int, older_than_s: float, dry_run: bool, storage_options: dict, as_json: bool
+) -> None:
+    """Delete old checkpoints and crash debris below the root ROOT.
+
+    Keeps the newest --keep committed checkpoints; removes step-<N> directories
+    without a manifest that are older than the newest committed checkpoint (or
+    untouched for --older-than seconds), and temporary files older than that.
+    """
+    target = resolve(root, storage_options)
+    if target.is_checkpoint:
+        raise ConfigError(
+            f"{target.root.store.url} is one checkpoint, not a root of step-<N> checkpoints; "
+            "gc works on a level's root (its parent directory)"
+        )
+    plan = plan_gc(target.root, keep, older_than_s)
+    plan["dry_run"] = dry_run
+    if not dry_run:
+        # Manifest first (StoredCheckpoint.delete): a half-deleted checkpoint does not exist.
+        for step in plan["expired"] + plan["abandoned"]:
+            target.root.delete(step)
+        plan["temporaries"] = sorted(target.root.sweep(older_than_s))
+    if as_json:
+        emit_json(plan)
+        return
+    console = stdout_console()
+    verb = "would delete" if dry_run else "deleted"
+    lines = [f"{plan['root']}: keeping steps {_steps(plan['kept'])}"]
+    lines += [f"{verb} step {s} (expired)" for s in plan["expired"]]
+    lines += [f"{verb} step {s} (incomplete, abandoned)" for s in plan["abandoned"]]
+    lines += [f"{verb} {p} (temporary)" for p in plan["temporaries"]]
+    if not (plan["expired"] or plan["abandoned"] or plan["temporaries"]):
+        lines.append("nothing to delete")
+    for line in lines:
+        console.print(line, highlight=False)
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) or "(none)"

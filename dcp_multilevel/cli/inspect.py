@@ -1,0 +1,203 @@
+"""``dcp-multilevel inspect CKPT``: one checkpoint's manifest as tables (no data read)."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import click
+from rich.table import Table
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from ..errors import DcpMultilevelError
+from ..format import Manifest, dtype_name, rank_of_file
+from ._common import (
+    emit_json,
+    format_bytes,
+    format_codecs,
+    format_time,
+    json_option,
+    open_checkpoint,
+    stdout_console,
+    storage_options_option,
+)
+from ._summary import summary
+
+__all__ = ["ItemNotFoundError", "describe", "inspect"]
+
+
+class ItemNotFoundError(DcpMultilevelError, KeyError):
+    """``--item FQN`` names no item of the checkpoint."""
+
+    def __str__(self) -> str:
+        # KeyError would quote the message.
+        return str(self.args[0])
+
+
+def _items(manifest: Manifest) -> dict[str, dict[str, Any]]:
+    """Every FQN with its type, dtype, shape and stored chunks (sorted by FQN)."""
+    chunks: dict[str, list[dict[str, Any]]] = {}
+    for index, loc in manifest.locations.items():
+        chunks.setdefault(index.fqn, []).append({
+            "offsets": None if index.offset is None else list(index.offset),
+            "file": loc.file, "pos": loc.offset, "length": loc.length,
+            "raw_length": loc.raw_length, "transforms": list(loc.transforms),
+            "checksum": loc.checksum,
+        })  # fmt: skip
+    out: dict[str, dict[str, Any]] = {}
+    for fqn, md in sorted(manifest.metadata.state_dict_metadata.items()):
+        parts = sorted(chunks.get(fqn, []), key=lambda c: c["offsets"] or [])
+        entry: dict[str, Any] = {"fqn": fqn}
+        if isinstance(md, TensorStorageMetadata):
+            entry.update(type="tensor", dtype=dtype_name(md.properties.dtype), shape=list(md.size))
+        else:
+            assert isinstance(md, BytesStorageMetadata)
+            entry.update(type="bytes", dtype=None, shape=None)
+        raw = sum(c["raw_length"] for c in parts)
+        stored = sum(c["length"] for c in parts)
+        entry.update(
+            raw_bytes=raw, stored_bytes=stored, ratio=_ratio(raw, stored),
+            codecs=sorted({t for c in parts for t in c["transforms"]}), chunks=parts,
+        )  # fmt: skip
+        out[fqn] = entry
+    return out
+
+
+def _ratio(raw: int, stored: int) -> float | None:
+    """Raw over stored bytes (2.0: stored in half the space); None for an empty item."""
+    return round(raw / stored, 3) if stored else None
+
+
+def describe(manifest: Manifest, url: str) -> dict[str, Any]:
+    """What ``inspect --json`` prints for a checkpoint."""
+    items = _items(manifest)
+    files = []
+    ranks: dict[int | None, dict[str, Any]] = {}
+    counts: dict[str, int] = {}
+    for loc in manifest.locations.values():
+        counts[loc.file] = counts.get(loc.file, 0) + 1
+    for path, size in sorted(manifest.files.items()):
+        rank = rank_of_file(path)
+        files.append({"path": path, "bytes": size, "rank": rank, "items": counts.get(path, 0)})
+        r = ranks.setdefault(rank, {"rank": rank, "bytes": 0, "files": 0})
+        r["bytes"] += size
+        r["files"] += 1
+    doc = {"url": url, **summary(manifest), "dcp_version": manifest.metadata.version}
+    # ``items`` and ``files`` are lists here (ls gives their counts).
+    doc.update(
+        stored_chunks=len(manifest.locations),
+        items=list(items.values()),
+        files=files,
+        ranks=sorted(ranks.values(), key=lambda r: (r["rank"] is None, r["rank"] or 0)),
+    )
+    return doc
+
+
+def _header(doc: dict[str, Any]) -> Table:
+    table = Table(title=f"checkpoint {doc['url']}", title_justify="left", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("saved (UTC)", format_time(doc["created_unix"])),
+        ("save id", doc["save_id"]),
+        ("format version", str(doc["format_version"])),
+        ("written by", f"dcp_multilevel {doc['plugin_version']}, torch {doc['torch_version']}"),
+        ("world size", str(doc["world_size"])),
+        ("items", f"{len(doc['items'])} ({doc['stored_chunks']} stored chunks)"),
+        ("size", f"{format_bytes(doc['stored_bytes'])} on disk, "
+                 f"{format_bytes(doc['raw_bytes'])} raw "
+                 f"(ratio {_ratio(doc['raw_bytes'], doc['stored_bytes']) or '-'})"),
+        ("codecs", format_codecs(doc["codecs"])),
+    ]  # fmt: skip
+    for k, v in rows:
+        table.add_row(k, v)
+    return table
+
+
+def _items_table(items: list[dict[str, Any]]) -> Table:
+    table = Table(title="items", title_justify="left")
+    for name, justify in [
+        ("FQN", "left"), ("dtype", "left"), ("shape", "left"), ("raw", "right"),
+        ("stored", "right"), ("ratio", "right"), ("chunks", "right"),
+    ]:  # fmt: skip
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for it in items:
+        table.add_row(
+            it["fqn"], it["dtype"] or "bytes",
+            "-" if it["shape"] is None else "x".join(map(str, it["shape"])) or "()",
+            str(it["raw_bytes"]), str(it["stored_bytes"]), str(it["ratio"] or "-"),
+            str(len(it["chunks"])),
+        )  # fmt: skip
+    return table
+
+
+def _chunks_table(item: dict[str, Any]) -> Table:
+    table = Table(title=f"stored chunks of {item['fqn']}", title_justify="left")
+    for name in ("offsets", "file", "bytes", "raw", "codec", "checksum"):
+        table.add_column(name)
+    for c in item["chunks"]:
+        table.add_row(
+            "-" if c["offsets"] is None else str(c["offsets"]), c["file"],
+            f"{c['pos']}..{c['pos'] + c['length']}", str(c["raw_length"]),
+            format_codecs(c["transforms"]), c["checksum"],
+        )  # fmt: skip
+    return table
+
+
+def _files_table(doc: dict[str, Any]) -> Table:
+    table = Table(title="files", title_justify="left")
+    for name, justify in [("file", "left"), ("rank", "right"), ("items", "right"),
+                          ("bytes", "right")]:  # fmt: skip
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for f in doc["files"]:
+        table.add_row(f["path"], str(f["rank"]), str(f["items"]), str(f["bytes"]))
+    return table
+
+
+def _ranks_table(doc: dict[str, Any]) -> Table:
+    table = Table(title="bytes per rank", title_justify="left")
+    for name in ("rank", "files", "bytes"):
+        table.add_column(name, justify="right")
+    for r in doc["ranks"]:
+        table.add_row(str(r["rank"]), str(r["files"]), format_bytes(r["bytes"]))
+    return table
+
+
+@click.command("inspect")
+@click.argument("ckpt", metavar="CKPT")
+@click.option("--item", "fqn", metavar="FQN", help="Show one item and its stored chunks.")
+@storage_options_option()
+@json_option
+def inspect(ckpt: str, fqn: str | None, storage_options: dict, as_json: bool) -> None:
+    """Show the manifest of the checkpoint CKPT: items (FQN, dtype, shape, raw and
+    stored bytes, compression ratio), data files, bytes per rank, versions.
+
+    Reads the manifest only. Exit status 1 when CKPT is not a committed
+    checkpoint or --item names no item (the message suggests close names).
+    """
+    stored = open_checkpoint(ckpt, storage_options)
+    doc = describe(stored.manifest(), stored.url)
+    if fqn is not None:
+        by_fqn = {it["fqn"]: it for it in doc["items"]}
+        if fqn not in by_fqn:
+            close = difflib.get_close_matches(fqn, list(by_fqn), n=5, cutoff=0.5)
+            hint = f"; close names: {', '.join(close)}" if close else ""
+            raise ItemNotFoundError(
+                f"no item {fqn!r} in checkpoint {stored.url} ({len(by_fqn)} items){hint}"
+            )
+        item = by_fqn[fqn]
+        if as_json:
+            emit_json({"url": stored.url, "item": item})
+            return
+        console = stdout_console()
+        console.print(_items_table([item]))
+        console.print(_chunks_table(item))
+        return
+    if as_json:
+        emit_json(doc)
+        return
+    console = stdout_console()
+    console.print(_header(doc))
+    console.print(_items_table(doc["items"]))
+    console.print(_files_table(doc))
+    console.print(_ranks_table(doc))

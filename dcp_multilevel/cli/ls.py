@@ -1,0 +1,113 @@
+"""``dcp-multilevel ls ROOT...``: the checkpoints below one or more roots (levels).
+
+Reads manifests only, never data. A ``step-<N>`` directory without a
+committed manifest is listed as incomplete; a manifest that does not decode
+is listed with its error (the listing goes on). A ROOT that is itself one
+checkpoint is listed as that checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from rich.table import Table
+
+from ..checkpoint import StoredCheckpoint
+from ..errors import DcpMultilevelError
+from ._common import (
+    Target,
+    emit_json,
+    format_bytes,
+    format_codecs,
+    format_time,
+    json_option,
+    one_line,
+    resolve,
+    stdout_console,
+    storage_options_option,
+)
+from ._summary import summary
+
+__all__ = ["list_root", "ls"]
+
+
+def _entry(step: int | None, ckpt: StoredCheckpoint, committed: bool) -> dict[str, Any]:
+    entry: dict[str, Any] = {"step": step, "url": ckpt.url, "complete": committed, "error": None}
+    if not committed:
+        return entry
+    try:
+        entry.update(summary(ckpt.manifest()))
+    except (DcpMultilevelError, OSError) as e:
+        # One unreadable manifest must not hide the other checkpoints.
+        entry["complete"] = False
+        entry["error"] = one_line(e)
+    return entry
+
+
+def list_root(target: Target) -> dict[str, Any]:
+    """What ``ls`` reports for one location (the JSON shape of one ``roots`` entry)."""
+    if target.is_checkpoint:
+        checkpoints = [_entry(None, target.checkpoint(), True)]
+        return {"url": target.root.store.url, "kind": "checkpoint", "checkpoints": checkpoints}
+    root = target.root
+    committed = set(root.steps())
+    steps = sorted(committed | set(root.uncommitted()))
+    checkpoints = [_entry(s, root.checkpoint(s), s in committed) for s in steps]
+    return {"url": root.store.url, "kind": "root", "checkpoints": checkpoints}
+
+
+def _heading(listing: dict[str, Any], label: str) -> str:
+    if listing["kind"] == "checkpoint":
+        return f"{label}{listing['url']} (one checkpoint, not a root of step-<N> checkpoints)"
+    return f"{label}{listing['url']}"
+
+
+def _table(listing: dict[str, Any]) -> Table:
+    table = Table()
+    for name, justify in [
+        ("step", "right"), ("saved (UTC)", "left"), ("on disk", "right"),
+        ("raw", "right"), ("codec", "left"), ("world", "right"), ("state", "left"),
+    ]:  # fmt: skip
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for c in listing["checkpoints"]:
+        if c["error"] is not None:
+            state = f"unreadable: {c['error']}"
+        else:
+            state = "complete" if c["complete"] else "incomplete"
+        table.add_row(
+            "-" if c["step"] is None else str(c["step"]),
+            format_time(c.get("created_unix")),
+            format_bytes(c.get("stored_bytes")),
+            format_bytes(c.get("raw_bytes")),
+            format_codecs(c.get("codecs")),
+            str(c.get("world_size", "-")),
+            state,
+        )
+    return table
+
+
+@click.command("ls")
+@click.argument("roots", nargs=-1, required=True, metavar="ROOT...")
+@storage_options_option()
+@json_option
+def ls(roots: tuple[str, ...], storage_options: dict, as_json: bool) -> None:
+    """List the checkpoints below ROOT (several ROOTs: one per level, labelled L1, L2, ...).
+
+    For each step: save time, size on disk (stored bytes), raw size, codecs,
+    world size, and whether it is complete (committed). Exit status 1 when a
+    ROOT holds no checkpoint at all.
+    """
+    listings = [list_root(resolve(url, storage_options)) for url in roots]
+    if len(roots) > 1:
+        for i, listing in enumerate(listings, 1):
+            listing["level"] = f"L{i}"
+    if as_json:
+        emit_json({"roots": listings})
+        return
+    console = stdout_console()
+    for listing in listings:
+        label = f"{listing['level']}: " if "level" in listing else ""
+        # A heading line, not a table title: a title would wrap at the table's width.
+        console.print(_heading(listing, label), highlight=False, soft_wrap=True)
+        console.print(_table(listing))
