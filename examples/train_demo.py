@@ -319,6 +319,7 @@ def run(args: argparse.Namespace) -> bool:
                 + " - identical to the uninterrupted run"
             )
             print("RESUME OK")
+            print(f"  look inside: dcp-multilevel inspect {ckpt}   (or verify, ls {ckpt.parent})")
         else:
             print(f"RESUME FAILED: {bad.item()} mismatch(es), see above")
         sys.stdout.flush()
