@@ -27,11 +27,13 @@ from dcp_multilevel import (
     BalancedSavePlanner,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ChecksumMismatchError,
     ConfigError,
     ConvertError,
     DcpMultilevelError,
     MultiLevelReader,
     MultiLevelWriter,
+    UnsafeObjectError,
 )
 from dcp_multilevel.convert import ConvertReport, convert
 
@@ -374,6 +376,34 @@ def test_options_that_do_not_apply(tmp_path):
         convert(tmp_path / "a", tmp_path / "b", to="torch", codec="zstd")
     with pytest.raises(ConfigError, match=r"skip_non_tensors applies only to"):
         convert(tmp_path / "a", tmp_path / "b", to="torch", skip_non_tensors=True)
+
+
+class Opaque:
+    """A value ``torch.load(weights_only=True)`` refuses (a class it does not allow)."""
+
+
+def test_values_refused_by_weights_only_are_not_unpickled(tmp_path):
+    state = {"w": torch.ones(2), "obj": Opaque()}
+    dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "stock"))
+    with pytest.raises(UnsafeObjectError) as err:
+        convert(tmp_path / "stock", tmp_path / "ours", to="ours")
+    assert str(err.value).startswith(
+        f"value 'obj' of {tmp_path / 'stock'} is refused by torch.load(weights_only=True): "
+    )
+    torch.save(state, tmp_path / "model.pt")
+    with pytest.raises(UnsafeObjectError, match=r"model.pt: torch.load\(weights_only=True\) ref"):
+        convert(tmp_path / "model.pt", tmp_path / "ours", to="ours")
+
+
+def test_corrupt_source_item_is_named(tmp_path):
+    dcp.save({"w": torch.ones(64)}, storage_writer=MultiLevelWriter(tmp_path / "ours"))
+    (data,) = (tmp_path / "ours" / "data").iterdir()
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumMismatchError, match=r"checksum mismatch for item 'w'"):
+        convert(tmp_path / "ours", tmp_path / "x.pt", to="torch")
+    assert not (tmp_path / "x.pt").exists()
 
 
 # ---------------------------------------------------------------- interop facts (docs/interop.md)

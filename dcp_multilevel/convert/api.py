@@ -113,6 +113,7 @@ def convert(
             cannot hold a value or dtype (the message names them).
         CheckpointExistsError: ``to="ours"`` and a committed checkpoint is at ``dst``.
         UnsafeObjectError: a non-tensor value is refused by ``weights_only`` loading.
+        CorruptCheckpointError: an item of a source of ours fails its checksum.
     """
     began = time.monotonic()
     src, dst = os.fspath(src), os.fspath(dst)

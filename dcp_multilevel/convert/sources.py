@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from ..errors import ConvertError, UnsafeObjectError
 from ..reader import MultiLevelReader
+from ._dcp_errors import unwrapped
 from .detect import OURS, STOCK_DCP, TORCH_SAVE
 from .progress import Progress
 from .scratch import Scratch
@@ -70,12 +71,13 @@ class Source:
             return self._mapped
         assert self._reader is not None and scratch is not None
         state: dict[str, Any] = {}
-        _load_state_dict(
-            state,
-            storage_reader=self._reader,
-            planner=_ScratchLoadPlanner(scratch, progress, self.location),
-            no_dist=True,
-        )
+        with unwrapped():
+            _load_state_dict(
+                state,
+                storage_reader=self._reader,
+                planner=_ScratchLoadPlanner(scratch, progress, self.location),
+                no_dist=True,
+            )
         return state
 
 

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from ..config import Compression
 from ..writer import MultiLevelWriter
+from ._dcp_errors import unwrapped
 from .progress import Progress
 
 __all__ = ["write_ours", "write_stock_dcp"]
@@ -26,7 +27,10 @@ __all__ = ["write_ours", "write_stock_dcp"]
 
 def write_stock_dcp(state: dict[str, Any], dst: str, progress: Progress) -> None:
     """Save ``state`` with stock DCP's ``FileSystemWriter`` to directory ``dst``."""
-    dcp.save(state, storage_writer=FileSystemWriter(dst), planner=_Planner(progress), no_dist=True)
+    with unwrapped():
+        dcp.save(
+            state, storage_writer=FileSystemWriter(dst), planner=_Planner(progress), no_dist=True
+        )
 
 
 def write_ours(
@@ -42,7 +46,8 @@ def write_ours(
     writer = MultiLevelWriter(
         dst, codec=codec, overwrite=overwrite, storage_options=dict(storage_options or {})
     )
-    dcp.save(state, storage_writer=writer, planner=_Planner(progress), no_dist=True)
+    with unwrapped():
+        dcp.save(state, storage_writer=writer, planner=_Planner(progress), no_dist=True)
 
 
 class _Planner(DefaultSavePlanner):
