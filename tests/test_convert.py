@@ -33,6 +33,7 @@ from dcp_multilevel import (
     DcpMultilevelError,
     MultiLevelReader,
     MultiLevelWriter,
+    RegistryError,
     UnsafeObjectError,
 )
 from dcp_multilevel.convert import ConvertReport, convert
@@ -149,8 +150,10 @@ def test_safetensors_refuses_non_tensors_and_missing_dtypes(tmp_path):
         {"z": torch.ones(2, dtype=torch.complex128), "w": torch.ones(2)},
         storage_writer=MultiLevelWriter(tmp_path / "complex"),
     )
+    seen: list[tuple[int, int]] = []
     with pytest.raises(ConvertError) as err:
-        convert(tmp_path / "complex", dst, to="safetensors")
+        convert(tmp_path / "complex", dst, to="safetensors", progress=lambda *a: seen.append(a))
+    assert seen == []  # refused from the metadata, before decoding anything
     assert str(err.value) == (
         f"cannot convert {tmp_path / 'complex'} to safetensors {dst}: safetensors has no dtype "
         "for z (complex128); convert to 'torch', 'dcp' or 'ours' instead"
@@ -376,6 +379,8 @@ def test_options_that_do_not_apply(tmp_path):
         convert(tmp_path / "a", tmp_path / "b", to="torch", codec="zstd")
     with pytest.raises(ConfigError, match=r"skip_non_tensors applies only to"):
         convert(tmp_path / "a", tmp_path / "b", to="torch", skip_non_tensors=True)
+    with pytest.raises(RegistryError, match=r"unknown codec 'lz9'"):
+        convert(tmp_path / "a", tmp_path / "b", to="ours", codec="lz9")
 
 
 class Opaque:

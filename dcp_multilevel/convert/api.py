@@ -12,6 +12,7 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from ..checkpoint import StoredCheckpoint
+from ..codecs import codec_for
 from ..config import Compression
 from ..errors import CheckpointExistsError, ConfigError, ConvertError
 from .detect import OURS, STOCK_DCP, TORCH_SAVE, _is_url, detect_source
@@ -108,6 +109,7 @@ def convert(
 
     Raises:
         ConfigError: ``to`` is unknown, or an option does not apply to it.
+        RegistryError: ``codec`` names no installed codec.
         CheckpointNotFoundError: nothing is at ``src``.
         ConvertError: ``src`` is not a checkpoint; ``dst`` exists; safetensors
             cannot hold a value or dtype (the message names them).
@@ -121,6 +123,9 @@ def convert(
     kind = detect_source(src, storage_options)
     _check_dst(dst, to, overwrite, dst_storage_options)
     source = open_source(kind, src, storage_options)
+    skipped: tuple[str, ...] = ()
+    if to == SAFETENSORS:  # before decoding anything
+        skipped = _safetensors_check(source.entries, src, dst, skip_non_tensors)
     total = source.tensor_bytes * (2 if source.decode_pass else 1)
     done = Progress(total, progress)
     write_start = total - source.tensor_bytes
@@ -129,11 +134,10 @@ def convert(
         state = source.load(scratch, done)
         done.reach(write_start)
         flat, _ = flatten_state_dict(state)
-        skipped: tuple[str, ...] = ()
         if to == TORCH_SAVE:
             write_torch_save(state, dst, done, write_start)
         elif to == SAFETENSORS:
-            tensors, skipped = _safetensors_view(flat, src, dst, skip_non_tensors)
+            tensors = {k: _standalone(v) for k, v in flat.items() if isinstance(v, torch.Tensor)}
             write_safetensors(tensors, dst, done, write_start)
         elif to == STOCK_DCP:
             write_stock_dcp(state, dst, done)
@@ -144,7 +148,6 @@ def convert(
             )  # fmt: skip
         nbytes = sum(v.nbytes for v in flat.values() if isinstance(v, torch.Tensor))
         items = len(flat) - len(skipped)
-        del state, flat  # unmaps the scratch tensors before their directory goes
     finally:
         if scratch is not None:
             scratch.close()
@@ -170,6 +173,9 @@ def _check_options(
         )
     if codec is not None and to != OURS:
         raise ConfigError(f"codec={codec!r} applies only to to='ours' (converting {src} to {to!r})")
+    if codec is not None:
+        # An unknown codec fails now (RegistryError naming it), not after decoding.
+        codec_for(Compression.of(codec))
     if dst_storage_options and to != OURS:
         raise ConfigError(
             f"dst_storage_options apply only to to='ours' (converting {src} to {to!r})"
@@ -223,11 +229,11 @@ def _scratch_parent(dst: str, to: str) -> str | None:
     return os.path.dirname(os.path.abspath(dst.removeprefix("file://")))
 
 
-def _safetensors_view(
-    flat: dict[str, Any], src: str, dst: str, skip_non_tensors: bool
-) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
-    """The tensors to write and the keys skipped; refuses what safetensors cannot hold."""
-    others, bad = safetensors_problems(flat)
+def _safetensors_check(
+    entries: dict[str, torch.dtype | None], src: str, dst: str, skip_non_tensors: bool
+) -> tuple[str, ...]:
+    """The non-tensor keys to skip; refuses what safetensors cannot hold."""
+    others, bad = safetensors_problems(entries)
     if bad:
         raise ConvertError(
             f"cannot convert {src} to safetensors {dst}: safetensors has no dtype for "
@@ -242,8 +248,7 @@ def _safetensors_view(
             "skip_non_tensors=True to leave them out, or convert to 'torch' instead",
             path=dst,
         )
-    tensors = {k: _standalone(v) for k, v in flat.items() if isinstance(v, torch.Tensor)}
-    return tensors, tuple(sorted(others))
+    return tuple(sorted(others))
 
 
 def _standalone(t: torch.Tensor) -> torch.Tensor:

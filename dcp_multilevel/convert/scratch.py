@@ -63,7 +63,7 @@ class Scratch:
         return raw.view(dtype).view(tuple(shape))
 
     def close(self) -> None:
-        """Remove the directory (the tensors stay usable until they are freed)."""
+        """Remove the (empty) directory; the tensors stay usable until they are freed."""
         os.rmdir(self.path)
 
     def __enter__(self) -> Scratch:

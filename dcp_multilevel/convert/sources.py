@@ -56,12 +56,14 @@ class Source:
         tensor_bytes: bytes of all its tensors (whole tensors).
         decode_pass: whether :meth:`load` reads every tensor byte (a pass
             progress counts) or only maps the source (torch.save files).
+        entries: every value by flattened key: its dtype, None for a non-tensor.
     """
 
     kind: str
     location: str
     tensor_bytes: int
     decode_pass: bool
+    entries: dict[str, torch.dtype | None]
     _reader: StorageReader | None = None
     _mapped: dict[str, Any] | None = None
 
@@ -87,7 +89,8 @@ def open_source(kind: str, src: str, storage_options: Mapping[str, Any] | None) 
         state = _map_torch_save(src)
         flat, _ = flatten_state_dict(state)
         nbytes = sum(v.nbytes for v in flat.values() if isinstance(v, torch.Tensor))
-        return Source(kind, src, nbytes, decode_pass=False, _mapped=state)
+        entries = {k: v.dtype if isinstance(v, torch.Tensor) else None for k, v in flat.items()}
+        return Source(kind, src, nbytes, False, entries, _mapped=state)
     if kind == OURS:
         reader: StorageReader = MultiLevelReader(src, storage_options=dict(storage_options or {}))
     elif kind == STOCK_DCP:
@@ -95,7 +98,13 @@ def open_source(kind: str, src: str, storage_options: Mapping[str, Any] | None) 
     else:  # unreachable: kinds come from detect_source
         raise ValueError(f"unknown source kind {kind!r}")
     reader.reset(None)
-    return Source(kind, src, _tensor_bytes(reader.read_metadata()), True, _reader=reader)
+    metadata = reader.read_metadata()
+    # DCP's metadata keys are the flattened keys (planner_data maps them back).
+    entries = {
+        k: md.properties.dtype if isinstance(md, TensorStorageMetadata) else None
+        for k, md in metadata.state_dict_metadata.items()
+    }
+    return Source(kind, src, _tensor_bytes(metadata), True, entries, _reader=reader)
 
 
 def _tensor_bytes(metadata: Metadata) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import cache
 from typing import Any
@@ -50,13 +50,18 @@ def write_safetensors(
         save_file(tensors, tmp, metadata={"format": "pt"})
 
 
-def safetensors_problems(flat: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """``(non-tensor keys, "key (dtype)" of tensors whose dtype safetensors lacks)``."""
-    others = [k for k, v in flat.items() if not isinstance(v, torch.Tensor)]
+def safetensors_problems(
+    entries: Mapping[str, torch.dtype | None],
+) -> tuple[list[str], list[str]]:
+    """``(non-tensor keys, "key (dtype)" of tensors whose dtype safetensors lacks)``.
+
+    ``entries``: every value by flattened key, its dtype or None for a non-tensor.
+    """
+    others = [k for k, dtype in entries.items() if dtype is None]
     bad = [
-        f"{k} ({str(v.dtype).removeprefix('torch.')})"
-        for k, v in flat.items()
-        if isinstance(v, torch.Tensor) and not _safetensors_has(v.dtype)
+        f"{k} ({str(dtype).removeprefix('torch.')})"
+        for k, dtype in entries.items()
+        if dtype is not None and not _safetensors_has(dtype)
     ]
     return others, bad
 
