@@ -23,6 +23,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "ConfigError",
+    "ConvertError",
     "CorruptCheckpointError",
     "DcpMultilevelError",
     "DrainError",
@@ -60,6 +61,19 @@ def _rebuild(cls: type[DcpMultilevelError], message: str, attrs: dict) -> DcpMul
 
 class ConfigError(DcpMultilevelError, ValueError):
     """An option passed to a writer, reader, level or store is invalid."""
+
+
+class ConvertError(DcpMultilevelError, ValueError):
+    """A conversion (``dcp_multilevel.convert``) cannot be done: the source is not a
+    checkpoint, the target already exists, or the target format cannot hold a value.
+
+    Attributes:
+        path: the source or target the message is about.
+    """
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class PlanningError(DcpMultilevelError, ValueError):
