@@ -1,4 +1,5 @@
-"""The ``dcp-multilevel`` command-line tool: list, inspect, verify, copy and clean up checkpoints.
+"""The ``dcp-multilevel`` command-line tool: list, inspect, verify, copy, clean up and
+convert checkpoints.
 
 The top layer of the package: it may import anything in it, and nothing in
 the package imports it. One module per command, each a click command
@@ -16,7 +17,7 @@ from __future__ import annotations
 import click
 
 from .._version import __version__
-from . import copy, gc, inspect, ls, verify
+from . import convert, copy, gc, inspect, ls, verify
 from ._common import ErrorHandlingGroup
 
 __all__ = ["main"]
@@ -25,7 +26,7 @@ __all__ = ["main"]
 @click.group(cls=ErrorHandlingGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="dcp-multilevel")
 def main() -> None:
-    """Work with dcp_multilevel checkpoints: ls, inspect, verify, copy, gc.
+    """Work with dcp_multilevel checkpoints: ls, inspect, verify, copy, gc, convert.
 
     Locations are local paths or URLs (s3://bucket/prefix, gs://..., memory://...);
     pass remote credentials with --storage-options '{"key": ...}' or the backend's
@@ -35,5 +36,5 @@ def main() -> None:
 
 # The modules stay the package's attributes (``cli.verify`` is the module); each
 # holds one command of the same name.
-for _command in (ls.ls, inspect.inspect, verify.verify, copy.copy, gc.gc):
+for _command in (ls.ls, inspect.inspect, verify.verify, copy.copy, gc.gc, convert.convert):
     main.add_command(_command)

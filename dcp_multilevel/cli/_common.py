@@ -212,15 +212,18 @@ def open_checkpoint(url: str, storage_options: Mapping[str, Any]) -> StoredCheck
 
 
 @contextmanager
-def progress(description: str, total: int, *, enabled: bool) -> Iterator[Callable[[int], None]]:
-    """A byte progress bar on stderr; yields ``advance(n)``.
+def progress(
+    description: str, total: int | None, *, enabled: bool
+) -> Iterator[Callable[..., None]]:
+    """A byte progress bar on stderr; yields ``advance(n, total=None)`` (a ``total``
+    given later replaces the first, for work whose size is known only once begun).
 
     Shown only when ``enabled`` (not ``--json``) and stderr is a terminal, so
     pipes, logs and tests see no control characters.
     """
     console = Console(stderr=True)
     if not enabled or not console.is_terminal:
-        yield lambda n: None
+        yield lambda n, total=None: None
         return
     with Progress(
         TextColumn("{task.description}"),
@@ -232,7 +235,13 @@ def progress(description: str, total: int, *, enabled: bool) -> Iterator[Callabl
         transient=True,
     ) as bar:
         task = bar.add_task(description, total=total)
-        yield lambda n: bar.advance(task, n)
+
+        def advance(n: int, total: int | None = None) -> None:
+            if total is not None:
+                bar.update(task, total=total)
+            bar.advance(task, n)
+
+        yield advance
 
 
 def format_bytes(n: int | None) -> str:
