@@ -28,6 +28,7 @@ __all__ = [
     "DcpMultilevelError",
     "DrainError",
     "ManifestError",
+    "NotStockCheckpointError",
     "PlanningError",
     "RegistryError",
     "RemoteStoreError",
@@ -74,6 +75,11 @@ class ConvertError(DcpMultilevelError, ValueError):
     def __init__(self, message: str, *, path: str) -> None:
         super().__init__(message)
         self.path = path
+
+
+class NotStockCheckpointError(DcpMultilevelError, ValueError):
+    """A stock DCP reader opened one of our checkpoints (raised by its opt-in ``.metadata``,
+    ``format/stock_hint.py``)."""
 
 
 class PlanningError(DcpMultilevelError, ValueError):

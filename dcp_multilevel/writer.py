@@ -39,6 +39,7 @@ from .config import Compression
 from .errors import CheckpointExistsError, ConfigError, UnsupportedStateError
 from .format import Hasher, ItemLocation, data_file_path, dtype_name
 from .format.objects import load_object
+from .format.stock_hint import STOCK_METADATA_NAME, stock_hint_bytes
 from .format.tensor_bytes import byte_view
 from .planner import write_item_nbytes
 from .planning import balance
@@ -79,6 +80,12 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
             default: no budget, wait). See ``docs/async.md``: DCP stages through
             the writer (an ``AsyncStager``), which hands each call to its
             :class:`~dcp_multilevel.staging.Stager`.
+        stock_hint: also write a ``.metadata`` for stock DCP tools
+            (``dcp.load(checkpoint_id=...)`` without a reader,
+            ``format_utils``): they then fail naming this reader and the
+            ``convert`` command instead of a missing file. Off by default: the
+            file is a pickle that calls a function when loaded
+            (``format/stock_hint.py``, ``docs/interop.md``).
 
     Raises:
         ConfigError: on an invalid option.
@@ -94,6 +101,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         codec: Compression | str | None = None,
         storage_options: dict[str, Any] | None = None,
         staging: StagingConfig | None = None,
+        stock_hint: bool = False,
     ) -> None:
         super().__init__()
         self._stager = Stager(staging)
@@ -103,6 +111,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         self.thread_count = thread_count
         self.sync_files = sync_files
         self.storage_options = dict(storage_options or {})
+        self.stock_hint = stock_hint
         self.compression = Compression.of(codec)
         # Resolve now: an unknown codec is a configuration error, not a failed save.
         self._codec = codec_for(self.compression) if self.compression else None
@@ -264,6 +273,10 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
                 loc: ItemLocation = wr.storage_data
                 locations[wr.index] = loc
                 files[loc.file] = max(files.get(loc.file, 0), loc.offset + loc.length)
+        if self.stock_hint:  # before the commit: a committed checkpoint is never changed
+            self.checkpoint.store.write_atomic(
+                STOCK_METADATA_NAME, stock_hint_bytes(self.checkpoint.url)
+            )
         self.checkpoint.commit(
             metadata, locations, files, save_id=new_save_id(), world_size=len(results)
         )

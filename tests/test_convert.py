@@ -440,6 +440,36 @@ def test_stock_load_of_our_checkpoint_fails_as_documented(tmp_path):
     assert not (tmp_path / "x.pt").exists()
 
 
+def test_opt_in_stock_hint_makes_stock_tools_name_the_reader_and_convert(tmp_path):
+    """With stock_hint=True, stock DCP's failure carries our message (docs/interop.md)."""
+    d = tmp_path / "ours"
+    state = {"w": random_tensor((4, 3), torch.float32), "step": 5}
+    dcp.save(state, storage_writer=MultiLevelWriter(d, stock_hint=True))
+    assert (d / ".metadata").exists()
+    hint = (
+        f"file://{d} is a dcp_multilevel checkpoint, not a stock DCP one (its manifest is "
+        "manifest.json): load it with dcp.load(state, storage_reader="
+        "dcp_multilevel.MultiLevelReader(path)), or convert it for stock tools with "
+        "`dcp-multilevel convert PATH OUT --to dcp` (or --to torch / safetensors)"
+    )
+    expected = (
+        f"metadata is None; global metadata read failed: {hint}; rank local metadata read "
+        f"failed: [Errno 2] No such file or directory: '{d}/__0.metadata'"
+    )
+    with pytest.raises(CheckpointException) as err:
+        dcp.load({"w": torch.zeros(4, 3), "step": 0}, checkpoint_id=str(d))
+    assert _stock_failure(err.value) == expected
+    with pytest.raises(CheckpointException) as err:
+        format_utils.dcp_to_torch_save(d, tmp_path / "x.pt")
+    assert _stock_failure(err.value) == expected
+    # Ours ignore the file: the reader, convert and the CLI's verify see our checkpoint.
+    back = {"w": torch.zeros(4, 3), "step": 0}
+    dcp.load(back, storage_reader=MultiLevelReader(d))
+    assert_bit_equal(back["w"], state["w"])
+    assert back["step"] == 5
+    assert convert(d, tmp_path / "w.pt", to="torch").source_kind == "ours"
+
+
 def test_documented_alternatives_work(tmp_path):
     d = tmp_path / "ours"
     state = {"w": random_tensor((4, 3), torch.float32), "step": 5}
