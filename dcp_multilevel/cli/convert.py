@@ -15,7 +15,14 @@ import click
 
 from ..convert import TARGET_KINDS
 from ..convert import convert as convert_checkpoint
-from ._common import emit_json, format_bytes, json_option, progress, storage_options_option
+from ._common import (
+    emit_json,
+    format_bytes,
+    json_option,
+    options_for,
+    progress,
+    storage_options_option,
+)
 
 __all__ = ["convert"]
 
@@ -56,8 +63,9 @@ def convert(src: str, dst: str, to: str, codec: str | None, overwrite: bool,
             state["done"] = done
 
         result = convert_checkpoint(
-            src, dst, to=to, codec=codec, storage_options=storage_options or None,
-            dst_storage_options=dest_storage_options or None, progress=report,
+            src, dst, to=to, codec=codec,
+            storage_options=options_for(src, storage_options) or None,
+            dst_storage_options=options_for(dst, dest_storage_options) or None, progress=report,
             overwrite=overwrite, skip_non_tensors=skip_non_tensors, scratch_dir=scratch_dir,
         )  # fmt: skip
     if as_json:
