@@ -50,6 +50,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+# The bit-for-bit state check and size formatting of the main demo (this
+# directory is the script's own, first on sys.path under torchrun).
+from train_demo import diff_tree, human
+
 from dcp_multilevel import CheckpointManager, DcpMultilevelError, Level
 
 D_IN, D_HIDDEN, D_OUT = 32, 384, 8
@@ -114,35 +118,7 @@ def snapshot(
     return {"model": model_sd, "optim": optim_sd, "trainer": {"step": step, "losses": losses}}
 
 
-# --------------------------------------------------------------------------- checks
-
-
-def differences(expected: Any, actual: Any, path: str = "state") -> list[str]:
-    """Where ``actual`` differs from ``expected``; tensors must be identical bit for bit."""
-    if isinstance(expected, torch.Tensor):
-        if not isinstance(actual, torch.Tensor):
-            return [f"{path}: expected a tensor, got {type(actual).__name__}"]
-        if expected.dtype != actual.dtype or expected.shape != actual.shape:
-            shapes = [f"{t.dtype}{list(t.shape)}" for t in (expected, actual)]
-            return [f"{path}: {shapes[0]} vs {shapes[1]}"]
-        bits = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (expected, actual)]
-        return [] if torch.equal(*bits) else [f"{path}: values differ"]
-    if isinstance(expected, dict):
-        if not isinstance(actual, dict) or expected.keys() != actual.keys():
-            return [f"{path}: keys differ"]
-        return [d for k in expected for d in differences(expected[k], actual[k], f"{path}[{k!r}]")]
-    return [] if expected == actual else [f"{path}: {expected!r} vs {actual!r}"]
-
-
 # --------------------------------------------------------------------------- reports
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def newest_step_dir(level_dir: Path) -> Path | None:
@@ -264,13 +240,13 @@ def restore(args: argparse.Namespace, rank: int) -> bool:
         problems.append(f"restored step {step}, the newest saved is {args.steps}")
     if step is not None:
         expected = train(args.seed, step)
-        problems += differences(expected, state, "loaded state")
+        problems += diff_tree(expected, state, "loaded state")
         set_state_dict(
             model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
         live_model, live_optim = get_state_dict(model, optim)
-        problems += differences(expected["model"], live_model, "model after set_state_dict")
-        problems += differences(expected["optim"], live_optim, "optimizer after set_state_dict")
+        problems += diff_tree(expected["model"], live_model, "model after set_state_dict")
+        problems += diff_tree(expected["optim"], live_optim, "optimizer after set_state_dict")
     for p in problems[:20]:
         print(f"[rank {rank}] MISMATCH {p}", file=sys.stderr, flush=True)
 

@@ -159,7 +159,9 @@ def diff_tree(expected: Any, actual: Any, path: str) -> list[str]:
                 f"{path}: {expected.dtype}{list(expected.shape)} vs "
                 f"{actual.dtype}{list(actual.shape)}"
             ]
-        return [] if torch.equal(expected, actual) else [f"{path}: values differ"]
+        # Bits, not values: torch.equal calls NaN unequal to itself and -0.0 equal to 0.0.
+        bits = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (expected, actual)]
+        return [] if torch.equal(*bits) else [f"{path}: values differ"]
     if isinstance(expected, dict):
         if not isinstance(actual, dict) or expected.keys() != actual.keys():
             return [f"{path}: keys differ"]
