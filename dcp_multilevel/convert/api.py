@@ -15,7 +15,7 @@ from ..checkpoint import StoredCheckpoint
 from ..codecs import codec_for
 from ..config import Compression
 from ..errors import CheckpointExistsError, ConfigError, ConvertError
-from .detect import OURS, STOCK_DCP, TORCH_SAVE, _is_url, detect_source
+from .detect import OURS, STOCK_DCP, TORCH_SAVE, detect_source, is_url, local_path
 from .progress import Progress, ProgressCallback
 from .scratch import Scratch
 from .sources import open_source
@@ -184,11 +184,11 @@ def _check_options(
         raise ConfigError(
             f"skip_non_tensors applies only to to='safetensors' (converting {src} to {to!r})"
         )
-    if to != OURS and _is_url(dst):
+    if to != OURS and is_url(dst):
         raise ConfigError(
             f"cannot write {to!r} to {dst}: only to='ours' writes to URLs; give a local path"
         )
-    if os.path.abspath(src.removeprefix("file://")) == os.path.abspath(dst.removeprefix("file://")):
+    if os.path.abspath(local_path(src)) == os.path.abspath(local_path(dst)):
         raise ConfigError(f"cannot convert {src} onto itself; give another destination")
 
 
@@ -204,7 +204,7 @@ def _check_dst(
                 checkpoint=dst,
             )
         return
-    path = dst.removeprefix("file://")
+    path = local_path(dst)
     if to == STOCK_DCP:
         exists = os.path.isfile(path) or (os.path.isdir(path) and bool(os.listdir(path)))
         if exists and overwrite and os.path.isdir(path):
@@ -224,9 +224,9 @@ def _check_dst(
 
 def _scratch_parent(dst: str, to: str) -> str | None:
     """Beside the output (same disk, which must hold it anyway); temp dir for URLs."""
-    if _is_url(dst):
+    if is_url(dst):
         return None
-    return os.path.dirname(os.path.abspath(dst.removeprefix("file://")))
+    return os.path.dirname(os.path.abspath(local_path(dst)))
 
 
 def _safetensors_check(

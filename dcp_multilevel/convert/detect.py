@@ -9,6 +9,7 @@ from typing import Any
 
 from ..checkpoint import StoredCheckpoint
 from ..errors import CheckpointNotFoundError, ConvertError
+from ..stores import parse_location
 
 __all__ = ["OURS", "SOURCE_KINDS", "STOCK_DCP", "TORCH_SAVE", "detect_source"]
 
@@ -21,8 +22,14 @@ SOURCE_KINDS = (OURS, STOCK_DCP, TORCH_SAVE)
 DCP_METADATA = ".metadata"
 
 
-def _is_url(src: str) -> bool:
-    return "://" in src and not src.startswith("file://")
+def is_url(where: str) -> bool:
+    """True for a remote URL (``s3://...``), False for a path or ``file://`` URL."""
+    return parse_location(where).scheme != "file"
+
+
+def local_path(where: str) -> str:
+    """The path of a local location (a path, or a ``file://`` URL)."""
+    return parse_location(where).path
 
 
 def detect_source(src: str, storage_options: Mapping[str, Any] | None = None) -> str:
@@ -35,7 +42,7 @@ def detect_source(src: str, storage_options: Mapping[str, Any] | None = None) ->
         CheckpointNotFoundError: nothing is at ``src``.
         ConvertError: something is there, but it is none of the three.
     """
-    if _is_url(src):
+    if is_url(src):
         if StoredCheckpoint.at(src, storage_options).is_committed():
             return OURS
         raise CheckpointNotFoundError(
@@ -44,7 +51,7 @@ def detect_source(src: str, storage_options: Mapping[str, Any] | None = None) ->
             "directory or torch.save file to local disk to convert it)",
             checkpoint=src,
         )
-    path = src.removeprefix("file://")
+    path = local_path(src)
     if not os.path.exists(path):
         raise CheckpointNotFoundError(
             f"cannot convert {src}: no such file or directory", checkpoint=src

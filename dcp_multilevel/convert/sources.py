@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from ..errors import ConvertError, UnsafeObjectError
 from ..reader import MultiLevelReader
 from ._dcp_errors import unwrapped
-from .detect import OURS, STOCK_DCP, TORCH_SAVE
+from .detect import OURS, STOCK_DCP, TORCH_SAVE, local_path
 from .progress import Progress
 from .scratch import Scratch
 
@@ -94,7 +94,7 @@ def open_source(kind: str, src: str, storage_options: Mapping[str, Any] | None) 
     if kind == OURS:
         reader: StorageReader = MultiLevelReader(src, storage_options=dict(storage_options or {}))
     elif kind == STOCK_DCP:
-        reader = FileSystemReader(src.removeprefix("file://"))
+        reader = FileSystemReader(local_path(src))
     else:  # unreachable: kinds come from detect_source
         raise ValueError(f"unknown source kind {kind!r}")
     reader.reset(None)
@@ -117,7 +117,7 @@ def _tensor_bytes(metadata: Metadata) -> int:
 
 def _map_torch_save(src: str) -> dict[str, Any]:
     """The state in a torch.save file, its tensors mapped from the file, not read."""
-    path = src.removeprefix("file://")
+    path = local_path(src)
     try:
         state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
