@@ -128,24 +128,24 @@ DELTAS: dict[str, Callable[[torch.Tensor, torch.Tensor], np.ndarray]] = {
 }  # fmt: skip
 
 
-def state_bytes(state: State, dtype: torch.dtype) -> tuple[int, int]:
-    """(raw, stored full) bytes of ``state`` cast to ``dtype``."""
-    raw = full = 0
-    for value in state.values():
-        t = value.to(dtype)
-        raw += t.numel() * t.element_size()
-        full += stored(t)
-    return raw, full
+def raw_bytes(state: State, dtype: torch.dtype) -> int:
+    """Bytes of ``state`` cast to ``dtype``."""
+    return sum(t.numel() * dtype.itemsize for t in state.values())
 
 
-def delta_bytes(new: State, ref: State, dtype: torch.dtype, how: str) -> int:
+def full_sizes(state: State, dtype: torch.dtype) -> dict[str, int]:
+    """Stored bytes of each tensor of ``state`` cast to ``dtype``, coded whole."""
+    return {key: stored(value.to(dtype)) for key, value in state.items()}
+
+
+def delta_bytes(new: State, ref: State, dtype: torch.dtype, how: str, full: dict[str, int]) -> int:
     """Stored bytes of ``new`` as a delta against ``ref`` (each tensor the smaller of
-    its delta and its full coding, as the issue's per-chunk choice would be at least)."""
+    its delta and its full coding ``full[key]``, as the issue's per-chunk choice would
+    be at least)."""
     total = 0
     for key, value in new.items():
         t = value.to(dtype)
-        r = ref[key].to(dtype)
-        total += min(stored(t, DELTAS[how](t, r)), stored(t))
+        total += min(stored(t, DELTAS[how](t, ref[key].to(dtype))), full[key])
     return total
 
 
@@ -174,15 +174,16 @@ def measure(name: str, states: dict[int, State], steps: int, chain: int
     base = steps - max(GAPS)
     for dtype in (torch.float32, torch.bfloat16):
         dt = str(dtype).split(".")[-1]
+        full = {i: full_sizes(states[i], dtype) for i in sorted(states) if i != base}
         for gap in GAPS:
             for part, prefix in PARTS.items():
                 ref = _part(states[base], prefix)
                 new = _part(states[base + gap], prefix)
-                raw, full = state_bytes(new, dtype)
-                row = {"set": name, "part": part, "dtype": dt, "gap": gap, "raw": raw,
-                       "full": full}  # fmt: skip
+                row = {"set": name, "part": part, "dtype": dt, "gap": gap,
+                       "raw": raw_bytes(new, dtype),
+                       "full": sum(full[base + gap][k] for k in new)}  # fmt: skip
                 for how in DELTAS:
-                    row[how] = delta_bytes(new, ref, dtype, how)
+                    row[how] = delta_bytes(new, ref, dtype, how, full[base + gap])
                 gaps.append(row)
         # A chain of saves every step: each save's delta against the keyframe (the
         # chain's first save) or against the previous save.
@@ -193,8 +194,8 @@ def measure(name: str, states: dict[int, State], steps: int, chain: int
                 ratios = []
                 for i in range(first + 1, steps + 1):
                     ref = key if ref_kind == "keyframe" else states[i - 1]
-                    _, full = state_bytes(states[i], dtype)
-                    ratios.append(delta_bytes(states[i], ref, dtype, how) / full)
+                    delta = delta_bytes(states[i], ref, dtype, how, full[i])
+                    ratios.append(delta / sum(full[i].values()))
                 chains.append({"set": name, "dtype": dt, "delta": how, "reference": ref_kind,
                                "mean_delta_over_full": float(np.mean(ratios)),
                                "last_delta_over_full": ratios[-1]})  # fmt: skip
