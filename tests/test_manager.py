@@ -28,6 +28,7 @@ from dcp_multilevel import (
     DrainError,
     Level,
 )
+from dcp_multilevel.checkpoint import CheckpointRoot
 
 HERE = Path(__file__).parent
 
@@ -522,6 +523,11 @@ def test_abandoned_spool_and_temporary_files_are_swept(tmp_path):
         if name.endswith("old") or name == "other":
             os.utime(f, (old, old))
     remote = Level(memory_url(), storage_options={"spool_dir": str(spool)})
+    # A dry run (gc --dry-run) lists what the sweep removes and removes nothing.
+    listed = CheckpointRoot(str(l1)).sweep(3600, dry_run=True)
+    listed += CheckpointRoot(remote.url, remote.storage_options).sweep(3600, dry_run=True)
+    assert sorted(listed) == sorted(["step-1/data/0-0.x.bin.tmp-123456", str(files["dead_old"])])
+    assert all(f.exists() for f in files.values())
     CheckpointManager([Level(str(l1)), remote], sweep_older_than_s=3600).close()
     gone = {name for name, f in files.items() if not f.exists()}
     assert gone == {"dead_old", "tmp_old"}

@@ -69,6 +69,7 @@ class CheckpointRoot:
         """Remove the checkpoint of ``step``, committed or not (manifest first)."""
         self.checkpoint(step).delete()
 
-    def sweep(self, older_than_s: float) -> list[str]:
-        """Remove the store's crash leftovers older than ``older_than_s`` (see ``Store.sweep``)."""
-        return self.store.sweep(older_than_s)
+    def sweep(self, older_than_s: float, *, dry_run: bool = False) -> list[str]:
+        """Remove the store's crash leftovers older than ``older_than_s`` (see ``Store.sweep``;
+        ``dry_run``: list them only)."""
+        return self.store.sweep(older_than_s, dry_run=dry_run)

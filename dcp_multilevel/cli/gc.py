@@ -8,9 +8,11 @@ The rules are the manager's (``retention.py``), applied to what is in ROOT:
   (by step) than the newest committed checkpoint, or whose files were all
   last modified more than ``--older-than`` seconds ago (age is known only on
   local directories);
-- **temporaries**: ``*.tmp-*`` files of crashed writers older than
-  ``--older-than`` seconds (``CheckpointRoot.sweep``; local directories only:
-  an object store publishes objects only whole).
+- **temporaries**: what the store's own sweep removes, older than
+  ``--older-than`` seconds (``CheckpointRoot.sweep``, listed with
+  ``dry_run=True`` for the plan): ``*.tmp-*`` files of crashed writers in a
+  local directory; for an object store (which publishes objects only whole),
+  this machine's spool files left by dead processes.
 
 Checkpoints are deleted manifest first, so a half-deleted one does not
 exist. Nothing here knows what a running job is doing: do not run ``gc`` on
@@ -27,7 +29,7 @@ import click
 
 from ..checkpoint import CheckpointRoot
 from ..errors import ConfigError
-from ..format import TMP_MARKER, step_dir
+from ..format import step_dir
 from ..retention import abandoned, expired
 from ._common import emit_json, json_option, resolve, stdout_console, storage_options_option
 
@@ -52,26 +54,6 @@ def _age(root: CheckpointRoot, name: str, now: float) -> float | None:
     return now - newest
 
 
-def _temporaries(
-    root: CheckpointRoot, skip: set[str], older_than_s: float, now: float
-) -> list[str]:
-    """The temporaries ``CheckpointRoot.sweep`` would remove outside the ``skip`` directories
-    (the same rule as ``LocalStore.sweep``: ``.tmp-`` in the name, older than the cutoff)."""
-    top = root.store.local_path("")
-    if top is None:
-        return []
-    found = []
-    for directory, dirs, files in os.walk(top):
-        rel_dir = os.path.relpath(directory, top)
-        if rel_dir == ".":
-            dirs[:] = [d for d in dirs if d not in skip]
-        for name in files:
-            path = os.path.join(directory, name)
-            if TMP_MARKER in name and os.lstat(path).st_mtime < now - older_than_s:
-                found.append(os.path.relpath(path, top))
-    return sorted(found)
-
-
 def plan_gc(root: CheckpointRoot, keep: int, older_than_s: float) -> dict[str, Any]:
     """What ``gc`` deletes in ``root`` (the JSON shape of ``gc --dry-run --json``)."""
     now = time.time()
@@ -92,7 +74,10 @@ def plan_gc(root: CheckpointRoot, keep: int, older_than_s: float) -> dict[str, A
         "kept": [s for s in complete if s not in gone],
         "expired": gone,
         "abandoned": debris,
-        "temporaries": _temporaries(root, skip, older_than_s, now),
+        # The store's own sweep rule, listing only; not inside steps deleted anyway.
+        "temporaries": sorted(
+            p for p in root.sweep(older_than_s, dry_run=True) if p.split("/", 1)[0] not in skip
+        ),
     }
 
 

@@ -43,8 +43,9 @@ def spool_file(spool_dir: str | None) -> Iterator[tuple[int, str]]:
             os.unlink(spool)
 
 
-def sweep_spools(directory: str, older_than_s: float) -> list[str]:
-    """Remove the spool files in ``directory`` abandoned by dead processes; their paths.
+def sweep_spools(directory: str, older_than_s: float, *, dry_run: bool = False) -> list[str]:
+    """Remove the spool files in ``directory`` abandoned by dead processes; their paths
+    (with ``dry_run``: the paths only, nothing removed).
 
     A spool file goes when it is older than ``older_than_s`` seconds (by
     mtime) and the process named in it is not running here. A missing
@@ -65,7 +66,8 @@ def sweep_spools(directory: str, older_than_s: float) -> list[str]:
         path = os.path.join(directory, name)
         try:
             if os.lstat(path).st_mtime < cutoff:
-                os.unlink(path)
+                if not dry_run:
+                    os.unlink(path)
                 removed.append(path)
         except FileNotFoundError:
             continue  # another process swept it first

@@ -168,12 +168,13 @@ class Store(abc.ABC):
         """
         return None
 
-    def sweep(self, older_than_s: float) -> list[str]:
+    def sweep(self, older_than_s: float, *, dry_run: bool = False) -> list[str]:
         """Remove this store's abandoned temporary data (crash leftovers); return what went.
 
         Only data older than ``older_than_s`` seconds is touched, so files that
         a live writer (another rank, another job) is producing are left alone.
-        The default has nothing to sweep.
+        With ``dry_run``, remove nothing and return what would go (``gc --dry-run``
+        lists exactly what ``gc`` removes). The default has nothing to sweep.
         """
         return []
 

@@ -117,8 +117,9 @@ class LocalStore(Store):
         """The file's path on this machine's file system (always known here)."""
         return str(self._abs(path))
 
-    def sweep(self, older_than_s: float) -> list[str]:
-        """Remove temporary files (``*.tmp-*``) left by crashed writers below the root.
+    def sweep(self, older_than_s: float, *, dry_run: bool = False) -> list[str]:
+        """Remove temporary files (``*.tmp-*``) left by crashed writers below the root
+        (with ``dry_run``: only list them).
 
         A live writer's temporary file is recent (its modification time moves
         with every write), so only files older than ``older_than_s`` go.
@@ -132,11 +133,12 @@ class LocalStore(Store):
                 path = os.path.join(directory, name)
                 try:
                     if os.lstat(path).st_mtime < cutoff:
-                        os.unlink(path)
+                        if not dry_run:
+                            os.unlink(path)
                         removed.append(os.path.relpath(path, self.root))
                 except FileNotFoundError:
                     continue  # another rank swept it first
-        if removed:
+        if removed and not dry_run:
             logger.info("swept %d abandoned temporary file(s) below %s", len(removed), self.url)
         return removed
 

@@ -290,8 +290,9 @@ class RemoteStore(Store):
 
         self._retry("remove", path, rm)
 
-    def sweep(self, older_than_s: float) -> list[str]:
-        """Remove spool files abandoned by dead processes from the spool directory.
+    def sweep(self, older_than_s: float, *, dry_run: bool = False) -> list[str]:
+        """Remove spool files abandoned by dead processes from the spool directory
+        (with ``dry_run``: only list them).
 
         A spool file (``dcp-ml-spool-<pid>-*``) goes when it is older than
         ``older_than_s`` and the process that made it is not running here. The
@@ -303,8 +304,8 @@ class RemoteStore(Store):
         lifecycle rule (see docs/levels.md).
         """
         directory = self.spool_dir or tempfile.gettempdir()
-        removed = sweep_spools(directory, older_than_s)
-        if removed:
+        removed = sweep_spools(directory, older_than_s, dry_run=dry_run)
+        if removed and not dry_run:
             logger.info("swept %d abandoned spool file(s) from %s", len(removed), directory)
         return removed
 
