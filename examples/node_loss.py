@@ -50,9 +50,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-# The bit-for-bit state check and size formatting of the main demo (this
+# The bit-for-bit state check, size formatting and exit of the main demo (this
 # directory is the script's own, first on sys.path under torchrun).
-from train_demo import diff_tree, human
+from train_demo import diff_tree, exit_now, human
 
 from dcp_multilevel import CheckpointManager, DcpMultilevelError, Level
 
@@ -327,9 +327,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    # Leave without interpreter teardown (see train_demo.py: torch 2.13's gloo
-    # teardown at exit occasionally aborts after all work is done).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    exit_now(main())  # without interpreter teardown: see train_demo.exit_now
