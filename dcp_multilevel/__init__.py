@@ -13,6 +13,7 @@ from ._version import __version__
 from .config import Compression, Level, Tier
 from .errors import (
     AsyncSaveError,
+    BrokenChainError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -45,6 +46,7 @@ from .writer import MultiLevelWriter
 __all__ = [
     "AsyncSaveError",
     "BalancedSavePlanner",
+    "BrokenChainError",
     "CheckpointExistsError",
     "CheckpointManager",
     "CheckpointNotFoundError",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 __all__ = [
     "AsyncSaveError",
+    "BrokenChainError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
@@ -165,6 +166,26 @@ class ChecksumMismatchError(CorruptCheckpointError):
 
 class TruncatedDataError(CorruptCheckpointError):
     """A data file is shorter than the manifest says (or ends mid-item)."""
+
+
+class BrokenChainError(CorruptCheckpointError):
+    """A delta item's reference cannot serve it: the reference checkpoint is missing,
+    is another save, or holds other bytes than the delta was coded against.
+
+    ``chain`` lists the checkpoints from the delta to the one that failed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        checkpoint: str,
+        chain: tuple[str, ...] = (),
+        file: str | None = None,
+        fqn: str | None = None,
+    ) -> None:
+        super().__init__(message, checkpoint=checkpoint, file=file, fqn=fqn)
+        self.chain = chain
 
 
 class UnsupportedStateError(DcpMultilevelError, TypeError):

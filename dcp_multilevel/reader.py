@@ -367,6 +367,7 @@ class MultiLevelReader(StorageReader):
                     copy.read_item(
                         handle, req.storage_index.fqn, loc, out,
                         pool=self._codec_pool(), window=2 * self.thread_count,
+                        index=req.storage_index,
                     )  # fmt: skip
                 except _COPY_ERRORS as e:
                     if isinstance(e, (CorruptCheckpointError, ManifestError)):

@@ -10,6 +10,11 @@ Save path (see ``docs/format.md``)::
     coordinator   finish: manifest.json written last, atomically (the commit),
                   then every data file the new manifest does not name is deleted
 
+With a ``reference`` (a committed sibling checkpoint), each tensor chunk is
+stored as the smallest of raw, coded, or coded XOR the reference's bytes at
+the same place (a delta chunk); the reference's bytes are read beside the
+chunk being coded, never whole (``checkpoint/reference.py``, ``docs/delta.md``).
+
 DCP calls ``finish`` only when ``write_data`` succeeded on every rank, so a
 failure anywhere leaves no new manifest, and the old one (if any) untouched.
 """
@@ -19,25 +24,40 @@ from __future__ import annotations
 import io
 import logging
 import os
+import posixpath
 import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
+from contextlib import ExitStack, closing
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .checkpoint import StoredCheckpoint, new_save_id
+from .checkpoint.reference import ItemStream
+from .checkpoint.stored import sibling_location
 from .codecs import BufferPool, EncodeJob, codec_for, encode_items, item_layout
 from .config import Compression
-from .errors import CheckpointExistsError, ConfigError, UnsupportedStateError
-from .format import Hasher, ItemLocation, data_file_path, dtype_name
+from .errors import (
+    BrokenChainError,
+    CheckpointExistsError,
+    ConfigError,
+    CorruptCheckpointError,
+    DcpMultilevelError,
+    UnsupportedStateError,
+)
+from .format import Hasher, ItemLocation, Reference, data_file_path, dtype_name
 from .format.objects import load_object
 from .format.stock_hint import STOCK_METADATA_NAME, stock_hint_bytes
 from .format.tensor_bytes import byte_view
@@ -86,6 +106,14 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
             ``convert`` command instead of a missing file. Off by default: the
             file is a pickle that calls a function when loaded
             (``format/stock_hint.py``, ``docs/interop.md``).
+        reference: store tensor chunks as deltas against this committed
+            checkpoint where that is smaller (a path or URL, or a
+            :class:`~dcp_multilevel.checkpoint.StoredCheckpoint`). It must be a
+            sibling directory of ``path`` (``run/step-8`` for ``run/step-9``)
+            and stay there while this checkpoint is kept: loading a delta reads
+            it. Needs a ``codec``. Items whose dtype, shape or placement
+            changed, non-tensor values, and items this process cannot read in
+            the reference are stored whole.
 
     Raises:
         ConfigError: on an invalid option.
@@ -102,6 +130,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         storage_options: dict[str, Any] | None = None,
         staging: StagingConfig | None = None,
         stock_hint: bool = False,
+        reference: str | os.PathLike[str] | StoredCheckpoint | None = None,
     ) -> None:
         super().__init__()
         self._stager = Stager(staging)
@@ -115,15 +144,27 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         self.compression = Compression.of(codec)
         # Resolve now: an unknown codec is a configuration error, not a failed save.
         self._codec = codec_for(self.compression) if self.compression else None
+        if reference is not None and self._codec is None:
+            raise ConfigError(
+                f"MultiLevelWriter({os.fspath(path)!r}, reference=...) stores deltas, which "
+                "are coded: pass a codec too (codec='bytegroup')"
+            )
+        if reference is not None and not isinstance(reference, StoredCheckpoint):
+            reference = StoredCheckpoint.at(reference, storage_options)
+        self.reference: StoredCheckpoint | None = reference
+        self._warned = False  # the reference could not be read (said once)
         self._codec_pool: ThreadPoolExecutor | None = None
         # Coded-chunk payloads, reused across chunks and saves: each part is
         # written (copied by the store) before the next one is coded into it.
         self._payload_buffers = BufferPool() if self._codec is not None else None
         self._set_path(path)
+        self._reference_name()  # checked again per save: checkpoint_id may move the path
         self.rank = 0
         self.is_coordinator = True
         #: Bytes this rank stored in its last write_data (for metrics).
         self.bytes_written = 0
+        #: Tensor items this rank stored with delta chunks in its last write_data.
+        self.delta_items = 0
 
     #: DCP calls synchronize_staging right after it submitted a save: an
     #: over-budget save returns from async_save only once its live tensors are written.
@@ -217,7 +258,26 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
                 "one commits).",
                 checkpoint=self.checkpoint.url,
             )
+        self._reference_name()  # a reference that is no sibling fails before any write
         return plans
+
+    def _reference_name(self) -> str | None:
+        """The reference's directory name, checked to be a sibling of this checkpoint's."""
+        if self.reference is None:
+            return None
+        name = posixpath.basename(self.reference.location.rstrip("/"))
+        sibling = StoredCheckpoint.at(sibling_location(self.path, name), self.storage_options)
+        if (
+            not name
+            or sibling.url != self.reference.url
+            or self.reference.url == self.checkpoint.url
+        ):
+            raise ConfigError(
+                f"reference {self.reference.url} is not a sibling directory of "
+                f"{self.checkpoint.url}; a delta checkpoint names its reference by directory "
+                "name, so both must share one parent (run/step-8 for run/step-9)"
+            )
+        return name
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items to its own data files; the future is complete."""
@@ -255,6 +315,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
                 ]
                 results = [r for f in futures for r in f.result()]
         self.bytes_written = sum(r.size_in_bytes for r in results)
+        self.delta_items = sum(r.storage_data.reference is not None for r in results)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -278,9 +339,30 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
                 STOCK_METADATA_NAME, stock_hint_bytes(self.checkpoint.url)
             )
         self.checkpoint.commit(
-            metadata, locations, files, save_id=new_save_id(), world_size=len(results)
-        )
+            metadata, locations, files, save_id=new_save_id(), world_size=len(results),
+            reference=self._checked_reference(locations),
+        )  # fmt: skip
         self.checkpoint.sweep(keep=files)
+
+    def _checked_reference(self, locations: dict[MetadataIndex, ItemLocation]) -> Reference | None:
+        """The manifest's ``reference`` (None: no item is a delta), once every delta item's
+        reference checksum is what the reference records (every rank read the same save)."""
+        deltas = {i: loc.reference for i, loc in locations.items() if loc.reference is not None}
+        if not deltas:
+            return None
+        assert self.reference is not None  # only a writer with a reference codes deltas
+        ref = self.reference.manifest()
+        for index, checksum in deltas.items():
+            found = ref.locations.get(index)
+            if found is None or found.checksum != checksum:
+                raise CorruptCheckpointError(
+                    f"item {index.fqn!r} of {self.checkpoint.url} was coded against bytes that "
+                    f"the reference {self.reference.url} (save {ref.save_id}) does not record: "
+                    "the reference changed during the save; not committed. Save again.",
+                    checkpoint=self.checkpoint.url,
+                    fqn=index.fqn,
+                )
+        return Reference(ref.save_id, self._reference_name())  # type: ignore[arg-type]
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -310,13 +392,14 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         results = []
         c = self.compression
         pool = self._pool()
+        streams = ExitStack()  # the reference's data files, while their items are coded
         coded = encode_items(
-            self._jobs(path, items, planner, lock), self._codec,
+            self._jobs(path, items, planner, lock, streams), self._codec,
             chunk_size=c.chunk_size if c else 0, pool=pool,
             window=_WINDOW_PER_THREAD * c.threads if c and pool else 1,
             buffers=self._payload_buffers,
         )  # fmt: skip
-        with self.store.open_write(path) as out, closing(coded):
+        with self.store.open_write(path) as out, streams, closing(coded):
             for job, parts in coded:
                 start = out.tell()
                 hasher = Hasher()
@@ -326,7 +409,9 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
                 length = out.tell() - start
                 transforms = () if job.layout is None else (self._codec.descriptor,)  # type: ignore[union-attr]
                 raw = len(job.view)
-                loc = ItemLocation(path, start, length, raw, hasher.hexdigest(), transforms)
+                src = job.reference
+                ref = src.loc.checksum if src is not None and src.used else None  # type: ignore[attr-defined]
+                loc = ItemLocation(path, start, length, raw, hasher.hexdigest(), transforms, ref)
                 results.append(
                     WriteResult(index=job.key.index, size_in_bytes=length, storage_data=loc)
                 )
@@ -334,9 +419,18 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         return results
 
     def _jobs(
-        self, path: str, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock
+        self,
+        path: str,
+        items: list[WriteItem],
+        planner: SavePlanner,
+        lock: threading.Lock,
+        streams: ExitStack,
     ) -> Iterator[EncodeJob]:
-        """Each item's bytes and how to store them, resolved as the coder asks for them."""
+        """Each item's bytes and how to store them, resolved as the coder asks for them.
+
+        A framed item the reference holds alike gets its reference stream
+        (opened here, closed by ``streams`` at the latest).
+        """
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
                 with lock:
@@ -353,7 +447,46 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
                 tensor = _tensor_for(item, planner.resolve_data(item))
                 view = byte_view(tensor)
                 layout = item_layout(view, tensor.dtype, self._codec, self.compression)
-                yield EncodeJob(item, view, layout, f"item {item.index.fqn!r} of {path}")
+                source = None if layout is None else self._reference_source(item, streams)
+                name = f"item {item.index.fqn!r} of {path}"
+                yield EncodeJob(item, view, layout, name, source)
+
+    def _reference_source(self, item: WriteItem, streams: ExitStack) -> ItemStream | None:
+        """The reference's stream of ``item``, when it stores the same chunk alike
+        and this process can read it; else None (the item is stored whole)."""
+        if self.reference is None:
+            return None
+        index, td = item.index, item.tensor_data
+        try:
+            ref = self.reference.manifest()
+        except (DcpMultilevelError, OSError) as e:
+            if not self._warned:
+                logger.warning("not coding deltas against %s: %s", self.reference.url, e)
+                self._warned = True
+            return None
+        loc = ref.locations.get(index)
+        md = ref.metadata.state_dict_metadata.get(index.fqn)
+        same = (
+            loc is not None
+            and isinstance(md, TensorStorageMetadata)
+            and md.properties.dtype == td.properties.dtype
+            and any(
+                tuple(c.offsets) == tuple(td.chunk.offsets)
+                and tuple(c.sizes) == tuple(td.chunk.sizes)
+                for c in md.chunks
+            )
+        )
+        if not same:
+            return None
+        stream = ItemStream(self.reference, index, loc, (self.checkpoint.url, self.reference.url))
+        try:
+            stream.open()
+        except BrokenChainError as e:  # e.g. its file is on another node
+            stream.close()
+            logger.debug("item %r stored whole: %s", index.fqn, e)
+            return None
+        streams.callback(stream.close)
+        return stream
 
     def _pool(self) -> ThreadPoolExecutor | None:
         """The codec pool (None: code inline), reused across saves.

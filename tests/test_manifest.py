@@ -167,7 +167,7 @@ def test_unknown_format_version_says_what_to_do(valid_doc):
         _decode(doc)
     assert str(info.value) == (
         "checkpoint 'ck' uses dcp_multilevel format version 99 (written by plugin '9.0'); "
-        "this is plugin 0.1.0, which reads format version 1. Install a dcp_multilevel "
+        "this is plugin 0.1.0, which reads format versions 1 and 2. Install a dcp_multilevel "
         "release that supports it."
     )
 

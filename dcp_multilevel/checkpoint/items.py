@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from ..codecs import Codec, codec_from_descriptor, decode_frames
+from ..codecs import Codec, ReferenceSource, codec_from_descriptor, decode_frames
 from ..errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -57,13 +57,16 @@ def read_item(
     *,
     pool: Executor | None = None,
     window: int = 1,
+    reference: ReferenceSource | None = None,
 ) -> None:
     """Put the item's decoded bytes (``ref.loc.raw_length`` of them) into ``out``, verified.
 
     ``handle`` is the open data file ``ref.loc.file``. ``out`` holds verified
     bytes only when this returns; on an error it may hold anything. Coded
     items are streamed frame by frame (memory bounded by ``window`` chunks),
-    decoded on ``pool`` when given.
+    decoded on ``pool`` when given. A delta item (``ref.loc.reference``)
+    needs ``reference``, the stream of the same item in its reference
+    checkpoint (``reference.py``); it is finished (checked) here.
 
     Raises:
         CorruptCheckpointError: the stored bytes do not match the manifest
@@ -101,7 +104,7 @@ def read_item(
 
     decode_frames(
         read, out, codec, stored_length=loc.length, pool=pool, window=window,
-        on_chunk_error=chunk_error,
+        on_chunk_error=chunk_error, reference=reference,
     )  # fmt: skip
     verify(hasher, ref)
 

@@ -15,6 +15,10 @@ Call order for one checkpoint (``ckpt = StoredCheckpoint.at(url)``)::
                               ckpt.read_item(handle, fqn, loc, out)    # verified
     retention             ckpt.delete()                 # manifest first
 
+A delta checkpoint (``reference.py``) names a sibling checkpoint its delta
+items are read against: :meth:`StoredCheckpoint.reference` opens it, and
+:meth:`StoredCheckpoint.read_item` streams it beside each delta item.
+
 A checkpoint exists iff its manifest does. The same checkpoint may be
 stored several times (node-local disk, a bucket), each copy with its own
 encoding, file layout and manifest: each copy is its own StoredCheckpoint.
@@ -24,11 +28,13 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -40,14 +46,16 @@ from ..format import (
     TMP_MARKER,
     ItemLocation,
     Manifest,
+    Reference,
     decode_manifest,
     encode_manifest,
 )
 from ..stores import ReadHandle, Store, store_for
 from ..stores.coalescing import CoalescingReader
 from .items import ItemRef, read_item, read_stored
+from .reference import open_reference
 
-__all__ = ["StoredCheckpoint", "new_save_id"]
+__all__ = ["StoredCheckpoint", "new_save_id", "sibling_location"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +63,11 @@ logger = logging.getLogger(__name__)
 def new_save_id() -> str:
     """A fresh identity for one save (copies of it on other levels keep it)."""
     return f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}"
+
+
+def sibling_location(location: str, name: str) -> str:
+    """The location of directory ``name`` beside the checkpoint at ``location`` (path or URL)."""
+    return posixpath.join(posixpath.dirname(location.rstrip("/")), name)
 
 
 class StoredCheckpoint:
@@ -78,12 +91,27 @@ class StoredCheckpoint:
         *,
         location: str | None = None,
         manifest_bytes: bytes | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.store = store
         self.location = location if location is not None else store.url
+        #: What the store was built with: a sibling (the reference) is opened alike.
+        self.storage_options = dict(storage_options or {})
         self._manifest_bytes = manifest_bytes
         self._manifest: Manifest | None = None
         self._error: DcpMultilevelError | OSError | None = None
+        self._reference: StoredCheckpoint | None = None
+        self._reference_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Writers are pickled to DCP's async-save process: no lock travels.
+        state = dict(self.__dict__)
+        del state["_reference_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reference_lock = threading.Lock()
 
     @classmethod
     def at(
@@ -99,8 +127,9 @@ class StoredCheckpoint:
         ``sync=False`` lets the store skip fsync (scratch data only).
         """
         location = os.fspath(location)
-        store = store_for(location, sync=sync, **dict(storage_options or {}))
-        return cls(store, location=location, manifest_bytes=manifest_bytes)
+        options = dict(storage_options or {})
+        store = store_for(location, sync=sync, **options)
+        return cls(store, location=location, manifest_bytes=manifest_bytes, storage_options=options)
 
     @property
     def url(self) -> str:
@@ -157,9 +186,28 @@ class StoredCheckpoint:
         return self._manifest
 
     def forget(self) -> None:
-        """Drop the cached manifest (or error): the next use reads it again."""
+        """Drop the cached manifest (or error), and the reference: the next use reads again."""
         self._manifest = None
         self._error = None
+        self._reference = None
+
+    def reference(self) -> StoredCheckpoint | None:
+        """The checkpoint this one's delta items are coded against (None: it has none).
+
+        A sibling of this checkpoint (``manifest().reference.checkpoint``),
+        opened with the same storage options, once; thread-safe. Whether it
+        is the right save is checked where its items are read
+        (``reference.py``).
+        """
+        link = self.manifest().reference
+        if link is None:
+            return None
+        with self._reference_lock:
+            if self._reference is None:
+                self._reference = StoredCheckpoint.at(
+                    sibling_location(self.location, link.checkpoint), self.storage_options
+                )
+            return self._reference
 
     def commit(
         self,
@@ -169,10 +217,12 @@ class StoredCheckpoint:
         *,
         save_id: str,
         world_size: int,
+        reference: Reference | None = None,
     ) -> None:
         """Write the manifest, atomically and last: from now on the checkpoint exists.
 
         Every file ``files`` names must be durable in the store already.
+        ``reference``: the sibling checkpoint the delta items are coded against.
 
         Raises:
             UnsupportedStateError: the metadata cannot be stored (see ``encode_manifest``).
@@ -180,7 +230,7 @@ class StoredCheckpoint:
         """
         doc = encode_manifest(
             metadata, locations, files, save_id=save_id, world_size=world_size,
-            created_unix=time.time(),
+            created_unix=time.time(), reference=reference,
         )  # fmt: skip
         self.store.write_atomic(MANIFEST_NAME, doc)
         self.forget()
@@ -263,9 +313,25 @@ class StoredCheckpoint:
         *,
         pool: Executor | None = None,
         window: int = 1,
+        index: MetadataIndex | None = None,
     ) -> None:
-        """Decoded, verified bytes of one item into ``out`` (see :func:`.items.read_item`)."""
-        read_item(handle, ItemRef(self.url, fqn, loc), out, pool=pool, window=window)
+        """Decoded, verified bytes of one item into ``out`` (see :func:`.items.read_item`).
+
+        A delta item (``loc.reference``) is read against the same item of
+        :meth:`reference`, which ``index`` names (required for one).
+
+        Raises:
+            BrokenChainError: the item is a delta and its reference cannot serve it.
+            (and what :func:`.items.read_item` raises)
+        """
+        ref = ItemRef(self.url, fqn, loc)
+        if loc.reference is None:
+            read_item(handle, ref, out, pool=pool, window=window)
+            return
+        if index is None:
+            raise ValueError(f"item {fqn!r} of {self.url} is a delta: read_item needs its index")
+        with closing(open_reference(self, index, loc)) as reference:
+            read_item(handle, ref, out, pool=pool, window=window, reference=reference)
 
     def read_stored(
         self,

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from ..errors import CorruptCheckpointError, ManifestError
 from ..format import ItemLocation
 from ..stores import ReadHandle
-from .items import ItemRef, blocks_of, read_item, read_stored
+from .items import blocks_of
 from .stored import StoredCheckpoint
 
 __all__ = ["ItemProblem", "VerifyResult", "verify_checkpoint", "verify_file"]
@@ -100,7 +100,7 @@ def verify_file(
         with ckpt.open_data(file, items[0][0].fqn) as handle:
             for index, loc in items:
                 try:
-                    _check_item(handle, ItemRef(ckpt.url, index.fqn, loc))
+                    _check_item(ckpt, handle, index, loc)
                 except (CorruptCheckpointError, ManifestError) as e:
                     problems.append(_problem(index, loc, e))
                 if on_bytes is not None:
@@ -114,14 +114,17 @@ def verify_file(
     return problems
 
 
-def _check_item(handle: ReadHandle, ref: ItemRef) -> None:
-    loc = ref.loc
+def _check_item(
+    ckpt: StoredCheckpoint, handle: ReadHandle, index: MetadataIndex, loc: ItemLocation
+) -> None:
     if loc.transforms:
-        # Decoding needs the item's whole raw buffer (chunks decode into their slice).
-        read_item(handle, ref, memoryview(bytearray(loc.raw_length)))
+        # Decoding needs the item's whole raw buffer (chunks decode into their slice);
+        # a delta item is decoded against its reference, which is checked too.
+        out = memoryview(bytearray(loc.raw_length))
+        ckpt.read_item(handle, index.fqn, loc, out, index=index)
     else:
         buf = memoryview(bytearray(max(1, min(_BLOCK, loc.length))))
-        read_stored(handle, ref, blocks_of(buf, loc.length))
+        ckpt.read_stored(handle, index.fqn, loc, blocks_of(buf, loc.length))
 
 
 def _problem(index: MetadataIndex, loc: ItemLocation, e: Exception) -> ItemProblem:

@@ -26,6 +26,7 @@ from .options import Compression
 from .pipeline import (
     BufferPool,
     EncodeJob,
+    ReferenceSource,
     encode_chunk,
     encode_frames,
     encode_items,
@@ -39,6 +40,7 @@ __all__ = [
     "Codec",
     "Compression",
     "EncodeJob",
+    "ReferenceSource",
     "balanced_chunk_size",
     "codec_for",
     "codec_from_descriptor",

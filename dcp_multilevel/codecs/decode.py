@@ -11,22 +11,34 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from ..format import frames
 from .base import Codec
+from .delta import xor_into
+
+if TYPE_CHECKING:
+    from .pipeline import ReferenceSource
 
 __all__ = ["decode_frames"]
 
 
 def _decode_chunk(
-    codec: Codec, rec: frames.ChunkRecord, payload: memoryview, out: memoryview, header
+    codec: Codec,
+    rec: frames.ChunkRecord,
+    payload: memoryview,
+    out: memoryview,
+    header,
+    ref: memoryview | None,
 ) -> None:
     if rec.method == frames.METHOD_RAW:
         out[:] = payload
     else:
         codec.decode(payload, out, header.width, header.rotate)
+        if ref is not None:  # a delta chunk: undo the XOR
+            xor_into(out, ref, out)
 
 
 def decode_frames(
@@ -38,6 +50,7 @@ def decode_frames(
     pool: Executor | None,
     window: int,
     on_chunk_error: Callable[[int, str], Exception],
+    reference: ReferenceSource | None = None,
 ) -> None:
     """Decode one item's frames, ``stored_length`` bytes pulled with ``read(n)``, into ``out``.
 
@@ -48,6 +61,9 @@ def decode_frames(
     bytes and end exactly at ``stored_length``. ``on_chunk_error(index, why)``
     builds the exception to raise for a corrupt chunk (index -1: the header,
     -2: the framing as a whole), so messages can name checkpoint, file and item.
+    ``reference``: the item's bytes in the checkpoint its delta chunks were
+    coded against (None: a delta chunk is corrupt framing); it is taken or
+    skipped chunk by chunk on this thread and finished (checked) last.
     """
     consumed = 0
     pull = read
@@ -81,15 +97,23 @@ def decode_frames(
             if xxhash.xxh3_64_intdigest(payload) != rec.checksum:
                 raise on_chunk_error(index, "its checksum does not match its bytes")
             target = out[pos : pos + rec.raw_len]
+            ref = None
+            if rec.method == frames.METHOD_DELTA:
+                if reference is None:
+                    raise on_chunk_error(index, "a delta chunk in an item stored without one")
+                ref = reference.take(rec.raw_len)
+            elif reference is not None:
+                reference.skip(rec.raw_len)
             # The last chunk (the only one, for most tensors) is decoded here:
             # this thread would only wait for it, and a hand-off adds a wake-up.
             if pool is None or pos + rec.raw_len == len(out):
-                _decode_checked(codec, rec, payload, target, header, index, on_chunk_error)
+                _decode_checked(codec, rec, payload, target, header, ref, index, on_chunk_error)
             else:
                 # The payload buffer must outlive the task: read() returns a fresh one.
                 pending.append(
                     pool.submit(
-                        _decode_checked, codec, rec, payload, target, header, index, on_chunk_error
+                        _decode_checked,
+                        *(codec, rec, payload, target, header, ref, index, on_chunk_error),
                     )
                 )
                 if len(pending) >= window:
@@ -105,10 +129,12 @@ def decode_frames(
         raise on_chunk_error(index, f"frames end after {pos} of {len(out)} bytes")
     if consumed != stored_length:
         raise on_chunk_error(-2, f"{stored_length - consumed} stored bytes follow the last frame")
+    if reference is not None:
+        reference.finish()
 
 
-def _decode_checked(codec, rec, payload, target, header, index, on_chunk_error) -> None:
+def _decode_checked(codec, rec, payload, target, header, ref, index, on_chunk_error) -> None:
     try:
-        _decode_chunk(codec, rec, payload, target, header)
+        _decode_chunk(codec, rec, payload, target, header, ref)
     except ValueError as e:
         raise on_chunk_error(index, str(e)) from None

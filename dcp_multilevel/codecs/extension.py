@@ -150,6 +150,8 @@ class _FrameReader(io.RawIOBase):
         if rec.is_terminator:
             self._done = True
             return
+        if rec.method == frames.METHOD_DELTA:  # only items with a reference hold them
+            raise ValueError(f"chunk {self._index}: a delta chunk in a stream")
         if not 0 < rec.raw_len <= self._header.chunk_size:
             raise ValueError(f"chunk {self._index}: bad raw length {rec.raw_len}")
         payload = memoryview(self._exact(rec.stored_len))

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -29,10 +29,12 @@ from ..format import frames
 from ..format.tensor_bytes import pieces
 from .base import MIN_CODED_BYTES, Codec
 from .decode import decode_frames
+from .delta import DELTA_SURE, xor_into
 
 __all__ = [
     "BufferPool",
     "EncodeJob",
+    "ReferenceSource",
     "decode_frames",
     "encode_chunk",
     "encode_frames",
@@ -86,6 +88,7 @@ def encode_chunk(
     rotate: int,
     buffers: BufferPool | None = None,
     into: memoryview | None = None,
+    ref: memoryview | None = None,
 ) -> tuple[bytes, Part, np.ndarray | None]:
     """One framed chunk: ``(record, payload, buffer)``.
 
@@ -93,7 +96,12 @@ def encode_chunk(
     view of where it was coded: ``into`` when given (at least
     ``codec.payload_bound`` bytes; buffer None), else ``buffer``, taken from
     ``buffers`` (to give back once the payload is consumed) or fresh.
+    ``ref``: the reference's raw bytes at the same place (as long as
+    ``chunk``): the chunk is then also coded as a delta against them, and the
+    smallest of raw, coded and delta is kept (``delta.py``).
     """
+    if ref is not None and len(chunk) >= MIN_CODED_BYTES:
+        return _encode_delta_chunk(codec, chunk, width, rotate, buffers, ref)
     buf = None
     if len(chunk) < MIN_CODED_BYTES:  # an item's short tail, or a tool's tiny tensor
         n = None
@@ -109,9 +117,50 @@ def encode_chunk(
         method, payload, buf = frames.METHOD_RAW, chunk, None
     else:
         method, payload = frames.METHOD_CODED, into[:n]  # type: ignore[index]
-    checksum = xxhash.xxh3_64_intdigest(payload)
-    record = frames.pack_chunk(method, len(chunk), len(payload), checksum)
-    return record, payload, (buf if buffers is not None else None)
+    return _framed(method, len(chunk), payload), payload, (buf if buffers is not None else None)
+
+
+def _encode_delta_chunk(
+    codec: Codec,
+    chunk: memoryview,
+    width: int,
+    rotate: int,
+    buffers: BufferPool | None,
+    ref: memoryview,
+) -> tuple[bytes, Part, np.ndarray | None]:
+    """:func:`encode_chunk` with a reference: the smallest of raw, delta and whole coding."""
+    take = buffers.take if buffers is not None else _empty
+    give = buffers.give if buffers is not None else (lambda buf: None)
+    size = codec.payload_bound(len(chunk), width)
+    scratch = take(len(chunk))
+    diff = memoryview(scratch)[: len(chunk)]
+    xor_into(chunk, ref, diff)
+    delta = take(size)
+    n = codec.encode_into(diff, width, rotate, memoryview(delta))
+    give(scratch)
+    # (method, payload length, buffer holding it): raw unless a coding is smaller.
+    best: tuple[int, int, np.ndarray | None] = (frames.METHOD_RAW, len(chunk), None)
+    coded = [(frames.METHOD_DELTA, n, delta)]
+    if n is None or n > DELTA_SURE * len(chunk):  # coding it whole might be smaller
+        whole = take(size)
+        m = codec.encode_into(chunk, width, rotate, memoryview(whole))
+        coded.append((frames.METHOD_CODED, m, whole))
+    for method, length, buf in coded:
+        if length is not None and length < best[1]:
+            best = (method, length, buf)
+    for _, _, buf in coded:
+        if buf is not best[2]:
+            give(buf)
+    method, n, buf = best
+    if buf is None:
+        return _framed(method, len(chunk), chunk), chunk, None
+    payload = memoryview(buf)[:n]
+    return _framed(method, len(chunk), payload), payload, (buf if buffers is not None else None)
+
+
+def _framed(method: int, raw_len: int, payload: Part) -> bytes:
+    """The chunk record for ``payload``."""
+    return frames.pack_chunk(method, raw_len, len(payload), xxhash.xxh3_64_intdigest(payload))
 
 
 class _Task:
@@ -187,17 +236,44 @@ class _Backlog:
             self._tasks.clear()
 
 
+class ReferenceSource(Protocol):
+    """The reference's raw bytes of one item, in order (``checkpoint/reference.py``).
+
+    The pipeline calls ``take`` or ``skip`` once per chunk, in chunk order, on
+    the thread that submits chunks, then ``finish`` (which raises if the
+    reference's bytes were not what they should be: the item must not be
+    stored then). It sets ``used`` when a chunk was stored as a delta.
+    """
+
+    used: bool
+
+    def take(self, n: int) -> memoryview:
+        """The next ``n`` raw bytes (a buffer the caller may keep)."""
+        ...
+
+    def skip(self, n: int) -> None:
+        """Pass over the next ``n`` raw bytes."""
+        ...
+
+    def finish(self) -> None:
+        """Every byte was taken or skipped: check what was read."""
+        ...
+
+
 @dataclass(frozen=True)
 class EncodeJob:
     """One item to store: ``layout`` ``(width, rotate)`` to frame it, or None to store it as is.
 
     ``name`` says what the item is in error notes (e.g. ``"item 'w' of data/0-0.bin"``).
+    ``reference``: the same item's bytes in a reference checkpoint (framed
+    items only): each chunk may then be stored as a delta against them.
     """
 
     key: Any
     view: memoryview
     layout: tuple[int, int] | None
     name: str = "item"
+    reference: ReferenceSource | None = None
 
 
 @dataclass
@@ -276,7 +352,8 @@ def encode_items(
             start = item.starts[item.next_chunk]
             width, rotate = item.job.layout  # type: ignore[misc]  # framed items only
             chunk = item.job.view[start : start + item.starts.step]
-            item.tasks.append(backlog.submit(codec, chunk, width, rotate, buffers))  # type: ignore[union-attr]
+            ref = _reference_chunk(item, item.next_chunk, len(chunk))
+            item.tasks.append(backlog.submit(codec, chunk, width, rotate, buffers, None, ref))  # type: ignore[union-attr]
             item.next_chunk += 1
             in_flight += 1
 
@@ -299,12 +376,16 @@ def encode_items(
             try:
                 if pool is None:
                     chunk = view[start : start + step]
-                    record, payload, buf = encode_chunk(codec, chunk, width, rotate, buffers)  # type: ignore[arg-type]
+                    ref = _reference_chunk(item, index, len(chunk))
+                    args = (codec, chunk, width, rotate, buffers, None, ref)
+                    record, payload, buf = encode_chunk(*args)  # type: ignore[arg-type]
                 else:
                     record, payload, buf = backlog.result(task)  # type: ignore[union-attr]
             except Exception as e:
                 e.add_note(f"while coding chunk {index} of {item.job.name}")
                 raise
+            if record[0] == frames.METHOD_DELTA:
+                item.job.reference.used = True  # type: ignore[union-attr]
             yield record
             yield payload
             if buf is not None:  # the consumer is done with the payload: reuse its buffer
@@ -329,6 +410,26 @@ def encode_items(
     finally:
         if backlog is not None:
             backlog.cancel()
+
+
+def _reference_chunk(item: _Item, index: int, n: int) -> memoryview | None:
+    """The reference's bytes for the item's chunk ``index`` (``n`` bytes), or None.
+
+    Called once per chunk in chunk order; after the last one the reference
+    is finished (checked), so an item whose reference was bad fails here,
+    before its last chunk is stored.
+    """
+    source = item.job.reference
+    if source is None:
+        return None
+    if n >= MIN_CODED_BYTES:
+        ref = source.take(n)
+    else:  # a short tail is stored raw (encode_chunk)
+        source.skip(n)
+        ref = None
+    if index == len(item.starts) - 1:
+        source.finish()
+    return ref
 
 
 def _item(job: EncodeJob, chunk_size: int) -> _Item:

@@ -17,9 +17,11 @@ from .layout import (
     step_dir,
 )
 from .manifest import (
+    DELTA_FORMAT_VERSION,
     FORMAT_VERSION,
     ItemLocation,
     Manifest,
+    Reference,
     encode_manifest,
     locations_to_json,
 )
@@ -28,12 +30,14 @@ from .paths import validate_relpath
 
 __all__ = [
     "DATA_DIR",
+    "DELTA_FORMAT_VERSION",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "TMP_MARKER",
     "Hasher",
     "ItemLocation",
     "Manifest",
+    "Reference",
     "checkpoint_url",
     "checksum_of",
     "data_file_path",

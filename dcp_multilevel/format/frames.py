@@ -11,7 +11,10 @@ before coding. Version 1 headers hold it as a flag (bit 0: one bit); version 2
 headers hold the count (written only when it is more than 1, so a stream that
 version 1 can describe stays readable by releases that only know version 1).
 ``method`` 0 = payload is the raw bytes, 1 = payload
-is coded by the item's codec (named in the manifest). Every chunk but the last
+is coded by the item's codec (named in the manifest), 2 = payload is the
+codec's coding of the chunk's raw bytes XOR the reference checkpoint's raw
+bytes at the same place (a delta chunk: only in items whose manifest entry
+names a reference, ``manifest.py``). Every chunk but the last
 holds exactly ``chunk_size`` raw bytes, so chunk ``i`` decodes into
 ``out[i*chunk_size:]`` and chunks decode in parallel. ``raw_total`` is
 ``UNKNOWN_TOTAL`` when the writer streams without knowing the size (DCP's
@@ -31,6 +34,7 @@ __all__ = [
     "HEADER",
     "MAX_CHUNK_SIZE",
     "METHOD_CODED",
+    "METHOD_DELTA",
     "METHOD_RAW",
     "UNKNOWN_TOTAL",
     "VERSION",
@@ -52,6 +56,7 @@ HEADER = struct.Struct("<4sBBBxIQ")
 CHUNK = struct.Struct("<BxxxIIQ")
 METHOD_RAW = 0
 METHOD_CODED = 1
+METHOD_DELTA = 2
 UNKNOWN_TOTAL = 2**64 - 1
 MAX_CHUNK_SIZE = 64 << 20
 FLAG_ROTATE = 1
@@ -83,7 +88,7 @@ class ChunkRecord:
     """A decoded chunk record, which precedes each chunk's payload (checked by :func:`check_chunk`).
 
     Attributes:
-        method: :data:`METHOD_RAW` or :data:`METHOD_CODED`.
+        method: :data:`METHOD_RAW`, :data:`METHOD_CODED` or :data:`METHOD_DELTA`.
         raw_len: bytes of the chunk once decoded.
         stored_len: bytes of the payload that follows the record.
         checksum: xxh3-64 of the payload (as stored).
@@ -155,7 +160,7 @@ def check_chunk(rec: ChunkRecord, header: FrameHeader, raw_left: int) -> None:
 
     ``raw_left`` is how many decoded bytes may still come (from the manifest).
     """
-    if rec.method not in (METHOD_RAW, METHOD_CODED):
+    if rec.method not in (METHOD_RAW, METHOD_CODED, METHOD_DELTA):
         raise FrameError(f"unknown method {rec.method}")
     expected = min(header.chunk_size, raw_left)
     if rec.raw_len != expected:

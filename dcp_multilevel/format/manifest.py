@@ -11,7 +11,7 @@ and encodes it. Its validating decoder, :func:`decode_manifest`, which treats
 its input as hostile, is in ``manifest_decode.py`` (both are re-exported by
 ``format/__init__.py``).
 
-Layout (format version 1)::
+Layout (format version 1; version 2 adds the two delta fields below)::
 
     {"format": "dcp_multilevel", "format_version": 1,
      "plugin_version": "0.1.0", "torch_version": "2.13.0+cpu",
@@ -26,6 +26,16 @@ Layout (format version 1)::
      "items": [{"fqn": "..", "offsets": [..] | null, "file": "..", "pos": 0,
                 "length": 16, "raw_length": 16, "transforms": [],
                 "checksum": "xxh3_64:<hex>"}]}
+
+A delta checkpoint (format version 2, written only when the checkpoint has
+a reference) adds ``"reference": {"save_id": "<hex>", "checkpoint":
+"step-8"}``: the checkpoint its delta chunks are coded against, a sibling
+directory of this one (so a root moves or copies as a whole), and per item
+whose frames hold delta chunks ``"ref": "xxh3_64:<hex>"``: the checksum
+the reference's manifest records for the same item on the same level. A
+load checks both before it trusts the reference's bytes (``docs/delta.md``).
+Releases that read only version 1 refuse version 2 by its number, never by
+misreading a delta as data.
 """
 
 from __future__ import annotations
@@ -49,17 +59,21 @@ from .dtypes import dtype_name
 from .layout import MANIFEST_NAME
 
 __all__ = [
+    "DELTA_FORMAT_VERSION",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "ItemLocation",
     "Manifest",
+    "Reference",
     "encode_manifest",
     "locations_to_json",
 ]
 
 FORMAT_NAME = "dcp_multilevel"
 FORMAT_VERSION = 1
+#: Written instead of :data:`FORMAT_VERSION` by checkpoints with a reference.
+DELTA_FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -68,7 +82,9 @@ class ItemLocation:
 
     ``length`` counts the stored bytes at ``file[offset:offset+length]``;
     ``raw_length`` the bytes after undoing ``transforms`` (equal when there
-    are none). ``checksum`` covers the stored bytes.
+    are none). ``checksum`` covers the stored bytes. ``reference``: for an
+    item with delta chunks, the checksum of the same item in the checkpoint's
+    :class:`Reference` (as that checkpoint's manifest records it), else None.
     """
 
     file: str
@@ -77,6 +93,21 @@ class ItemLocation:
     raw_length: int
     checksum: str
     transforms: tuple[str, ...] = ()
+    reference: str | None = None
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The checkpoint a delta checkpoint's delta chunks are coded against.
+
+    Attributes:
+        save_id: the reference's ``save_id`` (the same on every level that holds it).
+        checkpoint: its directory's name, a sibling of the delta checkpoint's
+            (``step-8``): one path component.
+    """
+
+    save_id: str
+    checkpoint: str
 
 
 @dataclass(frozen=True)
@@ -93,6 +124,7 @@ class Manifest:
     created_unix: float
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    reference: Reference | None = None
 
 
 # --------------------------------------------------------------------------- encode
@@ -106,11 +138,16 @@ def encode_manifest(
     save_id: str,
     world_size: int,
     created_unix: float,
+    reference: Reference | None = None,
 ) -> bytes:
     """Serialize a checkpoint's manifest to UTF-8 JSON bytes.
 
+    ``reference``: the checkpoint the items' delta chunks are coded against
+    (format version 2); required when an item has a ``reference`` checksum.
+
     Raises UnsupportedStateError when the planner's ``planner_data`` is not
-    made of plain strings and ints (it must survive JSON).
+    made of plain strings and ints (it must survive JSON), or an item names a
+    reference the checkpoint does not have.
     """
     state: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
@@ -128,12 +165,14 @@ def encode_manifest(
             raise UnsupportedStateError(f"item {fqn!r} has unknown storage metadata {md!r}")
 
     items = locations_to_json(locations)
-    # Sorted so that the same checkpoint always encodes to the same bytes.
-    items.sort(key=lambda i: (i["file"], i["pos"]))
+    if reference is None and any("ref" in i for i in items):
+        raise UnsupportedStateError(
+            "an item is stored as a delta but the checkpoint names no reference"
+        )
 
     doc = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if reference is None else DELTA_FORMAT_VERSION,
         "plugin_version": __version__,
         "torch_version": torch.__version__,
         "save_id": save_id,
@@ -145,6 +184,8 @@ def encode_manifest(
         "files": dict(sorted(files.items())),
         "items": items,
     }
+    if reference is not None:
+        doc["reference"] = {"save_id": reference.save_id, "checkpoint": reference.checkpoint}
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
@@ -168,8 +209,9 @@ def _encode_planner_data(data: Any) -> Any:
 
 def locations_to_json(locations: Mapping[MetadataIndex, ItemLocation]) -> list[dict[str, Any]]:
     """Item locations as the manifest's ``items`` entries (JSON-able; sorted by file, offset)."""
-    items = [
-        {
+    items = []
+    for index, loc in locations.items():
+        item = {
             "fqn": index.fqn,
             "offsets": None if index.offset is None else list(index.offset),
             "file": loc.file,
@@ -179,8 +221,9 @@ def locations_to_json(locations: Mapping[MetadataIndex, ItemLocation]) -> list[d
             "transforms": list(loc.transforms),
             "checksum": loc.checksum,
         }
-        for index, loc in locations.items()
-    ]
+        if loc.reference is not None:
+            item["ref"] = loc.reference
+        items.append(item)
     # Sorted so that the same checkpoint always encodes to the same bytes.
     items.sort(key=lambda i: (i["file"], i["pos"]))
     return items

@@ -30,7 +30,14 @@ from .._version import __version__
 from ..errors import ManifestError, UnsupportedFormatVersionError
 from .checksum import is_valid_checksum
 from .dtypes import dtype_from_name, dtype_name
-from .manifest import FORMAT_NAME, FORMAT_VERSION, ItemLocation, Manifest
+from .manifest import (
+    DELTA_FORMAT_VERSION,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    ItemLocation,
+    Manifest,
+    Reference,
+)
 from .paths import validate_relpath
 
 __all__ = ["decode_manifest", "locations_from_json"]
@@ -102,13 +109,13 @@ def decode_manifest(data: bytes, *, checkpoint: str | None = None) -> Manifest:
     if doc.get("format") != FORMAT_NAME:
         raise c.fail(f"field 'format' is {doc.get('format')!r}, expected {FORMAT_NAME!r}")
     version = c.get(doc, "format_version", int, "manifest")
-    if version != FORMAT_VERSION:
+    if version not in (FORMAT_VERSION, DELTA_FORMAT_VERSION):
         where = f"checkpoint {checkpoint!r}" if checkpoint else "this checkpoint"
         raise UnsupportedFormatVersionError(
             f"{where} uses dcp_multilevel format version {version} (written by plugin "
             f"{doc.get('plugin_version')!r}); this is plugin {__version__}, which reads "
-            f"format version {FORMAT_VERSION}. Install a dcp_multilevel release that "
-            "supports it.",
+            f"format versions {FORMAT_VERSION} and {DELTA_FORMAT_VERSION}. Install a "
+            "dcp_multilevel release that supports it.",
             checkpoint=checkpoint,
         )
 
@@ -128,6 +135,9 @@ def decode_manifest(data: bytes, *, checkpoint: str | None = None) -> Manifest:
         files[path] = c.count(size, f"size of file {path!r}")
 
     locations = _decode_items(c, c.get(doc, "items", list, "manifest"), state, files)
+    reference = _decode_reference(c, doc.get("reference"), version)
+    if reference is None and any(loc.reference is not None for loc in locations.values()):
+        raise c.fail("an item is stored as a delta ('ref') but the manifest names no reference")
 
     metadata = Metadata(
         state_dict_metadata=state,
@@ -146,7 +156,25 @@ def decode_manifest(data: bytes, *, checkpoint: str | None = None) -> Manifest:
         torch_version=torch_version,
         created_unix=float(created),
         format_version=version,
+        reference=reference,
     )
+
+
+def _decode_reference(c: _Checker, raw: Any, version: int) -> Reference | None:
+    """The ``reference`` field: present exactly in format version 2; a sibling directory."""
+    if version == FORMAT_VERSION:
+        if raw is not None:
+            raise c.fail(f"format version {FORMAT_VERSION} has no 'reference'")
+        return None
+    if not isinstance(raw, dict):
+        raise c.fail(f"format version {DELTA_FORMAT_VERSION} needs a 'reference' object")
+    save_id = c.get(raw, "save_id", str, "reference")
+    name = c.get(raw, "checkpoint", str, "reference")
+    # One safe path component: a manifest may only send a load to a sibling.
+    validate_relpath(name, what="reference.checkpoint", checkpoint=c.checkpoint)
+    if "/" in name:
+        raise c.fail(f"reference.checkpoint {name!r} is not a sibling directory's name")
+    return Reference(save_id, name)
 
 
 def _reject_constant(name: str) -> Any:
@@ -286,10 +314,16 @@ def _decode_location(
         raise c.fail(f"{what}.checksum {checksum!r} is not of the form 'xxh3_64:<16 hex>'")
     if not transforms and length != raw_length:
         raise c.fail(f"{what} ({fqn!r}) has no transforms but length != raw_length")
+    ref = c.get(item, "ref", str, what) if "ref" in item else None
+    if ref is not None:
+        if not is_valid_checksum(ref):
+            raise c.fail(f"{what}.ref {ref!r} is not of the form 'xxh3_64:<16 hex>'")
+        if len(transforms) != 1:
+            raise c.fail(f"{what} ({fqn!r}) is a delta ('ref') but is not framed by one codec")
     return (
         fqn,
         offsets_raw,
-        ItemLocation(file, pos, length, raw_length, checksum, tuple(transforms)),
+        ItemLocation(file, pos, length, raw_length, checksum, tuple(transforms), ref),
     )
 
 

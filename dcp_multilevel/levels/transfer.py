@@ -161,8 +161,12 @@ def _kept(loc: ItemLocation, dtype: torch.dtype | None, wanted: tuple[str, ...])
     """True when the target store keeps this item exactly as the source does.
 
     Same codec descriptor (levels may differ: any level decodes alike), or
-    stored uncoded where the target's encode_item leaves it uncoded too.
+    stored uncoded where the target's encode_item leaves it uncoded too. A
+    delta item is never kept: its reference is not on the target; it is
+    decoded against it and stored whole.
     """
+    if loc.reference is not None:
+        return False
     if loc.transforms == wanted:
         return True
     return not loc.transforms and (dtype is None or loc.raw_length < MIN_CODED_BYTES)
@@ -308,7 +312,7 @@ class _Recoder:
                 for index, loc in items:
                     start = dst.tell()
                     hasher = Hasher()
-                    transforms, parts = self._item(src, index.fqn, loc, window)
+                    transforms, parts = self._item(src, index, loc, window)
                     for part in parts:
                         hasher.update(part)
                         dst.write(part)
@@ -320,9 +324,10 @@ class _Recoder:
         return out, locations, size
 
     def _item(
-        self, src: ReadHandle, fqn: str, loc: ItemLocation, window: int
+        self, src: ReadHandle, index: MetadataIndex, loc: ItemLocation, window: int
     ) -> tuple[tuple[str, ...], Iterable[Any]]:
         """(transforms, parts) of one item as the target stores it, from verified bytes."""
+        fqn = index.fqn
         wanted = (self.codec.descriptor,) if self.codec is not None else ()
         dtype = self.dtypes[fqn]
         if _kept(loc, dtype, wanted):
@@ -330,5 +335,5 @@ class _Recoder:
             self.source.read_stored(src, fqn, loc, [stored])
             return loc.transforms, [stored]
         raw = memoryview(bytearray(loc.raw_length))
-        self.source.read_item(src, fqn, loc, raw, pool=self.pool, window=window)
+        self.source.read_item(src, fqn, loc, raw, pool=self.pool, window=window, index=index)
         return encode_item(raw, dtype, self.codec, self.compression, pool=self.pool, window=window)

@@ -1,0 +1,275 @@
+"""A delta checkpoint's reference: finding it, checking it, streaming its bytes.
+
+A delta checkpoint (format version 2, ``format/manifest.py``) names its
+reference: a sibling directory and the ``save_id`` it held when the delta
+was written. Each item with delta chunks records the checksum that the
+reference's manifest gives the same item. Before a single byte of the
+reference is used, both are checked: the sibling must be committed, be
+that save, and record that checksum for the item; then the reference
+item's bytes are verified like any item's (per chunk as they are decoded,
+and against the item checksum at the end). Any failure is a
+:class:`~dcp_multilevel.errors.BrokenChainError` naming the chain from the
+delta to the checkpoint that failed, so a reader goes on to another copy.
+
+:class:`ItemStream` gives one item's raw bytes in order, a chunk at a time,
+reading only what it is asked for plus one chunk: writers XOR a new chunk
+with it before coding (``codecs/pipeline.py``), readers after decoding
+(``codecs/decode.py``). A reference that is itself a delta streams its own
+reference the same way, so a chain of any length needs one chunk of memory
+per link.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, closing, contextmanager
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from ..codecs import Codec
+from ..codecs.delta import xor_into
+from ..errors import BrokenChainError, DcpMultilevelError
+from ..format import Hasher, ItemLocation, frames
+from ..stores import ReadHandle
+from .items import ItemRef, item_codec, truncated, verify
+
+if TYPE_CHECKING:
+    from .stored import StoredCheckpoint
+
+__all__ = ["ItemStream", "open_reference"]
+
+#: Bytes read at a time when an uncoded reference item is skipped (it is
+#: still read: its checksum covers every byte).
+_SKIP_BLOCK = 4 << 20
+
+
+def open_reference(
+    delta: StoredCheckpoint, index: MetadataIndex, loc: ItemLocation, chain: tuple[str, ...] = ()
+) -> ItemStream:
+    """The stream of item ``index``'s bytes in the reference of ``delta`` (whose item
+    ``loc`` names it), checked: the reference is that save and records that checksum.
+
+    ``chain``: the checkpoints before ``delta`` in a chain being read (for errors).
+
+    Raises:
+        BrokenChainError: the reference is missing, another save, lacks the item
+            or records another checksum for it, or its data file cannot be opened.
+    """
+    chain = (*chain, delta.url)
+    manifest = delta.manifest()
+    link = manifest.reference
+    if link is None or loc.reference is None:
+        raise _broken(chain, index, "the item is a delta but the checkpoint names no reference")
+    try:
+        ref = delta.reference()
+        assert ref is not None  # manifest.reference is set
+        ref_manifest = ref.manifest()
+    except (DcpMultilevelError, OSError) as e:
+        raise _broken((*chain, f"{link.checkpoint} (sibling)"), index, str(e)) from None
+    chain = (*chain, ref.url)
+    if ref_manifest.save_id != link.save_id:
+        raise _broken(
+            chain, index,
+            f"it holds save {ref_manifest.save_id}, the delta was coded against save "
+            f"{link.save_id} (the reference was replaced)",
+        )  # fmt: skip
+    ref_loc = ref_manifest.locations.get(index)
+    if ref_loc is None:
+        raise _broken(chain, index, "it does not store the item")
+    if ref_loc.checksum != loc.reference:
+        raise _broken(
+            chain, index,
+            f"its item has checksum {ref_loc.checksum}, the delta was coded against "
+            f"{loc.reference}",
+        )  # fmt: skip
+    stream = ItemStream(ref, index, ref_loc, chain)
+    try:
+        stream.open()
+    except BaseException:
+        stream.close()
+        raise
+    return stream
+
+
+class ItemStream:
+    """One stored item's raw bytes in order, verified (a ``ReferenceSource``).
+
+    Call order: :meth:`open` (done by :func:`open_reference`), then
+    :meth:`take` or :meth:`skip` until ``loc.raw_length`` bytes are covered,
+    then :meth:`finish` (checks the checksum and closes); :meth:`close` on
+    any error. Not thread-safe: one thread walks it, in order.
+    """
+
+    def __init__(
+        self,
+        ckpt: StoredCheckpoint,
+        index: MetadataIndex,
+        loc: ItemLocation,
+        chain: tuple[str, ...],
+    ) -> None:
+        self.ckpt = ckpt
+        self.index = index
+        self.loc = loc
+        self.chain = chain
+        self.used = False
+        self._ref = ItemRef(ckpt.url, index.fqn, loc)
+        self._stack = ExitStack()
+        self._handle: ReadHandle | None = None
+        self._hasher = Hasher()
+        self._pos = loc.offset  # next stored byte to read
+        self._left = loc.raw_length  # raw bytes not yet taken or skipped
+        self._cur = memoryview(b"")  # decoded bytes of the current chunk not yet handed out
+        self._header: frames.FrameHeader | None = None
+        self._codec: Codec | None = None
+        self._inner: ItemStream | None = None  # this item's own reference, if it is a delta
+
+    # ------------------------------------------------------------------ protocol
+
+    def open(self) -> None:
+        """Open the data file; read the frame header of a coded item."""
+        with self._failures():
+            self._handle = self._stack.enter_context(
+                self.ckpt.open_data(self.loc.file, self.index.fqn)
+            )
+            if self.loc.transforms:
+                self._codec = item_codec(self._ref)
+                self._header = frames.unpack_header(self._read(frames.HEADER.size))
+                if self._header.raw_total not in (self.loc.raw_length, frames.UNKNOWN_TOTAL):
+                    raise frames.FrameError(
+                        f"frame holds {self._header.raw_total} bytes, the manifest "
+                        f"{self.loc.raw_length}"
+                    )
+                if self.loc.reference is not None:
+                    self._inner = self._stack.enter_context(
+                        closing(open_reference(self.ckpt, self.index, self.loc, self.chain[:-1]))
+                    )
+
+    def take(self, n: int) -> memoryview:
+        """The next ``n`` raw bytes (a buffer the caller may keep)."""
+        with self._failures():
+            if not self._cur and self._header is None:  # uncoded: straight from the file
+                self._spend(n)
+                return self._read(n)
+            parts = []
+            while n:
+                if not self._cur:
+                    self._cur = self._decode(*self._next_chunk())
+                piece, self._cur = self._cur[:n], self._cur[n:]
+                parts.append(piece)
+                n -= len(piece)
+            if len(parts) == 1:
+                return parts[0]
+            return memoryview(np.concatenate([np.frombuffer(p, np.uint8) for p in parts]))
+
+    def skip(self, n: int) -> None:
+        """Pass over the next ``n`` raw bytes (whole chunks are read, checked, not decoded)."""
+        with self._failures():
+            while n:
+                if self._cur:
+                    k = min(n, len(self._cur))
+                    self._cur = self._cur[k:]
+                    n -= k
+                elif self._header is None:
+                    k = min(n, _SKIP_BLOCK)
+                    self._spend(k)
+                    self._read(k)
+                    n -= k
+                else:
+                    rec, payload = self._next_chunk()
+                    if rec.raw_len <= n:
+                        if rec.method == frames.METHOD_DELTA:
+                            self._inner.skip(rec.raw_len)  # type: ignore[union-attr]
+                        n -= rec.raw_len
+                    else:
+                        self._cur = self._decode(rec, payload)
+
+    def finish(self) -> None:
+        """Check that every byte was covered and the item's checksum; close."""
+        try:
+            with self._failures():
+                if self._left or self._cur:
+                    raise ValueError(f"{self._left + len(self._cur)} bytes were never read")
+                if self._header is not None:
+                    end = frames.unpack_chunk(self._read(frames.CHUNK.size))
+                    if not end.is_terminator or self._pos != self.loc.offset + self.loc.length:
+                        raise frames.FrameError("the frames do not end where the item does")
+                verify(self._hasher, self._ref)
+                if self._inner is not None:
+                    self._inner.finish()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release the data file (and the inner stream's)."""
+        self._stack.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _spend(self, n: int) -> None:
+        if n > self._left:
+            raise ValueError(f"asked for {n} bytes, {self._left} left in the item")
+        self._left -= n
+
+    def _read(self, n: int) -> memoryview:
+        if self._pos + n > self.loc.offset + self.loc.length:
+            raise frames.FrameError("the frames run past the item's stored bytes")
+        buf = memoryview(np.empty(n, np.uint8))
+        got = self._handle.read_into(self._pos, buf)  # type: ignore[union-attr]
+        if got != n:
+            raise truncated(self._ref, self._pos + got)
+        self._hasher.update(buf)
+        self._pos += n
+        return buf
+
+    def _next_chunk(self) -> tuple[frames.ChunkRecord, memoryview]:
+        rec = frames.unpack_chunk(self._read(frames.CHUNK.size))
+        frames.check_chunk(rec, self._header, self._left)  # type: ignore[arg-type]
+        if rec.raw_len == 0:
+            raise frames.FrameError("the frames end before the item does")
+        payload = self._read(rec.stored_len)
+        if xxhash.xxh3_64_intdigest(payload) != rec.checksum:
+            raise frames.FrameError("a chunk's checksum does not match its bytes")
+        if rec.method == frames.METHOD_DELTA and self._inner is None:
+            raise frames.FrameError("a delta chunk in an item stored without a reference")
+        self._spend(rec.raw_len)
+        return rec, payload
+
+    def _decode(self, rec: frames.ChunkRecord, payload: memoryview) -> memoryview:
+        if rec.method == frames.METHOD_RAW:
+            return payload
+        out = memoryview(np.empty(rec.raw_len, np.uint8))
+        h = self._header
+        self._codec.decode(payload, out, h.width, h.rotate)  # type: ignore[union-attr]
+        if rec.method == frames.METHOD_DELTA:
+            xor_into(out, self._inner.take(rec.raw_len), out)  # type: ignore[union-attr]
+        return out
+
+    @contextmanager
+    def _failures(self) -> Iterator[None]:
+        """Any failure inside becomes a BrokenChainError naming the chain."""
+        try:
+            yield
+        except BrokenChainError:
+            raise
+        except (DcpMultilevelError, OSError, ValueError) as e:
+            raise _broken(self.chain, self.index, str(e), file=self.loc.file) from e
+
+
+def _broken(
+    chain: tuple[str, ...], index: MetadataIndex, why: str, *, file: str | None = None
+) -> BrokenChainError:
+    name = index.fqn if index.offset is None else f"{index.fqn} (offsets {list(index.offset)})"
+    delta, failed = chain[0], chain[-1]
+    path = " -> ".join(chain)
+    return BrokenChainError(
+        f"item {name!r} of delta checkpoint {delta} cannot be rebuilt: its reference chain "
+        f"{path} is broken at {failed}: {why}. Load this step from another copy (a level "
+        "holding it whole, or with an intact chain), or an older step.",
+        checkpoint=delta,
+        chain=chain,
+        file=file,
+        fqn=index.fqn,
+    )

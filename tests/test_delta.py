@@ -1,0 +1,430 @@
+"""Delta checkpoints written with ``MultiLevelWriter(reference=...)``: round trips
+along chains, per-chunk choices, broken references, the manifest's fields, and
+the delta coding of single chunks (hypothesis).
+
+Every save and load here is real (files on disk, DCP's own save and load).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import assert_bit_equal
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dcp_multilevel import (
+    BrokenChainError,
+    Compression,
+    ConfigError,
+    ManifestError,
+    MultiLevelReader,
+    MultiLevelWriter,
+)
+from dcp_multilevel.checkpoint import StoredCheckpoint
+from dcp_multilevel.checkpoint.verify import verify_checkpoint
+from dcp_multilevel.codecs import codec_for
+from dcp_multilevel.codecs.decode import decode_frames
+from dcp_multilevel.codecs.pipeline import encode_chunk
+from dcp_multilevel.format import decode_manifest, frames
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
+
+
+def train(state: dict[str, Any], step: int) -> dict[str, Any]:
+    """The next state: small updates to the floats, a new counter, optimizer-like noise."""
+    g = torch.Generator().manual_seed(1000 + step)
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            noise = torch.randn(v.shape, generator=g) * 1e-3
+            out[k] = (v.float() + noise * v.float().abs()).to(v.dtype)
+        elif isinstance(v, torch.Tensor):
+            out[k] = v + 1
+        else:
+            out[k] = {**v, "step": step}
+    return out
+
+
+def first_state(dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        # Three 1 MiB chunks and a tail: chunks are delta-coded one by one.
+        "big": torch.randn(700_000, generator=g).to(dtype),
+        "mid": torch.randn(64, 256, generator=g).to(dtype),
+        "tiny": torch.randn(10, generator=g).to(dtype),  # stored raw: never a delta
+        "count": torch.arange(5000, dtype=torch.int64),
+        "meta": {"step": 0, "name": "run"},
+    }
+
+
+def empty_like(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: torch.empty_like(v) if isinstance(v, torch.Tensor) else {"step": -1, "name": ""}
+        for k, v in state.items()
+    }
+
+
+def save(path: Path, state: dict[str, Any], reference: Path | None = None, **kw) -> Any:
+    kw.setdefault("codec", "bytegroup")
+    writer = MultiLevelWriter(path, reference=reference, **kw)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    return writer
+
+
+def load(path: Path, like: dict[str, Any], **kw) -> dict[str, Any]:
+    out = empty_like(like)
+    dcp.load(out, storage_reader=MultiLevelReader(path, **kw), no_dist=True)
+    return out
+
+
+def assert_state_equal(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert actual.keys() == expected.keys()
+    for k, v in expected.items():
+        if isinstance(v, torch.Tensor):
+            assert_bit_equal(actual[k], v, k)
+        else:
+            assert actual[k] == v, k
+
+
+def stored_bytes(path: Path) -> int:
+    return sum(json.loads((path / "manifest.json").read_text())["files"].values())
+
+
+def manifest(path: Path) -> dict[str, Any]:
+    return json.loads((path / "manifest.json").read_text())
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("codec", ["bytegroup", "zstd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("chain", ["keyframe", "previous"])
+def test_every_step_of_a_chain_loads_bit_exact(tmp_path, codec, dtype, chain) -> None:
+    states = [first_state(dtype)]
+    save(tmp_path / "step-0", states[0], codec=codec)
+    for step in range(1, 5):
+        states.append(train(states[-1], step))
+        ref = tmp_path / ("step-0" if chain == "keyframe" else f"step-{step - 1}")
+        writer = save(tmp_path / f"step-{step}", states[-1], ref, codec=codec)
+        assert writer.delta_items >= 2  # "big" and "mid"; "tiny" is too small to code
+        doc = manifest(tmp_path / f"step-{step}")
+        assert doc["format_version"] == 2
+        assert doc["reference"]["checkpoint"] == ref.name
+        assert {i["fqn"] for i in doc["items"] if "ref" in i} >= {"big", "mid"}
+        assert not any("ref" in i for i in doc["items"] if i["fqn"] in ("tiny", "meta.step"))
+    for step, state in enumerate(states):
+        assert_state_equal(load(tmp_path / f"step-{step}", state), state)
+
+
+def test_deltas_of_nearby_states_are_smaller_than_full_saves(tmp_path) -> None:
+    base = first_state(torch.bfloat16)
+    nxt = train(base, 1)
+    save(tmp_path / "step-0", base)
+    save(tmp_path / "step-1", nxt, tmp_path / "step-0")
+    save(tmp_path / "full-1", nxt)
+    assert stored_bytes(tmp_path / "step-1") < 0.5 * stored_bytes(tmp_path / "full-1")
+
+
+def test_changed_shapes_dtypes_and_values_are_stored_whole(tmp_path) -> None:
+    a = first_state()
+    save(tmp_path / "step-0", a)
+    b = train(a, 1)
+    b["big"] = torch.randn(800_000)  # new shape
+    b["mid"] = b["mid"].to(torch.float64)  # new dtype
+    b["new"] = torch.randn(300_000)  # not in the reference
+    writer = save(tmp_path / "step-1", b, tmp_path / "step-0")
+    refs = {i["fqn"] for i in manifest(tmp_path / "step-1")["items"] if "ref" in i}
+    assert refs == {"count"}  # only the unchanged-layout tensor is a delta
+    assert writer.delta_items == 1
+    assert_state_equal(load(tmp_path / "step-1", b), b)
+
+
+def test_unrelated_values_choose_whole_coding_per_chunk(tmp_path) -> None:
+    """Re-initialised values XOR to noise: each chunk is coded whole, not as a delta."""
+    a = first_state()
+    save(tmp_path / "step-0", a)
+    b = {**a, "big": torch.randn(700_000) * 3, "mid": a["mid"] + 0}
+    save(tmp_path / "step-1", b, tmp_path / "step-0")
+    save(tmp_path / "full", b)
+    refs = {i["fqn"] for i in manifest(tmp_path / "step-1")["items"] if "ref" in i}
+    assert "big" not in refs and "mid" in refs
+    full = {i["fqn"]: i["length"] for i in manifest(tmp_path / "full")["items"]}
+    delta = {i["fqn"]: i["length"] for i in manifest(tmp_path / "step-1")["items"]}
+    assert delta["big"] == full["big"]
+    assert_state_equal(load(tmp_path / "step-1", b), b)
+
+
+@pytest.mark.parametrize(
+    "ref_codec",
+    [None, Compression(chunk_size=2 * MiB), Compression(codec="zstd", chunk_size=3 * MiB)],
+    ids=["uncoded", "2MiB-chunks", "zstd-3MiB"],
+)
+def test_reference_stored_another_way(tmp_path, ref_codec) -> None:
+    """The reference's framing need not match: its bytes are streamed in raw order."""
+    a = first_state()
+    save(tmp_path / "step-0", a, codec=ref_codec)
+    b = train(a, 1)
+    writer = save(tmp_path / "step-1", b, tmp_path / "step-0", codec=Compression(threads=1))
+    assert writer.delta_items >= 2
+    assert_state_equal(load(tmp_path / "step-1", b, thread_count=2), b)
+
+
+def test_delta_checkpoint_loads_with_reader_threads_and_verifies(tmp_path) -> None:
+    a = first_state()
+    save(tmp_path / "step-0", a)
+    b = train(a, 1)
+    save(tmp_path / "step-1", b, tmp_path / "step-0", codec=Compression(threads=2))
+    assert_state_equal(load(tmp_path / "step-1", b, thread_count=3), b)
+    result = verify_checkpoint(StoredCheckpoint.at(tmp_path / "step-1"))
+    assert result.ok and result.items == 6
+
+
+# --------------------------------------------------------------------------- broken chains
+
+
+def chain_of_three(tmp_path: Path) -> list[dict[str, Any]]:
+    states = [first_state()]
+    save(tmp_path / "step-0", states[0])
+    for step in (1, 2):
+        states.append(train(states[-1], step))
+        save(tmp_path / f"step-{step}", states[-1], tmp_path / f"step-{step - 1}")
+    return states
+
+
+def flip(path: Path, at: int = 5000) -> None:
+    (data,) = sorted((path / "data").glob("*.bin"))
+    raw = bytearray(data.read_bytes())
+    raw[at] ^= 0x40
+    data.write_bytes(raw)
+
+
+def load_error(path: Path, like: dict[str, Any]) -> BaseException:
+    with pytest.raises(BaseException) as info:  # DCP's CheckpointException is a BaseException
+        load(path, like)
+    return info.value
+
+
+def chain_errors(err: BaseException) -> list[BrokenChainError]:
+    found = []
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, BrokenChainError):
+            found.append(seen)
+        for failure in getattr(seen, "failures", {}).values():
+            found += chain_errors(failure[0] if isinstance(failure, tuple) else failure)
+        seen = seen.__cause__ or seen.__context__
+    return found
+
+
+@pytest.mark.parametrize("broken", ["step-0", "step-1"])
+def test_a_corrupt_link_anywhere_in_the_chain_is_named(tmp_path, broken) -> None:
+    states = chain_of_three(tmp_path)
+    for name in ("step-0", "step-1"):
+        shutil.copytree(tmp_path / name, tmp_path / f"pristine-{name}")
+    flip(tmp_path / broken)
+    err = load_error(tmp_path / "step-2", states[2])
+    found = chain_errors(err)
+    assert found, err
+    assert found[0].chain[-1].endswith(broken)
+    assert found[0].chain[0].endswith("step-2")
+    assert "step-2" in str(found[0]) and broken in str(found[0])
+    # A whole copy of the same save on another level serves the step instead.
+    shutil.copytree(tmp_path / "step-2", tmp_path / "other" / "step-2")
+    for name in ("step-0", "step-1"):  # the copy's own chain, intact
+        shutil.copytree(tmp_path / f"pristine-{name}", tmp_path / "other" / name)
+    out = load(tmp_path / "step-2", states[2], fallbacks=[str(tmp_path / "other" / "step-2")])
+    assert_state_equal(out, states[2])
+
+
+def test_a_deleted_reference_is_named_and_items_without_deltas_still_load(tmp_path) -> None:
+    states = chain_of_three(tmp_path)
+    shutil.rmtree(tmp_path / "step-1")
+    err = chain_errors(load_error(tmp_path / "step-2", states[2]))[0]
+    assert "step-1" in str(err) and "no committed checkpoint" in str(err)
+    # verify names every delta item, and only those
+    result = verify_checkpoint(StoredCheckpoint.at(tmp_path / "step-2"))
+    bad = {p.fqn for p in result.problems}
+    refs = {i["fqn"] for i in manifest(tmp_path / "step-2")["items"] if "ref" in i}
+    assert bad == refs and bad
+    assert {p.error for p in result.problems} == {"BrokenChainError"}
+
+
+def test_a_reference_replaced_by_another_save_is_refused(tmp_path) -> None:
+    states = chain_of_three(tmp_path)
+    # Step 1 saved again (same bytes even): another save_id, so another checkpoint.
+    save(tmp_path / "step-1", states[1], tmp_path / "step-0", overwrite=True)
+    err = chain_errors(load_error(tmp_path / "step-2", states[2]))[0]
+    assert "the reference was replaced" in str(err)
+
+
+# --------------------------------------------------------------------------- writer options
+
+
+def test_reference_needs_a_codec_and_a_sibling(tmp_path) -> None:
+    a = first_state()
+    save(tmp_path / "run" / "step-0", a)
+    with pytest.raises(ConfigError, match="pass a codec"):
+        MultiLevelWriter(tmp_path / "run" / "step-1", reference=tmp_path / "run" / "step-0")
+    with pytest.raises(ConfigError, match="not a sibling directory"):
+        save(tmp_path / "other" / "step-1", a, tmp_path / "run" / "step-0")
+    # checkpoint_id moves the path per save: checked again before anything is written
+    writer = MultiLevelWriter(
+        tmp_path / "run" / "step-1", codec="bytegroup", reference=tmp_path / "run" / "step-0"
+    )
+    with pytest.raises(BaseException, match="not a sibling directory"):
+        dcp.save(a, storage_writer=writer, checkpoint_id=tmp_path / "other" / "s-1", no_dist=True)
+    assert not (tmp_path / "other" / "step-1" / "manifest.json").exists()
+    assert not (tmp_path / "other" / "s-1" / "manifest.json").exists()
+
+
+def test_an_unreadable_reference_saves_whole(tmp_path) -> None:
+    a = first_state()
+    writer = save(tmp_path / "step-1", a, tmp_path / "step-0")  # step-0 never saved
+    assert writer.delta_items == 0
+    assert manifest(tmp_path / "step-1")["format_version"] == 1
+    assert_state_equal(load(tmp_path / "step-1", a), a)
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+def test_manifest_delta_fields_are_validated(tmp_path) -> None:
+    a = first_state()
+    save(tmp_path / "step-0", a)
+    save(tmp_path / "step-1", train(a, 1), tmp_path / "step-0")
+    doc = manifest(tmp_path / "step-1")
+    decoded = decode_manifest(json.dumps(doc).encode())
+    assert decoded.reference is not None and decoded.reference.checkpoint == "step-0"
+    assert decoded.reference.save_id == manifest(tmp_path / "step-0")["save_id"]
+
+    def bad(change, match: str) -> None:
+        d = json.loads(json.dumps(doc))
+        change(d)
+        with pytest.raises(ManifestError, match=match):
+            decode_manifest(json.dumps(d).encode())
+
+    bad(lambda d: d.pop("reference"), "needs a 'reference'")
+    bad(lambda d: d["reference"].update(checkpoint="../elsewhere"), "not a safe relative path")
+    bad(lambda d: d["reference"].update(checkpoint="a/b"), "not a sibling")
+    bad(lambda d: d.update(format_version=1), "has no 'reference'")
+    bad(lambda d: d["items"][0].update(ref="crc:1"), "is not of the form")
+    item = next(i for i in doc["items"] if "ref" not in i and not i["transforms"])
+
+    def unframed_delta(d):
+        next(i for i in d["items"] if i["fqn"] == item["fqn"])["ref"] = "xxh3_64:" + "0" * 16
+
+    bad(unframed_delta, "not framed by one codec")
+
+    def no_reference(d):
+        d.pop("reference")
+        d["format_version"] = 1
+
+    bad(no_reference, "names no reference")
+
+
+# --------------------------------------------------------------------------- chunks
+
+
+class _Ref:
+    """A reference held in memory, for coding single chunks."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.pos, self.used, self.finished = memoryview(data), 0, False, False
+
+    def take(self, n: int) -> memoryview:
+        self.pos += n
+        return self.data[self.pos - n : self.pos]
+
+    def skip(self, n: int) -> None:
+        self.pos += n
+
+    def finish(self) -> None:
+        assert self.pos == len(self.data)
+        self.finished = True
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(4096 // 4, 40_000 // 4),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int32]),
+    flips=st.floats(0, 1),
+    codec_name=st.sampled_from(["bytegroup", "zstd"]),
+    seed=st.integers(0, 2**16),
+)
+def test_delta_chunks_decode_to_their_bytes(n, dtype, flips, codec_name, seed) -> None:
+    """encode_chunk with a reference, then decode_frames with the same reference:
+    the chunk's bytes, whichever method the chunk chose."""
+    rng = np.random.default_rng(seed)
+    ref = rng.integers(0, 256, n * 4, dtype=np.uint8)
+    new = ref.copy()
+    mask = rng.random(len(new)) < flips  # from identical to unrelated
+    new[mask] = rng.integers(0, 256, int(mask.sum()), dtype=np.uint8)
+    codec = codec_for(Compression(codec=codec_name))
+    width, rotate = codec.layout(dtype)
+    record, payload, _ = encode_chunk(
+        codec, memoryview(new), width, rotate, ref=memoryview(ref.tobytes())
+    )
+    assert len(payload) <= len(new)
+    stream = (
+        frames.pack_header(width, rotate, 64 * MiB, len(new))
+        + record
+        + bytes(payload)
+        + frames.pack_chunk(frames.METHOD_RAW, 0, 0, 0)
+    )
+    pos = 0
+
+    def read(k: int) -> memoryview:
+        nonlocal pos
+        pos += k
+        return memoryview(stream)[pos - k : pos]
+
+    out = bytearray(len(new))
+    source = _Ref(ref.tobytes())
+    decode_frames(
+        read, memoryview(out), codec, stored_length=len(stream), pool=None, window=1,
+        on_chunk_error=lambda i, why: ValueError(why), reference=source,
+    )  # fmt: skip
+    assert bytes(out) == new.tobytes()
+    assert source.finished
+    if flips == 0 and record[0] != frames.METHOD_RAW:
+        assert record[0] == frames.METHOD_DELTA  # identical bytes: the delta is all zeros
+
+
+def test_a_delta_chunk_without_a_reference_is_corrupt_framing() -> None:
+    codec = codec_for(Compression())
+    data = np.arange(10_000, dtype=np.float32).view(np.uint8)
+    record, payload, _ = encode_chunk(codec, memoryview(data), 4, 1, ref=memoryview(data.tobytes()))
+    assert record[0] == frames.METHOD_DELTA
+    stream = (
+        frames.pack_header(4, 1, MiB, len(data)) + record + bytes(payload)
+        + frames.pack_chunk(frames.METHOD_RAW, 0, 0, 0)
+    )  # fmt: skip
+    pos = 0
+
+    def read(k: int) -> memoryview:
+        nonlocal pos
+        pos += k
+        return memoryview(stream)[pos - k : pos]
+
+    with pytest.raises(ValueError, match="delta chunk"):
+        decode_frames(
+            read, memoryview(bytearray(len(data))), codec, stored_length=len(stream),
+            pool=None, window=1, on_chunk_error=lambda i, why: ValueError(why),
+        )  # fmt: skip
