@@ -75,6 +75,14 @@ GB/s count member bytes per second on one core; ours / zfec is the median
 of the per-round ratios (measurements seconds apart: this machine's speed
 drifts by 1.5x within a minute).
 
+``--state sharded`` gives each rank its own shard instead of the whole state
+(every tensor flattened and cut in 4, rank ``r`` holding piece ``r`` under
+``rank<r>.<name>``; the same bytes in all, a quarter per rank): each rank
+saves and loads only its own file, so a load with no node lost copies
+nothing, and a restore brings only the lost node's files. The restore table
+gives the slowest rank's seconds in each phase (plan, bring, read), and
+``--profile DIR`` writes a cProfile of each restore per rank.
+
 Goals (issue 14): blocked time per save unchanged by adding the level
 (within 10 %, this machine's noise); restore after one node loss at least 3x
 faster than from the remote alone; erasure storage exactly (k+m)/k of the
