@@ -114,6 +114,24 @@ def bert_state(cfg: BertConfig, *, seed: int = 0) -> State:
     return build_state_dict(bert_pretraining_shapes(cfg), seed=seed)
 
 
+def shard_state(state: State, rank: int, world: int) -> State:
+    """Rank ``rank``'s shard of ``state``, as ``world`` sharded ranks would hold it.
+
+    Every tensor, flattened, cut in ``world`` near-equal pieces (the way FSDP's flat
+    parameters cut a model: each rank holds a ``1/world`` of every tensor), piece
+    ``rank`` cloned under the key ``rank<r>.<name>``: the keys of different ranks
+    never meet, so each rank's items are saved by that rank alone and read back by
+    it alone, and the shards together hold the state's bytes exactly once. Empty
+    pieces (tensors with fewer elements than ranks) are left out.
+    """
+    out: State = {}
+    for name, t in state.items():
+        piece = torch.tensor_split(t.reshape(-1), world)[rank]
+        if piece.numel():
+            out[f"rank{rank}.{name}"] = piece.clone()
+    return out
+
+
 def zeros_like_state(state: State) -> State:
     """A destination state dict of the same names, shapes and dtypes, filled with zeros."""
     return {name: torch.zeros_like(t) for name, t in state.items()}

@@ -75,6 +75,14 @@ GB/s count member bytes per second on one core; ours / zfec is the median
 of the per-round ratios (measurements seconds apart: this machine's speed
 drifts by 1.5x within a minute).
 
+``--state sharded`` gives each rank its own shard instead of the whole state
+(every tensor flattened and cut in 4, rank ``r`` holding piece ``r`` under
+``rank<r>.<name>``; the same bytes in all, a quarter per rank): each rank
+saves and loads only its own file, so a load with no node lost copies
+nothing, and a restore brings only the lost node's files. The restore table
+gives the slowest rank's seconds in each phase (plan, bring, read), and
+``--profile DIR`` writes a cProfile of each restore per rank.
+
 Goals (issue 14): blocked time per save unchanged by adding the level
 (within 10 %, this machine's noise); restore after one node loss at least 3x
 faster than from the remote alone; erasure storage exactly (k+m)/k of the
@@ -111,6 +119,7 @@ from _data import (
     assert_state_equal,
     bert_adamw_state,
     bert_config,
+    shard_state,
     zeros_like_state,
 )
 from _disk import evict_tree, remove_tree, scratch_dir, tree_files
@@ -119,9 +128,11 @@ from _report import REPO, fmt, goal_line, machine_info, markdown_table, times
 from dcp_multilevel import CheckpointManager, Level
 from dcp_multilevel.format import checksum_of
 from dcp_multilevel.levels.erasure_code import CHUNK, ErasureCode
+from dcp_multilevel.loading import Loader
 from tests._dist import run_ranks
 
 WORLD = 4
+STATES = ("replicated", "sharded")
 BLOCKED_GOAL = 1.10  # blocked with the level / without <= this (noise band)
 RESTORE_GOAL = 3.0  # restore from the remote / with the level >= this
 PADDING_GOAL = 0.01  # erasure padding / checkpoint bytes < this
@@ -177,7 +188,7 @@ def levels_for(cfg: Config, base: Path, remote: str, node: int, args: dict) -> l
 
 
 def nudge(state: dict[str, torch.Tensor]) -> None:
-    """A tiny in-place update of every tensor, the same on every rank (replicated state)."""
+    """A tiny in-place update of every tensor (the same on every rank when replicated)."""
     with torch.no_grad():
         for t in state.values():
             t.view(-1)[:256].add_(1e-3)
@@ -295,6 +306,36 @@ def run_config(
     return record
 
 
+#: Seconds this rank spent in each phase of the load being timed (``timed_phases``).
+PHASES: dict[str, float] = {}
+
+
+def timed_phases() -> None:
+    """Time the three phases of every ``load_latest`` on this rank, into ``PHASES``.
+
+    ``plan``: agreeing on the step and planning the restore (listings, manifest,
+    the load planner's dry run, inventories, collectives); ``bring``: the copies,
+    links and rebuilds (``RestoreReport.seconds`` plus the report's counting);
+    ``read``: ``dcp.load`` through the levels. Wraps the manager's ``Loader``
+    methods (benchmark instrumentation; the library is not changed).
+    """
+
+    def wrap(name: str, phase: str) -> None:
+        inner = getattr(Loader, name)
+
+        def timed(self: Loader, *a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(self, *a, **kw)
+            finally:
+                PHASES[phase] = PHASES.get(phase, 0.0) + time.perf_counter() - t0
+
+        setattr(Loader, name, timed)
+
+    for name, phase in (("plan", "plan"), ("_bring_files", "bring"), ("_read", "read")):
+        wrap(name, phase)
+
+
 def timed_load(
     rank: int, job: str, levels: list[Level], state: dict, dest: dict, args: dict
 ) -> dict[str, Any]:
@@ -307,9 +348,19 @@ def timed_load(
     for t in dest.values():
         t.zero_()
     dist.barrier()
+    PHASES.clear()
+    profile = None
+    if args["profile"] and job.endswith("-restore"):
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.enable()
     t0 = time.perf_counter()
     step = mgr.load_latest(dest)
     load_s = time.perf_counter() - t0
+    if profile is not None:
+        profile.disable()
+        profile.dump_stats(str(Path(args["profile"]) / f"{job}-rank{rank}.prof"))
     mgr.close()
     try:
         if step != args["saves"]:
@@ -322,7 +373,7 @@ def timed_load(
     return {
         "load_s": load_s, "restore_s": report.seconds if report else 0.0, "exact": exact,
         "received": dict(report.received) if report else {},
-        "sources": dict(mgr.last_load_sources),
+        "sources": dict(mgr.last_load_sources), "phases": dict(PHASES),
     }  # fmt: skip
 
 
@@ -333,8 +384,11 @@ def rank_main(rank: int, world: int, args: dict) -> list[dict[str, Any]]:
     # remote, and the reader warns once per file and rank: expected here.
     logging.getLogger("dcp_multilevel.reader").setLevel(logging.ERROR)
     quiet_dcp_warnings()
+    timed_phases()
     cfg = bert_config(args["scale"], tiny=args["quick"])
     state = bert_adamw_state(cfg, seed=args["seed"])
+    if args["state"] == "sharded":
+        state = shard_state(state, rank, world)  # the full state is dropped here
     dest = zeros_like_state(state)
     configs = [CONFIGS[name] for name in args["configs"]]
     out = []
@@ -464,6 +518,8 @@ class Summary:
     exact: list[str]
     disk: list[dict[str, Any]]
     received: dict[str, int]  # the lost node's lowest rank, last round
+    # The slowest rank's seconds in each phase of the restore (see timed_phases), per round.
+    phases: dict[str, list[float]] = field(default_factory=dict)
 
 
 def summarize(records: list[dict], cfg: Config, lose_node: int) -> Summary:
@@ -484,6 +540,12 @@ def summarize(records: list[dict], cfg: Config, lose_node: int) -> Summary:
     def slowest(phase: str, key: str) -> list[float]:
         return [max(r[phase][key] for r in rs) for _, rs in sorted(restores.items())]
 
+    phases: dict[str, list[float]] = {}
+    for _, rs in sorted(restores.items()):
+        worst = max(rs, key=lambda r: r["restore"]["load_s"])["restore"].get("phases", {})
+        for k, v in worst.items():
+            phases.setdefault(k, []).append(v)
+
     lost_rank = lose_node * (WORLD // cfg.nodes)
     last = max(restores) if restores else 0
     received = next((r["restore"]["received"] for r in restores.get(last, [])
@@ -503,6 +565,7 @@ def summarize(records: list[dict], cfg: Config, lose_node: int) -> Summary:
         exact=sorted(exact),
         disk=[r["disk"] for r in mine if "disk" in r],
         received=received,
+        phases=phases,
     )
 
 
@@ -555,8 +618,13 @@ def ranks_tables(sums: dict[str, Summary], args: argparse.Namespace, state_bytes
     out += [
         markdown_table(headers, rows),
         "",
-        f"Checkpoint: {gb(state_bytes)} GB per save (the replicated state, each rank writing "
-        "its balanced share). Stored = new bytes on the level's disks (partner copies, parity "
+        f"Checkpoint: {gb(state_bytes)} GB per save ("
+        + (
+            "the replicated state, each rank writing its balanced share"
+            if args.state == "replicated"
+            else "the sharded state, each rank writing its own shard"
+        )
+        + "). Stored = new bytes on the level's disks (partner copies, parity "
         "blocks; the node's own files are hard links), sent = bytes a rank sent to other "
         "ranks, both summed over ranks; drain s = the slowest rank's.",
         "",
@@ -565,8 +633,9 @@ def ranks_tables(sums: dict[str, Summary], args: argparse.Namespace, state_bytes
         "",
     ]
     headers = (
-        "config | restore s | of which copies / rebuilds s | remote only / this | "
-        "load, no node lost s | loaded state | the lost node got its files from"
+        "config | restore s | of which copies / rebuilds s | slowest rank: plan / bring / "
+        "read s | remote only / this | load, no node lost s | loaded state | "
+        "the lost node got its files from"
     )
     rows = []
     for s in sums.values():
@@ -575,6 +644,7 @@ def ranks_tables(sums: dict[str, Summary], args: argparse.Namespace, state_bytes
         rows.append([
             s.config.label, f"{fmt(median(s.restore))} [{spread(s.restore)}]",
             fmt(median(s.restore_part)) if s.config.kind else "-",
+            " / ".join(fmt(median(s.phases.get(k, [0.0]))) for k in ("plan", "bring", "read")),
             times(median(base.restore) / median(s.restore)) if base else "-",
             f"{fmt(median(s.load))} [{spread(s.load)}]",
             "; ".join(s.exact), got or "the remote (read per file by the loading ranks)",
@@ -681,6 +751,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # fmt: off
     p.add_argument("--scale", type=float, default=0.125,
                    help="fraction of the 24 BERT layers; 0.125 (3 layers: 1.23 GB with AdamW)")
+    p.add_argument("--state", choices=STATES, default="replicated",
+                   help="replicated: every rank holds (and loads) the whole state; sharded: "
+                   "each rank a quarter of every tensor under keys of its own "
+                   "(rank<r>.<name>), saved and loaded by it alone; replicated")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"subset of: {', '.join(CONFIGS)}; '' for the coder alone")
     p.add_argument("--repeat", type=int, default=3, help="rounds over the configs; 3")
@@ -701,6 +775,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--code-repeat", type=int, default=9, help="coder measurements (median); 9")
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds for the ranks' whole run (and their collective timeout)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="write a cProfile of every restore's load_latest, per rank, into "
+                   "this directory (<config>-r<round>-restore-rank<r>.prof; pstats reads "
+                   "them); adds a little time to the restores")
     add_seed(p)
     add_json(p)
     p.add_argument("--quick", action="store_true",
@@ -723,6 +801,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     quiet_dcp_warnings()
     t_start = time.perf_counter()
     load_before = os.getloadavg()
@@ -748,7 +828,8 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick, "seed": args.seed, "configs": args.configs,
             "repeat": args.repeat, "saves": args.saves, "step_seconds": args.step_seconds,
             "lose_node": args.lose_node, "remote_mbps": args.remote_mbps,
-            "timeout": args.timeout,
+            "timeout": args.timeout, "state": args.state,
+            "profile": str(args.profile) if args.profile else None,
         }  # fmt: skip
         t0 = time.perf_counter()
         per_rank = run_ranks(rank_main, WORLD, payload, timeout=args.timeout) if order else []
@@ -773,10 +854,14 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for k, v in info.items():
         print(f"- {k}: {v}")
+    held = (
+        f"replicated on {WORLD} ranks" if args.state == "replicated" else
+        f"sharded over {WORLD} ranks (each a 1/{WORLD} of every tensor, keys of its own)"
+    )  # fmt: skip
     print(
         f"- state: BertForPreTraining shapes, {cfg.num_hidden_layers} of 24 encoder layers, "
-        f"+ AdamW exp_avg and exp_avg_sq, fp32, {state_bytes / GB:.3f} GB, replicated on "
-        f"{WORLD} ranks" + (" (tiny config, --quick)" if args.quick else f" (--scale {args.scale})")
+        f"+ AdamW exp_avg and exp_avg_sq, fp32, {state_bytes / GB:.3f} GB, {held}"
+        + (" (tiny config, --quick)" if args.quick else f" (--scale {args.scale})")
     )
     print(f"- remote: throttled, {args.remote_mbps:g} MB/s per node and direction, objects in "
           f"{remote_dir}; L1 and node-local levels in {root}")  # fmt: skip

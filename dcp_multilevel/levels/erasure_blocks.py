@@ -12,7 +12,7 @@ checking every rebuilt item before a file is kept.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from typing import Any
 
@@ -22,7 +22,16 @@ from ..errors import CorruptCheckpointError
 from ..format import checksum_of
 from ..stores import Store, WriteHandle
 from .erasure_code import CHUNK, ErasureCode
-from .wire import SOURCE_ERRORS, FileVerifier, OutStream, file_blocks, receive, status
+from .wire import (
+    SOURCE_ERRORS,
+    FileVerifier,
+    OutStream,
+    WriteBehind,
+    file_blocks,
+    read_ahead,
+    receive,
+    status,
+)
 
 __all__ = [
     "PARITY_DIR",
@@ -54,7 +63,8 @@ def description_path(group: str) -> str:
 # --------------------------------------------------------------------------- streams
 
 
-def rechunk(views: Iterable[memoryview], chunk: int, length: int) -> Iterator[memoryview]:
+def rechunk(views: Iterable[memoryview], chunk: int, length: int
+            ) -> Generator[memoryview, None, None]:  # fmt: skip
     """``views`` back to back, cut in ``chunk``-byte pieces, zero-padded to ``length``."""
     buf = bytearray(chunk)
     fill = emitted = 0
@@ -78,14 +88,15 @@ def rechunk(views: Iterable[memoryview], chunk: int, length: int) -> Iterator[me
 
 def member_chunks(
     ckpt: StoredCheckpoint, files: Sequence[Sequence[Any]], stripe: int, chunk: int
-) -> Iterator[memoryview]:
+) -> Generator[memoryview, None, None]:
     """A member's chunks: its files (verified as read) back to back, padded to ``stripe``."""
     return rechunk(
         (view for name, _ in files for view in file_blocks(ckpt, name, chunk)), chunk, stripe
     )
 
 
-def parity_chunks(ckpt: StoredCheckpoint, desc: dict[str, Any], block: int) -> Iterator[bytes]:
+def parity_chunks(ckpt: StoredCheckpoint, desc: dict[str, Any], block: int
+                  ) -> Generator[memoryview, None, None]:  # fmt: skip
     """Parity block ``block`` of group ``desc``, each chunk checked against its checksum."""
     sums = desc["checksums"][str(block)]
     chunk = desc["chunk"]
@@ -107,7 +118,8 @@ def parity_chunks(ckpt: StoredCheckpoint, desc: dict[str, Any], block: int) -> I
             yield buf
 
 
-def block_chunks(ckpt: StoredCheckpoint, desc: dict[str, Any], block: int) -> Iterator[Any]:
+def block_chunks(ckpt: StoredCheckpoint, desc: dict[str, Any], block: int
+                 ) -> Generator[Any, None, None]:  # fmt: skip
     """Block ``block`` of group ``desc`` as this node holds it, chunk by chunk, verified."""
     if block < desc["data"]:
         files = desc["members"][block]["files"]
@@ -115,14 +127,15 @@ def block_chunks(ckpt: StoredCheckpoint, desc: dict[str, Any], block: int) -> It
     return parity_chunks(ckpt, desc, block)
 
 
-def send_block(chunks: Iterator[Any], length: int, dst: int, group: Any) -> int:
-    """Stream ``chunks`` (``length`` bytes in all) to ``dst``; the bytes sent.
+def send_block(chunks: Generator[Any, None, None], length: int, dst: int, group: Any) -> int:
+    """Stream ``chunks`` (``length`` bytes in all, read ahead on a thread) to ``dst``;
+    the bytes sent.
 
     A source that fails its checks is padded and sent with a bad status.
     """
     out = OutStream(length, dst, group, block=min(CHUNK, max(1, length)))
     try:
-        for piece in chunks:
+        for piece in read_ahead(chunks):
             out.write(piece)
     except SOURCE_ERRORS as e:
         logger.warning("dcp_multilevel: a block sent for erasure coding is damaged: %s", e)
@@ -216,7 +229,7 @@ def rebuild(
     streams: list[Iterator[Any]] = []
     for block, rank in sources:
         if rank == me:
-            chunks = block_chunks(local[block], desc, block)
+            chunks = read_ahead(block_chunks(local[block], desc, block))
             on_error = lambda b=block: bad.append((b, me))  # noqa: E731
             streams.append(_padded_on_error(chunks, chunk, stripe, on_error))
         else:
@@ -232,15 +245,17 @@ def rebuild(
                 y: _MemberWriter(stack, into, manifest, desc["members"][y]["files"])
                 for y in missing
             }
-            wrong: OSError | None = None
-            for _ in range(stripe // chunk):
-                decoded = code.decode_chunk([next(s) for s in streams], blocks)
-                for y, writer in writers.items():
-                    if wrong is None:
-                        try:
-                            writer.write(decoded[y])
-                        except OSError as e:  # damage, or this disk: drain the streams first
-                            wrong = e
+            # The writes (and their checks) run behind the receives and the decoding;
+            # a rebuilt piece is a new buffer per chunk (decode_chunk), never a
+            # received one, so it stays valid while it waits.
+            with WriteBehind(lambda job: writers[job[0]].write(job[1])) as behind:
+                for _ in range(stripe // chunk):
+                    decoded = code.decode_chunk([next(s) for s in streams], blocks)
+                    for y in writers:
+                        behind.put((y, decoded[y]))
+            wrong = behind.error  # damage, or this disk: the streams were drained first
+            if wrong is not None and not isinstance(wrong, OSError):
+                raise wrong
             for block, rank in sources:
                 if rank != me and not status(rank, group):
                     bad.append((block, rank))

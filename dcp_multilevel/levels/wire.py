@@ -22,12 +22,21 @@ bad status, and the receiver discards what it got.
 Both sides must walk their transfers in one agreed order (the callers build
 the same list on every rank), which is what keeps blocking sends and
 receives from deadlocking.
+
+A send blocks until the receiver took the block, so a sender that read each
+block only after the last one was taken, and a receiver that wrote each
+block before taking the next, would add their disk times to the wire's:
+senders read ahead on a thread (:func:`read_ahead`) and receivers write
+behind on one (:class:`WriteBehind`), a few blocks at most, so the reads,
+the transfer and the writes overlap. gloo calls stay on the caller's thread.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import queue
+import threading
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from .. import _dist
@@ -38,11 +47,14 @@ from ..format import Hasher
 from ..stores import Store
 
 __all__ = [
+    "READ_AHEAD",
     "SOURCE_ERRORS",
     "WIRE_BLOCK",
     "FileVerifier",
     "OutStream",
+    "WriteBehind",
     "file_blocks",
+    "read_ahead",
     "receive",
     "recv_file",
     "send_file",
@@ -58,6 +70,129 @@ _OK, _BAD = b"\x01" * 8, b"\x00" * 8
 
 #: The failures that condemn one source (the transfer itself goes on, padded).
 SOURCE_ERRORS = (OSError, DcpMultilevelError)
+
+#: Blocks a sender's reads run ahead of its sends, and a receiver's writes behind
+#: its receives (each block a buffer of its own: memory is ``READ_AHEAD + 2`` blocks).
+READ_AHEAD = 2
+
+_END = object()
+
+
+class _Raised:
+    """An error of a helper thread, carried to the thread that consumes its results."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _put(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Put ``item`` on ``q`` unless ``stop`` is set first; whether it was put."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def read_ahead(
+    chunks: Generator[memoryview | bytes, None, None], depth: int = READ_AHEAD
+) -> Iterator[memoryview]:
+    """The pieces of ``chunks``, produced by a thread of its own up to ``depth`` pieces
+    ahead of the caller, so that a sender's reads and checks overlap its sends.
+
+    Each piece is copied into one of ``depth + 2`` buffers (the source may reuse
+    its own buffer, as ``file_blocks`` does): the thread fills one while the
+    queue holds at most ``depth`` and the caller still uses the last piece it
+    got, which stays valid until it asks for the next. An error the source
+    raises is raised here, in the caller, after the pieces before it. Leaving
+    early (closing this generator) stops the thread and closes ``chunks``.
+    """
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    buffers: list[bytearray] = [bytearray() for _ in range(depth + 2)]
+
+    def produce() -> None:
+        try:
+            for i, piece in enumerate(chunks):
+                view = memoryview(piece).cast("B")
+                n = len(view)
+                slot = i % len(buffers)
+                if len(buffers[slot]) < n:
+                    buffers[slot] = bytearray(n)
+                out = memoryview(buffers[slot])[:n]
+                out[:] = view
+                if not _put(q, out, stop):
+                    return
+        except Exception as e:  # noqa: BLE001 - raised again in the caller, in order
+            _put(q, _Raised(e), stop)
+            return
+        finally:
+            chunks.close()
+        _put(q, _END, stop)
+
+    thread = threading.Thread(target=produce, name="dcp-ml-read-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if item is _END:
+                return
+            if isinstance(item, _Raised):
+                raise item.error
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
+class WriteBehind:
+    """Calls ``write(piece)`` for every piece :meth:`put` on it, in order, on a thread
+    of its own, at most ``depth`` pieces behind the caller, so that a receiver's
+    disk writes overlap its receives.
+
+    The caller must not change a piece it put until ``depth + 1`` more were put
+    (or the writer closed): a receiver receives into ``depth + 2`` buffers in
+    turn (``receive(..., buffers=READ_AHEAD + 2)``). The first error of
+    ``write`` stops the writes (later pieces are taken and dropped, so the
+    caller never blocks) and is kept in :attr:`error`; leaving the ``with``
+    block waits for the writes, on an error too.
+    """
+
+    def __init__(self, write: Callable[[Any], Any], depth: int = READ_AHEAD) -> None:
+        self._write = write
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        #: The first error ``write`` raised (None: none so far).
+        self.error: Exception | None = None
+        self._thread = threading.Thread(target=self._run, name="dcp-ml-write-behind",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (piece := self._q.get()) is not _END:
+            if self.error is None:
+                try:
+                    self._write(piece)
+                except Exception as e:  # noqa: BLE001 - the caller reads it after close()
+                    self.error = e
+
+    def put(self, piece: Any) -> None:
+        """Queue ``piece`` for writing (blocks while ``depth`` pieces wait)."""
+        self._q.put(piece)
+
+    def close(self) -> Exception | None:
+        """Wait for every queued write; the first error, if any."""
+        if self._thread.is_alive():
+            self._q.put(_END)
+            self._thread.join()
+        return self.error
+
+    def __enter__(self) -> WriteBehind:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class OutStream:
@@ -103,14 +238,18 @@ class OutStream:
         _dist.send_bytes(bytearray(_OK if ok else _BAD), self.dst, self.group)
 
 
-def receive(length: int, src: int, group: Any, block: int = WIRE_BLOCK) -> Iterator[memoryview]:
-    """The blocks of a stream from ``src`` (views of one reused buffer).
+def receive(
+    length: int, src: int, group: Any, block: int = WIRE_BLOCK, buffers: int = 1
+) -> Iterator[memoryview]:
+    """The blocks of a stream from ``src`` (views of ``buffers`` reused buffers, in
+    turn: a block stays valid until ``buffers - 1`` more were received).
 
     Use :func:`status` after the last block for the sender's verdict.
     """
-    buf = memoryview(bytearray(max(1, min(block, length))))
+    bufs = [memoryview(bytearray(max(1, min(block, length)))) for _ in range(buffers)]
     got = 0
-    while got < length:
+    for i in range(-(-length // len(bufs[0]))):
+        buf = bufs[i % buffers]
         view = buf[: min(len(buf), length - got)]
         _dist.recv_bytes(view, src, group)
         got += len(view)
@@ -201,7 +340,7 @@ def send_file(ckpt: StoredCheckpoint, file: str, dst: int, group: Any) -> bool:
     """Send ``file`` of ``ckpt`` to ``dst``, verified on the way; False if it was damaged."""
     out = OutStream(ckpt.manifest().files[file], dst, group)
     try:
-        for view in file_blocks(ckpt, file):
+        for view in read_ahead(file_blocks(ckpt, file)):
             out.write(view)
     except SOURCE_ERRORS as e:
         logger.warning("dcp_multilevel: not sending %s of %s: %s", file, ckpt.url, e)
@@ -220,12 +359,17 @@ def recv_file(
     class _Damaged(Exception):
         pass
 
-    stream = receive(size, src, group, block)
+    stream = receive(size, src, group, block, buffers=READ_AHEAD + 2)
+    vouched: bool | None = None
     try:
         with store.open_write(file) as out:
-            for view in stream:
-                out.write(view)
-            if not status(src, group):
+            with WriteBehind(out.write) as behind:
+                for view in stream:
+                    behind.put(view)
+            vouched = status(src, group)
+            if behind.error is not None:
+                raise behind.error  # this side's write failed, not the sender's bytes
+            if not vouched:
                 raise _Damaged  # leaves the block: the temporary file is removed
     except _Damaged:
         return False
@@ -234,6 +378,7 @@ def recv_file(
         # the sender is not left blocked until the group's timeout, then report.
         for _ in stream:
             pass
-        status(src, group)
+        if vouched is None:
+            status(src, group)
         raise
     return True
