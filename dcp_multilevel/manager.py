@@ -47,12 +47,22 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from . import _dist, retention
 from .cadence import Cadence
+from .checkpoint import StoredCheckpoint
 from .config import Level
-from .errors import CheckpointNotFoundError, ConfigError, DrainError
+from .deltas import DeltaChains
+from .errors import (
+    BrokenChainError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    DcpMultilevelError,
+    DrainError,
+)
 from .levels import (
     LEVEL_KINDS,
     Drainer,
@@ -166,6 +176,7 @@ class CheckpointManager:
                 f"the first level ({self.levels[0].url}) must be a store (a path or URL): "
                 "save() writes each checkpoint there, and the other levels start from it"
             )
+        _check_deltas(self.levels)
         self.drivers: list[LevelDriver] = [driver_for(level) for level in self.levels]
         context = LevelContext(self.topology, drain_timeout_s)
         for driver in self.drivers:
@@ -184,6 +195,7 @@ class CheckpointManager:
         # asked again about a past step; retention and resumed drains look here).
         self._decided: dict[int, frozenset[int]] = {}
         self._planner = planner or BalancedSavePlanner()
+        self._chains = DeltaChains(self.levels, self.drivers)
         self._sink = MetricsSink(metrics_path, on_metrics, _dist.rank())
         self._drainer = Drainer(
             policy=drain_policy, timeout_s=drain_timeout_s, on_committed=self._drained,
@@ -289,11 +301,16 @@ class CheckpointManager:
 
     def _save(self, state_dict: dict[str, Any], step: int, due: list[int]) -> SaveMetrics:
         first = self.levels[0]
-        writer = MultiLevelWriter(
-            first.checkpoint_url(step), codec=first.codec, storage_options=first.storage_options
-        )
         t0 = time.perf_counter()
-        dcp.save(state_dict, storage_writer=writer, planner=self._planner)
+        ref = self._chains.reference(0)
+        reference = self._reference_checkpoint(ref)
+        if reference is None:
+            ref = None
+        writer = self._first_save(state_dict, step, reference)
+        if writer is None:  # the reference failed while the save read it: save whole
+            ref = None
+            writer = self._first_save(state_dict, step, None)
+        self._chains.stored(0, step, ref)
         blocked = time.perf_counter() - t0
         committed = time.time()
         self._generation += 1
@@ -316,15 +333,18 @@ class CheckpointManager:
             if self._deletes_for_node():
                 for s in removed:
                     self.drivers[0].delete(s)
+        self._chains.removed(0, removed)
         source = self.drivers[0].checkpoint(step)
         for i in due:
+            ref = None if i in skip else self._chains.reference(i)
             job = DrainJob(step, source, self.drivers[i],
                            f"m{self._instance}-{i}-{step}-{self._generation}",
-                           committed)  # fmt: skip
+                           committed, ref)  # fmt: skip
             if self._drainer.submit(job, skip=i in skip) is None:
                 self._skipped[i].add(step)
                 metrics.drains_skipped.append(self.levels[i].url)
             else:
+                self._chains.stored(i, step, ref)
                 metrics.drains_started.append(self.levels[i].url)
         metrics.waited_seconds = time.perf_counter() - t0 - blocked
         self.metrics.append(metrics)
@@ -335,6 +355,48 @@ class CheckpointManager:
         )  # fmt: skip
         self._sink.emit(metrics.record(_dist.rank()))
         return metrics
+
+    def _first_save(
+        self, state_dict: dict[str, Any], step: int, reference: StoredCheckpoint | None
+    ) -> MultiLevelWriter | None:
+        """Save ``step`` on the first level (against ``reference``); None when the save
+        failed because of its reference (every rank sees the same failure)."""
+        first = self.levels[0]
+        writer = MultiLevelWriter(
+            first.checkpoint_url(step), codec=first.codec, storage_options=first.storage_options,
+            reference=reference,
+        )  # fmt: skip
+        try:
+            dcp.save(state_dict, storage_writer=writer, planner=self._planner)
+        except CheckpointException as e:
+            if reference is None or not _reference_failed(e):
+                raise
+            logger.warning(
+                "dcp_multilevel: step %d could not be coded against %s (%s); saving it whole",
+                step, reference.url, _reference_failed(e),
+            )  # fmt: skip
+            return None
+        return writer
+
+    def _reference_checkpoint(self, step: int | None) -> StoredCheckpoint | None:
+        """The first level's checkpoint of ``step`` as a reference every rank can use.
+
+        Only rank 0's node may hold its manifest (a node-local first level):
+        rank 0 sends it. None on every rank when rank 0 cannot read it.
+        """
+        if step is None:
+            return None
+        ckpt = self.drivers[0].checkpoint(step)
+        if _dist.world_size() == 1:
+            return ckpt
+        data = None
+        if _dist.rank() == 0:
+            try:
+                data = ckpt.manifest_bytes()
+            except (DcpMultilevelError, OSError) as e:
+                logger.warning("dcp_multilevel: no delta against step %d: %s", step, e)
+        data = _dist.broadcast_object(data, 0)
+        return None if data is None else self.drivers[0].checkpoint(step, manifest_bytes=data)
 
     # ------------------------------------------------------------------ load
 
@@ -497,12 +559,19 @@ class CheckpointManager:
                 protected |= retention.not_yet_above(
                     complete, lambda s, j=j: self._due(j, s), self._known[j], self._skipped[j]
                 )
-        doomed = retention.expired(complete, level.keep, protected)
+                # The next delta drained to level j reads its reference from here.
+                ref = self._chains.reference(j)
+                if ref is not None:
+                    protected.add(ref)
+        refs = self._chains.refs(index, complete)
+        doomed = retention.expired(complete, level.keep, protected, refs)
         # Abandoned by a crashed save or drain: no manifest, older than the newest.
         doomed += retention.abandoned(driver.uncommitted(), complete, protected)
         for step in doomed:
             driver.delete(step)
             logger.info("dcp_multilevel: retention removed step %d from %s", step, level.url)
+        if index > 0:
+            self._chains.removed(index, doomed)
         return doomed
 
 
@@ -533,6 +602,33 @@ def _on_node(level: Level, node: int) -> Level:
 
 #: Numbers the managers of this process (see ``_instance``).
 _INSTANCES = itertools.count()
+
+
+def _check_deltas(levels: Sequence[Level]) -> None:
+    """Deltas are for store levels, and not yet on a first level that node-local levels copy."""
+    for level in levels:
+        if level.deltas and level_kind(level) is not None:
+            raise ConfigError(
+                f"Level({level.url!r}, keyframe_every={level.keyframe_every}): deltas are stored "
+                "on store levels (a path or URL); a level between nodes copies the first "
+                "level's files as they are"
+            )
+    if levels[0].deltas and any(level_kind(level) is not None for level in levels[1:]):
+        raise ConfigError(
+            f"the first level ({levels[0].url}) stores deltas, and a level between nodes would "
+            "copy them without their references: not supported yet. Put keyframe_every on a "
+            "store level above instead (its drains code the deltas)."
+        )
+
+
+def _reference_failed(e: CheckpointException) -> str | None:
+    """The first rank's reference failure in a failed save (BrokenChainError or the
+    commit's check), or None when the save failed for another reason."""
+    for failure in e.failures.values():
+        err = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(err, (BrokenChainError, CorruptCheckpointError)):
+            return str(err)
+    return None
 
 
 def _check_step(step: object) -> None:

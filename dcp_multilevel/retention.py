@@ -9,23 +9,40 @@ The manager lists a level, asks these rules, and deletes what they return
   but is not known to hold yet (a remote outage grows the first level
   instead of losing the only copy);
 - a step directory without a manifest, older than the newest complete
-  checkpoint and not protected, was abandoned by a save or drain that died.
+  checkpoint and not protected, was abandoned by a save or drain that died;
+- on a level with deltas, never delete a checkpoint a kept one needs (its
+  reference, and that one's: ``keyframes.needed``), so ``keep`` counts
+  restorable checkpoints.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+
+from .keyframes import needed
 
 __all__ = ["abandoned", "expired", "not_yet_above"]
 
 
-def expired(complete: Sequence[int], keep: int | None, protected: Collection[int]) -> list[int]:
-    """The complete steps (ascending in ``complete``) past ``keep`` that may be deleted."""
+def expired(
+    complete: Sequence[int],
+    keep: int | None,
+    protected: Collection[int],
+    refs: Mapping[int, int | None] | None = None,
+) -> list[int]:
+    """The complete steps (ascending in ``complete``) past ``keep`` that may be deleted.
+
+    ``refs``: each delta checkpoint's reference step; what a kept or
+    protected checkpoint needs is kept too.
+    """
     if not complete:
         return []
     kept = set(complete[-keep:]) if keep else set(complete)
     kept.add(max(complete))
-    return [s for s in complete if s not in kept and s not in protected]
+    kept |= set(protected) & set(complete)
+    if refs:
+        kept = needed(kept, refs)
+    return [s for s in complete if s not in kept]
 
 
 def abandoned(

@@ -115,6 +115,10 @@ class ItemStream:
         self.loc = loc
         self.chain = chain
         self.used = False
+        #: The item's stored / raw size (coded whole; None for a delta or an empty item).
+        self.ratio = (
+            loc.length / loc.raw_length if loc.raw_length and loc.reference is None else None
+        )
         self._ref = ItemRef(ckpt.url, index.fqn, loc)
         self._stack = ExitStack()
         self._handle: ReadHandle | None = None

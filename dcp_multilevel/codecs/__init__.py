@@ -214,11 +214,14 @@ def encode_item(
     *,
     pool=None,
     window: int = 1,
+    reference: ReferenceSource | None = None,
 ) -> tuple[tuple[str, ...], Iterable[bytes | memoryview]]:
     """``(transforms, parts to store)`` for one item's raw bytes.
 
     Stored uncoded (no transforms) as :func:`item_layout` says; otherwise framed,
     lazily: parts are produced as the caller consumes them (bounded by ``window``).
+    ``reference``: the same item's bytes in a reference checkpoint: chunks may
+    be stored as deltas against them (``reference.used`` says, once consumed).
     """
     layout = item_layout(view, dtype, codec, compression)
     if layout is None:
@@ -227,7 +230,7 @@ def encode_item(
     width, rotate = layout
     frames = encode_frames(
         view, codec, width=width, rotate=rotate, chunk_size=compression.chunk_size,
-        pool=pool, window=window,
+        pool=pool, window=window, reference=reference,
     )  # fmt: skip
     return (codec.descriptor,), frames
 

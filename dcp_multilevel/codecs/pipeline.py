@@ -89,6 +89,7 @@ def encode_chunk(
     buffers: BufferPool | None = None,
     into: memoryview | None = None,
     ref: memoryview | None = None,
+    sure: float = DELTA_SURE,
 ) -> tuple[bytes, Part, np.ndarray | None]:
     """One framed chunk: ``(record, payload, buffer)``.
 
@@ -98,10 +99,11 @@ def encode_chunk(
     ``buffers`` (to give back once the payload is consumed) or fresh.
     ``ref``: the reference's raw bytes at the same place (as long as
     ``chunk``): the chunk is then also coded as a delta against them, and the
-    smallest of raw, coded and delta is kept (``delta.py``).
+    smallest of raw, coded and delta is kept (``delta.py``); a delta coded
+    to at most ``sure`` of the chunk's size is kept without coding it whole.
     """
     if ref is not None and len(chunk) >= MIN_CODED_BYTES:
-        return _encode_delta_chunk(codec, chunk, width, rotate, buffers, ref)
+        return _encode_delta_chunk(codec, chunk, width, rotate, buffers, ref, sure)
     buf = None
     if len(chunk) < MIN_CODED_BYTES:  # an item's short tail, or a tool's tiny tensor
         n = None
@@ -127,6 +129,7 @@ def _encode_delta_chunk(
     rotate: int,
     buffers: BufferPool | None,
     ref: memoryview,
+    sure: float,
 ) -> tuple[bytes, Part, np.ndarray | None]:
     """:func:`encode_chunk` with a reference: the smallest of raw, delta and whole coding."""
     take = buffers.take if buffers is not None else _empty
@@ -141,7 +144,7 @@ def _encode_delta_chunk(
     # (method, payload length, buffer holding it): raw unless a coding is smaller.
     best: tuple[int, int, np.ndarray | None] = (frames.METHOD_RAW, len(chunk), None)
     coded = [(frames.METHOD_DELTA, n, delta)]
-    if n is None or n > DELTA_SURE * len(chunk):  # coding it whole might be smaller
+    if n is None or n > sure * len(chunk):  # coding it whole might be smaller
         whole = take(size)
         m = codec.encode_into(chunk, width, rotate, memoryview(whole))
         coded.append((frames.METHOD_CODED, m, whole))
@@ -246,6 +249,9 @@ class ReferenceSource(Protocol):
     """
 
     used: bool
+    #: What the reference item's own coding achieved (stored / raw), or None:
+    #: a delta at least that small is kept without coding the chunk whole too.
+    ratio: float | None
 
     def take(self, n: int) -> memoryview:
         """The next ``n`` raw bytes (a buffer the caller may keep)."""
@@ -353,7 +359,8 @@ def encode_items(
             width, rotate = item.job.layout  # type: ignore[misc]  # framed items only
             chunk = item.job.view[start : start + item.starts.step]
             ref = _reference_chunk(item, item.next_chunk, len(chunk))
-            item.tasks.append(backlog.submit(codec, chunk, width, rotate, buffers, None, ref))  # type: ignore[union-attr]
+            args = (codec, chunk, width, rotate, buffers, None, ref, _sure(item.job))
+            item.tasks.append(backlog.submit(*args))  # type: ignore[union-attr]
             item.next_chunk += 1
             in_flight += 1
 
@@ -377,7 +384,7 @@ def encode_items(
                 if pool is None:
                     chunk = view[start : start + step]
                     ref = _reference_chunk(item, index, len(chunk))
-                    args = (codec, chunk, width, rotate, buffers, None, ref)
+                    args = (codec, chunk, width, rotate, buffers, None, ref, _sure(item.job))
                     record, payload, buf = encode_chunk(*args)  # type: ignore[arg-type]
                 else:
                     record, payload, buf = backlog.result(task)  # type: ignore[union-attr]
@@ -410,6 +417,13 @@ def encode_items(
     finally:
         if backlog is not None:
             backlog.cancel()
+
+
+def _sure(job: EncodeJob) -> float:
+    """Up to which share of a chunk's size its delta is kept without coding it whole:
+    what the reference's own coding of the item achieved, at least DELTA_SURE."""
+    ratio = getattr(job.reference, "ratio", None)
+    return DELTA_SURE if ratio is None else max(DELTA_SURE, ratio)
 
 
 def _reference_chunk(item: _Item, index: int, n: int) -> memoryview | None:
@@ -449,12 +463,14 @@ def encode_frames(
     pool: Executor | None,
     window: int,
     buffers: BufferPool | None = None,
+    reference: ReferenceSource | None = None,
 ) -> Iterator[Part]:
     """Yield the framed encoding of one item (header, chunks, terminator), in order.
 
     ``buffers``: as for :func:`encode_items` (parts then valid until the next).
+    ``reference``: as :class:`EncodeJob`'s.
     """
-    job = EncodeJob(None, view, (width, rotate))
+    job = EncodeJob(None, view, (width, rotate), reference=reference)
     coded = encode_items(
         [job], codec, chunk_size=chunk_size, pool=pool, window=window, buffers=buffers
     )

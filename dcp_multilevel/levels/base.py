@@ -71,6 +71,10 @@ class DrainJob:
     target: LevelDriver
     drain_id: str  # identical on every rank for the same drain
     committed_unix: float  # when the source checkpoint was committed
+    #: A level with deltas: the step on the target to code this one against
+    #: (None: store it whole). The drain stores it whole when that step is
+    #: not there, or is not what a delta can use.
+    reference: int | None = None
 
 
 @dataclass

@@ -47,6 +47,14 @@ class Level:
         data: ``erasure:`` levels: nodes per Reed-Solomon group.
         parity: ``erasure:`` levels: parity blocks per group, each on another
             node; a group survives any ``parity`` lost nodes (``levels/erasure.py``).
+        keyframe_every: store levels: every ``keyframe_every``-th checkpoint on
+            this level is stored whole (a keyframe), the others as deltas
+            against an earlier one on the level (``docs/delta.md``); None or 1:
+            every checkpoint whole. Needs a ``codec``.
+        delta_against: what a delta is coded against: ``"keyframe"`` (the last
+            keyframe: a load reads at most two checkpoints) or ``"previous"``
+            (the level's previous checkpoint: smaller deltas, a load reads the
+            whole chain back to the keyframe).
     """
 
     url: str
@@ -58,9 +66,13 @@ class Level:
     jump: int | None = None
     data: int | None = None
     parity: int | None = None
+    keyframe_every: int | None = None
+    delta_against: str = "keyframe"
 
     #: The options only some kinds of level take (checked by their drivers).
     KIND_OPTIONS = ("replicas", "jump", "data", "parity")
+    #: What ``delta_against`` may say.
+    DELTA_AGAINST = ("keyframe", "previous")
 
     def __post_init__(self) -> None:
         name = f"{type(self).__name__}({self.url!r})"
@@ -79,6 +91,24 @@ class Level:
                 not isinstance(value, int) or isinstance(value, bool) or value < 1
             ):
                 raise ConfigError(f"{name}.{option} must be an integer >= 1, got {value!r}")
+        k = self.keyframe_every
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ConfigError(f"{name}.keyframe_every must be None or an integer >= 1, got {k!r}")
+        if self.delta_against not in self.DELTA_AGAINST:
+            raise ConfigError(
+                f"{name}.delta_against must be one of {self.DELTA_AGAINST}, "
+                f"got {self.delta_against!r}"
+            )
+        if self.deltas and self.codec is None:
+            raise ConfigError(
+                f"{name}.keyframe_every={k} stores deltas, which are coded: give the level a "
+                "codec too (codec='bytegroup')"
+            )
+
+    @property
+    def deltas(self) -> bool:
+        """Whether checkpoints on this level may be stored as deltas."""
+        return self.keyframe_every is not None and self.keyframe_every > 1
 
     def kind_options(self) -> dict[str, int]:
         """The kind-specific options this level sets (``replicas=2``, ...)."""

@@ -5,8 +5,12 @@ the first level (from its own node's view) and writes them to this level's
 store (``transfer.py``: verbatim when the codecs agree, re-encoded
 otherwise, every item verified on the way). Rank 0 then gathers every
 rank's new item locations and writes this level's manifest last (the
-commit). A failed drain leaves objects that no manifest names; retention
-sweeps them.
+commit). On a level with deltas (``Level.keyframe_every``), a drain given a
+reference step codes tensor items against that checkpoint on this level,
+reading its bytes from the first level's copy of the same save when that
+one is still there; a reference that is missing here, or another save than
+expected, makes the drain store the step whole (a keyframe). A failed
+drain leaves objects that no manifest names; retention sweeps them.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ from typing import Any
 
 from .. import _dist
 from ..checkpoint import StoredCheckpoint
+from ..checkpoint.stored import sibling_location
 from ..codecs import Compression
-from ..errors import DrainError
-from ..format import Manifest, locations_from_json, locations_to_json
+from ..errors import DcpMultilevelError, DrainError
+from ..format import Manifest, Reference, locations_from_json, locations_to_json, step_dir
 from .base import DrainJob, DrainResult, LevelDriver
 from .link import DrainLink
-from .transfer import copy_rank_files
+from .transfer import DeltaTarget, copy_rank_files
 
 __all__ = ["StoreLevel"]
 
@@ -37,9 +42,10 @@ class StoreLevel(LevelDriver):
         """Copy this rank's files of ``job.source`` here; rank 0 also commits."""
         target = self.checkpoint(job.step)
         token = uuid.uuid4().hex[:16]
+        delta = self._delta_target(job)
         stats = copy_rank_files(
             manifest, job.source, target.store, _dist.rank(), token,
-            Compression.of(self.level.codec),
+            Compression.of(self.level.codec), delta,
         )  # fmt: skip
         result = DrainResult(job.step, self.url, bytes_stored=stats.bytes_stored)
         result.details = {
@@ -62,9 +68,14 @@ class StoreLevel(LevelDriver):
             raise DrainError(
                 f"{len(missing)} items were copied by no rank (e.g. {next(iter(missing))})"
             )
+        reference = None
+        if any(loc.reference is not None for loc in locations.values()):
+            if delta is None:  # every rank chose alike, from the same store
+                raise DrainError(f"a rank coded deltas of step {job.step} that rank 0 could not")
+            reference = Reference(delta.manifest.save_id, step_dir(job.reference))  # type: ignore[arg-type]
         target.commit(
             manifest.metadata, locations, files, save_id=manifest.save_id,
-            world_size=manifest.world_size,
+            world_size=manifest.world_size, reference=reference,
         )  # fmt: skip
         link.announce_commit()
         result.committed = True
@@ -77,6 +88,30 @@ class StoreLevel(LevelDriver):
             job.step, self.url, result.details["level_bytes"], result.lag_seconds,
         )  # fmt: skip
         return result
+
+    def _delta_target(self, job: DrainJob) -> DeltaTarget | None:
+        """The checkpoint on this level that ``job`` codes its step against, or None."""
+        if job.reference is None or not self.level.deltas:
+            return None
+        try:
+            manifest = self.checkpoint(job.reference).manifest()
+        except (DcpMultilevelError, OSError) as e:
+            logger.warning(
+                "dcp_multilevel: step %d goes to %s whole: its reference, step %d, is not "
+                "usable there (%s)", job.step, self.url, job.reference, e,
+            )  # fmt: skip
+            return None
+        # The first level's copy of the same save, when it is still there: local reads.
+        local = StoredCheckpoint.at(
+            sibling_location(job.source.location, step_dir(job.reference)),
+            job.source.storage_options,
+        )
+        try:
+            if local.manifest().save_id == manifest.save_id:
+                return DeltaTarget(manifest, local)
+        except (DcpMultilevelError, OSError):
+            pass
+        return DeltaTarget(manifest, self.checkpoint(job.reference))
 
 
 def _peer_locations(sent: Any, rank: int, target: StoredCheckpoint) -> dict:

@@ -26,6 +26,14 @@ Used by the store level's drain (``store.py``); it keeps only the decision
   uploaded (``RemoteStore.open_write`` uploads when its block exits, after the
   lock is released).
 
+With a :class:`DeltaTarget` (a target level that stores deltas, and its
+reference checkpoint there), tensor items are coded as deltas against that
+reference on the way (``checkpoint/reference.py`` streams its bytes, from a
+local copy of the same save when there is one), and a delta item of the
+source is copied verbatim when its reference is the target's too (the same
+save, the same item bytes). A source delta item is otherwise decoded
+against its own reference and stored whole or as the target's delta.
+
 Nothing here commits: the caller writes the target manifest after every rank
 copied its share; a failed copy leaves objects that no manifest names.
 """
@@ -44,12 +52,20 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from ..checkpoint import StoredCheckpoint, blocks_of
+from ..checkpoint.reference import ItemStream
 from ..codecs import MIN_CODED_BYTES, Codec, Compression, codec_for, encode_item
 from ..errors import TruncatedDataError
 from ..format import Hasher, ItemLocation, Manifest, data_file_path, is_rank_file
 from ..stores import ReadHandle, Store
 
-__all__ = ["BLOCK", "PART_BYTES", "CopyStats", "copy_file_verbatim", "copy_rank_files"]
+__all__ = [
+    "BLOCK",
+    "PART_BYTES",
+    "CopyStats",
+    "DeltaTarget",
+    "copy_file_verbatim",
+    "copy_rank_files",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +78,36 @@ PART_BYTES = 64 << 20
 
 Item = tuple[MetadataIndex, ItemLocation]
 Output = tuple[str, dict[MetadataIndex, ItemLocation], int]
+
+
+@dataclass(frozen=True)
+class DeltaTarget:
+    """The checkpoint on the target level that copied items are coded against.
+
+    ``manifest``: its manifest on the target (what delta items record);
+    ``bytes_from``: where its bytes are read, the target's copy or a local
+    copy of the same save (``bytes_from.manifest().save_id == manifest.save_id``).
+    """
+
+    manifest: Manifest
+    bytes_from: StoredCheckpoint
+
+    def item(self, index: MetadataIndex, loc: ItemLocation) -> ItemLocation | None:
+        """The reference's item that ``index`` (stored at ``loc``) can be a delta of."""
+        ref = self.manifest.locations.get(index)
+        if ref is None or ref.raw_length != loc.raw_length or loc.raw_length < MIN_CODED_BYTES:
+            return None
+        return ref
+
+    def keeps(self, index: MetadataIndex, loc: ItemLocation, source_save: str | None) -> bool:
+        """Whether the source's delta item ``loc`` is already the delta the target stores:
+        coded against this same save's same item."""
+        ref = self.manifest.locations.get(index)
+        return (
+            source_save == self.manifest.save_id
+            and ref is not None
+            and ref.checksum == loc.reference
+        )
 
 
 @dataclass
@@ -83,11 +129,13 @@ def copy_rank_files(
     rank: int,
     token: str,
     compression: Compression | None,
+    delta: DeltaTarget | None = None,
 ) -> CopyStats:
     """Copy the data files ``rank`` wrote from ``source`` to ``target``.
 
     ``source`` must have ``manifest`` as its manifest. Returns the items' new
     locations and the new files' sizes (names are ``data/<rank>-<n>.<token>.bin``).
+    ``delta``: code tensor items as deltas against this reference on the target.
 
     Raises:
         CorruptCheckpointError: an item does not match its checksum on ``source``.
@@ -112,12 +160,24 @@ def copy_rank_files(
     codec_pool: ThreadPoolExecutor | None = None
     if codec is not None and compression is not None and compression.threads > 1:
         codec_pool = ThreadPoolExecutor(compression.threads, thread_name_prefix="dcp-ml-recode")
-    recoder = _Recoder(source, target, dtypes, codec, compression, codec_pool, encode_lock)
+    recoder = _Recoder(source, target, dtypes, codec, compression, codec_pool, encode_lock, delta)
+    source_ref = manifest.reference.save_id if manifest.reference is not None else None
+
+    def kept(index: MetadataIndex, loc: ItemLocation) -> bool:
+        dtype = dtypes[index.fqn]
+        if delta is None:
+            return _kept(loc, dtype, wanted)
+        if loc.reference is not None:  # already a delta: is it the target's?
+            return loc.transforms == wanted and delta.keeps(index, loc, source_ref)
+        if dtype is not None and delta.item(index, loc) is not None:
+            return False  # could be stored as a delta: code it
+        return _kept(loc, dtype, wanted)
+
     for file, items in sorted(by_file.items()):
         items.sort(key=lambda e: e[1].offset)
         size = manifest.files[file]
         stats.bytes_read += size
-        if all(_kept(loc, dtypes[i.fqn], wanted) for i, loc in items):
+        if all(kept(i, loc) for i, loc in items):
             out = data_file_path(rank, n, token)
             n += 1
             stats.files_verbatim += 1
@@ -296,6 +356,7 @@ class _Recoder:
     compression: Compression | None
     pool: Executor | None
     encode_lock: threading.Lock
+    delta: DeltaTarget | None = None
 
     def run(self, file: str, items: list[Item], out: str) -> Output:
         locations: dict[MetadataIndex, ItemLocation] = {}
@@ -312,28 +373,65 @@ class _Recoder:
                 for index, loc in items:
                     start = dst.tell()
                     hasher = Hasher()
-                    transforms, parts = self._item(src, index, loc, window)
-                    for part in parts:
-                        hasher.update(part)
-                        dst.write(part)
+                    with contextlib.ExitStack() as streams:
+                        transforms, parts, ref = self._item(src, index, loc, window, streams)
+                        for part in parts:
+                            hasher.update(part)
+                            dst.write(part)
                     locations[index] = ItemLocation(
                         out, start, dst.tell() - start, loc.raw_length,
-                        hasher.hexdigest(), transforms,
+                        hasher.hexdigest(), transforms, ref() if ref is not None else None,
                     )  # fmt: skip
                 size = dst.tell()
         return out, locations, size
 
     def _item(
-        self, src: ReadHandle, index: MetadataIndex, loc: ItemLocation, window: int
-    ) -> tuple[tuple[str, ...], Iterable[Any]]:
-        """(transforms, parts) of one item as the target stores it, from verified bytes."""
+        self,
+        src: ReadHandle,
+        index: MetadataIndex,
+        loc: ItemLocation,
+        window: int,
+        streams: contextlib.ExitStack,
+    ) -> tuple[tuple[str, ...], Iterable[Any], Callable[[], str | None] | None]:
+        """(transforms, parts, the target reference's checksum once the parts are
+        consumed, for a delta) of one item as the target stores it, from verified bytes."""
         fqn = index.fqn
         wanted = (self.codec.descriptor,) if self.codec is not None else ()
         dtype = self.dtypes[fqn]
-        if _kept(loc, dtype, wanted):
+        deltable = self.delta is not None and dtype is not None and self.delta.item(index, loc)
+        if not deltable and _kept(loc, dtype, wanted):
             stored = memoryview(bytearray(loc.length))
             self.source.read_stored(src, fqn, loc, [stored])
-            return loc.transforms, [stored]
+            return loc.transforms, [stored], None
         raw = memoryview(bytearray(loc.raw_length))
         self.source.read_item(src, fqn, loc, raw, pool=self.pool, window=window, index=index)
-        return encode_item(raw, dtype, self.codec, self.compression, pool=self.pool, window=window)
+        stream = self._reference(index, loc, dtype, streams)
+        transforms, parts = encode_item(
+            raw, dtype, self.codec, self.compression, pool=self.pool, window=window,
+            reference=stream,
+        )  # fmt: skip
+        if stream is None:
+            return transforms, parts, None
+        checksum = self.delta.manifest.locations[index].checksum  # type: ignore[union-attr]
+        return transforms, parts, lambda: checksum if stream.used else None
+
+    def _reference(
+        self,
+        index: MetadataIndex,
+        loc: ItemLocation,
+        dtype: torch.dtype | None,
+        streams: contextlib.ExitStack,
+    ) -> ItemStream | None:
+        """The target reference's bytes of ``index`` to code it against, or None."""
+        if self.delta is None or dtype is None or self.codec is None:
+            return None
+        if self.delta.item(index, loc) is None:
+            return None
+        ref = self.delta.bytes_from
+        ref_loc = ref.manifest().locations.get(index)
+        if ref_loc is None:
+            return None
+        stream = ItemStream(ref, index, ref_loc, (self.target.url, ref.url))
+        streams.callback(stream.close)
+        stream.open()
+        return stream

@@ -1,0 +1,99 @@
+"""The manager's delta chains: per level, what it stored there and what the next
+save there is coded against (``keyframes.py`` holds the rules).
+
+Every rank keeps the same history: it records the decisions every rank took
+alike (the first level's save, each drain submitted), never an outcome only
+one rank saw. A reference that turns out to be unusable (missing, damaged,
+another save) makes that save whole where it is read, so a history that is
+wrong about it costs bytes, never data. Retention asks :meth:`DeltaChains.refs`
+for the references of the steps a level holds: the history where it knows,
+else the checkpoint's manifest (steps saved before a restart).
+
+Thread-safety: drains record and retention reads from the drain worker while
+the main thread saves, so every method takes the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+
+from .config import Level
+from .errors import DcpMultilevelError
+from .format import parse_step_dir
+from .keyframes import next_reference
+from .levels import LevelDriver
+
+__all__ = ["DeltaChains"]
+
+logger = logging.getLogger(__name__)
+
+
+class DeltaChains:
+    """The delta history of every level with ``keyframe_every > 1``."""
+
+    def __init__(self, levels: Sequence[Level], drivers: Sequence[LevelDriver]) -> None:
+        self._levels = list(levels)
+        self._drivers = list(drivers)
+        self._lock = threading.Lock()
+        self._history: dict[int, list[tuple[int, int | None]]] = {
+            i: [] for i, level in enumerate(levels) if level.deltas
+        }
+        self._gone: dict[int, set[int]] = {i: set() for i in self._history}
+        self._read: dict[int, dict[int, int | None]] = {i: {} for i in self._history}
+
+    def enabled(self, index: int) -> bool:
+        """Whether level ``index`` stores deltas."""
+        return index in self._history
+
+    def reference(self, index: int) -> int | None:
+        """The step the next save on level ``index`` is coded against (None: whole)."""
+        if index not in self._history:
+            return None
+        level = self._levels[index]
+        with self._lock:
+            history = self._history[index]
+            present = {s for s, _ in history} - self._gone[index]
+            return next_reference(history, level.keyframe_every, level.delta_against, present)
+
+    def stored(self, index: int, step: int, reference: int | None) -> None:
+        """Record that ``step`` went to level ``index`` against ``reference`` (None: whole)."""
+        if index in self._history:
+            with self._lock:
+                history = self._history[index]
+                history[:] = [(s, r) for s, r in history if s != step]  # saved again
+                history.append((step, reference))
+                self._gone[index].discard(step)
+
+    def removed(self, index: int, steps: Iterable[int]) -> None:
+        """Record that retention removed ``steps`` from level ``index``."""
+        if index in self._history:
+            with self._lock:
+                self._gone[index].update(steps)
+
+    def refs(self, index: int, steps: Iterable[int]) -> dict[int, int | None]:
+        """Each of ``steps``' reference step on level ``index`` (as its manifest says,
+        read once per step; the history stands in where the manifest cannot be read)."""
+        if index not in self._history:
+            return {}
+        out: dict[int, int | None] = {}
+        for step in steps:
+            with self._lock:
+                cached = self._read[index].get(step, -1)
+            if cached != -1:
+                out[step] = cached
+                continue
+            try:
+                link = self._drivers[index].checkpoint(step).manifest().reference
+                ref = None if link is None else parse_step_dir(link.checkpoint)
+            except (DcpMultilevelError, OSError) as e:
+                with self._lock:
+                    ref = dict(self._history[index]).get(step)
+                logger.debug("reference of step %d unread (%s); history says %s", step, e, ref)
+                out[step] = ref
+                continue
+            with self._lock:
+                self._read[index][step] = ref
+            out[step] = ref
+        return out
