@@ -428,3 +428,31 @@ def test_a_delta_chunk_without_a_reference_is_corrupt_framing() -> None:
             read, memoryview(bytearray(len(data))), codec, stored_length=len(stream),
             pool=None, window=1, on_chunk_error=lambda i, why: ValueError(why),
         )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def test_command_line_verifies_copies_and_converts_delta_checkpoints(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from dcp_multilevel.cli import main
+    from dcp_multilevel.convert import convert
+
+    def run(*args):
+        return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+    states = chain_of_three(tmp_path / "run")
+    assert run("verify", tmp_path / "run" / "step-2").exit_code == 0
+    # A delta copied without its reference could not be loaded: refused, nothing written.
+    result = run("copy", tmp_path / "run" / "step-2", tmp_path / "dest" / "step-2")
+    assert result.exit_code == 1 and "is a delta against step-1" in result.output
+    assert not (tmp_path / "dest" / "step-2" / "manifest.json").exists()
+    for step in (0, 1, 2):  # the chain, oldest first: every copy loads
+        result = run("copy", tmp_path / "run" / f"step-{step}", tmp_path / "dest" / f"step-{step}")
+        assert result.exit_code == 0, result.output
+    assert_state_equal(load(tmp_path / "dest" / "step-2", states[2]), states[2])
+    # Converted to a whole checkpoint elsewhere: no reference needed any more.
+    convert(tmp_path / "run" / "step-2", tmp_path / "whole" / "step-2", to="ours")
+    assert "reference" not in manifest(tmp_path / "whole" / "step-2")
+    assert_state_equal(load(tmp_path / "whole" / "step-2", states[2]), states[2])

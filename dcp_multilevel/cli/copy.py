@@ -23,8 +23,9 @@ from typing import Any
 import click
 
 from ..checkpoint import StoredCheckpoint, verify_file
-from ..errors import CheckpointExistsError, ConfigError
-from ..format import MANIFEST_NAME, checkpoint_url, parse_step_dir
+from ..checkpoint.stored import sibling_location
+from ..errors import BrokenChainError, CheckpointExistsError, ConfigError, DcpMultilevelError
+from ..format import MANIFEST_NAME, Manifest, checkpoint_url, parse_step_dir
 from ..levels.transfer import copy_file_verbatim
 from ..stores import store_for
 from ._common import (
@@ -41,6 +42,30 @@ from ._common import (
 __all__ = ["copy", "copy_checkpoint"]
 
 
+def _check_reference(manifest: Manifest, dest: StoredCheckpoint) -> None:
+    """A delta checkpoint's copy needs its reference beside it: refuse before copying."""
+    link = manifest.reference
+    if link is None:
+        return
+    sibling = StoredCheckpoint.at(
+        sibling_location(dest.location, link.checkpoint), dest.storage_options
+    )
+    try:
+        there = sibling.manifest().save_id
+    except (DcpMultilevelError, OSError):
+        there = None
+    if there != link.save_id:
+        raise BrokenChainError(
+            f"the checkpoint is a delta against {link.checkpoint} (save {link.save_id}), and "
+            f"{sibling.url} does not hold that save, so the copy at {dest.url} could not be "
+            f"loaded. Copy {link.checkpoint} there first (and its own reference, if it is a "
+            "delta too), or store this step whole with 'dcp-multilevel convert SRC DST --to "
+            "ours --codec bytegroup'.",
+            checkpoint=dest.url,
+            chain=(dest.url, sibling.url),
+        )
+
+
 def copy_checkpoint(
     source: StoredCheckpoint, dest: StoredCheckpoint, *, show_progress: bool = False
 ) -> dict[str, Any]:
@@ -50,6 +75,8 @@ def copy_checkpoint(
 
     Raises:
         CheckpointExistsError: ``dest`` holds a different committed checkpoint.
+        BrokenChainError: ``source`` is a delta checkpoint whose reference is not
+            beside ``dest`` (the copy could not be loaded).
         CorruptCheckpointError: an item of ``source`` does not match its checksum.
         OSError: a store could not be read or written.
     """
@@ -74,6 +101,7 @@ def copy_checkpoint(
             "delete it first or pick another destination",
             checkpoint=dest.url,
         )
+    _check_reference(manifest, dest)
     # The source's manifest, read against DEST's files: checks what an earlier run left.
     staged = StoredCheckpoint(dest.store, location=dest.location, manifest_bytes=manifest_bytes)
     total = sum(manifest.files.values())

@@ -38,6 +38,8 @@ class Scratch:
     """
 
     def __init__(self, parent: str | os.PathLike[str] | None = None) -> None:
+        if parent is not None:  # beside a destination that may not exist yet
+            os.makedirs(parent, exist_ok=True)
         self.path = tempfile.mkdtemp(prefix=".dcp-ml-convert-", dir=parent)
         self._count = 0
 
