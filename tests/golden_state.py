@@ -36,3 +36,17 @@ def golden_state(version: int = 3) -> dict:
     if version >= 3:
         state["model"]["sq"] = (w * w).contiguous()
     return state
+
+
+def golden_delta_states() -> tuple[dict, dict]:
+    """The two checkpoints of ``tests/golden/fmt2-delta``: ``step-0`` (whole) and
+    ``step-1`` (format version 2, its floats stored as deltas against ``step-0``)."""
+    first = golden_state(3)
+    second = golden_state(3)
+    g = torch.Generator().manual_seed(99)
+    for key in ("w", "sq"):
+        t = first["model"][key]
+        second["model"][key] = t + torch.randn(t.shape, generator=g) * 1e-4
+    second["model"]["w_bf16"] = second["model"]["w"].to(torch.bfloat16)
+    second["step"] = 43
+    return first, second

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import assert_bit_equal
-from golden_state import golden_state
+from golden_state import golden_delta_states, golden_state
 
 from dcp_multilevel import MultiLevelReader
 from dcp_multilevel.codecs import CODECS
@@ -72,3 +72,17 @@ def test_golden_checkpoint_loads_bit_exact(name):
         assert_bit_equal(loaded["model"][key], value, f"{name}: model.{key}")
     assert loaded["step"] == 42
     assert loaded["info"] == expected["info"]
+
+
+def test_golden_delta_checkpoint_loads_bit_exact():
+    """Format version 2: a delta checkpoint and its reference, as first written."""
+    root = GOLDEN / "fmt2-delta"
+    manifest = json.loads((root / "step-1" / "manifest.json").read_text())
+    assert manifest["format_version"] == 2
+    assert {i["fqn"] for i in manifest["items"] if "ref" in i} >= {"model.w", "model.sq"}
+    for step, expected in enumerate(golden_delta_states()):
+        loaded = _blank(expected)
+        dcp.load(loaded, storage_reader=MultiLevelReader(root / f"step-{step}"))
+        for key, value in expected["model"].items():
+            assert_bit_equal(loaded["model"][key], value, f"fmt2-delta step {step}: {key}")
+        assert loaded["step"] == expected["step"]

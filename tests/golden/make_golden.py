@@ -2,6 +2,7 @@
 
     python tests/golden/make_golden.py v1                # every codec
     python tests/golden/make_golden.py v2 bytegroup      # only the codecs that changed
+    python tests/golden/make_golden.py fmt2-delta        # a delta checkpoint and its reference
 
 Existing folders are never rewritten: they are what an earlier release wrote,
 and tests/test_golden.py must keep loading them bit-exactly forever.
@@ -16,14 +17,30 @@ import torch.distributed.checkpoint as dcp
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
-from golden_state import golden_state  # noqa: E402
+from golden_state import golden_delta_states, golden_state  # noqa: E402
 
 from dcp_multilevel import MultiLevelWriter  # noqa: E402
 
 CODECS = {"raw": None, "zstd": "zstd", "bytegroup": "bytegroup"}
 
 
+def delta() -> None:
+    """``fmt2-delta/step-0`` (whole) and ``step-1`` (deltas against it)."""
+    root = HERE / "fmt2-delta"
+    if root.exists():
+        print(f"keeping {root} (golden files are never rewritten)")
+        return
+    first, second = golden_delta_states()
+    dcp.save(first, storage_writer=MultiLevelWriter(root / "step-0", codec="bytegroup"))
+    writer = MultiLevelWriter(root / "step-1", codec="bytegroup", reference=root / "step-0")
+    dcp.save(second, storage_writer=writer)
+    print(f"wrote {root}")
+
+
 def main(version: str, names: list[str]) -> None:
+    if version == "fmt2-delta":
+        delta()
+        return
     for name, codec in CODECS.items():
         if names and name not in names:
             continue
