@@ -240,3 +240,56 @@ def test_sigkill_during_delta_saves_and_drains_leaves_every_checkpoint_restorabl
         mgr.load(loaded, step)
         check(loaded, step)
     mgr.close()
+
+
+# --------------------------------------------------------------------------- several ranks
+
+
+def _delta_levels(l1: str, remote: str) -> list[Level]:
+    return [
+        Level(l1, keep=3, codec="bytegroup", keyframe_every=3),
+        Level(remote, codec="bytegroup", keyframe_every=3, delta_against="previous"),
+    ]
+
+
+def _ranks_save(rank: int, world: int, l1: str, remote: str) -> list[str | None]:
+    # Replicated state: the balanced planner splits "w" into row chunks over the ranks.
+    mgr = CheckpointManager(_delta_levels(l1, remote), drain_policy="wait")
+    for s in range(3):
+        mgr.save(trained(s), step=s)
+        mgr.wait()
+    mgr.close()
+    return [r.details.get("files_encoded") for r in mgr.drain_results]
+
+
+def _ranks_load(rank: int, world: int, l1: str, remote: str) -> None:
+    from dcp_multilevel import MultiLevelReader
+
+    for root in (l1, remote):
+        loaded = blank()
+        torch.distributed.checkpoint.load(loaded, storage_reader=MultiLevelReader(f"{root}/step-2"))
+        check(loaded, 2)
+
+
+@pytest.mark.multiprocess
+def test_deltas_saved_by_two_ranks_load_in_other_world_sizes(tmp_path):
+    from _dist import run_ranks
+
+    from dcp_multilevel import MultiLevelReader
+
+    l1, remote = str(tmp_path / "l1"), str(tmp_path / "remote")
+    run_ranks(_ranks_save, 2, l1, remote, timeout=240)
+    for root in (Path(l1), Path(remote)):
+        doc = manifest(root, 2)
+        assert {f.split("/")[1].split("-")[0] for f in doc["files"]} == {"0", "1"}
+        assert any("ref" in i for i in doc["items"])  # both ranks' shares are deltas
+    assert reference(Path(remote), 2) == "step-1"
+    # 2 -> 1: in this process, without a process group
+    for root in (l1, remote):
+        loaded = blank()
+        torch.distributed.checkpoint.load(
+            loaded, storage_reader=MultiLevelReader(f"{root}/step-2"), no_dist=True
+        )
+        check(loaded, 2)
+    # 2 -> 3 ranks
+    run_ranks(_ranks_load, 3, l1, remote, timeout=240)
