@@ -444,6 +444,9 @@ def test_command_line_verifies_copies_and_converts_delta_checkpoints(tmp_path) -
 
     states = chain_of_three(tmp_path / "run")
     assert run("verify", tmp_path / "run" / "step-2").exit_code == 0
+    doc = json.loads(run("inspect", "--json", tmp_path / "run" / "step-2").output)
+    assert doc["reference"]["checkpoint"] == "step-1"
+    assert doc["format_version"] == 2
     # A delta copied without its reference could not be loaded: refused, nothing written.
     result = run("copy", tmp_path / "run" / "step-2", tmp_path / "dest" / "step-2")
     assert result.exit_code == 1 and "is a delta against step-1" in result.output

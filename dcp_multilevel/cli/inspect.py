@@ -42,7 +42,7 @@ def _items(manifest: Manifest) -> dict[str, dict[str, Any]]:
             "offsets": None if index.offset is None else list(index.offset),
             "file": loc.file, "pos": loc.offset, "length": loc.length,
             "raw_length": loc.raw_length, "transforms": list(loc.transforms),
-            "checksum": loc.checksum,
+            "checksum": loc.checksum, "reference_checksum": loc.reference,
         })  # fmt: skip
     out: dict[str, dict[str, Any]] = {}
     for fqn, md in sorted(manifest.metadata.state_dict_metadata.items()):
@@ -83,6 +83,9 @@ def describe(manifest: Manifest, url: str) -> dict[str, Any]:
         r["bytes"] += size
         r["files"] += 1
     doc = {"url": url, **summary(manifest), "dcp_version": manifest.metadata.version}
+    link = manifest.reference
+    doc["reference"] = None if link is None else {"checkpoint": link.checkpoint,
+                                                  "save_id": link.save_id}  # fmt: skip
     # ``items`` and ``files`` are lists here (ls gives their counts).
     doc.update(
         stored_chunks=len(manifest.locations),
@@ -109,6 +112,10 @@ def _header(doc: dict[str, Any]) -> Table:
                  f"(ratio {_ratio(doc['raw_bytes'], doc['stored_bytes']) or '-'})"),
         ("codecs", format_codecs(doc["codecs"])),
     ]  # fmt: skip
+    if doc.get("reference"):
+        deltas = sum(any(c["reference_checksum"] for c in it["chunks"]) for it in doc["items"])
+        ref = doc["reference"]
+        rows.append(("delta of", f"{ref['checkpoint']} (save {ref['save_id']}): {deltas} items"))
     for k, v in rows:
         table.add_row(k, v)
     return table
