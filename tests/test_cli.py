@@ -228,7 +228,8 @@ def test_inspect_json_shape(root):
     assert w["codecs"] == ["dcp_multilevel.bytegroup/3"]
     (chunk,) = w["chunks"]
     assert set(chunk) == {"offsets", "file", "pos", "length", "raw_length", "transforms",
-                          "checksum"}  # fmt: skip
+                          "checksum", "reference_checksum"}  # fmt: skip
+    assert chunk["reference_checksum"] is None and doc["reference"] is None
     assert items["step"]["type"] == "bytes" and items["step"]["shape"] is None
     (f,) = doc["files"]
     assert f["rank"] == 0 and f["items"] == 4
