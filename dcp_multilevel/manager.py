@@ -567,6 +567,8 @@ class CheckpointManager:
         doomed = retention.expired(complete, level.keep, protected, refs)
         # Abandoned by a crashed save or drain: no manifest, older than the newest.
         doomed += retention.abandoned(driver.uncommitted(), complete, protected)
+        # A crash in the middle must never leave a delta without its reference.
+        doomed = retention.deletion_order(doomed)
         for step in doomed:
             driver.delete(step)
             logger.info("dcp_multilevel: retention removed step %d from %s", step, level.url)

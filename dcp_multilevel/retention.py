@@ -1,7 +1,9 @@
 """Retention rules: which checkpoints a level may delete (pure: no I/O).
 
-The manager lists a level, asks these rules, and deletes what they return
-(manifest first, so a half-deleted checkpoint does not exist). The rules:
+The manager lists a level, asks these rules, and deletes what they return,
+newest first (a delta before its reference) and each manifest first, so a
+crash in the middle leaves no half-deleted checkpoint and no delta without
+its reference. The rules:
 
 - keep the newest ``keep`` complete checkpoints (``None``: all);
 - never delete the newest complete checkpoint, nor a protected one: one
@@ -21,7 +23,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from .keyframes import needed
 
-__all__ = ["abandoned", "expired", "not_yet_above"]
+__all__ = ["abandoned", "deletion_order", "expired", "not_yet_above"]
 
 
 def expired(
@@ -68,3 +70,9 @@ def not_yet_above(
     there (the skip policy), which need no protection.
     """
     return {s for s in complete if due(s) and s not in known and s not in skipped}
+
+
+def deletion_order(steps: Iterable[int]) -> list[int]:
+    """``steps`` in the order to delete them: newest first, so that a delta goes
+    before the checkpoint it is coded against (references are always older)."""
+    return sorted(steps, reverse=True)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcp_multilevel.keyframes import needed, next_reference
-from dcp_multilevel.retention import expired
+from dcp_multilevel.retention import deletion_order, expired
 
 
 def run(saves: int, every: int, against: str) -> list[tuple[int, int | None]]:
@@ -67,3 +67,21 @@ def test_every_kept_checkpoint_stays_restorable(saves, every, against, keep) -> 
     # chains never hold more than keyframe_every checkpoints
     for s in steps:
         assert len(needed([s], refs)) <= max(every, 1) if against == "previous" else 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    saves=st.integers(1, 30),
+    every=st.integers(2, 6),
+    keep=st.integers(1, 5),
+    against=st.sampled_from(["keyframe", "previous"]),
+    crash_after=st.integers(0, 30),
+)
+def test_a_crash_in_the_middle_of_retention_leaves_no_delta_without_its_reference(
+    saves, every, keep, against, crash_after
+) -> None:
+    refs = dict(run(saves, every, against))
+    steps = sorted(refs)
+    doomed = deletion_order(expired(steps, keep, set(), refs))
+    left = set(steps) - set(doomed[:crash_after])  # the process died after that many
+    assert needed(left, refs) == left

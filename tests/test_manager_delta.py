@@ -214,16 +214,22 @@ def test_sigkill_during_delta_saves_and_drains_leaves_every_checkpoint_restorabl
     rng = random.Random(3)
     for round_ in range(4):
         marker = tmp_path / f"marker-{round_}"
-        child = subprocess.Popen(
-            [sys.executable, str(HERE / "_delta_child.py"), l1, remote, str(marker)], cwd=HERE
-        )
+        log = tmp_path / f"child-{round_}.log"
+        with log.open("w") as err:
+            child = subprocess.Popen(
+                [sys.executable, str(HERE / "_delta_child.py"), l1, remote, str(marker)],
+                cwd=HERE, stderr=err,
+            )  # fmt: skip
         try:
             deadline = time.monotonic() + 120
             while not marker.exists():
-                assert child.poll() is None, f"child exited early with {child.returncode}"
+                assert child.poll() is None, (
+                    f"child exited early with {child.returncode}: {log.read_text()[-3000:]}"
+                )
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             time.sleep(rng.uniform(0.2, 1.5))  # somewhere inside a save or a drain
+            assert child.poll() is None, f"child failed: {log.read_text()[-3000:]}"
             child.send_signal(signal.SIGKILL)
         finally:
             child.kill()

@@ -21,7 +21,7 @@ per link.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, closing, contextmanager
 from typing import TYPE_CHECKING
 
@@ -168,6 +168,27 @@ class ItemStream:
                 return parts[0]
             return memoryview(np.concatenate([np.frombuffer(p, np.uint8) for p in parts]))
 
+    def take_lazy(self, n: int) -> Callable[[], memoryview]:
+        """:meth:`take`, with the decoding left to the caller's thread.
+
+        The stored bytes are read and hashed now, in order; the returned
+        function decodes them (and XORs an inner reference's bytes back in),
+        so coding threads decode references in parallel. A chunk that is not
+        exactly ``n`` bytes (the reference was framed with another chunk
+        size) is decoded now.
+        """
+        with self._failures():
+            if self._header is not None and not self._cur and self._left:
+                rec, payload = self._next_chunk()
+                if rec.raw_len == n:
+                    inner = None
+                    if rec.method == frames.METHOD_DELTA:
+                        inner = self._inner.take_lazy(n)  # type: ignore[union-attr]
+                    return lambda: self._decode_checked(rec, payload, inner)
+                self._cur = self._decode(rec, payload)
+        data = self.take(n)
+        return lambda: data
+
     def skip(self, n: int) -> None:
         """Pass over the next ``n`` raw bytes (whole chunks are read, checked, not decoded)."""
         with self._failures():
@@ -242,14 +263,37 @@ class ItemStream:
         return rec, payload
 
     def _decode(self, rec: frames.ChunkRecord, payload: memoryview) -> memoryview:
+        inner = None
+        if rec.method == frames.METHOD_DELTA:
+            ref = self._inner.take(rec.raw_len)  # type: ignore[union-attr]
+            inner = lambda: ref  # noqa: E731
+        return self._decode_now(rec, payload, inner)
+
+    def _decode_now(
+        self,
+        rec: frames.ChunkRecord,
+        payload: memoryview,
+        inner: Callable[[], memoryview] | None,
+    ) -> memoryview:
+        """The chunk's raw bytes (``inner``: the inner reference's, for a delta chunk)."""
         if rec.method == frames.METHOD_RAW:
             return payload
         out = memoryview(np.empty(rec.raw_len, np.uint8))
         h = self._header
         self._codec.decode(payload, out, h.width, h.rotate)  # type: ignore[union-attr]
-        if rec.method == frames.METHOD_DELTA:
-            xor_into(out, self._inner.take(rec.raw_len), out)  # type: ignore[union-attr]
+        if inner is not None:
+            xor_into(out, inner(), out)
         return out
+
+    def _decode_checked(
+        self,
+        rec: frames.ChunkRecord,
+        payload: memoryview,
+        inner: Callable[[], memoryview] | None,
+    ) -> memoryview:
+        """:meth:`_decode_now` on another thread: its failures name the chain too."""
+        with self._failures():
+            return self._decode_now(rec, payload, inner)
 
     @contextmanager
     def _failures(self) -> Iterator[None]:

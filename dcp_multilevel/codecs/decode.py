@@ -31,14 +31,14 @@ def _decode_chunk(
     payload: memoryview,
     out: memoryview,
     header,
-    ref: memoryview | None,
+    ref: memoryview | Callable[[], memoryview] | None,
 ) -> None:
     if rec.method == frames.METHOD_RAW:
         out[:] = payload
     else:
         codec.decode(payload, out, header.width, header.rotate)
         if ref is not None:  # a delta chunk: undo the XOR
-            xor_into(out, ref, out)
+            xor_into(out, ref() if callable(ref) else ref, out)
 
 
 def decode_frames(
@@ -101,7 +101,8 @@ def decode_frames(
             if rec.method == frames.METHOD_DELTA:
                 if reference is None:
                     raise on_chunk_error(index, "a delta chunk in an item stored without one")
-                ref = reference.take(rec.raw_len)
+                lazy = getattr(reference, "take_lazy", None)  # decoded by the pool
+                ref = lazy(rec.raw_len) if lazy is not None else reference.take(rec.raw_len)
             elif reference is not None:
                 reference.skip(rec.raw_len)
             # The last chunk (the only one, for most tensors) is decoded here:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -88,7 +88,7 @@ def encode_chunk(
     rotate: int,
     buffers: BufferPool | None = None,
     into: memoryview | None = None,
-    ref: memoryview | None = None,
+    ref: memoryview | Callable[[], memoryview] | None = None,
     sure: float = DELTA_SURE,
 ) -> tuple[bytes, Part, np.ndarray | None]:
     """One framed chunk: ``(record, payload, buffer)``.
@@ -98,7 +98,8 @@ def encode_chunk(
     ``codec.payload_bound`` bytes; buffer None), else ``buffer``, taken from
     ``buffers`` (to give back once the payload is consumed) or fresh.
     ``ref``: the reference's raw bytes at the same place (as long as
-    ``chunk``): the chunk is then also coded as a delta against them, and the
+    ``chunk``), or a function that produces them (called here, on the coding
+    thread): the chunk is then also coded as a delta against them, and the
     smallest of raw, coded and delta is kept (``delta.py``); a delta coded
     to at most ``sure`` of the chunk's size is kept without coding it whole.
     """
@@ -128,10 +129,12 @@ def _encode_delta_chunk(
     width: int,
     rotate: int,
     buffers: BufferPool | None,
-    ref: memoryview,
+    ref: memoryview | Callable[[], memoryview],
     sure: float,
 ) -> tuple[bytes, Part, np.ndarray | None]:
     """:func:`encode_chunk` with a reference: the smallest of raw, delta and whole coding."""
+    if callable(ref):
+        ref = ref()
     take = buffers.take if buffers is not None else _empty
     give = buffers.give if buffers is not None else (lambda buf: None)
     size = codec.payload_bound(len(chunk), width)
@@ -260,6 +263,10 @@ class ReferenceSource(Protocol):
     def skip(self, n: int) -> None:
         """Pass over the next ``n`` raw bytes."""
         ...
+
+    # Optional: ``take_lazy(n)`` reads like ``take`` but returns a function
+    # that produces the bytes, so the coding thread that calls it does the
+    # decoding (``checkpoint/reference.py``); the pipeline uses it when present.
 
     def finish(self) -> None:
         """Every byte was taken or skipped: check what was read."""
@@ -426,7 +433,9 @@ def _sure(job: EncodeJob) -> float:
     return DELTA_SURE if ratio is None else max(DELTA_SURE, ratio)
 
 
-def _reference_chunk(item: _Item, index: int, n: int) -> memoryview | None:
+def _reference_chunk(
+    item: _Item, index: int, n: int
+) -> memoryview | Callable[[], memoryview] | None:
     """The reference's bytes for the item's chunk ``index`` (``n`` bytes), or None.
 
     Called once per chunk in chunk order; after the last one the reference
@@ -437,7 +446,8 @@ def _reference_chunk(item: _Item, index: int, n: int) -> memoryview | None:
     if source is None:
         return None
     if n >= MIN_CODED_BYTES:
-        ref = source.take(n)
+        lazy = getattr(source, "take_lazy", None)
+        ref = lazy(n) if lazy is not None else source.take(n)
     else:  # a short tail is stored raw (encode_chunk)
         source.skip(n)
         ref = None

@@ -82,7 +82,7 @@ class Drainer:
         self._on_result = on_result
         self._workers: dict[LevelDriver, ThreadPoolExecutor] = {}
         # target level -> (source step, future) of the drain running there
-        self._inflight: dict[LevelDriver, tuple[int, Future[DrainResult]]] = {}
+        self._inflight: dict[LevelDriver, tuple[tuple[int, ...], Future[DrainResult]]] = {}
         self._lock = threading.Lock()
         self.results: list[DrainResult] = []
         self._unreported: list[DrainResult] = []
@@ -130,13 +130,15 @@ class Drainer:
             )
         future = worker.submit(self._run, job)
         with self._lock:
-            self._inflight[job.target] = (job.step, future)
+            refs = () if job.reference is None else (job.reference,)
+            self._inflight[job.target] = ((job.step, *refs), future)
         return future
 
     def inflight_steps(self) -> set[int]:
-        """Source steps being drained right now (retention must not delete them)."""
+        """Source steps being drained right now, and the steps those drains code deltas
+        against (read from the source level too): retention must not delete them."""
         with self._lock:
-            return {step for step, f in self._inflight.values() if not f.done()}
+            return {s for steps, f in self._inflight.values() if not f.done() for s in steps}
 
     def wait(self) -> list[DrainResult]:
         """Block until every drain ended; raise DrainError for any that failed since last time."""
