@@ -1,0 +1,186 @@
+"""Issue 17: delta checkpoints saved, loaded and drained for real, against full ones.
+
+Per data set and gap (steps between two saves), a chain of ``--chain``
+checkpoints (the first a keyframe) is saved three ways, alternating in every
+round: **full** (bytegroup, every checkpoint whole), **keyframe** (each delta
+against the chain's first checkpoint) and **previous** (each against the one
+before). Each save is a real ``dcp.save`` through ``MultiLevelWriter`` (fsync
+on, a fresh directory under ``--root``), each load a ``dcp.load`` of the
+chain's newest checkpoint. Bytes are the checkpoint's files; "delta / full" is
+the mean over the chain's deltas of their bytes over the full save of the same
+state. Then the drain: a ``CheckpointManager`` whose first level is a plain
+directory and whose second is the throttled remote (200 MB/s, as in
+``bench_manager.py``) with bytegroup, with and without ``keyframe_every``:
+each drain's seconds (``DrainResult.seconds``) for the chain's deltas.
+
+Data sets (``bench_delta.py`` makes them): ``minilm-w`` the real
+all-MiniLM-L6-v2 weights under AdamW (lr 2e-5, synthetic gradients), fp32 and
+bf16; ``demo`` the demo MLP trained for real, weights and AdamW state (fp32).
+
+    python benchmarks/bench_delta_io.py [--repeat 3] [--chain 4] [--gaps 1,10,100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from _measure import median, rounds, spread, timed
+from _remotes import ThrottledFileSystem  # noqa: F401 - registers throttled://
+from _report import REPO, command, goal_line, markdown_table, print_header
+from bench_delta import _part, demo_states, minilm_states
+from dcp_multilevel import CheckpointManager, Level, MultiLevelReader, MultiLevelWriter
+
+MODES = ("full", "keyframe", "previous")
+warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+
+
+def data_sets(gaps: list[int], chain: int, sets: list[str]) -> dict[str, dict[int, list[dict]]]:
+    """name -> gap -> the chain's states (``chain`` states ``gap`` steps apart)."""
+    steps = max(gaps) * (chain - 1)
+    wanted = {g: [g * i for i in range(chain)] for g in gaps}
+    every = set().union(*wanted.values())
+    out: dict[str, dict[int, list[dict]]] = {}
+    if "minilm" in sets:
+        states = {i: _part(s, "model.") for i, s in enumerate(minilm_states(steps)) if i in every}
+        out["minilm-w fp32"] = {g: [states[i] for i in idx] for g, idx in wanted.items()}
+        out["minilm-w bf16"] = {
+            g: [{k: v.to(torch.bfloat16) for k, v in states[i].items()} for i in idx]
+            for g, idx in wanted.items()
+        }
+    if "demo" in sets:
+        states = {i: s for i, s in enumerate(demo_states(steps)) if i in every}
+        out["demo all fp32"] = {g: [states[i] for i in idx] for g, idx in wanted.items()}
+    return out
+
+
+def _bytes(path: Path) -> int:
+    return sum(json.loads((path / "manifest.json").read_text())["files"].values())
+
+
+def save_chain(root: Path, chain: list[dict], mode: str) -> tuple[list[float], list[int], float]:
+    """Save ``chain`` below ``root`` as ``mode``: (seconds per save, bytes per save,
+    seconds to load the newest)."""
+    seconds, sizes = [], []
+    for i, state in enumerate(chain):
+        ref = None
+        if mode != "full" and i > 0:
+            ref = root / ("step-0" if mode == "keyframe" else f"step-{i - 1}")
+        writer = MultiLevelWriter(root / f"step-{i}", codec="bytegroup", reference=ref)
+        t, _ = timed(lambda: dcp.save(state, storage_writer=writer, no_dist=True))  # noqa: B023
+        seconds.append(t)
+        sizes.append(_bytes(root / f"step-{i}"))
+    out = {k: torch.empty_like(v) for k, v in chain[-1].items()}
+    newest = root / f"step-{len(chain) - 1}"
+    load, _ = timed(lambda: dcp.load(out, storage_reader=MultiLevelReader(newest), no_dist=True))
+    assert all(torch.equal(out[k].view(torch.uint8), v.view(torch.uint8))
+               for k, v in chain[-1].items()), "load is not bit-exact"  # fmt: skip
+    return seconds, sizes, load
+
+
+def drain_chain(root: Path, chain: list[dict], mode: str, mbps: float) -> list[float]:
+    """Drain seconds of each checkpoint of ``chain`` to the throttled remote (``mode``:
+    full, or the remote level's ``delta_against``)."""
+    kw = {} if mode == "full" else {"keyframe_every": len(chain), "delta_against": mode}
+    remote = Level(f"throttled://{root}/remote", codec="bytegroup",
+                   storage_options={"mbps": mbps}, **kw)  # fmt: skip
+    mgr = CheckpointManager([Level(str(root / "l1"), keep=len(chain)), remote],
+                            drain_policy="wait")  # fmt: skip
+    for i, state in enumerate(chain):
+        mgr.save(state, step=i)
+        mgr.wait()
+    seconds = [r.seconds for r in mgr.drain_results if r.committed]
+    mgr.close()
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeat", type=int, default=3, help="rounds over the three modes; 3")
+    p.add_argument("--chain", type=int, default=4, help="checkpoints per chain; 4")
+    p.add_argument("--gaps", default="1,10,100", help="steps between saves; 1,10,100")
+    p.add_argument("--sets", default="minilm,demo", help="minilm, demo or both")
+    p.add_argument("--root", type=Path, default=None, help="where to save (default: a temp dir)")
+    p.add_argument("--remote-mbps", type=float, default=200.0, help="throttled remote; 200")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = p.parse_args(argv)
+    gaps = [int(g) for g in args.gaps.split(",")]
+    print_header(__file__, REPO)
+    base = Path(tempfile.mkdtemp(prefix="bench-delta-", dir=args.root))
+    rows: list[dict] = []
+    try:
+        sets = data_sets(gaps, args.chain, args.sets.split(","))
+        for name, by_gap in sets.items():
+            for gap, chain in by_gap.items():
+                got: dict[str, dict[str, list]] = {
+                    m: {"save": [], "load": [], "drain": [], "sizes": []} for m in MODES
+                }
+                for rep, mode in rounds(MODES, args.repeat):
+                    root = base / f"{rep}-{mode}"
+                    secs, sizes, load = save_chain(root, chain, mode)
+                    got[mode]["save"] += secs[1:]  # the deltas (the keyframe is a full save)
+                    got[mode]["load"].append(load)
+                    got[mode]["sizes"] = sizes
+                    if gap == gaps[0]:
+                        got[mode]["drain"] += drain_chain(root, chain, mode, args.remote_mbps)[1:]
+                    shutil.rmtree(root)
+                full = got["full"]["sizes"]
+                for mode in MODES:
+                    g = got[mode]
+                    ratio = sum(g["sizes"][1:]) / sum(full[1:])
+                    rows.append({
+                        "set": name, "gap": gap, "mode": mode, "delta_over_full": ratio,
+                        "stored_over_raw": sum(g["sizes"][1:]) / (len(chain) - 1)
+                        / sum(t.numel() * t.element_size() for t in chain[0].values()),
+                        "save_s": g["save"], "load_s": g["load"], "drain_s": g["drain"],
+                    })  # fmt: skip
+                print(f"  {name} gap {gap} done", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+    print(f"\n### Chains of {args.chain} (a keyframe, then deltas), medians over the deltas\n")
+    print(markdown_table(
+        ["set", "gap", "mode", "stored / raw", "delta / full", "save s (spread)",
+         "load newest s (spread)", "drain s (spread)"],
+        [[r["set"], r["gap"], r["mode"], f"{r['stored_over_raw']:.3f}",
+          f"{r['delta_over_full']:.3f}",
+          f"{median(r['save_s']):.3f} ({spread(r['save_s'], 3)})",
+          f"{median(r['load_s']):.3f} ({spread(r['load_s'], 3)})",
+          f"{median(r['drain_s']):.3f} ({spread(r['drain_s'], 3)})" if r["drain_s"] else "-"]
+         for r in rows],
+    ))  # fmt: skip
+    print("\n### Goals (gap 1)\n")
+    for r in rows:
+        if r["gap"] != gaps[0] or r["mode"] == "full":
+            continue
+        full = next(f for f in rows if f["set"] == r["set"] and f["gap"] == r["gap"]
+                    and f["mode"] == "full")  # fmt: skip
+        target = 0.15 if "bf16" in r["set"] else 0.45
+        print(goal_line(r["delta_over_full"] <= target, f"{r['set']} {r['mode']} bytes",
+                        f"{r['delta_over_full']:.3f} of full (goal <= {target})"))  # fmt: skip
+        save = median(r["save_s"]) / median(full["save_s"])
+        print(goal_line(save <= 1.0, f"{r['set']} {r['mode']} save time",
+                        f"{save:.2f}x full (goal <= 1)"))  # fmt: skip
+        load = median(r["load_s"]) / median(full["load_s"])
+        print(goal_line(load <= 1.5, f"{r['set']} {r['mode']} restore newest",
+                        f"{load:.2f}x full (goal <= 1.5)"))  # fmt: skip
+        if r["drain_s"]:
+            drain = median(r["drain_s"]) / median(full["drain_s"])
+            ok = drain <= r["delta_over_full"] * 1.2 + 0.05
+            detail = f"{drain:.2f}x full for {r['delta_over_full']:.2f}x the bytes"
+            print(goal_line(ok, f"{r['set']} {r['mode']} drain", detail))
+    if args.json:
+        args.json.write_text(json.dumps({"command": command(__file__), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
