@@ -45,6 +45,14 @@ def check(loaded: dict, step: int) -> None:
     assert loaded["meta"] == {"step": step}
 
 
+def loads_each(mgr: CheckpointManager, steps) -> None:
+    """Every step of ``steps`` loads bit-exact through ``mgr``."""
+    for s in steps:
+        loaded = blank()
+        mgr.load(loaded, s)
+        check(loaded, s)
+
+
 def levels(l1: str, remote: str, **first) -> list[Level]:
     return [
         Level(l1, keep=2, **first),
@@ -71,10 +79,7 @@ def test_first_level_chains_retention_and_every_kept_step_loads(tmp_path):
     # keep=2 keeps 8 and 9; 9 is a delta of 8, which is the keyframe: nothing else needed
     assert [reference(l1, s) for s in mgr.steps(0)] == [None, "step-8"]
     assert mgr.steps(0) == [8, 9]
-    for s in mgr.steps(0):
-        loaded = blank()
-        mgr.load(loaded, s)
-        check(loaded, s)
+    loads_each(mgr, mgr.steps(0))
     mgr.close()
 
 
@@ -96,10 +101,7 @@ def test_keep_counts_restorable_checkpoints(tmp_path):
     again.save(trained(7), step=7)  # a keyframe: the history starts over after a restart
     assert reference(l1, 7) is None
     assert again.steps(0) == [4, 5, 6, 7]  # 6 still needs 5 and 4
-    for s in again.steps(0):
-        mgr_loaded = blank()
-        again.load(mgr_loaded, s)
-        check(mgr_loaded, s)
+    loads_each(again, again.steps(0))
     again.close()
 
 
@@ -124,10 +126,7 @@ def test_a_drained_level_stores_deltas_and_restores_alone(tmp_path):
     loaded = blank()
     assert fresh.load_latest(loaded) == 6
     check(loaded, 6)
-    for s in (3, 4, 5):
-        loaded = blank()
-        fresh.load(loaded, s)
-        check(loaded, s)
+    loads_each(fresh, (3, 4, 5))
     fresh.close()
 
 
@@ -241,10 +240,7 @@ def test_sigkill_during_delta_saves_and_drains_leaves_every_checkpoint_restorabl
     mgr = CheckpointManager(levels(l1, remote))
     saved = CheckpointRoot(l1).steps()
     assert saved, "no save committed"
-    for step in sorted(set(saved) | set(CheckpointRoot(remote).steps())):
-        loaded = blank()
-        mgr.load(loaded, step)
-        check(loaded, step)
+    loads_each(mgr, sorted(set(saved) | set(CheckpointRoot(remote).steps())))
     mgr.close()
 
 
