@@ -67,7 +67,8 @@ class DeltaChains:
                 self._gone[index].discard(step)
 
     def removed(self, index: int, steps: Iterable[int]) -> None:
-        """Record that retention removed ``steps`` from level ``index``."""
+        """Record that retention removed ``steps`` from level ``index`` (every rank must
+        record the same removals: the first level's, which rank 0 broadcasts)."""
         if index in self._history:
             with self._lock:
                 self._gone[index].update(steps)

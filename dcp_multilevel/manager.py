@@ -572,8 +572,9 @@ class CheckpointManager:
         for step in doomed:
             driver.delete(step)
             logger.info("dcp_multilevel: retention removed step %d from %s", step, level.url)
-        if index > 0:
-            self._chains.removed(index, doomed)
+        # (Higher levels' removals are not recorded in the delta history: only rank 0
+        # sees them, and every rank must choose a drain's reference alike. A drain
+        # whose reference retention removed stores its step whole, on every rank.)
         return doomed
 
 
