@@ -447,6 +447,10 @@ def test_command_line_verifies_copies_and_converts_delta_checkpoints(tmp_path) -
     doc = json.loads(run("inspect", "--json", tmp_path / "run" / "step-2").output)
     assert doc["reference"]["checkpoint"] == "step-1"
     assert doc["format_version"] == 2
+    listing = json.loads(run("ls", "--json", tmp_path / "run").output)
+    (level,) = listing["roots"]
+    assert [c["delta_of"] for c in level["checkpoints"]] == [None, "step-0", "step-1"]
+    assert "delta of step-1" in run("ls", tmp_path / "run").output
     # A delta copied without its reference could not be loaded: refused, nothing written.
     result = run("copy", tmp_path / "run" / "step-2", tmp_path / "dest" / "step-2")
     assert result.exit_code == 1 and "is a delta against step-1" in result.output

@@ -38,4 +38,6 @@ def summary(manifest: Manifest) -> dict[str, Any]:
         "codecs": codecs_of(manifest),
         "files": len(manifest.files),
         "items": len(manifest.locations),
+        # A delta checkpoint needs this sibling to load (docs/delta.md).
+        "delta_of": None if manifest.reference is None else manifest.reference.checkpoint,
     }

@@ -75,6 +75,8 @@ def _table(listing: dict[str, Any]) -> Table:
             state = f"unreadable: {c['error']}"
         else:
             state = "complete" if c["complete"] else "incomplete"
+            if c.get("delta_of"):
+                state += f", delta of {c['delta_of']}"
         table.add_row(
             "-" if c["step"] is None else str(c["step"]),
             format_time(c.get("created_unix")),
