@@ -73,6 +73,14 @@ class DeltaChains:
             with self._lock:
                 self._gone[index].update(steps)
 
+    def resume(self, index: int, history: Sequence[tuple[int, int | None]]) -> None:
+        """Start level ``index``'s history over from what it holds (after a restart:
+        ``(step, reference)`` of its committed steps, from their manifests)."""
+        if index in self._history:
+            with self._lock:
+                self._history[index] = list(history)
+                self._gone[index] = set()
+
     def refs(self, index: int, steps: Iterable[int]) -> dict[int, int | None]:
         """Each of ``steps``' reference step on level ``index`` (as its manifest says,
         read once per step; the history stands in where the manifest cannot be read)."""

@@ -444,6 +444,7 @@ class CheckpointManager:
                 # Newer steps were not restorable: their files are not all there to drain.
                 self._resume_drains({i: [s for s in steps if s <= step]
                                      for i, steps in views.everyone[0].items()})  # fmt: skip
+                self._resume_chains(step)
                 return step
         if candidates:
             raise CheckpointNotFoundError(
@@ -494,6 +495,28 @@ class CheckpointManager:
                 checkpoint=self.levels[0].checkpoint_url(step),
             )
         self._loader.load(state_dict, plan, planner)
+
+    def _resume_chains(self, upto: int) -> None:
+        """After a restart: each delta level's history from the manifests of the steps
+        it holds up to ``upto`` (rank 0 reads them, every rank takes the same), so the
+        next saves go on with the chain instead of starting a keyframe."""
+        levels = [i for i in range(len(self.levels)) if self._chains.enabled(i)]
+        if not levels:
+            return
+        histories = None
+        if _dist.rank() == 0:
+            histories = {}
+            for i in levels:
+                try:
+                    steps = [s for s in self.drivers[i].steps() if s <= upto]
+                except OSError as e:  # the chain starts over: costs bytes, never data
+                    logger.warning("dcp_multilevel: listing %s failed: %s", self.levels[i].url, e)
+                    continue
+                histories[i] = sorted(self._chains.refs(i, steps).items())
+        if _dist.world_size() > 1:
+            histories = _dist.broadcast_object(histories, 0)
+        for i, history in (histories or {}).items():
+            self._chains.resume(i, history)
 
     def _resume_drains(self, view: dict[int, list[int]]) -> None:
         first = view[0]

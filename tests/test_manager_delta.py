@@ -98,9 +98,11 @@ def test_keep_counts_restorable_checkpoints(tmp_path):
     loaded = blank()
     assert again.load_latest(loaded) == 6
     check(loaded, 6)
-    again.save(trained(7), step=7)  # a keyframe: the history starts over after a restart
-    assert reference(l1, 7) is None
-    assert again.steps(0) == [4, 5, 6, 7]  # 6 still needs 5 and 4
+    again.save(trained(7), step=7)  # the chain goes on: 4 is its keyframe, 7 its 4th
+    assert reference(l1, 7) == "step-6"
+    again.save(trained(8), step=8)  # keyframe_every=4: a new keyframe
+    assert reference(l1, 8) is None
+    assert again.steps(0) == [4, 5, 6, 7, 8]  # 7 still needs 6, 5 and 4
     loads_each(again, again.steps(0))
     again.close()
 
@@ -257,11 +259,20 @@ def _delta_levels(l1: str, remote: str) -> list[Level]:
 def _ranks_save(rank: int, world: int, l1: str, remote: str) -> list[str | None]:
     # Replicated state: the balanced planner splits "w" into row chunks over the ranks.
     mgr = CheckpointManager(_delta_levels(l1, remote), drain_policy="wait")
-    for s in range(3):
+    for s in range(2):
         mgr.save(trained(s), step=s)
         mgr.wait()
     mgr.close()
-    return [r.details.get("files_encoded") for r in mgr.drain_results]
+    # A restart: load_latest gives every rank the chains (rank 0 reads them); step 2
+    # goes on with them.
+    again = CheckpointManager(_delta_levels(l1, remote), drain_policy="wait")
+    loaded = blank()
+    assert again.load_latest(loaded) == 1
+    check(loaded, 1)
+    again.save(trained(2), step=2)
+    again.wait()
+    again.close()
+    return [r.details.get("files_encoded") for r in again.drain_results]
 
 
 def _ranks_load(rank: int, world: int, l1: str, remote: str) -> None:
@@ -285,7 +296,8 @@ def test_deltas_saved_by_two_ranks_load_in_other_world_sizes(tmp_path):
         doc = manifest(root, 2)
         assert {f.split("/")[1].split("-")[0] for f in doc["files"]} == {"0", "1"}
         assert any("ref" in i for i in doc["items"])  # both ranks' shares are deltas
-    assert reference(Path(remote), 2) == "step-1"
+    assert reference(Path(remote), 2) == "step-1"  # previous-save references
+    assert reference(Path(l1), 2) == "step-0"  # keyframe references
     # 2 -> 1: in this process, without a process group
     for root in (l1, remote):
         loaded = blank()
