@@ -351,6 +351,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         if not deltas:
             return None
         assert self.reference is not None  # only a writer with a reference codes deltas
+        self.reference.forget()  # read it again: it must still be the save that was read
         ref = self.reference.manifest()
         for index, checksum in deltas.items():
             found = ref.locations.get(index)

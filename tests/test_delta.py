@@ -463,3 +463,25 @@ def test_command_line_verifies_copies_and_converts_delta_checkpoints(tmp_path) -
     convert(tmp_path / "run" / "step-2", tmp_path / "whole" / "step-2", to="ours")
     assert "reference" not in manifest(tmp_path / "whole" / "step-2")
     assert_state_equal(load(tmp_path / "whole" / "step-2", states[2]), states[2])
+
+
+def test_a_reference_replaced_during_the_save_is_not_committed(tmp_path) -> None:
+    """The commit checks every delta item against the reference as it is then."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    a = first_state()
+    save(tmp_path / "step-0", a)
+
+    class ReplaceReference(DefaultSavePlanner):
+        calls = 0
+
+        def resolve_data(self, write_item):
+            ReplaceReference.calls += 1
+            if ReplaceReference.calls == 2:  # the first item is already coded against it
+                save(tmp_path / "step-0", train(a, 7), overwrite=True)
+            return super().resolve_data(write_item)
+
+    writer = MultiLevelWriter(tmp_path / "step-1", codec="bytegroup", reference=tmp_path / "step-0")
+    with pytest.raises(BaseException, match="the reference changed during the save"):
+        dcp.save(train(a, 1), storage_writer=writer, planner=ReplaceReference(), no_dist=True)
+    assert not (tmp_path / "step-1" / "manifest.json").exists()
