@@ -479,11 +479,10 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         )
         if not same:
             return None
-        stream = ItemStream(self.reference, index, loc, (self.checkpoint.url, self.reference.url))
+        chain = (self.checkpoint.url, self.reference.url)
         try:
-            stream.open()
+            stream = ItemStream.opened(self.reference, index, loc, chain)
         except BrokenChainError as e:  # e.g. its file is on another node
-            stream.close()
             logger.debug("item %r stored whole: %s", index.fqn, e)
             return None
         streams.callback(stream.close)

@@ -85,20 +85,14 @@ def open_reference(
             f"its item has checksum {ref_loc.checksum}, the delta was coded against "
             f"{loc.reference}",
         )  # fmt: skip
-    stream = ItemStream(ref, index, ref_loc, chain)
-    try:
-        stream.open()
-    except BaseException:
-        stream.close()
-        raise
-    return stream
+    return ItemStream.opened(ref, index, ref_loc, chain)
 
 
 class ItemStream:
     """One stored item's raw bytes in order, verified (a ``ReferenceSource``).
 
-    Call order: :meth:`open` (done by :func:`open_reference`), then
-    :meth:`take` or :meth:`skip` until ``loc.raw_length`` bytes are covered,
+    Call order: :meth:`open` (done by :meth:`opened`), then :meth:`take`,
+    :meth:`take_lazy` or :meth:`skip` until ``loc.raw_length`` bytes are covered,
     then :meth:`finish` (checks the checksum and closes); :meth:`close` on
     any error. Not thread-safe: one thread walks it, in order.
     """
@@ -129,6 +123,24 @@ class ItemStream:
         self._header: frames.FrameHeader | None = None
         self._codec: Codec | None = None
         self._inner: ItemStream | None = None  # this item's own reference, if it is a delta
+
+    @classmethod
+    def opened(
+        cls,
+        ckpt: StoredCheckpoint,
+        index: MetadataIndex,
+        loc: ItemLocation,
+        chain: tuple[str, ...],
+    ) -> ItemStream:
+        """A stream of item ``index`` (at ``loc`` in ``ckpt``), opened; nothing is left
+        open when opening fails (``BrokenChainError``)."""
+        stream = cls(ckpt, index, loc, chain)
+        try:
+            stream.open()
+        except BaseException:
+            stream.close()
+            raise
+        return stream
 
     # ------------------------------------------------------------------ protocol
 

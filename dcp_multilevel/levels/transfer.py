@@ -431,7 +431,6 @@ class _Recoder:
         ref_loc = ref.manifest().locations.get(index)
         if ref_loc is None:
             return None
-        stream = ItemStream(ref, index, ref_loc, (self.target.url, ref.url))
+        stream = ItemStream.opened(ref, index, ref_loc, (self.target.url, ref.url))
         streams.callback(stream.close)
-        stream.open()
         return stream
