@@ -345,12 +345,15 @@ def test_manifest_delta_fields_are_validated(tmp_path) -> None:
 class _Ref:
     """A reference held in memory, for coding single chunks."""
 
+    ratio = None  # as if the reference were itself a delta
+
     def __init__(self, data: bytes) -> None:
         self.data, self.pos, self.used, self.finished = memoryview(data), 0, False, False
 
-    def take(self, n: int) -> memoryview:
+    def take_lazy(self, n: int):
         self.pos += n
-        return self.data[self.pos - n : self.pos]
+        piece = self.data[self.pos - n : self.pos]
+        return lambda: piece
 
     def skip(self, n: int) -> None:
         self.pos += n

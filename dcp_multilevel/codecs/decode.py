@@ -31,14 +31,14 @@ def _decode_chunk(
     payload: memoryview,
     out: memoryview,
     header,
-    ref: memoryview | Callable[[], memoryview] | None,
+    ref: Callable[[], memoryview] | None,
 ) -> None:
     if rec.method == frames.METHOD_RAW:
         out[:] = payload
     else:
         codec.decode(payload, out, header.width, header.rotate)
         if ref is not None:  # a delta chunk: undo the XOR
-            xor_into(out, ref() if callable(ref) else ref, out)
+            xor_into(out, ref(), out)
 
 
 def decode_frames(
@@ -62,8 +62,9 @@ def decode_frames(
     builds the exception to raise for a corrupt chunk (index -1: the header,
     -2: the framing as a whole), so messages can name checkpoint, file and item.
     ``reference``: the item's bytes in the checkpoint its delta chunks were
-    coded against (None: a delta chunk is corrupt framing); it is taken or
-    skipped chunk by chunk on this thread and finished (checked) last.
+    coded against (None: a delta chunk is corrupt framing); it is read or
+    skipped chunk by chunk on this thread (decoded by the thread that decodes
+    the chunk) and finished (checked) last.
     """
     consumed = 0
     pull = read
@@ -101,8 +102,7 @@ def decode_frames(
             if rec.method == frames.METHOD_DELTA:
                 if reference is None:
                     raise on_chunk_error(index, "a delta chunk in an item stored without one")
-                lazy = getattr(reference, "take_lazy", None)  # decoded by the pool
-                ref = lazy(rec.raw_len) if lazy is not None else reference.take(rec.raw_len)
+                ref = reference.take_lazy(rec.raw_len)  # decoded where the chunk is
             elif reference is not None:
                 reference.skip(rec.raw_len)
             # The last chunk (the only one, for most tensors) is decoded here:

@@ -245,7 +245,7 @@ class _Backlog:
 class ReferenceSource(Protocol):
     """The reference's raw bytes of one item, in order (``checkpoint/reference.py``).
 
-    The pipeline calls ``take`` or ``skip`` once per chunk, in chunk order, on
+    The pipeline calls ``take_lazy`` or ``skip`` once per chunk, in chunk order, on
     the thread that submits chunks, then ``finish`` (which raises if the
     reference's bytes were not what they should be: the item must not be
     stored then). It sets ``used`` when a chunk was stored as a delta.
@@ -256,17 +256,15 @@ class ReferenceSource(Protocol):
     #: a delta at least that small is kept without coding the chunk whole too.
     ratio: float | None
 
-    def take(self, n: int) -> memoryview:
-        """The next ``n`` raw bytes (a buffer the caller may keep)."""
+    def take_lazy(self, n: int) -> Callable[[], memoryview]:
+        """Read the next ``n`` raw bytes' worth now, in order; the function returned
+        produces them (a buffer the caller may keep), so the coding or decoding
+        thread that calls it does the decoding."""
         ...
 
     def skip(self, n: int) -> None:
         """Pass over the next ``n`` raw bytes."""
         ...
-
-    # Optional: ``take_lazy(n)`` reads like ``take`` but returns a function
-    # that produces the bytes, so the coding thread that calls it does the
-    # decoding (``checkpoint/reference.py``); the pipeline uses it when present.
 
     def finish(self) -> None:
         """Every byte was taken or skipped: check what was read."""
@@ -429,7 +427,7 @@ def encode_items(
 def _sure(job: EncodeJob) -> float:
     """Up to which share of a chunk's size its delta is kept without coding it whole:
     what the reference's own coding of the item achieved, at least DELTA_SURE."""
-    ratio = getattr(job.reference, "ratio", None)
+    ratio = None if job.reference is None else job.reference.ratio
     return DELTA_SURE if ratio is None else max(DELTA_SURE, ratio)
 
 
@@ -446,8 +444,7 @@ def _reference_chunk(
     if source is None:
         return None
     if n >= MIN_CODED_BYTES:
-        lazy = getattr(source, "take_lazy", None)
-        ref = lazy(n) if lazy is not None else source.take(n)
+        ref = source.take_lazy(n)
     else:  # a short tail is stored raw (encode_chunk)
         source.skip(n)
         ref = None
