@@ -365,9 +365,8 @@ class MultiLevelReader(StorageReader):
                 out, commit = destination(copy, req, loc, planner)
                 try:
                     copy.read_item(
-                        handle, req.storage_index.fqn, loc, out,
+                        handle, req.storage_index, loc, out,
                         pool=self._codec_pool(), window=2 * self.thread_count,
-                        index=req.storage_index,
                     )  # fmt: skip
                 except _COPY_ERRORS as e:
                     if isinstance(e, (CorruptCheckpointError, ManifestError)):

@@ -63,10 +63,10 @@ def test_a_missing_manifest_is_checkpoint_not_found(root_url):
 def test_read_item_decodes_and_read_stored_streams_verified_bytes(root_url, codec):
     ckpt = _save(CheckpointRoot(root_url), 5, codec)
     manifest = ckpt.manifest()
-    loc = next(loc for i, loc in manifest.locations.items() if i.fqn == "w")
+    index, loc = next((i, loc) for i, loc in manifest.locations.items() if i.fqn == "w")
     out = torch.empty(4096, dtype=torch.float32)
     with ckpt.open_data(loc.file, "w") as handle:
-        ckpt.read_item(handle, "w", loc, byte_view(out))
+        ckpt.read_item(handle, index, loc, byte_view(out))
         streamed = bytearray()
         ckpt.read_stored(
             handle, "w", loc, blocks_of(memoryview(bytearray(1000)), loc.length),

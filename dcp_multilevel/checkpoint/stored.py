@@ -12,7 +12,7 @@ Call order for one checkpoint (``ckpt = StoredCheckpoint.at(url)``)::
                           ckpt.sweep(keep=files)        # only after the commit
     load / drain          ckpt.manifest()               # first, in one thread
                           with ckpt.open_data(file, fqn) as handle:    # any threads after
-                              ckpt.read_item(handle, fqn, loc, out)    # verified
+                              ckpt.read_item(handle, index, loc, out)  # verified
     retention             ckpt.delete()                 # manifest first
 
 A delta checkpoint (``reference.py``) names a sibling checkpoint its delta
@@ -307,29 +307,27 @@ class StoredCheckpoint:
     def read_item(
         self,
         handle: ReadHandle,
-        fqn: str,
+        index: MetadataIndex,
         loc: ItemLocation,
         out: memoryview,
         *,
         pool: Executor | None = None,
         window: int = 1,
-        index: MetadataIndex | None = None,
     ) -> None:
-        """Decoded, verified bytes of one item into ``out`` (see :func:`.items.read_item`).
+        """Decoded, verified bytes of item ``index`` (stored at ``loc``) into ``out``
+        (see :func:`.items.read_item`).
 
         A delta item (``loc.reference``) is read against the same item of
-        :meth:`reference`, which ``index`` names (required for one).
+        :meth:`reference`.
 
         Raises:
             BrokenChainError: the item is a delta and its reference cannot serve it.
             (and what :func:`.items.read_item` raises)
         """
-        ref = ItemRef(self.url, fqn, loc)
+        ref = ItemRef(self.url, index.fqn, loc)
         if loc.reference is None:
             read_item(handle, ref, out, pool=pool, window=window)
             return
-        if index is None:
-            raise ValueError(f"item {fqn!r} of {self.url} is a delta: read_item needs its index")
         with closing(open_reference(self, index, loc)) as reference:
             read_item(handle, ref, out, pool=pool, window=window, reference=reference)
 

@@ -121,7 +121,7 @@ def _check_item(
         # Decoding needs the item's whole raw buffer (chunks decode into their slice);
         # a delta item is decoded against its reference, which is checked too.
         out = memoryview(bytearray(loc.raw_length))
-        ckpt.read_item(handle, index.fqn, loc, out, index=index)
+        ckpt.read_item(handle, index, loc, out)
     else:
         buf = memoryview(bytearray(max(1, min(_BLOCK, loc.length))))
         ckpt.read_stored(handle, index.fqn, loc, blocks_of(buf, loc.length))

@@ -404,7 +404,7 @@ class _Recoder:
             self.source.read_stored(src, fqn, loc, [stored])
             return loc.transforms, [stored], None
         raw = memoryview(bytearray(loc.raw_length))
-        self.source.read_item(src, fqn, loc, raw, pool=self.pool, window=window, index=index)
+        self.source.read_item(src, index, loc, raw, pool=self.pool, window=window)
         stream = self._reference(index, loc, dtype, streams)
         transforms, parts = encode_item(
             raw, dtype, self.codec, self.compression, pool=self.pool, window=window,
