@@ -65,6 +65,7 @@ class DeltaChains:
                 history[:] = [(s, r) for s, r in history if s != step]  # saved again
                 history.append((step, reference))
                 self._gone[index].discard(step)
+                self._read[index].pop(step, None)  # a manifest read before is stale now
 
     def removed(self, index: int, steps: Iterable[int]) -> None:
         """Record that retention removed ``steps`` from level ``index`` (every rank must
@@ -89,10 +90,9 @@ class DeltaChains:
         out: dict[int, int | None] = {}
         for step in steps:
             with self._lock:
-                cached = self._read[index].get(step, -1)
-            if cached != -1:
-                out[step] = cached
-                continue
+                if step in self._read[index]:
+                    out[step] = self._read[index][step]
+                    continue
             try:
                 link = self._drivers[index].checkpoint(step).manifest().reference
                 ref = None if link is None else parse_step_dir(link.checkpoint)
