@@ -369,11 +369,12 @@ class CheckpointManager:
         try:
             dcp.save(state_dict, storage_writer=writer, planner=self._planner)
         except CheckpointException as e:
-            if reference is None or not _reference_failed(e):
+            why = None if reference is None else _reference_failed(e)
+            if why is None:
                 raise
             logger.warning(
                 "dcp_multilevel: step %d could not be coded against %s (%s); saving it whole",
-                step, reference.url, _reference_failed(e),
+                step, reference.url, why,  # type: ignore[union-attr]
             )  # fmt: skip
             return None
         return writer
