@@ -23,9 +23,8 @@ from typing import Any
 import click
 
 from ..checkpoint import StoredCheckpoint, verify_file
-from ..checkpoint.stored import sibling_location
 from ..errors import BrokenChainError, CheckpointExistsError, ConfigError, DcpMultilevelError
-from ..format import MANIFEST_NAME, Manifest, checkpoint_url, parse_step_dir
+from ..format import MANIFEST_NAME, checkpoint_url, parse_step_dir
 from ..levels.transfer import copy_file_verbatim
 from ..stores import store_for
 from ._common import (
@@ -42,14 +41,13 @@ from ._common import (
 __all__ = ["copy", "copy_checkpoint"]
 
 
-def _check_reference(manifest: Manifest, dest: StoredCheckpoint) -> None:
-    """A delta checkpoint's copy needs its reference beside it: refuse before copying."""
-    link = manifest.reference
-    if link is None:
+def _check_reference(staged: StoredCheckpoint) -> None:
+    """A delta checkpoint's copy (``staged``: the source's manifest at the destination)
+    needs its reference beside it: refuse before copying."""
+    link = staged.manifest().reference
+    sibling = staged.reference()
+    if link is None or sibling is None:
         return
-    sibling = StoredCheckpoint.at(
-        sibling_location(dest.location, link.checkpoint), dest.storage_options
-    )
     try:
         there = sibling.manifest().save_id
     except (DcpMultilevelError, OSError):
@@ -57,12 +55,12 @@ def _check_reference(manifest: Manifest, dest: StoredCheckpoint) -> None:
     if there != link.save_id:
         raise BrokenChainError(
             f"the checkpoint is a delta against {link.checkpoint} (save {link.save_id}), and "
-            f"{sibling.url} does not hold that save, so the copy at {dest.url} could not be "
+            f"{sibling.url} does not hold that save, so the copy at {staged.url} could not be "
             f"loaded. Copy {link.checkpoint} there first (and its own reference, if it is a "
             "delta too), or store this step whole with 'dcp-multilevel convert SRC DST --to "
             "ours --codec bytegroup'.",
-            checkpoint=dest.url,
-            chain=(dest.url, sibling.url),
+            checkpoint=staged.url,
+            chain=(staged.url, sibling.url),
         )
 
 
@@ -101,9 +99,12 @@ def copy_checkpoint(
             "delete it first or pick another destination",
             checkpoint=dest.url,
         )
-    _check_reference(manifest, dest)
     # The source's manifest, read against DEST's files: checks what an earlier run left.
-    staged = StoredCheckpoint(dest.store, location=dest.location, manifest_bytes=manifest_bytes)
+    staged = StoredCheckpoint(
+        dest.store, location=dest.location, manifest_bytes=manifest_bytes,
+        storage_options=dest.storage_options,
+    )  # fmt: skip
+    _check_reference(staged)
     total = sum(manifest.files.values())
     with progress(f"copy to {dest.url}", total, enabled=show_progress) as advance:
         for file, size in sorted(manifest.files.items()):
