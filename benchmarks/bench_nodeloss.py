@@ -83,6 +83,15 @@ nothing, and a restore brings only the lost node's files. The restore table
 gives the slowest rank's seconds in each phase (plan, bring, read), and
 ``--profile DIR`` writes a cProfile of each restore per rank.
 
+``--state fsdp`` is the sharded state plus what sharded training also
+saves: a value every rank holds, here AdamW's step count per parameter (a
+0-dim tensor, as FSDP's optimizer state dicts hold it), which the balanced
+planner spreads over the ranks' files. Every rank reads all of them, so
+every node needs a few bytes of every other node's file. The configuration
+``erasure-4n-whole`` is ``erasure-4n`` with restores that copy such files
+whole (``restore_plan.PART_SHARE = 0`` in its ranks: the restore as it was
+before partial copies), to compare in the same run.
+
 Goals (issue 14): blocked time per save unchanged by adding the level
 (within 10 %, this machine's noise); restore after one node loss at least 3x
 faster than from the remote alone; erasure storage exactly (k+m)/k of the
@@ -127,12 +136,14 @@ from _measure import GB, median, rotated, rounds, spread
 from _report import REPO, fmt, goal_line, machine_info, markdown_table, times
 from dcp_multilevel import CheckpointManager, Level
 from dcp_multilevel.format import checksum_of
+from dcp_multilevel.levels import restore_plan
 from dcp_multilevel.levels.erasure_code import CHUNK, ErasureCode
+from dcp_multilevel.levels.restore_plan import PART_SHARE
 from dcp_multilevel.loading import Loader
 from tests._dist import run_ranks
 
 WORLD = 4
-STATES = ("replicated", "sharded")
+STATES = ("replicated", "sharded", "fsdp")
 BLOCKED_GOAL = 1.10  # blocked with the level / without <= this (noise band)
 RESTORE_GOAL = 3.0  # restore from the remote / with the level >= this
 PADDING_GOAL = 0.01  # erasure padding / checkpoint bytes < this
@@ -149,12 +160,14 @@ class Config:
     kind: str | None  # the node-local level's kind, None: remote only
     options: dict[str, int] = field(default_factory=dict)
     baseline: str | None = None  # the remote-only config of the same topology
+    whole_files: bool = False  # restores copy whole files, never parts (before partial copies)
 
     @property
     def label(self) -> str:
         what = f"{self.kind} " + " ".join(f"{k}={v}" for k, v in self.options.items())
         where = f"{self.nodes} nodes x {WORLD // self.nodes}"
-        return f"{what if self.kind else 'remote only'} ({where})"
+        whole = ", whole files" if self.whole_files else ""
+        return f"{what if self.kind else 'remote only'} ({where}{whole})"
 
 
 CONFIGS = {
@@ -164,8 +177,19 @@ CONFIGS = {
         Config("partner-2n", 2, "partner", {"replicas": 2}, baseline="remote-2n"),
         Config("remote-4n", 4, None),
         Config("erasure-4n", 4, "erasure", {"data": 2, "parity": 1}, baseline="remote-4n"),
+        Config(
+            "erasure-4n-whole",
+            4,
+            "erasure",
+            {"data": 2, "parity": 1},
+            baseline="remote-4n",
+            whole_files=True,
+        ),
     )
 }
+
+#: The configurations run unless ``--configs`` names others.
+DEFAULT_CONFIGS = ("remote-2n", "partner-2n", "remote-4n", "erasure-4n")
 
 
 # --------------------------------------------------------------------------- on every rank
@@ -254,6 +278,8 @@ def run_config(
     per_node = WORLD // cfg.nodes
     node = rank // per_node
     os.environ["DCP_ML_NODE"] = str(node)
+    # The library's threshold for copying parts of a file; 0: always whole files.
+    restore_plan.PART_SHARE = 0.0 if cfg.whole_files else PART_SHARE
     base = Path(args["root"]) / f"{cfg.name}-r{rep}"
     remote = f"throttled://{args['remote_dir']}/{cfg.name}-r{rep}"
     levels = levels_for(cfg, base, remote, node, args)
@@ -387,8 +413,11 @@ def rank_main(rank: int, world: int, args: dict) -> list[dict[str, Any]]:
     timed_phases()
     cfg = bert_config(args["scale"], tiny=args["quick"])
     state = bert_adamw_state(cfg, seed=args["seed"])
-    if args["state"] == "sharded":
+    if args["state"] in ("sharded", "fsdp"):
+        steps = [name for name in state if name.startswith("model.")]
         state = shard_state(state, rank, world)  # the full state is dropped here
+        if args["state"] == "fsdp":  # AdamW's step count per parameter, on every rank
+            state.update({f"optim.step.{n[6:]}": torch.tensor(1000.0) for n in steps})
     dest = zeros_like_state(state)
     configs = [CONFIGS[name] for name in args["configs"]]
     out = []
@@ -623,6 +652,7 @@ def ranks_tables(sums: dict[str, Summary], args: argparse.Namespace, state_bytes
             "the replicated state, each rank writing its balanced share"
             if args.state == "replicated"
             else "the sharded state, each rank writing its own shard"
+            + (" and a share of the step counts" if args.state == "fsdp" else "")
         )
         + "). Stored = new bytes on the level's disks (partner copies, parity "
         "blocks; the node's own files are hard links), sent = bytes a rank sent to other "
@@ -656,8 +686,8 @@ def erasure_storage(sums: dict[str, Summary], goals: list[str]) -> list[str]:
     """The erasure level's bytes on disk (and its goal line, appended to ``goals``)."""
     out: list[str] = []
     for s in sums.values():
-        if s.config.kind != "erasure" or not s.disk:
-            continue
+        if s.config.kind != "erasure" or s.config.whole_files or not s.disk:
+            continue  # (the whole-files variant saves the very same way)
         k, m = s.config.options["data"], s.config.options["parity"]
         disk = s.disk[-1]
         data, parity = disk["data"], disk["parity"]
@@ -754,9 +784,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--state", choices=STATES, default="replicated",
                    help="replicated: every rank holds (and loads) the whole state; sharded: "
                    "each rank a quarter of every tensor under keys of its own "
-                   "(rank<r>.<name>), saved and loaded by it alone; replicated")
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"subset of: {', '.join(CONFIGS)}; '' for the coder alone")
+                   "(rank<r>.<name>), saved and loaded by it alone; fsdp: sharded plus "
+                   "AdamW's step count per parameter on every rank; replicated")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"subset of: {', '.join(CONFIGS)}; '' for the coder alone; "
+                   f"default: {','.join(DEFAULT_CONFIGS)}")
     p.add_argument("--repeat", type=int, default=3, help="rounds over the configs; 3")
     p.add_argument("--saves", type=int, default=3,
                    help="saves per config and round (the first is not counted); 3")
@@ -857,6 +889,8 @@ def main(argv: list[str] | None = None) -> int:
     held = (
         f"replicated on {WORLD} ranks" if args.state == "replicated" else
         f"sharded over {WORLD} ranks (each a 1/{WORLD} of every tensor, keys of its own)"
+        + (", plus AdamW's step count per parameter (0-dim, on every rank)"
+           if args.state == "fsdp" else "")
     )  # fmt: skip
     print(
         f"- state: BertForPreTraining shapes, {cfg.num_hidden_layers} of 24 encoder layers, "

@@ -36,7 +36,8 @@ from .levels.restore import (
     RestoreReport,
     execute,
     gather_inventories,
-    needed_files,
+    needed_ranges,
+    parts_copy,
     set_aside_damaged,
     take_inventory,
 )
@@ -86,7 +87,7 @@ class Loader:
         """How every rank can load ``step`` (``Restore.ok``), logged when it cannot. Collective."""
         plan = restorable(
             step, self.drivers, views, node=self.node(),
-            needs=lambda manifest: needed_files(state_dict, manifest, planner),
+            needs=lambda manifest: needed_ranges(state_dict, manifest, planner),
             transfers=self._restore_group is not None, names=self._names,
         )  # fmt: skip
         if not plan.ok:
@@ -123,6 +124,13 @@ class Loader:
         # reader's per-item fallback).
         copies = [self.drivers[i].checkpoint(plan.step) for i in plan.levels]
         options = [self.drivers[i].root.storage_options for i in plan.levels]
+        if plan.levels[0] == 0 and plan.manifest is not None:
+            # Items a restore brought without their whole file (restore.py's parts copy).
+            first = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest)
+            parts = parts_copy(first)
+            if parts is not None and parts.is_committed():
+                copies.insert(1, parts)
+                options.insert(1, None)
         reader = MultiLevelReader(
             copies[0].location,
             fallbacks=[c.location for c in copies[1:]],
@@ -188,7 +196,7 @@ class Loader:
         assert plan.manifest is not None
         manifest = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest).manifest()
         mine = next(i for i in plan.inventories if i.rank == _dist.rank())
-        inventory = take_inventory(plan.step, self.drivers, manifest, mine.needs, mine.node,
+        inventory = take_inventory(plan.step, self.drivers, manifest, mine.ranges, mine.node,
                                    mine.whole)  # fmt: skip
         plan.inventories = gather_inventories(inventory)
         steps = plan_restore(plan.step, manifest.files, plan.inventories, self._names, bad)

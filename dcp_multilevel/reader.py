@@ -86,7 +86,8 @@ class MultiLevelReader(StorageReader):
             process cannot read it there (a node-local level: the manifest is on
             rank 0's node, which sends it; see ``CheckpointManager``). It is
             validated as if read from ``path``; data files this process cannot
-            see there are read from the fallbacks.
+            see there are read from the fallbacks (a file absent there is then
+            expected, not damage: no warning).
 
     Attributes:
         last_load_sources: after :meth:`read_data`, how many of this rank's
@@ -274,11 +275,15 @@ class MultiLevelReader(StorageReader):
             if unusable is not None:
                 self._trail.unusable(copy.url, unusable, [i for i, _ in pending], after)
                 continue
+            if ci == 0 and self._primary_manifest is not None:
+                pending, absent = self._split_absent(copy, pending)
+            else:
+                absent = []
             served, failures = self._read_from(copy, pending, planner)
             if served:
                 self.last_load_sources[copy.url] = served
             self._trail.failed(copy.url, failures, after)
-            pending = [(f.index, f.req) for f in failures]
+            pending = [(f.index, f.req) for f in sorted(failures + absent, key=lambda f: f.index)]
         if pending:
             raise self._trail.unreadable(pending)
         if len(self.last_load_sources) > 1:
@@ -311,6 +316,29 @@ class MultiLevelReader(StorageReader):
         return self._copies[self._base].manifest()
 
     # ------------------------------------------------------------------ reading
+
+    def _split_absent(
+        self, copy: StoredCheckpoint, items: list[tuple[int, ReadItem]]
+    ) -> tuple[list[tuple[int, ReadItem]], list[Failure]]:
+        """``items`` whose data file ``copy`` (a node's own view of a node-local level)
+        holds, and a failure for each of the others, recorded but not logged: the
+        node was never meant to hold them (the next copies serve them)."""
+        try:
+            present = copy.data_files()
+        except OSError:
+            return items, []
+        locations = copy.manifest().locations
+        keep, absent = [], []
+        for i, req in items:
+            loc = locations.get(req.storage_index)
+            if loc is None or loc.file in present:
+                keep.append((i, req))
+                continue
+            err = FileNotFoundError(f"data file {loc.file} is not on this node's copy {copy.url}")
+            absent.append(Failure(i, req, loc.file, err, whole_file=True))
+        for f in absent:
+            self._trail.items[f.index].append((copy.url, f.error, True))
+        return keep, absent
 
     def _read_from(
         self, copy: StoredCheckpoint, items: list[tuple[int, ReadItem]], planner: LoadPlanner

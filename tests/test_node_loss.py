@@ -8,6 +8,7 @@ node is deleting its directory.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -52,7 +53,8 @@ def _same(a: dict, b: dict) -> bool:
             if not _same(x, y):
                 return False
         elif isinstance(x, torch.Tensor):
-            if x.dtype != y.dtype or not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+            bits = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
+            if x.dtype != y.dtype or not torch.equal(bits(x), bits(y)):
                 return False
         elif x != y:
             return False
@@ -333,6 +335,118 @@ def test_sharded_state_restores_only_the_lost_nodes_member(tmp_path):
     assert out[0][2] == {} and out[2][2] == {}
     level = f"erasure:{root}/n{{node}}/erasure"
     assert out[1][2] == {f"{level} (rebuilt from nodes [0, 2])": 1}
+
+
+def _fsdp_like(rank: int, step: int) -> dict:
+    """Rank ``rank``'s shards plus values every rank holds (an optimizer's step count
+    per parameter, the epoch): what sharded training (FSDP) saves. The balanced
+    planner spreads the replicated values over the ranks' files."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {
+        **{f"rank{rank}.w{i}": torch.randn(512, 512, generator=g) for i in range(3)},
+        **{f"opt.step{i}": torch.tensor(float(step * 10 + i)) for i in range(8)},
+        "epoch": step,
+    }
+
+
+def _fsdp_blank(rank: int) -> dict:
+    return {
+        **{f"rank{rank}.w{i}": torch.zeros(512, 512) for i in range(3)},
+        **{f"opt.step{i}": torch.tensor(-1.0) for i in range(8)},
+        "epoch": -1,
+    }
+
+
+_ERASURE = {"data": 2, "parity": 1}
+
+
+def _fsdp_save_job(rank: int, world: int, root: str) -> None:
+    os.environ["DCP_ML_NODE"] = str(rank)
+    mgr = CheckpointManager(_levels(root, "erasure", _ERASURE), drain_policy="wait")
+    mgr.save(_fsdp_like(rank, 1), step=1)
+    results = mgr.wait()
+    mgr.close()
+    assert results and all(r.committed and r.error is None for r in results), results
+
+
+def _fsdp_load_job(rank: int, world: int, root: str) -> tuple:
+    os.environ["DCP_ML_NODE"] = str(rank)
+    mgr = CheckpointManager(_levels(root, "erasure", _ERASURE))
+    state = _fsdp_blank(rank)
+    step = mgr.load_latest(state)
+    mgr.close()
+    received = mgr.last_restore.received if mgr.last_restore else {}
+    return step, _same(state, _fsdp_like(rank, 1)), received, mgr.last_load_sources
+
+
+def _data_files(directory: Path) -> set[str]:
+    return {p.name for p in (directory / "data").iterdir()} if directory.exists() else set()
+
+
+def test_values_every_rank_holds_are_fetched_as_items_not_whole_files(tmp_path):
+    # 3 nodes, RS(2+1), sharded state plus replicated values spread over every
+    # rank's file. A node needs only a few hundred bytes of the other nodes'
+    # files: a restart copies those items (into the step's parts copy), never the
+    # files whole; the first level keeps exactly the node's own file.
+    root = str(tmp_path)
+    run_ranks(_fsdp_save_job, 3, root, timeout=240)
+    step_dir = lambda node: tmp_path / f"n{node}" / "l1" / "step-1"  # noqa: E731
+    own = {node: _data_files(step_dir(node)) for node in range(3)}
+    assert all(len(files) == 1 for files in own.values()), own
+    manifest = json.loads((step_dir(0) / "manifest.json").read_text())
+    shared = {i["file"].split("/")[1] for i in manifest["items"] if not i["fqn"].startswith("rank")}
+    # The nodes whose file holds some of the replicated values (the planner's choice).
+    holders = [n for n in range(3) if own[n] & shared]
+    assert len(holders) >= 2, (own, shared)
+    out = run_ranks(_fsdp_load_job, 3, root, timeout=240)
+    assert [(step, exact) for step, exact, _, _ in out] == [(1, True)] * 3
+    first = f"{root}/n{{node}}/l1"
+    for node in range(3):
+        others = [n for n in holders if n != node]
+        assert out[node][2] == {f"{first} (node {n}, items only)": 1 for n in others}
+        assert _data_files(step_dir(node)) == own[node]
+        parts = step_dir(node) / ".parts"
+        assert (parts / "manifest.json").exists()
+        assert _data_files(parts) == set().union(*(own[n] for n in others))
+        # Only the items: the holes cost no disk.
+        used = sum(f.stat().st_blocks * 512 for f in (parts / "data").iterdir())
+        assert used < 64 << 10, used
+        assert any(".parts" in url for url in out[node][3]), out[node][3]
+    # Losing node 1: its member is rebuilt whole onto it (its shards are in it);
+    # the others take node 1's items from there, node 1 theirs from them.
+    shutil.rmtree(tmp_path / "n1")
+    out = run_ranks(_fsdp_load_job, 3, root, timeout=240)
+    assert [(step, exact) for step, exact, _, _ in out] == [(1, True)] * 3
+    level = f"erasure:{root}/n{{node}}/erasure"
+    assert out[1][2] == {
+        f"{level} (rebuilt from nodes [0, 2])": 1,
+        **{f"{first} (node {n}, items only)": 1 for n in holders if n != 1},
+    }
+    assert out[0][2] == ({f"{first} (node 1, items only)": 1} if 1 in holders else {})
+    assert _data_files(step_dir(1)) == own[1]
+
+
+def test_a_damaged_source_of_items_is_never_read(tmp_path):
+    # The items other nodes take from a node's file come from a copy with a flipped
+    # byte in one of them: detected while sending, reported, and the load still
+    # ends bit-exact (the member is rebuilt from the erasure level instead).
+    root = str(tmp_path)
+    run_ranks(_fsdp_save_job, 3, root, timeout=240)
+    step_dir = lambda node: tmp_path / f"n{node}" / "l1" / "step-1"  # noqa: E731
+    manifest = json.loads((step_dir(0) / "manifest.json").read_text())
+    item = next(i for i in manifest["items"] if i["fqn"].startswith("opt.step"))
+    damaged = next(n for n in range(3) if (step_dir(n) / item["file"]).exists())
+    path = step_dir(damaged) / item["file"]
+    data = bytearray(path.read_bytes())
+    data[item["pos"]] ^= 0x40
+    path.write_bytes(bytes(data))
+    out = run_ranks(_fsdp_load_job, 3, root, timeout=240)
+    assert [(step, exact) for step, exact, _, _ in out] == [(1, True)] * 3
+    # Nothing was taken from the damaged file (a failed transfer is not counted);
+    # its member was rebuilt from the erasure level.
+    received = [key for _, _, got, _ in out for key in got]
+    assert not [key for key in received if f"(node {damaged}, items only)" in key], received
+    assert any("rebuilt from nodes" in key for key in received), received
 
 
 # --------------------------------------------------------------------------- the wire

@@ -21,6 +21,7 @@ from dcp_multilevel.levels.restore_plan import (
     Link,
     Rebuild,
     in_rounds,
+    merge_ranges,
     participants,
     plan_restore,
 )
@@ -97,6 +98,60 @@ def test_a_damaged_source_is_left_out_and_a_store_level_covers_the_rest():
         for n in (0, 1)
     ]
     assert f"partner:/p: no node here holds a copy of {names[1]}" in plan.reasons
+
+
+def test_a_node_that_needs_a_few_items_of_a_file_gets_only_their_bytes():
+    # Files of 100 bytes: node 1 reads 20 bytes of node 0's file (a replicated
+    # value stored there), in two pieces; it gets those ranges, merged and sorted.
+    files = {"data/0-0.t.bin": 100, "data/1-0.t.bin": 100}
+    a, b = sorted(files)
+    invs = [
+        Inventory(0, 0, [a], {a: [[0, 100]]}, parts=True, files={0: [a]}),
+        Inventory(1, 1, [a, b], {a: [[40, 50]], b: [[0, 100]]}, parts=True, files={0: [b]}),
+        Inventory(2, 1, [a, b], {a: [[10, 15], [15, 20]], b: [[0, 100]]}, parts=True),
+    ]
+    plan = plan_restore(7, files, invs, URLS)
+    assert plan.actions == [Copy(a, 0, 0, 1, ((10, 20), (40, 50)))]
+    # More than PART_SHARE of the file: the whole file.
+    invs[2].ranges = {a: [[0, 55]], b: [[0, 100]]}
+    assert plan_restore(7, files, invs, URLS).actions == [Copy(a, 0, 0, 1)]
+    # The receiver's first level cannot take parts, or a rank's needs are unknown:
+    # the whole file.
+    invs[2].ranges = {a: [[10, 20]], b: [[0, 100]]}
+    invs[1].parts = False
+    assert plan_restore(7, files, invs, URLS).actions == [Copy(a, 0, 0, 1)]
+    invs[1].parts, invs[2].ranges = True, None
+    assert plan_restore(7, files, invs, URLS).actions == [Copy(a, 0, 0, 1)]
+
+
+def test_a_lost_member_is_rebuilt_where_it_is_needed_whole_and_others_take_items_from_it():
+    # RS(2+1) on 3 nodes, node 1 replaced: node 0 needs a few items of node 1's
+    # file, node 1 (its shards) all of it. Node 1 rebuilds its member, node 0
+    # then takes the items from node 1, not a whole rebuilt member of its own.
+    files, invs = _erasure_inventories(3, 2, 1, lost={1})
+    mine, theirs = "data/0-0.t.bin", "data/1-0.t.bin"
+    for inv in invs:
+        inv.parts = True
+        inv.ranges = {f: [[0, size]] for f, size in files.items()}
+        inv.needs = None
+    invs[0].ranges = {mine: [[0, files[mine]]], theirs: [[3, 9]]}
+    invs[0].needs = [mine, theirs]
+    plan = plan_restore(7, files, invs, URLS)
+    assert plan.ok, plan.reasons
+    rebuilds = [a for a in plan.actions if isinstance(a, Rebuild)]
+    assert [r.dst for r in rebuilds] == [1]
+    assert Copy(theirs, 0, 1, 0, ((3, 9),)) in plan.actions
+    assert plan.actions.index(Copy(theirs, 0, 1, 0, ((3, 9),))) > plan.actions.index(rebuilds[0])
+
+
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 50)), max_size=12))
+def test_merged_ranges_cover_exactly_the_same_bytes(pieces):
+    ranges = [(a, a + n) for a, n in pieces]
+    merged = merge_ranges(ranges)
+    covered = {x for a, b in ranges for x in range(a, b)}
+    assert {x for a, b in merged for x in range(a, b)} == covered
+    # Sorted, disjoint and not touching (touching ones are one range).
+    assert all(b1 < a2 for (_, b1), (a2, _) in itertools.pairwise(merged))
 
 
 def test_without_transfers_only_what_a_node_sees_and_store_levels_count():
@@ -322,3 +377,34 @@ def test_a_file_streamed_in_any_blocks_is_checked_item_by_item(tmp_path_factory,
         verifier = FileVerifier(ckpt, file)
         verifier.feed(0, memoryview(bytes(data))[:100])
         verifier.finish()
+
+
+def test_ranges_of_a_file_are_read_with_only_their_items_checked(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_multilevel import MultiLevelWriter
+    from dcp_multilevel.checkpoint import StoredCheckpoint
+    from dcp_multilevel.errors import ChecksumMismatchError
+    from dcp_multilevel.levels.wire import range_blocks
+
+    state = {"a": torch.arange(1000.0), "b": torch.zeros(0), "c": torch.ones(700), "d": 5}
+    dcp.save(state, storage_writer=MultiLevelWriter(str(tmp_path)))
+    ckpt = StoredCheckpoint.at(str(tmp_path))
+    (file,) = ckpt.manifest().files
+    locs = {i.fqn: loc for i, loc in ckpt.manifest().locations.items()}
+    extent = lambda fqn: (locs[fqn].offset, locs[fqn].offset + locs[fqn].length)  # noqa: E731
+    ranges = merge_ranges([extent("c"), extent("d"), extent("b")])
+    data = (tmp_path / file).read_bytes()
+    got = b"".join(bytes(v) for v in range_blocks(ckpt, file, ranges, block=333))
+    assert got == b"".join(data[a:b] for a, b in ranges)
+    # A flipped byte outside the ranges is not read; inside them it is caught.
+    flipped = bytearray(data)
+    flipped[locs["a"].offset] ^= 1
+    (tmp_path / file).write_bytes(bytes(flipped))
+    assert b"".join(bytes(v) for v in range_blocks(ckpt, file, ranges)) == got
+    flipped[locs["c"].offset + 5] ^= 1
+    (tmp_path / file).write_bytes(bytes(flipped))
+    with pytest.raises(ChecksumMismatchError, match="item 'c'"):
+        for _ in range_blocks(ckpt, file, ranges):
+            pass

@@ -80,15 +80,16 @@ def restorable(
     views: Views,
     *,
     node: int,
-    needs: Callable[[Manifest], list[str] | None],
+    needs: Callable[[Manifest], dict[str, list[list[int]]] | None],
     transfers: bool,
     names: Sequence[str] | None = None,
 ) -> Restore:
     """How every rank can load ``step`` (``Restore.ok``), the same verdict on all. Collective.
 
-    ``node``: this rank's node; ``needs(manifest)``: the files this rank's
-    load reads (None: all); ``transfers``: whether files may be moved between
-    nodes (``restore.py``), else only what each node sees, and store levels, count;
+    ``node``: this rank's node; ``needs(manifest)``: per file, the byte ranges
+    this rank's load reads (``restore.needed_ranges``; None: all); ``transfers``:
+    whether files may be moved between nodes (``restore.py``), else only what
+    each node sees, and store levels, count;
     ``names``: the levels as the user wrote them (for messages; default: their URLs).
     """
     source = _manifest_source(step, drivers, views)
@@ -105,10 +106,8 @@ def restorable(
         why = [] if ok else [f"step {step}: some rank sees it on no level it can read"]
         return Restore(step, whole, None, reasons=why)
     manifest = decode_manifest(raw, checkpoint=drivers[0].checkpoint(step).url)
-    wanted = needs(manifest)
-    if wanted is not None and set(wanted) >= set(manifest.files):
-        wanted = None  # "every file", said in one word to every rank
-    inventory = take_inventory(step, drivers, manifest, wanted, node, whole)
+    inventory = take_inventory(step, drivers, manifest, needs(manifest), node, whole)
+    wanted = inventory.needs  # None: every file
     local = [i for i in sorted(inventory.files) if i > 0]
     levels = [0, *local, *whole]
     # The common case first: every rank's node already holds what it needs on the

@@ -18,6 +18,16 @@ lacks files its ranks must read. Before ``dcp.load``, the ranks:
    checksums is reported by every rank (all-gather) and left out of the
    next plan (a corrupt copy falls through to the next source).
 
+A node that needs only a few items of another node's file (a value every
+rank holds, which one rank's file stores beside that rank's own shards)
+receives only their byte ranges (``Copy.ranges``), into the step's *parts
+copy*: ``<first-level step>/.parts``, a directory with the step's manifest
+(written last) and files of the full size holding only the received ranges
+(the rest is a hole). The reader tries it after the first level
+(``parts_copy``); every item it serves is checked against its checksum, so a
+range it does not hold can never be read as data. The first level's own
+files stay whole: the inventory lists them as copies other nodes may take.
+
 Collective: every function that says so is called by every rank in the
 same order, on the main thread.
 """
@@ -37,30 +47,47 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import _dist
 from ..checkpoint import StoredCheckpoint
-from ..format import Manifest
+from ..errors import CheckpointNotFoundError
+from ..format import DATA_DIR, MANIFEST_NAME, Manifest
 from .base import LevelDriver
 from .erasure_blocks import block_chunks, rebuild, send_block
 from .node_local import PLACEMENT_NAME, link_or_copy
-from .restore_plan import Copy, Inventory, Link, Rebuild, RestorePlan, group_descriptions
-from .wire import SOURCE_ERRORS, file_blocks, recv_file, send_file
+from .restore_plan import (
+    Copy,
+    Inventory,
+    Link,
+    Rebuild,
+    RestorePlan,
+    group_descriptions,
+    merge_ranges,
+)
+from .wire import SOURCE_ERRORS, file_blocks, recv_file, recv_ranges, send_file, send_ranges
 
 __all__ = [
+    "PARTS_DIR",
     "RestoreReport",
     "execute",
     "gather_inventories",
-    "needed_files",
+    "needed_ranges",
+    "parts_copy",
     "set_aside_damaged",
     "take_inventory",
 ]
 
 logger = logging.getLogger(__name__)
 
+#: The parts copy of a first-level step (see the module docstring).
+PARTS_DIR = ".parts"
 
-def needed_files(state_dict: dict[str, Any], manifest: Manifest, planner: Any) -> list[str] | None:
-    """The data files this rank's load will read, or None (all of them) when unknown.
+
+def needed_ranges(
+    state_dict: dict[str, Any], manifest: Manifest, planner: Any
+) -> dict[str, list[list[int]]] | None:
+    """Per data file, the ``[offset, end)`` byte ranges of the items this rank's load
+    will read (merged), or None (every byte of every file) when unknown.
 
     A dry run of DCP's default load planner on ``state_dict`` (no data is
-    read). Unknown, and so every file, when the caller passes its own
+    read). Unknown, and so everything, when the caller passes its own
     planner or a ``Stateful`` (whose ``state_dict()`` DCP calls itself).
     """
     if planner is not None and type(planner) is not DefaultLoadPlanner:
@@ -71,23 +98,41 @@ def needed_files(state_dict: dict[str, Any], manifest: Manifest, planner: Any) -
         dry = DefaultLoadPlanner()
         dry.set_up_planner(state_dict, manifest.metadata, is_coordinator=False)
         plan = dry.create_local_plan()
-        return sorted({manifest.locations[item.storage_index].file for item in plan.items})
+        per_file: dict[str, list[list[int]]] = {}
+        for item in plan.items:
+            loc = manifest.locations[item.storage_index]
+            per_file.setdefault(loc.file, []).append([loc.offset, loc.offset + loc.length])
     except Exception as e:  # noqa: BLE001 - the real load will report it; fetch everything
         logger.debug("dcp_multilevel: load dry run failed (%s); restoring every file", e)
         return None
+    return {f: [list(r) for r in merge_ranges(rs)] for f, rs in sorted(per_file.items())}
+
+
+def parts_copy(first: StoredCheckpoint) -> StoredCheckpoint | None:
+    """The parts copy of first-level step ``first`` where it can exist (a local
+    directory, no delta reference: a delta's reference is found beside its own
+    checkpoint, which the parts copy is not); None elsewhere."""
+    path = first.store.local_path("")
+    if path is None or first.manifest().reference is not None:
+        return None
+    return StoredCheckpoint.at(os.path.join(path, PARTS_DIR))
 
 
 def take_inventory(
     step: int,
     drivers: Sequence[LevelDriver],
     manifest: Manifest,
-    needs: list[str] | None,
+    ranges: dict[str, list[list[int]]] | None,
     node: int,
     whole: Sequence[int],
 ) -> Inventory:
-    """What this rank's node holds of ``step``: file listings only (no data is read)."""
-    inv = Inventory(_dist.rank(), node, needs, whole=list(whole))
+    """What this rank's node holds of ``step``: file listings only (no data is read).
+
+    ``ranges``: what this rank's load reads (``needed_ranges``; None: everything).
+    """
     names = set(manifest.files)
+    needs = None if ranges is None or set(ranges) >= names else sorted(ranges)
+    inv = Inventory(_dist.rank(), node, needs, ranges, whole=list(whole))
     for i, driver in enumerate(drivers):
         if i > 0 and not driver.node_local:
             continue
@@ -103,6 +148,9 @@ def take_inventory(
                 inv.placement = _placement(ckpt)
         except (OSError, ValueError) as e:  # an unreadable part is a part not held
             logger.warning("dcp_multilevel: cannot list step %d on %s: %s", step, driver.url, e)
+    inv.parts = (
+        manifest.reference is None and drivers[0].checkpoint(step).store.local_path("") is not None
+    )
     return inv
 
 
@@ -133,8 +181,10 @@ class RestoreReport:
             count = 1
             if isinstance(action, Link):
                 key = f"{name} (this node)"
-            elif isinstance(action, Copy):
+            elif isinstance(action, Copy) and action.ranges is None:
                 key = f"{name} (node {nodes[action.src]})"
+            elif isinstance(action, Copy):
+                key = f"{name} (node {nodes[action.src]}, items only)"
             else:
                 key = f"{name} (rebuilt from nodes {sorted(nodes[r] for _, r in action.sources)})"
                 count = len(action.brings)
@@ -199,12 +249,24 @@ def execute(
 
     into = at(0)
     files = into.manifest().files
+    parts: StoredCheckpoint | None = None  # this node's parts copy, once it receives one
     bad: list[tuple[Any, ...]] = []
     descs = group_descriptions(inventories)
     for action in plan.actions:
         if isinstance(action, Link):
             if me == action.dst:
                 link_or_copy(drivers[action.level].checkpoint(step).store, into.store, action.file)
+            continue
+        if isinstance(action, Copy) and action.ranges is not None:
+            if me == action.src:
+                send_ranges(at(action.level), action.file, action.ranges, action.dst, group)
+            elif me == action.dst:
+                if parts is None:
+                    parts = _open_parts(into, manifest_bytes)
+                path = parts.store.local_path(action.file)
+                assert path is not None  # parts_copy() is a local directory
+                if not recv_ranges(path, files[action.file], action.ranges, action.src, group):
+                    bad.append(("copy", nodes[action.src], action.file))
             continue
         if isinstance(action, Copy):
             if me == action.src:
@@ -224,7 +286,25 @@ def execute(
                 if rank == me:
                     chunks = block_chunks(at(action.level), desc, block)
                     send_block(chunks, desc["stripe"], action.dst, group)
+    if parts is not None:
+        parts.store.write_atomic(MANIFEST_NAME, manifest_bytes)  # last: the copy exists
     return bad
+
+
+def _open_parts(first: StoredCheckpoint, manifest_bytes: bytes) -> StoredCheckpoint:
+    """This node's parts copy of ``first``'s step, ready for ranges: one left by an
+    earlier restore of the same save keeps its ranges (each item is checked when
+    read); one of another save is removed, its manifest first."""
+    parts = parts_copy(first)
+    assert parts is not None  # the plan sends ranges only where the inventory allows them
+    try:
+        same = parts.manifest_bytes() == manifest_bytes
+    except (CheckpointNotFoundError, OSError):
+        same = False
+    if not same:
+        parts.delete()
+        os.makedirs(parts.store.local_path(DATA_DIR) or "", exist_ok=True)
+    return parts
 
 
 def gather_inventories(inv: Inventory) -> list[Inventory]:
@@ -234,7 +314,7 @@ def gather_inventories(inv: Inventory) -> list[Inventory]:
 
 def _inventory(d: dict[str, Any]) -> Inventory:
     return Inventory(
-        rank=d["rank"], node=d["node"], needs=d["needs"],
+        rank=d["rank"], node=d["node"], needs=d["needs"], ranges=d["ranges"], parts=d["parts"],
         files={int(k): v for k, v in d["files"].items()}, whole=list(d["whole"]),
         parity={int(k): v for k, v in d["parity"].items()},
         groups={int(k): v for k, v in d["groups"].items()}, placement=d["placement"],

@@ -7,7 +7,12 @@ ranks need and its first level lacks, in order:
 
 1. a :class:`Link` from another level of the same node (a hard link: no bytes move);
 2. a :class:`Copy` from another node holding it (the lowest level first), or
-   from a node an earlier action of the plan brings it to;
+   from a node an earlier action of the plan brings it to. When the node's
+   ranks need only a small part of the file (at most :data:`PART_SHARE` of
+   its bytes: a value every rank holds that one rank's file stores, next to
+   that rank's own shards) and its first level can take them, only their
+   items' byte ranges are copied (``Copy.ranges``), into the step's
+   ``.parts`` copy (``restore.py``), never into the first level's files;
 3. a :class:`Rebuild` of the erasure member it belongs to (every member of
    the group the node lacks, in one pass, from any ``data`` intact blocks),
    once, on the first node that needs it;
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "PART_SHARE",
     "Copy",
     "Inventory",
     "Link",
@@ -33,9 +39,14 @@ __all__ = [
     "RestorePlan",
     "group_descriptions",
     "in_rounds",
+    "merge_ranges",
     "participants",
     "plan_restore",
 ]
+
+
+#: A node that needs at most this share of a file's bytes gets only those byte ranges.
+PART_SHARE = 0.5
 
 
 @dataclass
@@ -45,6 +56,9 @@ class Inventory:
     rank: int
     node: int
     needs: list[str] | None  # None: every file
+    # file -> the [offset, end) byte ranges of the items this rank reads there (None: unknown)
+    ranges: dict[str, list[list[int]]] | None = None
+    parts: bool = False  # this rank's first level can take a file's parts (restore.py)
     files: dict[int, list[str]] = field(default_factory=dict)  # level -> files on this node
     whole: list[int] = field(default_factory=list)  # store levels above the first holding it
     parity: dict[int, list[list[Any]]] = field(default_factory=dict)  # level -> [[group, block]]
@@ -63,12 +77,15 @@ class Link:
 
 @dataclass(frozen=True)
 class Copy:
-    """Send ``file`` from ``src``'s node (its copy on level ``level``) to ``dst``'s."""
+    """Send ``file`` from ``src``'s node (its copy on level ``level``) to ``dst``'s;
+    with ``ranges`` (sorted, disjoint ``(offset, end)`` pairs, each whole items)
+    only those bytes, into ``dst``'s parts copy."""
 
     file: str
     level: int
     src: int
     dst: int
+    ranges: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +139,7 @@ def plan_restore(
     groups = group_descriptions(inventories)
     lacking: list[str] = []  # one line per node that lacks files (first in the reasons)
     arrived: dict[int, tuple[int, set[str]]] = {}  # node -> (receiving rank, rebuilt files)
+    todo: list[_NodeNeeds] = []
     for node, invs in sorted(nodes.items()):
         dst = min(inv.rank for inv in invs)
         # Copies on this node found damaged (and what a restore linked to them).
@@ -135,36 +153,58 @@ def plan_restore(
             level = min(i for inv in invs for i, fs in inv.files.items() if file in fs)
             plan.actions.append(Link(file, level, dst))
         missing = sorted(needed - have)
-        covered = any(inv.whole for inv in invs)
-        unmet: list[str] = []
-        rebuilt: set[str] = set()
-        for file in missing:
-            if file in rebuilt:
-                continue
-            source = _copy_source(file, node, inventories, bad, arrived) if transfers else None
-            if source is not None:
-                plan.actions.append(Copy(file, source[0], source[1], dst))
-                continue
-            action = _rebuild_for(file, node, needed - have, groups, inventories, bad, dst,
-                                  level_urls, step) if transfers else None  # fmt: skip
-            if isinstance(action, Rebuild):
-                plan.actions.append(action)
-                rebuilt |= set(action.brings)
-                arrived.setdefault(node, (dst, set()))[1].update(rebuilt)
-                continue
-            if not covered:
-                unmet.append(file)
-                if isinstance(action, str):
-                    plan.reasons.append(action)
-        if unmet:
-            ranks = sorted(inv.rank for inv in invs)
+        parts = {f: _part_of(f, files[f], invs, dst) for f in missing}
+        todo.append(_NodeNeeds(node, invs, dst, parts, any(inv.whole for inv in invs)))
+    # Files needed whole first: a lost member is then rebuilt on a node that needs
+    # it whole, and the nodes that need a few of its items take them from there.
+    for partly in (False, True):
+        for need in todo:
+            wanted = {f for f, r in need.parts.items() if (r is not None) == partly}
+            for file in sorted(wanted):
+                if file in need.rebuilt:
+                    continue
+                source = (
+                    _copy_source(file, need.node, inventories, bad, arrived) if transfers else None
+                )
+                if source is not None:
+                    plan.actions.append(Copy(file, *source, need.dst, need.parts[file]))
+                    continue
+                action = (
+                    _rebuild_for(
+                        file,
+                        need.node,
+                        wanted,
+                        groups,
+                        inventories,
+                        bad,
+                        need.dst,
+                        level_urls,
+                        step,
+                    )
+                    if transfers
+                    else None
+                )
+                if isinstance(action, Rebuild):
+                    plan.actions.append(action)
+                    need.rebuilt |= set(action.brings)
+                    arrived.setdefault(need.node, (need.dst, set()))[1].update(need.rebuilt)
+                    continue
+                if not need.covered:
+                    need.unmet.append(file)
+                    if isinstance(action, str):
+                        plan.reasons.append(action)
+    for need in todo:
+        if need.unmet:
+            ranks = sorted(inv.rank for inv in need.invs)
             lacking.append(
-                f"node {node} (ranks {ranks}) lacks {len(unmet)} file(s) of step {step} that no "
-                f"node holds and no level can rebuild (e.g. {unmet[0]})"
+                f"node {need.node} (ranks {ranks}) lacks {len(need.unmet)} file(s) of step {step} "
+                f"that no node holds and no level can rebuild (e.g. {need.unmet[0]})"
             )
             copying = sorted({i for inv in inventories for i in inv.files if i > 0} - set(groups))
             for i in copying:
-                plan.reasons.append(f"{level_urls[i]}: no node here holds a copy of {unmet[0]}")
+                plan.reasons.append(
+                    f"{level_urls[i]}: no node here holds a copy of {need.unmet[0]}"
+                )
     plan.reasons[:0] = lacking
     if plan.reasons:
         lost = _lost_nodes(inventories)
@@ -176,6 +216,45 @@ def plan_restore(
         plan.actions = []
     plan.actions = in_rounds(plan.actions)
     return plan
+
+
+@dataclass
+class _NodeNeeds:
+    """What one node lacks, while a plan is made: per file, the byte ranges to copy
+    (None: the whole file); the files rebuilt on it and those no source has."""
+
+    node: int
+    invs: list[Inventory]
+    dst: int
+    parts: dict[str, tuple[tuple[int, int], ...] | None]
+    covered: bool  # a store level holding the whole step serves what no node has
+    rebuilt: set[str] = field(default_factory=set)
+    unmet: list[str] = field(default_factory=list)
+
+
+def merge_ranges(ranges: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """``(offset, end)`` ranges sorted, with overlapping and touching ones merged."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted((int(a), int(b)) for a, b in ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _part_of(file: str, size: int, invs: Sequence[Inventory], dst: int
+             ) -> tuple[tuple[int, int], ...] | None:  # fmt: skip
+    """The byte ranges of ``file`` a node's ranks ``invs`` read, when that is a small
+    part (at most ``PART_SHARE`` of ``size``) and the receiving rank ``dst`` can take
+    parts; None: copy the whole file."""
+    receiver = next(inv for inv in invs if inv.rank == dst)
+    if not receiver.parts or any(inv.ranges is None for inv in invs):
+        return None
+    wanted = merge_ranges([r for inv in invs for r in (inv.ranges or {}).get(file, ())])
+    if not wanted or sum(end - start for start, end in wanted) > PART_SHARE * size:
+        return None
+    return tuple(wanted)
 
 
 def group_descriptions(inventories: Sequence[Inventory]) -> dict[int, dict[str, dict[str, Any]]]:

@@ -33,10 +33,12 @@ the transfer and the writes overlap. gloo calls stay on the caller's thread.
 
 from __future__ import annotations
 
+import bisect
 import logging
+import os
 import queue
 import threading
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from .. import _dist
@@ -54,10 +56,13 @@ __all__ = [
     "OutStream",
     "WriteBehind",
     "file_blocks",
+    "range_blocks",
     "read_ahead",
     "receive",
     "recv_file",
+    "recv_ranges",
     "send_file",
+    "send_ranges",
     "status",
 ]
 
@@ -269,16 +274,23 @@ class FileVerifier:
     Feed the file's bytes in order (:meth:`feed`); each item's checksum is
     checked as soon as its last byte went by (``checkpoint/items.py``'s check
     and messages), and :meth:`finish` checks that every item was seen. Bytes no
-    item covers are not checked (none are vouched for).
+    item covers are not checked (none are vouched for). With ``ranges``
+    (sorted ``(offset, end)`` pairs) only the items inside them are expected,
+    and only their bytes are fed.
     """
 
-    def __init__(self, ckpt: StoredCheckpoint, file: str) -> None:
+    def __init__(
+        self, ckpt: StoredCheckpoint, file: str, ranges: Sequence[tuple[int, int]] | None = None
+    ) -> None:
         manifest = ckpt.manifest()
         self.ckpt = ckpt
         self.file = file
         self.size = manifest.files[file]
         refs = (ItemRef(ckpt.url, i.fqn, loc) for i, loc in manifest.locations.items())
-        self._items = sorted((r for r in refs if r.loc.file == file), key=lambda r: r.loc.offset)
+        mine = [r for r in refs if r.loc.file == file]
+        if ranges is not None:
+            mine = [r for r in mine if _inside(r.loc.offset, r.loc.offset + r.loc.length, ranges)]
+        self._items = sorted(mine, key=lambda r: r.loc.offset)
         self._next = 0  # the item being hashed (items do not overlap: one at a time)
         self._hasher = Hasher()
         self._fed = 0  # bytes seen so far
@@ -309,6 +321,12 @@ class FileVerifier:
             raise truncated(self._items[self._next], self._fed)
 
 
+def _inside(start: int, end: int, ranges: Sequence[tuple[int, int]]) -> bool:
+    """Whether ``[start, end)`` lies within one of ``ranges`` (sorted, disjoint)."""
+    i = bisect.bisect_right([a for a, _ in ranges], start) - 1
+    return i >= 0 and end <= ranges[i][1]
+
+
 def file_blocks(ckpt: StoredCheckpoint, file: str, block: int = WIRE_BLOCK) -> Iterator[memoryview]:
     """The bytes of data file ``file`` of ``ckpt`` in blocks (one reused buffer), each
     item verified against the manifest once its last byte was read.
@@ -334,6 +352,95 @@ def file_blocks(ckpt: StoredCheckpoint, file: str, block: int = WIRE_BLOCK) -> I
             yield view
             pos += len(view)
     verifier.finish()
+
+
+def range_blocks(
+    ckpt: StoredCheckpoint, file: str, ranges: Sequence[tuple[int, int]], block: int = WIRE_BLOCK
+) -> Iterator[memoryview]:
+    """The bytes of ``ranges`` of data file ``file``, in order, in blocks (one reused
+    buffer), each item inside them verified once its last byte was read.
+
+    Raises: as :func:`file_blocks`.
+    """
+    verifier = FileVerifier(ckpt, file, ranges)
+    with ckpt.open_data(file, "(a transfer)") as handle:
+        buf = memoryview(bytearray(max(1, min(block, max((b - a for a, b in ranges), default=1)))))
+        for start, end in ranges:
+            pos = start
+            while pos < end:
+                view = buf[: min(len(buf), end - pos)]
+                if handle.read_into(pos, view) != len(view):
+                    raise TruncatedDataError(
+                        f"data file {file!r} of {ckpt.url} ended at byte {pos}",
+                        checkpoint=ckpt.url, file=file,
+                    )  # fmt: skip
+                verifier.feed(pos, view)
+                yield view
+                pos += len(view)
+    verifier.finish()
+
+
+def send_ranges(
+    ckpt: StoredCheckpoint, file: str, ranges: Sequence[tuple[int, int]], dst: int, group: Any
+) -> bool:
+    """Send the bytes of ``ranges`` of ``file`` to ``dst`` (one stream, ranges in
+    order), verified on the way; False if they were damaged."""
+    out = OutStream(sum(b - a for a, b in ranges), dst, group)
+    try:
+        for view in read_ahead(range_blocks(ckpt, file, ranges)):
+            out.write(view)
+    except SOURCE_ERRORS as e:
+        logger.warning("dcp_multilevel: not sending parts of %s of %s: %s", file, ckpt.url, e)
+        out.finish(False)
+        return False
+    out.finish(True)
+    return True
+
+
+def recv_ranges(
+    path: str, size: int, ranges: Sequence[tuple[int, int]], src: int, group: Any,
+    block: int = WIRE_BLOCK,
+) -> bool:  # fmt: skip
+    """Receive what :func:`send_ranges` sends into the local file ``path`` (made
+    ``size`` bytes long; other ranges it holds are kept), each range at its own
+    offset; False when the sender found its copy damaged (the bytes written are
+    then not vouched for: readers check every item they take from the file)."""
+    starts = [0]  # stream position of each range
+    for a, b in ranges:
+        starts.append(starts[-1] + b - a)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+    def write(piece: tuple[int, memoryview]) -> None:
+        pos, view = piece
+        while len(view):
+            i = bisect.bisect_right(starts, pos) - 1
+            into = pos - starts[i]
+            n = min(len(view), starts[i + 1] - pos)
+            written = os.pwrite(fd, view[:n], ranges[i][0] + into)
+            view, pos = view[written:], pos + written
+
+    stream = receive(starts[-1], src, group, block, buffers=READ_AHEAD + 2)
+    vouched: bool | None = None
+    try:
+        if os.fstat(fd).st_size != size:
+            os.ftruncate(fd, size)  # the ranges not received read as zeros: a hole
+        with WriteBehind(write) as behind:
+            pos = 0
+            for view in stream:
+                behind.put((pos, view))
+                pos += len(view)
+        vouched = status(src, group)
+        if behind.error is not None:
+            raise behind.error
+    except OSError:
+        for _ in stream:  # the sender must not be left blocked (see recv_file)
+            pass
+        if vouched is None:
+            status(src, group)
+        raise
+    finally:
+        os.close(fd)
+    return vouched
 
 
 def send_file(ckpt: StoredCheckpoint, file: str, dst: int, group: Any) -> bool:
