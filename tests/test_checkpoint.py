@@ -100,3 +100,25 @@ def test_sweep_keeps_what_the_manifest_names_and_drops_the_rest(tmp_path):
     ckpt.sweep(keep=named)
     assert ckpt.data_files() == named
     assert sorted(ckpt.store.listdir("")) == ["data", "manifest.json"]
+
+
+def test_a_manifest_is_decoded_once_for_every_copy_with_the_same_bytes(tmp_path):
+    # A load looks at one manifest through several copies (the agreement, each
+    # level of a restore, the reader): the same bytes give the same decoded object,
+    # a re-saved checkpoint (other bytes) a new one, and a broken manifest raises
+    # every time, naming the copy it was read from.
+    from dcp_multilevel.checkpoint import decoded_manifest
+    from dcp_multilevel.errors import ManifestError
+
+    dcp.save({"a": torch.arange(10.0)}, storage_writer=MultiLevelWriter(str(tmp_path / "x")))
+    raw = (tmp_path / "x" / MANIFEST_NAME).read_bytes()
+    one = StoredCheckpoint.at(str(tmp_path / "x")).manifest()
+    other = StoredCheckpoint.at(str(tmp_path / "y"), manifest_bytes=bytes(raw)).manifest()
+    assert other is one and decoded_manifest(raw, "z") is one
+    writer = MultiLevelWriter(str(tmp_path / "x"), overwrite=True)
+    dcp.save({"a": torch.arange(10.0)}, storage_writer=writer)
+    again = StoredCheckpoint.at(str(tmp_path / "x")).manifest()
+    assert again is not one and again.save_id != one.save_id
+    for where in ("first", "second"):
+        with pytest.raises(ManifestError, match=where):
+            decoded_manifest(raw[:-5], where)

@@ -19,7 +19,7 @@ Nothing here knows about levels, drains or torch.distributed.
 
 from .items import ItemRef, blocks_of, read_item, read_stored
 from .root import CheckpointRoot
-from .stored import StoredCheckpoint, new_save_id
+from .stored import StoredCheckpoint, decoded_manifest, new_save_id
 from .verify import ItemProblem, VerifyResult, verify_checkpoint, verify_file
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "StoredCheckpoint",
     "VerifyResult",
     "blocks_of",
+    "decoded_manifest",
     "new_save_id",
     "read_item",
     "read_stored",

@@ -32,6 +32,7 @@ import posixpath
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor
 from contextlib import ExitStack, closing, contextmanager
@@ -55,9 +56,36 @@ from ..stores.coalescing import CoalescingReader
 from .items import ItemRef, read_item, read_stored
 from .reference import open_reference
 
-__all__ = ["StoredCheckpoint", "new_save_id", "sibling_location"]
+__all__ = ["StoredCheckpoint", "decoded_manifest", "new_save_id", "sibling_location"]
 
 logger = logging.getLogger(__name__)
+
+#: Decoded manifests by their bytes, newest last. One load decodes the same
+#: manifest for every copy it looks at (the agreement, each level of a restore,
+#: the reader): with thousands of items a tenth of a second each. Bytes equal to
+#: the key decode to an equal manifest, whichever copy they came from.
+_DECODED: OrderedDict[bytes, Manifest] = OrderedDict()
+_DECODED_MAX = 4
+_DECODED_LOCK = threading.Lock()
+
+
+def decoded_manifest(raw: bytes, checkpoint: str) -> Manifest:
+    """``decode_manifest(raw, checkpoint=...)``, once for the same bytes (the last few
+    manifests are kept; a failure is not: it raises again, naming ``checkpoint``).
+
+    The result is shared by every caller with the same bytes: do not change it.
+    """
+    with _DECODED_LOCK:
+        found = _DECODED.get(raw)
+        if found is not None:
+            _DECODED.move_to_end(raw)
+            return found
+    manifest = decode_manifest(raw, checkpoint=checkpoint)
+    with _DECODED_LOCK:
+        _DECODED[raw] = manifest
+        while len(_DECODED) > _DECODED_MAX:
+            _DECODED.popitem(last=False)
+    return manifest
 
 
 def new_save_id() -> str:
@@ -179,7 +207,7 @@ class StoredCheckpoint:
             if self._error is not None:
                 raise self._error
             try:
-                self._manifest = decode_manifest(self.manifest_bytes(), checkpoint=self.url)
+                self._manifest = decoded_manifest(self.manifest_bytes(), self.url)
             except (DcpMultilevelError, OSError) as e:
                 self._error = e
                 raise

@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .. import _dist
-from ..format import Manifest, decode_manifest
+from ..checkpoint import decoded_manifest
+from ..format import Manifest
 from .base import LevelDriver
 from .restore import gather_inventories, take_inventory
 from .restore_plan import Inventory, RestorePlan, plan_restore
@@ -105,7 +106,7 @@ def restorable(
         ok = all(_dist.all_gather_object(bool(whole)))
         why = [] if ok else [f"step {step}: some rank sees it on no level it can read"]
         return Restore(step, whole, None, reasons=why)
-    manifest = decode_manifest(raw, checkpoint=drivers[0].checkpoint(step).url)
+    manifest = decoded_manifest(raw, drivers[0].checkpoint(step).url)
     inventory = take_inventory(step, drivers, manifest, needs(manifest), node, whole)
     wanted = inventory.needs  # None: every file
     local = [i for i in sorted(inventory.files) if i > 0]
