@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
     StorageMeta,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -45,7 +44,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .checkpoint import StoredCheckpoint, new_save_id
-from .checkpoint.reference import ItemStream
+from .checkpoint.reference import ItemStream, delta_base
 from .checkpoint.stored import sibling_location
 from .codecs import BufferPool, EncodeJob, codec_for, encode_items, item_layout
 from .config import Compression
@@ -465,19 +464,8 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
                 logger.warning("not coding deltas against %s: %s", self.reference.url, e)
                 self._warned = True
             return None
-        loc = ref.locations.get(index)
-        md = ref.metadata.state_dict_metadata.get(index.fqn)
-        same = (
-            loc is not None
-            and isinstance(md, TensorStorageMetadata)
-            and md.properties.dtype == td.properties.dtype
-            and any(
-                tuple(c.offsets) == tuple(td.chunk.offsets)
-                and tuple(c.sizes) == tuple(td.chunk.sizes)
-                for c in md.chunks
-            )
-        )
-        if not same:
+        loc = delta_base(ref, index, td.properties.dtype, tuple(td.chunk.sizes))
+        if loc is None:
             return None
         chain = (self.checkpoint.url, self.reference.url)
         try:

@@ -156,6 +156,29 @@ def test_changed_shapes_dtypes_and_values_are_stored_whole(tmp_path) -> None:
     assert_state_equal(load(tmp_path / "step-1", b), b)
 
 
+def test_writer_and_drain_code_the_same_items_as_deltas(tmp_path) -> None:
+    # One rule (checkpoint/reference.py delta_base): a tensor reshaped to the same
+    # number of bytes is stored whole by the writer and by a drain alike; only
+    # chunks of the same dtype, place and shape are coded against the reference.
+    from dcp_multilevel.levels.transfer import DeltaTarget
+
+    a = first_state()
+    save(tmp_path / "step-0", a)
+    b = train(a, 1)
+    b["mid"] = b["mid"].reshape(128, 128)  # the same 64 KiB, another shape
+    save(tmp_path / "step-1", b, tmp_path / "step-0")
+    ref = StoredCheckpoint.at(tmp_path / "step-0")
+    new = StoredCheckpoint.at(tmp_path / "step-1")
+    target = DeltaTarget(ref.manifest(), ref)
+    by_drain = {
+        index.fqn
+        for index, loc in new.manifest().locations.items()
+        if target.item(new.manifest(), index, loc) is not None
+    }
+    by_writer = {i["fqn"] for i in manifest(tmp_path / "step-1")["items"] if "ref" in i}
+    assert by_drain == by_writer == {"big", "count"}
+
+
 def test_unrelated_values_choose_whole_coding_per_chunk(tmp_path) -> None:
     """Re-initialised values XOR to noise: each chunk is coded whole, not as a delta."""
     a = first_state()

@@ -26,24 +26,53 @@ from contextlib import ExitStack, closing, contextmanager
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 import xxhash
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from ..codecs import Codec
 from ..codecs.delta import xor_into
 from ..errors import BrokenChainError, DcpMultilevelError
-from ..format import Hasher, ItemLocation, frames
+from ..format import Hasher, ItemLocation, Manifest, frames
 from ..stores import ReadHandle
 from .items import ItemRef, item_codec, truncated, verify
 
 if TYPE_CHECKING:
     from .stored import StoredCheckpoint
 
-__all__ = ["ItemStream", "open_reference"]
+__all__ = ["ItemStream", "chunk_of", "delta_base", "open_reference"]
 
 #: Bytes read at a time when an uncoded reference item is skipped (it is
 #: still read: its checksum covers every byte).
 _SKIP_BLOCK = 4 << 20
+
+
+def chunk_of(
+    manifest: Manifest, index: MetadataIndex
+) -> tuple[torch.dtype, tuple[int, ...]] | None:
+    """(dtype, sizes) of the tensor chunk ``index`` names in ``manifest`` (None: not a
+    tensor chunk there)."""
+    md = manifest.metadata.state_dict_metadata.get(index.fqn)
+    if not isinstance(md, TensorStorageMetadata) or index.offset is None:
+        return None
+    offsets = tuple(index.offset)
+    sizes = next((tuple(c.sizes) for c in md.chunks if tuple(c.offsets) == offsets), None)
+    return None if sizes is None else (md.properties.dtype, sizes)
+
+
+def delta_base(
+    reference: Manifest, index: MetadataIndex, dtype: torch.dtype, sizes: tuple[int, ...]
+) -> ItemLocation | None:
+    """Where ``reference`` stores the chunk ``index`` (of ``dtype`` and ``sizes``) alike:
+    the same dtype, place and shape; None when it does not, and the chunk is stored
+    whole. One rule for the writer and for drains that code deltas, so a tensor
+    reshaped to the same number of bytes is never coded against its old shape."""
+    if reference.locations.get(index) is None or chunk_of(reference, index) != (
+        dtype,
+        tuple(sizes),
+    ):
+        return None
+    return reference.locations[index]
 
 
 def open_reference(

@@ -52,7 +52,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from ..checkpoint import StoredCheckpoint, blocks_of
-from ..checkpoint.reference import ItemStream
+from ..checkpoint.reference import ItemStream, chunk_of, delta_base
 from ..codecs import MIN_CODED_BYTES, Codec, Compression, codec_for, encode_item
 from ..errors import TruncatedDataError
 from ..format import Hasher, ItemLocation, Manifest, data_file_path, is_rank_file
@@ -92,12 +92,15 @@ class DeltaTarget:
     manifest: Manifest
     bytes_from: StoredCheckpoint
 
-    def item(self, index: MetadataIndex, loc: ItemLocation) -> ItemLocation | None:
-        """The reference's item that ``index`` (stored at ``loc``) can be a delta of."""
-        ref = self.manifest.locations.get(index)
-        if ref is None or ref.raw_length != loc.raw_length or loc.raw_length < MIN_CODED_BYTES:
+    def item(
+        self, source: Manifest, index: MetadataIndex, loc: ItemLocation
+    ) -> ItemLocation | None:
+        """The reference's item that ``index`` (stored at ``loc`` in the checkpoint of
+        manifest ``source``) can be a delta of: the writer's rule (``delta_base``)."""
+        chunk = chunk_of(source, index)
+        if chunk is None or loc.raw_length < MIN_CODED_BYTES:
             return None
-        return ref
+        return delta_base(self.manifest, index, *chunk)
 
     def keeps(self, index: MetadataIndex, loc: ItemLocation, source_save: str | None) -> bool:
         """Whether the source's delta item ``loc`` is already the delta the target stores:
@@ -169,7 +172,7 @@ def copy_rank_files(
             return _kept(loc, dtype, wanted)
         if loc.reference is not None:  # already a delta: is it the target's?
             return loc.transforms == wanted and delta.keeps(index, loc, source_ref)
-        if dtype is not None and delta.item(index, loc) is not None:
+        if dtype is not None and delta.item(manifest, index, loc) is not None:
             return False  # could be stored as a delta: code it
         return _kept(loc, dtype, wanted)
 
@@ -398,7 +401,11 @@ class _Recoder:
         fqn = index.fqn
         wanted = (self.codec.descriptor,) if self.codec is not None else ()
         dtype = self.dtypes[fqn]
-        deltable = self.delta is not None and dtype is not None and self.delta.item(index, loc)
+        deltable = (
+            self.delta is not None
+            and dtype is not None
+            and self.delta.item(self.source.manifest(), index, loc)
+        )
         if not deltable and _kept(loc, dtype, wanted):
             stored = memoryview(bytearray(loc.length))
             self.source.read_stored(src, fqn, loc, [stored])
@@ -425,7 +432,7 @@ class _Recoder:
         """The target reference's bytes of ``index`` to code it against, or None."""
         if self.delta is None or dtype is None or self.codec is None:
             return None
-        if self.delta.item(index, loc) is None:
+        if self.delta.item(self.source.manifest(), index, loc) is None:
             return None
         ref = self.delta.bytes_from
         ref_loc = ref.manifest().locations.get(index)
