@@ -15,7 +15,10 @@ each drain's seconds (``DrainResult.seconds``) for the chain's deltas.
 
 Data sets (``bench_delta.py`` makes them): ``minilm-w`` the real
 all-MiniLM-L6-v2 weights under AdamW (lr 2e-5, synthetic gradients), fp32 and
-bf16; ``demo`` the demo MLP trained for real, weights and AdamW state (fp32).
+bf16; ``minilm-ft`` the same weights fine-tuned for real (``_minilm.py``: the
+encoder, sentence pairs of real text, sentence-transformers' loss, AdamW lr
+2e-5; ~1.3 s per step here, so use short gaps), fp32 and bf16; ``demo`` the
+demo MLP trained for real, weights and AdamW state (fp32).
 
     python benchmarks/bench_delta_io.py [--repeat 3] [--chain 4] [--gaps 1,10,100]
 """
@@ -53,6 +56,15 @@ def data_sets(gaps: list[int], chain: int, sets: list[str]) -> dict[str, dict[in
         states = {i: _part(s, "model.") for i, s in enumerate(minilm_states(steps)) if i in every}
         out["minilm-w fp32"] = {g: [states[i] for i in idx] for g, idx in wanted.items()}
         out["minilm-w bf16"] = {
+            g: [{k: v.to(torch.bfloat16) for k, v in states[i].items()} for i in idx]
+            for g, idx in wanted.items()
+        }
+    if "minilm-ft" in sets:
+        from _minilm import finetune_states
+
+        states = {i: s for i, s in enumerate(finetune_states(steps)) if i in every}
+        out["minilm-ft fp32"] = {g: [states[i] for i in idx] for g, idx in wanted.items()}
+        out["minilm-ft bf16"] = {
             g: [{k: v.to(torch.bfloat16) for k, v in states[i].items()} for i in idx]
             for g, idx in wanted.items()
         }
@@ -109,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="rounds over the three modes; 3")
     p.add_argument("--chain", type=int, default=4, help="checkpoints per chain; 4")
     p.add_argument("--gaps", default="1,10,100", help="steps between saves; 1,10,100")
-    p.add_argument("--sets", default="minilm,demo", help="minilm, demo or both")
+    p.add_argument("--sets", default="minilm,demo",
+                   help="any of minilm, minilm-ft, demo; minilm,demo")  # fmt: skip
     p.add_argument("--root", type=Path, default=None, help="where to save (default: a temp dir)")
     p.add_argument("--remote-mbps", type=float, default=200.0, help="throttled remote; 200")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
