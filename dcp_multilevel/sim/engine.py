@@ -32,7 +32,10 @@ step (no final save), or its stop step for an exploratory run stopped early.
 
 Each second of overhead also counts at the value of the progress it delays
 or discards (``loss.py``): ``value_*`` fields, in seconds weighted by the
-next step's share of the run's value (1 on average).
+next step's share of the run's value (1 on average). ``value_lost`` is the
+value of the steps a failure discards (``V(reached) - V(restored)``) plus the
+step under way at its weight: with ``blocked`` and ``restore`` as seconds it
+makes COCI's accounting (``RunResult.progress_overhead``).
 
 Speed: a policy that implements :class:`~dcp_multilevel.sim.policies.Lookahead`
 (it says when it will next decide to save, if nothing is saved before) lets

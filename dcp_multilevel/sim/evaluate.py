@@ -69,6 +69,9 @@ class Summary:
         fraction: overhead / failure-free time of the steps reached.
         value_fraction: the same, each second weighted by the value of progress
             (``loss.py``; equal to ``fraction`` without a loss curve).
+        progress_fraction: COCI's accounting (:attr:`RunResult.progress_overhead`:
+            blocked and restore seconds plus the value of the progress lost) over
+            the same failure-free time (equal to ``fraction`` without a loss curve).
     """
 
     runs: tuple[RunResult, ...]
@@ -78,6 +81,7 @@ class Summary:
     restore: Estimate
     fraction: Estimate
     value_fraction: Estimate
+    progress_fraction: Estimate
 
     @classmethod
     def of(cls, runs: Sequence[RunResult]) -> Summary:
@@ -92,6 +96,9 @@ class Summary:
             fraction=Estimate.ratio([r.overhead for r in runs], [r.useful for r in runs]),
             value_fraction=Estimate.ratio(
                 [r.value_overhead for r in runs], [r.value_useful for r in runs]
+            ),
+            progress_fraction=Estimate.ratio(
+                [r.progress_overhead for r in runs], [r.useful for r in runs]
             ),
         )
 
@@ -138,7 +145,8 @@ def best_fixed(
         grids: the intervals to try per level (seconds; ``inf``: never).
         seeds: seeds (``range(seeds)`` for an int).
         metric: what to minimise (default: the overhead fraction's mean; pass
-            ``lambda s: s.value_fraction.mean`` for the value-weighted one).
+            ``lambda s: s.value_fraction.mean`` for the value-weighted one,
+            ``lambda s: s.progress_fraction.mean`` for COCI's).
     """
     if len(grids) != len(job.levels):
         raise ValueError(f"one grid per level: {len(job.levels)} levels, {len(grids)} grids")
