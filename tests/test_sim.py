@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from dcp_multilevel import ConfigError
 from dcp_multilevel.schedule import (
+    ConvergenceAware,
     Decision,
     FailureClass,
     FailureModel,
@@ -284,6 +285,18 @@ def test_early_stop_and_errors():
     kind = "SimLevel.kind must be one of ('first', 'node', 'store'), got 'rack'"
     with pytest.raises(ConfigError, match=re.escape(kind)):
         SimLevel("rack", 1.0)
+
+
+def test_evaluate_starts_every_run_with_a_fresh_policy():
+    """A policy that keeps what it observed (the loss curve) must not carry one run's
+    history into the next: each seed's run is the run of a new policy."""
+    job = _job(total_steps=3000, step_seconds=3.0, mtbf_hours=0.5, loss=m.LOSS)
+
+    def policy():
+        return ConvergenceAware(YoungDaly(job.failures, job.kinds))
+
+    summary = evaluate(job, policy(), [0, 1, 2])
+    assert summary.runs == tuple(simulate(job, policy(), seed=s) for s in (0, 1, 2))
 
 
 # --------------------------------------------------------------------------- invariants

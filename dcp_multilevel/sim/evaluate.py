@@ -10,6 +10,7 @@ interval from the same formula applied to each run's linearised share
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -104,9 +105,14 @@ class Summary:
 
 
 def evaluate(job: Job, policy: SavePolicy, seeds: Sequence[int] | int) -> Summary:
-    """Run ``job`` under ``policy`` once per seed (``range(seeds)`` for an int)."""
+    """Run ``job`` under ``policy`` once per seed (``range(seeds)`` for an int).
+
+    Each run gets a fresh copy of ``policy`` as given: a policy that keeps what
+    it observed (the loss curve so far) starts every run as a new job would,
+    not with the previous run's history.
+    """
     seeds = range(seeds) if isinstance(seeds, int) else seeds
-    return Summary.of([simulate(job, policy, seed=s) for s in seeds])
+    return Summary.of([simulate(job, copy.deepcopy(policy), seed=s) for s in seeds])
 
 
 @dataclass(frozen=True)
