@@ -185,6 +185,10 @@ def test_hand_placed_failures_add_up():
         (None, None),
     ]
     assert [(s.cost_seconds, s.restore_seconds) for s in seen.levels] == [(1, 2), (5, 4), (20, 8)]
+    # The seconds blocked so far, as the manager counts them (OverheadBound's run-long
+    # rule): four 1 s saves (steps 2, 4, 6, 8) before the node loss.
+    assert seen.blocked_seconds == 4.0
+    assert [o.blocked_seconds for o in policy.seen[:5]] == [0.0, 0.0, 1.0, 1.0, 2.0]
     # With the wall clock instead, it is the time the checkpoint was taken.
     policy = Recording(EverySteps((2, 4, 8)))
     simulate(_job(), policy, failures=[(100.0, "node")], resume_clock="wall")
