@@ -51,7 +51,7 @@ blocked and restoring plus the value of the progress lost, docs/schedule.md
 Goal (issue 15, exploratory scenarios): ``convergence=True`` at least 40 %
 below the best Young/Daly row under COCI's accounting.
 
-    python benchmarks/bench_schedule.py            # ~10 minutes on one core
+    python benchmarks/bench_schedule.py            # ~23 minutes on one core
     python benchmarks/bench_schedule.py --quick    # fewer seeds, shorter runs
 """
 
