@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,6 +23,7 @@ from dcp_multilevel.schedule import (
     LevelState,
     Observation,
     OverheadBound,
+    ProgressValue,
     SavePolicy,
     Schedule,
     TimeBounds,
@@ -211,7 +213,8 @@ def test_schedule_auto_composes_the_policies():
     policy = Schedule.auto(mtbf_hours=8, convergence=True, min_seconds=60, max_seconds=86400)
     assert isinstance(policy, TimeBounds)
     assert isinstance(policy.inner, OverheadBound)
-    assert isinstance(policy.inner.inner, ConvergenceAware)
+    assert isinstance(policy.inner.inner, ProgressValue)
+    assert policy.inner.inner.horizon_hours == 24.0
     assert isinstance(policy.inner.inner.inner, YoungDaly)
     states = tuple(
         LevelState(i, LEVELS[i], 0, 0.0, 2.0, survives=k)
@@ -220,6 +223,7 @@ def test_schedule_auto_composes_the_policies():
     decision = policy.decide(Observation(100, 1e5, states, loss=1.0))
     assert decision.levels == {0, 1, 2} and decision.record()["kind"] == "decision"
     assert Schedule.auto(gpus=16384).inner.failures.mtbf_hours == pytest.approx(1.8)
+    assert isinstance(Schedule.auto(mtbf_hours=8).inner, YoungDaly)  # convergence off by default
     with pytest.raises(ConfigError, match="needs the job's failure rate"):
         Schedule.auto()
 
@@ -273,3 +277,115 @@ def test_the_overhead_bound_holds_after_every_save_but_for_the_newest_estimate_e
             slack = (1 - target) * max(0.0, cost - measured)
             assert blocked <= target * time + slack + 1e-9
         last, measured = time, cost
+
+
+def _curve(step: float) -> float:
+    """A Chinchilla-shaped loss: 1.8 + 4 (s + 200) ** -0.28."""
+    return 1.8 + 4.0 * (step + 200.0) ** -0.28
+
+
+def _true_weight(step: float, total: int) -> float:
+    """The progress rate at ``step`` relative to its mean over ``total`` steps."""
+    rate = 0.28 * 4.0 * (step + 200.0) ** -1.28
+    return rate * total / (_curve(0) - _curve(total))
+
+
+def _feed(policy, steps, step_seconds=6.0, losses=_curve):
+    inner = policy.inner
+    out = []
+    for s in steps:
+        t = s * step_seconds
+        obs = Observation(s, t, _obs(t, [0.0] * 3, [0.239, 1.7, 2.1]).levels, step_seconds,
+                          loss=losses(s))  # fmt: skip
+        intervals, inputs = policy.intervals(obs)
+        out.append((s, intervals, inner.intervals(obs)[0], inputs))
+    return out
+
+
+def test_progress_value_divides_intervals_by_the_root_of_the_progress_rate():
+    total = 14_400  # 24 h of 6 s steps: the default horizon is the run's true length
+    inner = YoungDaly(FailureModel(1.8), ("first", "node", "store"))
+    seen = _feed(ProgressValue(inner), range(1, total))
+    # Too few steps for a trend: the inner policy's intervals.
+    assert seen[0][3]["progress_weight"] is None and seen[0][1] == seen[0][2]
+    for _, intervals, base, inputs in seen[100::1000]:
+        w = inputs["progress_weight"]
+        assert intervals[1].seconds == pytest.approx(base[1].seconds / math.sqrt(w))
+        assert intervals[1].rule == "young-daly+progress"
+    estimated = np.array([inputs["progress_weight"] or 1.0 for *_, inputs in seen])
+    true = np.array([_true_weight(s, total) for s, *_ in seen])
+    # Shorter intervals early, longer on the plateau, never growing shorter again.
+    assert estimated[20] > 16 and estimated[-1] < 0.5
+    assert np.all(np.diff(estimated[20::50]) <= 1e-9)
+    # The estimate leaves out the gain to come, so it overstates the rate early
+    # (up to 10x in the first 1 % of the run); from 5 % of the run on it is
+    # within 2.5x (near the end the assumed horizon, twice the steps reached,
+    # is twice the run's).
+    assert np.all((estimated / true)[total // 20 :] < 2.5)
+    assert np.all((estimated / true)[total // 20 :] > 0.5)
+    # What matters is the cost: to first order, a second at true rate w costs
+    # sqrt(w) at the best interval, (sqrt(e) + w / sqrt(e)) / 2 at the interval for
+    # an estimate e, and (1 + w) / 2 at Young/Daly's (docs/schedule.md).
+    best = np.mean(np.sqrt(true))
+    ours = np.mean((np.sqrt(estimated) + true / np.sqrt(estimated)) / 2)
+    young_daly = np.mean((1 + true) / 2)
+    # Here: 0.76 at best, 0.84 ours, 1 for Young/Daly.
+    assert best < ours < 1.15 * best and ours < 0.85 * young_daly
+
+
+def test_progress_value_keeps_progress_not_repeats_and_no_trend_no_change():
+    inner = YoungDaly(FailureModel(1.8), ("first", "node", "store"))
+    policy = ProgressValue(inner)
+    _feed(policy, range(1, 400))
+    before = _feed(policy, [399])[0][3]["progress_weight"]
+    # Back to step 300 after a restart (the losses of steps seen again), then on.
+    _feed(policy, range(300, 400), losses=lambda s: 99.0)
+    assert policy._steps[-1] == 399 and _feed(policy, [399])[0][3]["progress_weight"] == before
+    # A flat loss, or no loss at all, carries no progress to weigh.
+    for losses in (lambda s: 3.0, lambda s: None, lambda s: math.nan):
+        seen = _feed(ProgressValue(inner), range(1, 200), losses=losses)
+        assert all(i == b and inputs["progress_weight"] is None for _, i, b, inputs in seen)
+    # Two policies fed the same observations decide the same (every rank).
+    a, b = ProgressValue(inner), ProgressValue(inner)
+    assert _feed(a, range(1, 500, 7)) == _feed(b, range(1, 500, 7))
+    with pytest.raises(ConfigError, match=r"horizon_hours must be > 0, got 0"):
+        ProgressValue(inner, horizon_hours=0)
+    with pytest.raises(ConfigError, match=r"window must be in \(0, 0.5\], got 0.7"):
+        ProgressValue(inner, window=0.7)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.floats(0.01, 1000),
+    st.floats(0.05, 50),
+    st.floats(0, 1e4),
+    st.floats(0, 1e5),
+    st.floats(0, 1e5),
+    st.floats(0, 1e5),
+    st.integers(0, 3000),
+    st.floats(0.01, 3.0),
+)
+def test_progress_value_inside_the_bounds_never_saves_closer_than_the_floor_nor_past_the_ceiling(
+    cost, mtbf_hours, floor, extra, last, now, seen, exponent
+):
+    # The progress rate scales the intervals by up to 16x either way: the bounds
+    # still hold, whatever loss curve came before.
+    ceiling = floor + extra
+    progress = ProgressValue(YoungDaly(FailureModel(mtbf_hours)))
+    policy = TimeBounds(OverheadBound(progress), floor, ceiling)
+    now = max(now, last)
+    states = tuple(
+        LevelState(i, LEVELS[i], 0, last, cost, survives=k)
+        for i, k in enumerate(("first", "node", "store"))
+    )
+    for s in range(1, seen, 7):  # the losses seen before
+        progress.intervals(Observation(s, 0.0, states, 1.0, loss=2 + (s + 10.0) ** -exponent))
+    step = max(seen, 1)
+    decision = policy.decide(
+        Observation(step, now, states, 1.0, loss=2 + (step + 10.0) ** -exponent)
+    )
+    for i in range(3):
+        if i in decision.levels:
+            assert now - last >= floor
+        if now - last >= ceiling:
+            assert i in decision.levels

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from dcp_multilevel import ConfigError
 from dcp_multilevel.schedule import (
+    ConvergenceAware,
     Decision,
     FailureClass,
     FailureModel,
@@ -30,6 +31,7 @@ from dcp_multilevel.sim import (
     PowerLaw,
     Recorded,
     SimLevel,
+    Summary,
     YoungDalyAhead,
     best_fixed,
     evaluate,
@@ -183,11 +185,50 @@ def test_hand_placed_failures_add_up():
         (None, None),
     ]
     assert [(s.cost_seconds, s.restore_seconds) for s in seen.levels] == [(1, 2), (5, 4), (20, 8)]
+    # The seconds blocked so far, as the manager counts them (OverheadBound's run-long
+    # rule): four 1 s saves (steps 2, 4, 6, 8) before the node loss.
+    assert seen.blocked_seconds == 4.0
+    assert [o.blocked_seconds for o in policy.seen[:5]] == [0.0, 0.0, 1.0, 1.0, 2.0]
     # With the wall clock instead, it is the time the checkpoint was taken.
     policy = Recording(EverySteps((2, 4, 8)))
     simulate(_job(), policy, failures=[(100.0, "node")], resume_clock="wall")
     seen = next(o for o in policy.seen if o.time > 100)
     assert (seen.levels[1].last_step, seen.levels[1].last_time) == (8, 83.0)
+
+
+def test_three_accountings_on_hand_placed_failures():
+    """Losses 5 -> 1 over steps 0..4, then 1 -> 0 over steps 4..20 (10 s steps): a
+    step before step 4 is worth 40 value-seconds (weight 4), a step after 2.5
+    (weight 0.25); V(s) = 40 s up to 4, then 160 + 2.5 (s - 4).
+
+    Saves every 6th step (1 s each, restore 2 s). A crash at t=35 (step 3 done,
+    5 s into step 4; nothing saved): back to step 0, lost 35 s worth V(3) + 5 s
+    at weight 4 = 140. Resumed at 35: saves end at 96 and 157; a crash at t=180
+    (step 14 done at 177, 3 s under way) restores step 12 (2 s): lost 23 s worth
+    V(14) - V(12) + 3 s at 0.25 = 5.75. Resumed at 182; the last save (step 18)
+    ends at 243 and step 20 at 263.
+    """
+    curve = Recorded((0, 4, 20), (5.0, 1.0, 0.0))
+    job = _job(levels=(SimLevel("first", 1.0, 2.0),), loss=curve)
+    run = simulate(job, EverySteps((6,)), failures=[(35.0, "process"), (180.0, "process")])
+    assert (run.blocked, run.lost, run.restore, run.useful, run.wall) == (3.0, 58.0, 2.0, 200.0,
+                                                                         263.0)  # fmt: skip
+    assert [(f.restored_step, f.lost_seconds) for f in run.failures] == [(0, 35.0), (12, 23.0)]
+    assert run.value_lost == pytest.approx(140.0 + 5.75)
+    # Plain time: every second is a second.
+    assert run.overhead == 63.0
+    # Value-weighted: the three saves (steps 6, 12, 18) and the restore (at step 12)
+    # happen at weight 0.25.
+    assert run.value_overhead == pytest.approx(3 * 0.25 + 2 * 0.25 + 145.75)
+    # COCI's: saving and restoring cost their seconds, a failure the value it discards.
+    assert run.progress_overhead == pytest.approx(3.0 + 2.0 + 145.75)
+    summary = Summary.of([run, run])
+    assert summary.progress_fraction.mean == pytest.approx(150.75 / 200.0)
+    assert summary.fraction.mean == pytest.approx(63.0 / 200.0)
+    # Without a loss curve, all three are the plain overhead.
+    flat = simulate(_job(levels=(SimLevel("first", 1.0, 2.0),)), EverySteps((6,)),
+                    failures=[(35.0, "process"), (180.0, "process")])  # fmt: skip
+    assert flat.progress_overhead == flat.value_overhead == flat.overhead == 63.0
 
 
 def test_failures_during_a_save_and_during_a_restore():
@@ -250,6 +291,18 @@ def test_early_stop_and_errors():
         SimLevel("rack", 1.0)
 
 
+def test_evaluate_starts_every_run_with_a_fresh_policy():
+    """A policy that keeps what it observed (the loss curve) must not carry one run's
+    history into the next: each seed's run is the run of a new policy."""
+    job = _job(total_steps=3000, step_seconds=3.0, mtbf_hours=0.5, loss=m.LOSS)
+
+    def policy():
+        return ConvergenceAware(YoungDaly(job.failures, job.kinds))
+
+    summary = evaluate(job, policy(), [0, 1, 2])
+    assert summary.runs == tuple(simulate(job, policy(), seed=s) for s in (0, 1, 2))
+
+
 # --------------------------------------------------------------------------- invariants
 
 
@@ -295,6 +348,7 @@ def test_invariants(job, choice, scale, seed):
     # Never negative, and every second of the clock accounted for.
     for part in ("blocked", "lost", "restore", "value_blocked", "value_lost", "value_restore"):
         assert getattr(run, part) >= 0
+    assert run.progress_overhead == pytest.approx(run.blocked + run.restore + run.value_lost)
     assert run.wall == pytest.approx(run.useful + run.overhead, rel=1e-9, abs=1e-6)
     assert run.stopped_early or run.gave_up or run.steps == job.total_steps
     assert run.lost == pytest.approx(sum(f.lost_seconds for f in run.failures))

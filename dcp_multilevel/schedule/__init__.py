@@ -9,7 +9,10 @@
   :class:`TimeBounds` (a floor and a ceiling in seconds).
 - ``young_daly.py``: the Young/Daly interval per level (:class:`YoungDaly`).
 - ``convergence.py``: :class:`ConvergenceAware`, intervals scaled by the loss
-  curve's progress (COCI's idea).
+  curve's recent over its mean rate (the first try at COCI's idea).
+- ``progress.py``: :class:`ProgressValue`, Young/Daly's intervals divided by
+  the square root of the progress rate: the minimum of COCI's cost (seconds
+  saving plus the value of progress lost).
 - ``auto.py``: :meth:`Schedule.auto`, all of them composed.
 
 A new policy is a new file with a :class:`SavePolicy` subclass, passed as
@@ -22,6 +25,7 @@ from .convergence import ConvergenceAware
 from .failures import FailureClass, FailureModel
 from .fixed import FixedInterval
 from .intervals import Interval, IntervalPolicy, OverheadBound, TimeBounds
+from .progress import ProgressValue
 from .young_daly import YoungDaly, daly_interval, young_interval
 
 __all__ = [
@@ -35,6 +39,7 @@ __all__ = [
     "LevelState",
     "Observation",
     "OverheadBound",
+    "ProgressValue",
     "SavePolicy",
     "Schedule",
     "TimeBounds",

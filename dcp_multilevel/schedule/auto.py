@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..errors import ConfigError
-from .convergence import ConvergenceAware
 from .failures import FailureModel
 from .intervals import IntervalPolicy, OverheadBound, TimeBounds
+from .progress import ProgressValue
 from .young_daly import YoungDaly
 
 __all__ = ["Schedule"]
@@ -23,15 +23,25 @@ class Schedule:
         gpus: int | None = None,
         overhead: float = 0.035,
         convergence: bool = False,
+        horizon_hours: float = 24.0,
         min_seconds: float | Mapping[int, float] | None = None,
         max_seconds: float | Mapping[int, float] | None = None,
     ) -> IntervalPolicy:
         """Young/Daly per level from measured costs and failure rates, the first
         level kept under ``overhead`` of the training time (CheckFreq), within
-        ``min_seconds``/``max_seconds``; with ``convergence=True`` also scaled by
-        the loss curve's progress (``ConvergenceAware``: off by default, as in
-        the failure simulator it lost more work than it saved in blocked time,
-        ``docs/benchmarks-log.md``).
+        ``min_seconds``/``max_seconds``.
+
+        With ``convergence=True``, the intervals are also divided by the square
+        root of the progress rate estimated from the reported losses
+        (``ProgressValue``, assuming a run of ``horizon_hours`` until it has run
+        half of that). This minimises COCI's cost, which counts seconds spent
+        saving plus the *value* of the progress a failure discards. It is off
+        by default. Measured in the failure simulator
+        (``docs/benchmarks-log.md``), it costs less than Young/Daly under that
+        accounting but more plain time: more seconds blocked early, more work
+        recomputed on the plateau. Plain time is what a job pays in GPU-hours,
+        so turn it on only when early progress is worth more to you than the
+        same seconds later, as in exploratory runs.
 
         Give the job's mean time between failures (``mtbf_hours``) or its GPU
         count (``gpus``: the published rates, ``schedule/failures.py``).
@@ -53,7 +63,7 @@ class Schedule:
         )
         policy: IntervalPolicy = YoungDaly(failures)
         if convergence:
-            policy = ConvergenceAware(policy)
+            policy = ProgressValue(policy, horizon_hours=horizon_hours)
         policy = OverheadBound(policy, overhead)
         if min_seconds is not None or max_seconds is not None:
             policy = TimeBounds(policy, min_seconds, max_seconds)

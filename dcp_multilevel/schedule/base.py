@@ -78,7 +78,7 @@ class Observation:
         loss: the training loss at this step, if the caller gives it.
         levels: every level's state, first level first.
         blocked_seconds: of ``time``, the seconds training was blocked saving
-            (None: not tracked, e.g. by the simulator, which charges it itself).
+            (None: not tracked).
     """
 
     step: int

@@ -4,7 +4,8 @@ The run, step by step, as the manager will drive a policy:
 
 1. A training step takes ``step_seconds``. At its end the policy sees an
    :class:`~dcp_multilevel.schedule.Observation` (step, the job's clock,
-   ``step_seconds``, the loss curve's loss, and per level a
+   ``step_seconds``, the loss curve's loss, the seconds blocked saving so
+   far, and per level a
    :class:`~dcp_multilevel.schedule.LevelState`: its newest save's step and
    clock time, its cost and restore time) and returns a
    :class:`~dcp_multilevel.schedule.Decision`.
@@ -32,7 +33,10 @@ step (no final save), or its stop step for an exploratory run stopped early.
 
 Each second of overhead also counts at the value of the progress it delays
 or discards (``loss.py``): ``value_*`` fields, in seconds weighted by the
-next step's share of the run's value (1 on average).
+next step's share of the run's value (1 on average). ``value_lost`` is the
+value of the steps a failure discards (``V(reached) - V(restored)``) plus the
+step under way at its weight: with ``blocked`` and ``restore`` as seconds it
+makes COCI's accounting (``RunResult.progress_overhead``).
 
 Speed: a policy that implements :class:`~dcp_multilevel.sim.policies.Lookahead`
 (it says when it will next decide to save, if nothing is saved before) lets
@@ -164,6 +168,9 @@ class _Run:
             obs = Observation(
                 self.step, now, self.states, self.dt,
                 None if self.value.losses is None else self.value.losses[self.step],
+                # What the manager counts: every second blocked saving so far, saves
+                # interrupted by a failure included (OverheadBound's run-long rule).
+                blocked_seconds=self.blocked,
             )  # fmt: skip
             decision = self.policy.decide(obs)
             if decision.levels:

@@ -10,6 +10,7 @@ interval from the same formula applied to each run's linearised share
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -69,6 +70,9 @@ class Summary:
         fraction: overhead / failure-free time of the steps reached.
         value_fraction: the same, each second weighted by the value of progress
             (``loss.py``; equal to ``fraction`` without a loss curve).
+        progress_fraction: COCI's accounting (:attr:`RunResult.progress_overhead`:
+            blocked and restore seconds plus the value of the progress lost) over
+            the same failure-free time (equal to ``fraction`` without a loss curve).
     """
 
     runs: tuple[RunResult, ...]
@@ -78,6 +82,7 @@ class Summary:
     restore: Estimate
     fraction: Estimate
     value_fraction: Estimate
+    progress_fraction: Estimate
 
     @classmethod
     def of(cls, runs: Sequence[RunResult]) -> Summary:
@@ -93,13 +98,21 @@ class Summary:
             value_fraction=Estimate.ratio(
                 [r.value_overhead for r in runs], [r.value_useful for r in runs]
             ),
+            progress_fraction=Estimate.ratio(
+                [r.progress_overhead for r in runs], [r.useful for r in runs]
+            ),
         )
 
 
 def evaluate(job: Job, policy: SavePolicy, seeds: Sequence[int] | int) -> Summary:
-    """Run ``job`` under ``policy`` once per seed (``range(seeds)`` for an int)."""
+    """Run ``job`` under ``policy`` once per seed (``range(seeds)`` for an int).
+
+    Each run gets a fresh copy of ``policy`` as given: a policy that keeps what
+    it observed (the loss curve so far) starts every run as a new job would,
+    not with the previous run's history.
+    """
     seeds = range(seeds) if isinstance(seeds, int) else seeds
-    return Summary.of([simulate(job, policy, seed=s) for s in seeds])
+    return Summary.of([simulate(job, copy.deepcopy(policy), seed=s) for s in seeds])
 
 
 @dataclass(frozen=True)
@@ -138,7 +151,8 @@ def best_fixed(
         grids: the intervals to try per level (seconds; ``inf``: never).
         seeds: seeds (``range(seeds)`` for an int).
         metric: what to minimise (default: the overhead fraction's mean; pass
-            ``lambda s: s.value_fraction.mean`` for the value-weighted one).
+            ``lambda s: s.value_fraction.mean`` for the value-weighted one,
+            ``lambda s: s.progress_fraction.mean`` for COCI's).
     """
     if len(grids) != len(job.levels):
         raise ValueError(f"one grid per level: {len(job.levels)} levels, {len(grids)} grids")

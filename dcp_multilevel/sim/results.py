@@ -42,7 +42,9 @@ class RunResult:
     """One simulated run (seconds unless named otherwise).
 
     ``useful`` is the failure-free time of the steps reached; ``value_*`` the
-    same quantities weighted by the value of progress (``loss.py``);
+    same quantities weighted by the value of progress (``loss.py``; see
+    :attr:`value_overhead` and :attr:`progress_overhead` for the two ways
+    they are added up);
     ``saves`` counts per level the first level's completed saves and each
     higher level's started drains, ``skipped`` the drains skipped because the
     level's previous one still ran. ``gave_up``: the run met ``max_failures``
@@ -75,3 +77,18 @@ class RunResult:
     def value_overhead(self) -> float:
         """The overhead weighted by the value of the progress it delays or discards."""
         return self.value_blocked + self.value_lost + self.value_restore
+
+    @property
+    def progress_overhead(self) -> float:
+        """COCI's accounting ("progress at risk"): the seconds blocked saving and
+        restoring, as seconds, plus the *value* of the progress failures discarded
+        (value-seconds, ``value_lost``).
+
+        Saving and restoring cost resources, whatever the run's progress; a
+        failure costs the progress it throws away, which is worth more early in
+        training. Unlike :attr:`value_overhead`, where a second blocked and a
+        second lost at the same progress weigh the same (so Young/Daly stays
+        optimal), this one rewards saving more often while progress is fast
+        (docs/schedule.md, "Three accountings").
+        """
+        return self.blocked + self.restore + self.value_lost
