@@ -336,36 +336,26 @@ def file_blocks(ckpt: StoredCheckpoint, file: str, block: int = WIRE_BLOCK) -> I
         TruncatedDataError: the file is missing or has the wrong size.
         OSError: the store could not be read.
     """
-    verifier = FileVerifier(ckpt, file)
-    size = verifier.size
-    with ckpt.open_data(file, "(a transfer)") as handle:
-        buf = memoryview(bytearray(max(1, min(block, size))))
-        pos = 0
-        while pos < size:
-            view = buf[: min(len(buf), size - pos)]
-            if handle.read_into(pos, view) != len(view):
-                raise TruncatedDataError(
-                    f"data file {file!r} of {ckpt.url} ended at byte {pos}",
-                    checkpoint=ckpt.url, file=file,
-                )  # fmt: skip
-            verifier.feed(pos, view)
-            yield view
-            pos += len(view)
-    verifier.finish()
+    return range_blocks(ckpt, file, None, block)
 
 
 def range_blocks(
-    ckpt: StoredCheckpoint, file: str, ranges: Sequence[tuple[int, int]], block: int = WIRE_BLOCK
+    ckpt: StoredCheckpoint,
+    file: str,
+    ranges: Sequence[tuple[int, int]] | None,
+    block: int = WIRE_BLOCK,
 ) -> Iterator[memoryview]:
-    """The bytes of ``ranges`` of data file ``file``, in order, in blocks (one reused
-    buffer), each item inside them verified once its last byte was read.
+    """The bytes of ``ranges`` of data file ``file`` (None: all of it), in order, in
+    blocks (one reused buffer), each item inside them verified once its last byte
+    was read.
 
     Raises: as :func:`file_blocks`.
     """
     verifier = FileVerifier(ckpt, file, ranges)
+    spans = [(0, verifier.size)] if ranges is None else ranges
     with ckpt.open_data(file, "(a transfer)") as handle:
-        buf = memoryview(bytearray(max(1, min(block, max((b - a for a, b in ranges), default=1)))))
-        for start, end in ranges:
+        buf = memoryview(bytearray(max(1, min(block, max((b - a for a, b in spans), default=1)))))
+        for start, end in spans:
             pos = start
             while pos < end:
                 view = buf[: min(len(buf), end - pos)]
@@ -380,17 +370,28 @@ def range_blocks(
     verifier.finish()
 
 
+def send_file(ckpt: StoredCheckpoint, file: str, dst: int, group: Any) -> bool:
+    """Send ``file`` of ``ckpt`` to ``dst``, verified on the way; False if it was damaged."""
+    return send_ranges(ckpt, file, None, dst, group)
+
+
 def send_ranges(
-    ckpt: StoredCheckpoint, file: str, ranges: Sequence[tuple[int, int]], dst: int, group: Any
+    ckpt: StoredCheckpoint,
+    file: str,
+    ranges: Sequence[tuple[int, int]] | None,
+    dst: int,
+    group: Any,
 ) -> bool:
-    """Send the bytes of ``ranges`` of ``file`` to ``dst`` (one stream, ranges in
-    order), verified on the way; False if they were damaged."""
-    out = OutStream(sum(b - a for a, b in ranges), dst, group)
+    """Send the bytes of ``ranges`` of ``file`` (None: all of it) to ``dst`` (one
+    stream, ranges in order), verified on the way; False if they were damaged."""
+    length = ckpt.manifest().files[file] if ranges is None else sum(b - a for a, b in ranges)
+    out = OutStream(length, dst, group)
     try:
         for view in read_ahead(range_blocks(ckpt, file, ranges)):
             out.write(view)
     except SOURCE_ERRORS as e:
-        logger.warning("dcp_multilevel: not sending parts of %s of %s: %s", file, ckpt.url, e)
+        what = "" if ranges is None else "parts of "
+        logger.warning("dcp_multilevel: not sending %s%s of %s: %s", what, file, ckpt.url, e)
         out.finish(False)
         return False
     out.finish(True)
@@ -441,20 +442,6 @@ def recv_ranges(
     finally:
         os.close(fd)
     return vouched
-
-
-def send_file(ckpt: StoredCheckpoint, file: str, dst: int, group: Any) -> bool:
-    """Send ``file`` of ``ckpt`` to ``dst``, verified on the way; False if it was damaged."""
-    out = OutStream(ckpt.manifest().files[file], dst, group)
-    try:
-        for view in read_ahead(file_blocks(ckpt, file)):
-            out.write(view)
-    except SOURCE_ERRORS as e:
-        logger.warning("dcp_multilevel: not sending %s of %s: %s", file, ckpt.url, e)
-        out.finish(False)
-        return False
-    out.finish(True)
-    return True
 
 
 def recv_file(

@@ -25,7 +25,7 @@ import math
 from typing import Any
 
 from .base import Observation
-from .intervals import Interval, IntervalPolicy
+from .intervals import Interval, IntervalPolicy, scaled
 
 __all__ = ["ConvergenceAware"]
 
@@ -72,10 +72,5 @@ class ConvergenceAware(IntervalPolicy):
         weight = self.weight()
         if weight is None:
             return intervals, {**inputs, "progress_weight": None}
-        scale = 1.0 / math.sqrt(weight)
-        scaled = {
-            i: Interval(v.seconds * scale, f"{v.rule}+convergence") if math.isfinite(v.seconds)
-            else v
-            for i, v in intervals.items()
-        }  # fmt: skip
-        return scaled, {**inputs, "progress_weight": weight, "loss": observation.loss}
+        inputs = {**inputs, "progress_weight": weight, "loss": observation.loss}
+        return scaled(intervals, 1.0 / math.sqrt(weight), "convergence"), inputs

@@ -26,7 +26,7 @@ from typing import Any
 from ..errors import ConfigError
 from .base import Decision, Observation, SavePolicy
 
-__all__ = ["Interval", "IntervalPolicy", "OverheadBound", "TimeBounds"]
+__all__ = ["Interval", "IntervalPolicy", "OverheadBound", "TimeBounds", "scaled"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,15 @@ class Interval:
 
 
 Intervals = dict[int, Interval]
+
+
+def scaled(intervals: Intervals, factor: float, tag: str) -> Intervals:
+    """``intervals`` times ``factor``, each rule marked ``+tag`` (infinite ones kept:
+    a level that never saves stays so)."""
+    return {
+        i: Interval(v.seconds * factor, f"{v.rule}+{tag}") if math.isfinite(v.seconds) else v
+        for i, v in intervals.items()
+    }
 
 
 class IntervalPolicy(SavePolicy):

@@ -60,7 +60,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .base import Observation
-from .intervals import Interval, IntervalPolicy
+from .intervals import Interval, IntervalPolicy, scaled
 
 __all__ = ["ProgressValue"]
 
@@ -167,10 +167,5 @@ class ProgressValue(IntervalPolicy):
         w = self.weight(observation)
         if w is None:
             return intervals, {**inputs, "progress_weight": None}
-        scale = 1.0 / math.sqrt(w)
-        scaled = {
-            i: Interval(v.seconds * scale, f"{v.rule}+progress") if math.isfinite(v.seconds)
-            else v
-            for i, v in intervals.items()
-        }  # fmt: skip
-        return scaled, {**inputs, "progress_weight": w, "loss": observation.loss}
+        inputs = {**inputs, "progress_weight": w, "loss": observation.loss}
+        return scaled(intervals, 1.0 / math.sqrt(w), "progress"), inputs
