@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 
 from . import _dist
 from .errors import CheckpointNotFoundError
+from .format import MANIFEST_NAME
 from .levels import Drainer, LevelDriver
 from .levels.agreement import Restore, Views, restorable
 from .levels.restore import (
@@ -103,6 +104,8 @@ class Loader:
         """Bring each node what it lacks, then ``dcp.load`` through the levels. Collective."""
         if plan.plan is not None and plan.manifest is not None:
             self.last_restore = self._bring_files(plan)
+            if plan.plan.actions:
+                self._recommit_first_level(plan)
         try:
             self._read(state_dict, plan, planner)
         except CheckpointException:
@@ -140,6 +143,18 @@ class Loader:
         )
         dcp.load(state_dict, storage_reader=reader, planner=planner)
         self.last_load_sources = dict(reader.last_load_sources)
+
+    def _recommit_first_level(self, plan: Restore) -> None:
+        """Write the step's manifest on rank 0's first level when a restore brought the
+        files there but the manifest was lost with the node (a node-local first level
+        keeps it on rank 0's node only): drains of the step read it there."""
+        if _dist.rank() != 0 or plan.levels[0] != 0 or plan.manifest is None:
+            return
+        first = self.drivers[0].checkpoint(plan.step)
+        if not first.is_committed():
+            logger.info("dcp_multilevel: step %d: its manifest was lost with rank 0's node; "
+                        "writing it again on %s", plan.step, first.url)  # fmt: skip
+            first.store.write_atomic(MANIFEST_NAME, plan.manifest)
 
     def _set_aside_damaged(self, plan: Restore) -> set[tuple[Any, ...]]:
         """Check this node's first-level files of the step (one rank per node) and

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from . import _dist, retention
 from .cadence import Cadence
-from .checkpoint import StoredCheckpoint
+from .checkpoint import StoredCheckpoint, decoded_manifest
 from .config import Level
 from .deltas import DeltaChains
 from .errors import (
@@ -74,6 +74,7 @@ from .levels import (
 )
 from .levels.agreement import Restore, gather_views
 from .levels.base import LevelContext
+from .levels.node_local import rank_files
 from .levels.restore import RestoreReport
 from .levels.topology import NODE_FIELD, Topology, expand_node, node_from_env
 from .loading import Loader
@@ -445,6 +446,7 @@ class CheckpointManager:
                 # Newer steps were not restorable: their files are not all there to drain.
                 self._resume_drains({i: [s for s in steps if s <= step]
                                      for i, steps in views.everyone[0].items()})  # fmt: skip
+                self._reprotect(plan)
                 self._resume_chains(step)
                 return step
         if candidates:
@@ -518,6 +520,53 @@ class CheckpointManager:
             histories = _dist.broadcast_object(histories, 0)
         for i, history in (histories or {}).items():
             self._chains.resume(i, history)
+
+    def _reprotect(self, plan: Restore) -> None:
+        """After a restore onto a replaced node: drain the loaded step again to each
+        node-local level that some nodes hold it on and others lack, so the copies
+        or parity the lost node held for the others are made again now, not at the
+        next save on that level.
+
+        Decided from the restore's inventories, the same on every rank (a restore
+        that needed nothing keeps only this rank's: nothing to do).
+        """
+        if (
+            self.topology is None
+            or plan.manifest is None
+            or len(plan.inventories) < _dist.world_size()
+        ):
+            return
+        nodes = set(self.topology.nodes)
+        holding = {
+            i: {inv.node for inv in plan.inventories if inv.files.get(i)}
+            for i, driver in enumerate(self.drivers)
+            if i > 0 and driver.node_local
+        }
+        degraded = [i for i, held in holding.items() if held and not held >= nodes]
+        if not degraded:
+            return
+        # A drain sends each rank's own files from its node's first level: all must be
+        # there (a step a store level served is not).
+        first = self.drivers[0].checkpoint(plan.step)
+        manifest = decoded_manifest(plan.manifest, first.url)
+        if manifest.world_size != _dist.world_size():
+            return  # the copies follow the saving job's placement (node_local.py)
+        own = set(rank_files(manifest, _dist.rank())) <= first.data_files()
+        if not all(_dist.all_gather_object(own)):
+            logger.warning("dcp_multilevel: step %d is not on every node of %s, and some rank's "
+                           "files are not on its first level to copy again; the next save "
+                           "there protects the nodes again", plan.step,
+                           [self.levels[i].url for i in degraded])  # fmt: skip
+            return
+        for i in degraded:
+            self._generation += 1
+            logger.info("dcp_multilevel: step %d is on %s on nodes %s only; copying it again "
+                        "for nodes %s", plan.step, self.levels[i].url, sorted(holding[i]),
+                        sorted(nodes - holding[i]))  # fmt: skip
+            self._drainer.submit(DrainJob(
+                plan.step, first, self.drivers[i],
+                f"m{self._instance}-{i}-{plan.step}-{self._generation}-reprotect", time.time(),
+            ), skip=False)  # fmt: skip
 
     def _resume_drains(self, view: dict[int, list[int]]) -> None:
         first = view[0]

@@ -149,6 +149,29 @@ def test_partner_level_restores_a_replaced_node_and_a_shrunk_world(tmp_path):
     assert [o[:2] for o in out] == [(3, True), (3, True)]
 
 
+def test_a_restore_onto_a_replaced_node_protects_the_step_again(tmp_path):
+    # After node 1 is replaced and restored, the partner copies it held for node
+    # 0 are made again in the background (mgr.close() waits for them): losing
+    # node 0 next, and node 1's first level, with no save in between, still
+    # restores bit-exact, from them alone. (Rank 0's node held the step's first-
+    # level manifest: it is written there again by that restore.)
+    root, opts = str(tmp_path), {"replicas": 2}
+    run_ranks(_save_job, 4, root, 2, "partner", opts, [1], timeout=240)
+    shutil.rmtree(tmp_path / "n1")
+    out = run_ranks(_load_job, 4, root, 2, "partner", opts, timeout=240)
+    assert [o[:2] for o in out] == [(1, True)] * 4
+    held = sorted(p.name[:2] for p in (tmp_path / "n1/partner/step-1/data").iterdir())
+    assert held == ["0-", "1-", "2-", "3-"]
+    assert (tmp_path / "n1/partner/step-1/manifest.json").exists()
+    shutil.rmtree(tmp_path / "n0")
+    shutil.rmtree(tmp_path / "n1" / "l1")
+    out = run_ranks(_load_job, 4, root, 2, "partner", opts, timeout=240)
+    assert [o[:2] for o in out] == [(1, True)] * 4
+    assert out[0][2] == {f"partner:{root}/n{{node}}/partner (node 1)": 4}, out[0][2]
+    assert out[2][2] == {f"partner:{root}/n{{node}}/partner (this node)": 4}, out[2][2]
+    assert (tmp_path / "n0/l1/step-1/manifest.json").exists()
+
+
 def test_erasure_level_rebuilds_any_lost_node(tmp_path):
     root = str(tmp_path)
     opts = {"data": 2, "parity": 1}
