@@ -76,11 +76,16 @@ from . import _zstd
 from ._bytegroup_np import (
     SAMPLE_SAVING,
     SAMPLE_VALUES,
+    SPARSE,
+    bitmap_len,
     join_np,
     join_plane_np,
+    join_sparse_np,
     planes_np,
     sample_rows,
     scratch,
+    sparse_count_np,
+    sparse_plane_np,
     split_judged_np,
     split_plane_np,
     split_sizes,
@@ -102,6 +107,8 @@ NATIVE_ZSTD = NATIVE and bool(_native.HAS_ZSTD)
 _native_zstd = NATIVE_ZSTD  # tests switch this off to compare the two paths
 
 _PLANE = struct.Struct("<BI")
+#: A sparse plane's header: the stored length of its bitmap.
+_SPARSE = struct.Struct("<I")
 #: Rotation (bits) of version 2 per float dtype; others use version 1's.
 _ROTATE_V2 = {torch.float32: 3, torch.bfloat16: 3, torch.complex64: 3}
 
@@ -129,7 +136,7 @@ def _join(planes: list[np.ndarray], dest: np.ndarray, width: int, rotate: int) -
 def _split_judged(
     values: np.ndarray, width: int, rotate: int, name: str
 ) -> tuple[np.ndarray, list[int]]:
-    """``(planes, methods)``: each plane's method (0 raw, 1 zstd, 2/3 split), judged on a sample.
+    """``(planes, methods)``: each plane's method (0 raw, 1 zstd, 2/3 split, 4 sparse), on a sample.
 
     The planes (per-thread buffer) are filled only when one is worth coding.
     Native: one call for both, so one GIL release per chunk.
@@ -161,6 +168,85 @@ def _join_plane(high: np.ndarray, low: np.ndarray, plane: np.ndarray, method: in
         join_plane_np(high, low, plane, method)
 
 
+def _sparse_plane(plane: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(bitmap, values)`` of a sparse plane (per-thread buffers)."""
+    bitmap = scratch("sparse_bitmap", bitmap_len(len(plane)))
+    values = scratch("sparse_values", len(plane))
+    count = (sparse_plane_np if _native is None else _native.sparse_plane)(plane, bitmap, values)
+    return bitmap, values[:count]
+
+
+def _code_sparse(plane: np.ndarray, out: memoryview) -> int | None:
+    """A sparse plane into ``out`` (``len(plane)`` bytes): its length, None unless smaller.
+
+    ``_planes.c``: code_sparse, the same bytes: the bitmap's stored length
+    (u32), the bitmap, the values; each a zstd frame where that is smaller,
+    else raw.
+    """
+    n = len(plane)
+    blen, at = bitmap_len(n), _SPARSE.size
+    if at + blen >= n:
+        return None
+    bitmap, values = _sparse_plane(plane)
+    k = _zstd.compress_plane_into(bitmap, out[at : at + blen])
+    if k is None:
+        out[at : at + blen] = bitmap
+        k = blen
+    _SPARSE.pack_into(out, 0, k)
+    at += k
+    count = len(values)
+    if count == 0:
+        return at
+    room = min(n - at, count)
+    if room <= 0:
+        return None
+    k = _zstd.compress_plane_into(values, out[at : at + room])
+    if k is not None:
+        return at + k
+    if count > n - at:
+        return None
+    out[at : at + count] = values
+    return at + count
+
+
+def _decode_sparse(data: memoryview, plane: np.ndarray, p: int) -> None:
+    """The inverse of :func:`_code_sparse`, into ``plane``.
+
+    Raises:
+        ValueError: a length in the plane disagrees with the plane's size or
+            the bitmap's count, a bitmap bit lies past the plane, or a frame is
+            corrupt.
+    """
+    n = len(plane)
+    blen = bitmap_len(n)
+    if len(data) < _SPARSE.size:
+        raise ValueError(f"sparse plane {p} has {len(data)} bytes, under its 4-byte header")
+    (stored,) = _SPARSE.unpack_from(data)
+    at = _SPARSE.size + stored
+    if stored > blen or at > len(data):
+        raise ValueError(
+            f"sparse plane {p} stores a {stored}-byte bitmap: over its {blen} bytes raw "
+            f"or past the plane's {len(data)}"
+        )
+    if stored == blen:
+        bitmap = np.frombuffer(data[_SPARSE.size : at], np.uint8)
+    else:
+        bitmap = scratch("dec_bitmap", blen)
+        _zstd.decompress_into(data[_SPARSE.size : at], memoryview(bitmap))
+    count = (sparse_count_np if _native is None else _native.sparse_count)(bitmap, n)
+    rest = data[at:]
+    if len(rest) > count:
+        raise ValueError(
+            f"sparse plane {p} stores {len(rest)} bytes of values for {count} non-zero bytes"
+        )
+    if len(rest) == count:
+        values = np.frombuffer(rest, np.uint8)
+    else:
+        values = scratch("dec_values", count)
+        _zstd.decompress_into(rest, memoryview(values))
+    (join_sparse_np if _native is None else _native.join_sparse)(bitmap, values, plane)
+
+
 def _pays(coded_len: int, raw_len: int, saving: float = MIN_SAVING) -> bool:
     return coded_len < raw_len * (1 - saving)
 
@@ -169,8 +255,8 @@ class ByteGroupCodec(Codec):
     """Byte planes (exponent-aligned for floats), each zstd-compressed when it pays."""
 
     name = "dcp_multilevel.bytegroup"
-    version = 3
-    read_versions = frozenset({1, 2, 3})
+    version = 4
+    read_versions = frozenset({1, 2, 3, 4})
 
     def layout(self, dtype: torch.dtype) -> tuple[int, int]:
         """As :meth:`Codec.layout`, but fp32, bf16 and complex64 rotate by 3 bits (version 2)."""
@@ -202,12 +288,14 @@ class ByteGroupCodec(Codec):
             raise ValueError(f"output buffer of {len(out)} bytes is under the payload bound")
         values = np.frombuffer(chunk, dtype=np.uint8)
         if rotate and width > 1 and _native_zstd and _native is not None:  # float: all in C
-            # The planes, then room for a split plane's low stream.
-            planes = scratch("enc_planes", len(values) + len(values) // (2 * width) + 8)
+            # The planes, then room for a split plane's low stream or a
+            # sparse plane's bitmap and values (_planes.c: extra_room).
+            n = len(values) // width
+            planes = scratch("enc_planes", len(values) + n + n // 8 + 16)
             return _native.encode(
                 values, out, planes, width, rotate, SAMPLE_VALUES, SAMPLE_SAVING, MIN_SAVING
             )
-        # Per plane: 0 raw, 1 zstd, 2/3 split (floats only).
+        # Per plane: 0 raw, 1 zstd, 2/3 split, 4 sparse (floats only).
         if width == 1:
             planes = values.reshape(1, -1)
             methods = [1]
@@ -230,6 +318,9 @@ class ByteGroupCodec(Codec):
             method, length = methods[p], n
             if method == 1:
                 k = _zstd.compress_plane_into(plane, out[pos : pos + _zstd.plane_bound(n)])
+                length = n if k is None else k
+            elif method == SPARSE:
+                k = _code_sparse(plane, out[pos : pos + n])
                 length = n if k is None else k
             elif method:
                 high, low = _split_plane(plane, method)
@@ -296,6 +387,9 @@ class ByteGroupCodec(Codec):
                 low = scratch("dec_low", low_len)
                 _zstd.decompress_into(data[high_len:], memoryview(low))
                 _join_plane(np.frombuffer(data[:high_len], np.uint8), low, decoded[p], method)
+                planes.append(decoded[p])
+            elif method == SPARSE:
+                _decode_sparse(data, decoded[p], p)
                 planes.append(decoded[p])
             else:
                 raise ValueError(f"plane {p} has unknown method {method}")
