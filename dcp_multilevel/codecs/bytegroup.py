@@ -1,4 +1,4 @@
-"""Float-aware byte grouping (``dcp_multilevel.bytegroup/3``; reads ``/1`` and ``/2`` too).
+"""Float-aware byte grouping (``dcp_multilevel.bytegroup/4``; reads ``/1`` to ``/3`` too).
 
 A chunk of ``width``-byte values is split into ``width`` planes: plane ``p``
 holds byte ``p`` of every value. Floats are first rotated left by ``rotate``
@@ -35,10 +35,38 @@ the judge picks per chunk. The packing (``_planes.c``: split_plane) cuts the
 plane into 4 (k = 2) or 8 (k = 3) segments and packs slot ``j`` of every
 segment together, so both directions are contiguous, vectorized loops.
 
+Sparse planes (version 4). The planes of an XOR delta (``MultiLevelWriter(
+reference=...)``: a chunk XOR its reference) are mostly zero bytes where the
+values did not change, but rarely all zero. zstd codes such a plane as
+Huffman literals, and a Huffman code spends at least one bit on every byte:
+the zeros alone cost an eighth of the plane whatever their entropy. Method
+4 stores a bitmap of the non-zero bytes (one bit per byte) and the non-zero
+bytes in order, each as one zstd frame where that is smaller, else raw. zstd
+then sees an eighth of the plane for the bitmap and only the bytes that
+changed. Measured on the XOR deltas of MiniLM fine-tuned for real (one step,
+1 MiB fp32 chunks, 153 planes the judge makes sparse): those planes' bytes
+0.79x of zstd's; on a 92 %-zero plane of 256 KiB 0.63x, coded in 0.17
+instead of 0.56 ms (0.05 to build bitmap and values, 0.12 in zstd) and
+decoded in 0.09 instead of 0.16 ms.
+Alternatives measured on the same planes: raw values after a coded bitmap
+(0.128 of the plane against 0.083) and a raw bitmap (0.158) lose where the
+plane is sparsest, so each stream is coded and kept raw only where zstd does
+not shrink it; a raw stream is told by its length (the bitmap's is
+``ceil(n / 8)``, the values' the bitmap's count). The judge considers
+method 4 only instead of zstd, and only on a sample plane whose zero byte is
+over half of it and not all of it (an all-zero plane is one zstd RLE block):
+both are estimated as Huffman codes with the one-bit floor, zstd on the
+plane's bytes, sparse on the bitmap bytes of the sample's groups of 8 values
+plus the non-zero bytes. A checkpoint of float values has no such plane (no
+byte value is half of a plane) and codes exactly as with version 3.
+
 Payload layout: ``width`` u8, then per plane ``method u8 | length u32``, then
 the planes' bytes in order. Method 0 is raw and 1 is one zstd frame. Methods
 2 and 3 store the packed high bits (``split_sizes``), then one zstd frame of
-the packed low bits.
+the packed low bits. Method 4 stores ``bitmap length u32``, the bitmap
+(``ceil(n / 8)`` bytes raw, bit ``i % 8`` of byte ``i // 8`` set where byte
+``i`` is not 0, bits past ``n`` clear; or a zstd frame of them), then the
+non-zero bytes (as many raw as the bitmap counts, or a zstd frame of them).
 
 Planes are coded with zstd tuned as an entropy coder (``_zstd._PLANE_PARAMS``;
 ``level`` does not apply). Which planes are worth it is judged on a sample of
@@ -55,8 +83,8 @@ cheapest method whose estimate is within ``SPLIT_SLACK`` of the smallest
 is chosen. Integer planes can hold repeats (``arange``, padding) that only a
 match finder sees, so their sample is compressed with zstd.
 
-Splitting, joining and the entropy sample run in ``_planes.c`` with the GIL
-released (one call each per chunk). Where a libzstd is found at import
+Splitting, joining, sparse planes and the entropy sample run in ``_planes.c``
+with the GIL released (one call each per chunk or plane). Where a libzstd is found at import
 (:data:`NATIVE_ZSTD`), a float chunk's whole coding, zstd included, is one
 call: every GIL hand-off between coding threads waits on waking the other
 thread, and on small chunks those waits cost more than the second thread
