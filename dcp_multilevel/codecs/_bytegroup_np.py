@@ -256,8 +256,8 @@ def split_judged_np(
     for plane in sample:
         counts = np.bincount(plane, minlength=256).tolist()
         method = _plane_method(counts, len(plane)) if len(plane) else 0
-        # Mostly zeros, not all (``judge`` in _planes.c): perhaps sparse instead of zstd.
-        if method == 1 and len(plane) < 2 * counts[0] < 2 * len(plane):
+        # Over 3/4 zeros, not all (``judge`` in _planes.c says why): perhaps sparse.
+        if method == 1 and 3 * len(plane) < 4 * counts[0] < 4 * len(plane):
             method = SPARSE if _sparse_pays(plane, counts, slices) else 1
         methods.append(method)
     if any(methods):
