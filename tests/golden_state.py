@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 
 
-def golden_state(version: int = 3) -> dict:
+def golden_state(version: int = 4) -> dict:
     """The state a ``v<version>-*`` golden checkpoint holds.
 
     Later versions add tensors (never change earlier ones), so each golden
     folder is compared with the state its release wrote: v3 adds ``sq``, an
     Adam ``exp_avg_sq``-like positive tensor whose planes take the third
-    bytegroup/3 plane method.
+    bytegroup/3 plane method, and v4 ``pruned``, a tensor of mostly zeros
+    whose planes are stored sparse (bytegroup/4's plane method 4).
     """
     g = torch.Generator().manual_seed(1234)
     w = torch.randn(64, 48, generator=g) * 0.02
@@ -35,6 +36,8 @@ def golden_state(version: int = 3) -> dict:
     }
     if version >= 3:
         state["model"]["sq"] = (w * w).contiguous()
+    if version >= 4:  # mostly zeros (|w| under 1.5 sigma): sparse planes, bytegroup/4
+        state["model"]["pruned"] = torch.where(w.abs() > 0.03, w, 0.0)
     return state
 
 

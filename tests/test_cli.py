@@ -138,7 +138,7 @@ def test_ls_lists_steps_with_sizes_codecs_and_incomplete(root):
             row[int(cells[0])] = line
     assert set(row) == {10, 20, 30, 40}
     assert "none" in row[10] and "complete" in row[10]
-    assert "bytegroup/3" in row[20]
+    assert "bytegroup/4" in row[20]
     assert "incomplete" in row[40] and " complete" not in row[40]
     assert str(root) in result.stdout
 
@@ -154,7 +154,7 @@ def test_ls_json_shape(root):
     assert c10["complete"] and c10["codecs"] == [] and c10["world_size"] == 1
     assert c10["stored_bytes"] == sum(f.stat().st_size for f in data_files(root / "step-10"))
     assert c10["raw_bytes"] == c10["stored_bytes"]  # uncompressed: nothing framed
-    assert c20["codecs"] == ["dcp_multilevel.bytegroup/3"]
+    assert c20["codecs"] == ["dcp_multilevel.bytegroup/4"]
     assert c20["stored_bytes"] < c20["raw_bytes"]
     assert set(c20) >= {"save_id", "created_unix", "files", "items", "url", "error"}
     assert c40 == {"step": 40, "url": f"file://{root}/step-40", "complete": False, "error": None}
@@ -209,7 +209,7 @@ def test_inspect_tables(root):
     assert result.exit_code == 0, result.stderr
     out = result.stdout
     for fact in ("model.w", "model.b", "model.h", "step", "float32", "bfloat16", "64x48",
-                 "32x32", "bytegroup/3", torch.__version__, "format version",
+                 "32x32", "bytegroup/4", torch.__version__, "format version",
                  "bytes per rank", data_files(root / "step-20")[0].name):  # fmt: skip
         assert fact in out, fact
 
@@ -225,7 +225,7 @@ def test_inspect_json_shape(root):
     assert (w["type"], w["dtype"], w["shape"], w["raw_bytes"]) == ("tensor", "float32", [64, 48],
                                                                     64 * 48 * 4)  # fmt: skip
     assert w["stored_bytes"] < w["raw_bytes"] and w["ratio"] > 1
-    assert w["codecs"] == ["dcp_multilevel.bytegroup/3"]
+    assert w["codecs"] == ["dcp_multilevel.bytegroup/4"]
     (chunk,) = w["chunks"]
     assert set(chunk) == {"offsets", "file", "pos", "length", "raw_length", "transforms",
                           "checksum", "reference_checksum"}  # fmt: skip

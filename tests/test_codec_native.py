@@ -57,7 +57,7 @@ def numpy_only(monkeypatch):
 
 
 def _methods(payload: bytes) -> list[int]:
-    """The per-plane methods (0 raw, 1 zstd, 2/3 split) of a bytegroup payload."""
+    """The per-plane methods (0 raw, 1 zstd, 2/3 split, 4 sparse) of a bytegroup payload."""
     return [payload[1 + 5 * p] for p in range(payload[0])]
 
 
@@ -90,6 +90,12 @@ def _values(kind: str, n: int, dtype: torch.dtype, seed: int) -> np.ndarray:
         t = (torch.randn(n, generator=gen) * 0.02).abs().to(dtype)
     elif kind == "bf16-valued":  # low mantissa bits all zero: zstd beats a split
         t = (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16).to(dtype)
+    elif kind == "xor":  # an XOR delta of nearby weights: planes of mostly zeros
+        a = torch.randn(n, generator=gen) * 0.02
+        b = a + a.abs() * 1e-6 * torch.randn(n, generator=gen)
+        a, b = a.to(dtype), b.to(dtype)
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+        return (a.view(bits) ^ b.view(bits)).view(torch.uint8).numpy()
     elif kind == "ones":
         t = torch.ones(n, dtype=dtype)
     elif kind == "arange":
@@ -109,7 +115,9 @@ DTYPES = [
 @needs_native
 @pytest.mark.parametrize("path", ["split-in-C", "all-in-C"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["weights", "positive", "bf16-valued", "ones", "arange", "random"])
+@pytest.mark.parametrize(
+    "kind", ["weights", "positive", "bf16-valued", "xor", "ones", "arange", "random"]
+)
 @pytest.mark.parametrize("n", [1, 5, 4099, 70_000])  # 70k values: sampled in slices
 def test_native_and_numpy_code_the_same_bytes_and_read_each_other(
     path, dtype, kind, n, monkeypatch
@@ -131,6 +139,8 @@ def test_native_and_numpy_code_the_same_bytes_and_read_each_other(
             assert _methods(fast) == _methods(slow), what
     if kind == "random" and n > 1000:
         assert fast is None  # near-random planes are rejected, not stored coded
+    if kind == "xor" and dtype == torch.float32 and n > 1000:
+        assert 4 in _methods(fast), f"{what}: no plane of the XOR delta was stored sparse"
     if fast is None:
         return
     assert _decode(fast, data.nbytes, width, rotate) == data.tobytes()  # numpy reads C
@@ -224,7 +234,8 @@ def test_one_call_codes_a_float_chunk_that_zstd_reads():
     values = (rng.standard_normal(1 << 18) * 0.02).astype(np.float32).view(np.uint8)
     codec = ByteGroupCodec()
     out = np.empty(codec.payload_bound(values.nbytes, 4), np.uint8)
-    planes = np.empty(values.nbytes + values.nbytes // 8 + 8, np.uint8)
+    n_values = values.nbytes // 4
+    planes = np.empty(values.nbytes + n_values + n_values // 8 + 16, np.uint8)
     n = native.encode(values, out, planes, 4, 3, 1 << 14, 1 / 128, 1 / 64)
     assert n is not None and n < 0.9 * values.nbytes
     assert _methods(out[:n].tobytes()) == [2, 0, 0, 1]  # exponent-bearing planes coded
@@ -330,7 +341,7 @@ def test_hostile_plane_frames_are_clear_errors():
         ([raw, (2, high.tobytes() + low_frame[:-4])], "zstd frame ends after"),
         # Method 3 keeps 2560 raw bytes of 4096 and a 2048-byte low stream.
         ([raw, (3, bytes(2560) + low_frame)], "zstd frame declares 1024 bytes, expected 2048"),
-        ([raw, (4, plane)], "plane 1 has unknown method 4"),
+        ([raw, (5, plane)], "plane 1 has unknown method 5"),
     ]
     for planes, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -344,3 +355,127 @@ def test_hostile_plane_frames_are_clear_errors():
     split = (2, high.tobytes() + low_frame)
     ByteGroupCodec().decode(memoryview(_payload([split, raw])), memoryview(out), 2, 0)
     assert out[0::2] == plane and out[1::2] == plane
+
+
+# ------------------------------------------------------------- sparse planes
+
+
+def _plane_with_zeros(data, n: int, zeros: float) -> np.ndarray:
+    """``n`` random bytes, each 0 with probability ``zeros`` (hypothesis draws)."""
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    plane = rng.integers(1, 256, n, dtype=np.uint8)
+    plane[rng.random(n) < zeros] = 0
+    return plane
+
+
+@needs_native
+@settings(max_examples=120, deadline=None)
+@given(data=st.data(), n=st.integers(0, 300), zeros=st.sampled_from([0, 0.3, 0.9, 0.99, 1]))
+def test_sparse_planes_match_numpy_and_join_back(data, n, zeros):
+    # Every tail length (n % 8) and density: the bitmap's last byte is short.
+    plane = _plane_with_zeros(data, n, zeros)
+    blen = bytegroup.bitmap_len(n)
+    bitmap, values = np.empty(blen, np.uint8), np.empty(n, np.uint8)
+    count = native.sparse_plane(plane, bitmap, values)
+    want_bitmap, want_values = np.empty(blen, np.uint8), np.empty(n, np.uint8)
+    assert _bytegroup_np.sparse_plane_np(plane, want_bitmap, want_values) == count
+    assert bitmap.tobytes() == want_bitmap.tobytes()
+    assert values[:count].tobytes() == want_values[:count].tobytes() == plane[plane != 0].tobytes()
+    assert native.sparse_count(bitmap, n) == _bytegroup_np.sparse_count_np(bitmap, n) == count
+    back, back_np = np.full(n, 7, np.uint8), np.full(n, 7, np.uint8)
+    native.join_sparse(bitmap, values[:count], back)
+    _bytegroup_np.join_sparse_np(bitmap, values[:count], back_np)
+    assert back.tobytes() == back_np.tobytes() == plane.tobytes()
+
+
+@pytest.mark.parametrize("kernels", ["C", "numpy"])
+def test_sparse_kernels_refuse_a_bitmap_that_disagrees_with_the_values(kernels, monkeypatch):
+    if kernels == "C" and native is None:
+        pytest.skip("built without the C kernels")
+    k = native if kernels == "C" else None
+    count = k.sparse_count if k else _bytegroup_np.sparse_count_np
+    join = k.join_sparse if k else _bytegroup_np.join_sparse_np
+    bitmap = np.array([0b101, 0b1], np.uint8)  # 3 bytes of a 9-byte plane
+    plane = np.empty(9, np.uint8)
+    with pytest.raises(
+        ValueError, match=r"^sparse plane bitmap marks 3 non-zero bytes, its values are 2$"
+    ):
+        join(bitmap, np.ones(2, np.uint8), plane)
+    with pytest.raises(
+        ValueError, match=r"^sparse plane bitmap marks 3 non-zero bytes, its values are 4$"
+    ):
+        join(bitmap, np.ones(4, np.uint8), plane)
+    with pytest.raises(ValueError, match=r"^sparse plane bitmap marks bytes past the plane's 9$"):
+        count(np.array([0, 0b10], np.uint8), 9)
+    with pytest.raises(ValueError, match=r"^a sparse plane of 9 bytes has a 2-byte bitmap, not 1$"):
+        count(bitmap[:1], 9)
+    join(bitmap, np.array([5, 6, 7], np.uint8), plane)
+    assert plane.tolist() == [5, 0, 6, 0, 0, 0, 0, 0, 7]
+
+
+def _sparse_payload(bitmap_part: bytes, values_part: bytes, stored: int | None = None) -> bytes:
+    """A sparse plane: u32 stored bitmap length, the bitmap, the values."""
+    head = struct.pack("<I", len(bitmap_part) if stored is None else stored)
+    return head + bitmap_part + values_part
+
+
+@pytest.mark.parametrize("kernels", ["C", "numpy"])
+def test_corrupt_sparse_planes_are_clear_errors(kernels, monkeypatch):
+    if kernels == "C" and native is None:
+        pytest.skip("built without the C kernels")
+    if kernels == "numpy":
+        monkeypatch.setattr(bytegroup, "_native", None)
+    n = 4096  # planes of 4096 bytes: 512-byte bitmaps
+    plane = np.zeros(n, np.uint8)
+    plane[::16] = np.arange(256) % 3 + 1  # 256 non-zero bytes, compressible
+    bitmap = np.packbits(plane != 0, bitorder="little").tobytes()
+    values = plane[plane != 0].tobytes()
+    zc = zstandard.ZstdCompressor()
+    bitmap_frame, values_frame = zc.compress(bitmap), zc.compress(values)
+    raw = (0, bytes(n))
+    cases = [
+        (b"\1\0", "sparse plane 1 has 2 bytes, under its 4-byte header"),
+        (_sparse_payload(bitmap, values, stored=513), "stores a 513-byte bitmap: over its 512"),
+        (_sparse_payload(bitmap[:100], b""), "zstd frame is corrupt"),
+        (_sparse_payload(bitmap_frame[:-3], values), "zstd frame ends after"),
+        # The bitmap marks 256 bytes: 255 or 257 raw values, or a frame of 255.
+        (_sparse_payload(bitmap, values[:-1]), "zstd frame is corrupt"),
+        (_sparse_payload(bitmap, values + b"x"), "stores 257 bytes of values for 256 non-zero"),
+        (_sparse_payload(bitmap, zc.compress(values[:-1])), "declares 255 bytes, expected 256"),
+        (_sparse_payload(bitmap, values_frame[:-2]), "zstd frame ends after"),
+        # A bitmap that marks one byte more, or one fewer, than the values hold.
+        (_sparse_payload(zc.compress(bitmap[:-1] + b"\3"), values), "zstd frame is corrupt"),
+        (_sparse_payload(bitmap[:-2] + bytes(2), values), "stores 256 bytes of values for 255"),
+    ]
+    for part, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ByteGroupCodec().decode(
+                memoryview(_payload([raw, (4, part)])), memoryview(bytearray(2 * n)), 2, 0
+            )
+    # The well-formed ones decode: raw or coded bitmap and values.
+    for bitmap_part in (bitmap, bitmap_frame):
+        for values_part in (values, values_frame):
+            out = bytearray(2 * n)
+            payload = _payload([raw, (4, _sparse_payload(bitmap_part, values_part))])
+            ByteGroupCodec().decode(memoryview(payload), memoryview(out), 2, 0)
+            assert out[1::2] == plane.tobytes() and out[0::2] == bytes(n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e4])
+@pytest.mark.parametrize("kernels", ["all-in-C", "split-in-C", "numpy"])
+def test_the_judge_never_stores_random_floats_sparse(dtype, scale, kernels, monkeypatch):
+    if kernels != "numpy" and native is None:
+        pytest.skip("built without the C kernels")
+    if kernels == "all-in-C" and not bytegroup.NATIVE_ZSTD:
+        pytest.skip("no libzstd found")
+    monkeypatch.setattr(bytegroup, "_native_zstd", kernels == "all-in-C")
+    if kernels == "numpy":
+        monkeypatch.setattr(bytegroup, "_native", None)
+    width, rotate = ByteGroupCodec().layout(dtype)
+    for seed, n in enumerate((5000, 300_000)):  # judged whole, and on slices
+        gen = torch.Generator().manual_seed(seed)
+        t = (torch.randn(n, generator=gen) * scale).to(dtype)
+        payload = _encode(t.view(torch.uint8).numpy(), width, rotate)
+        assert payload is None or 4 not in _methods(payload), f"{dtype} x{scale} n={n}"

@@ -66,17 +66,17 @@ def test_hostile_frame_headers_are_refused(header, message):
     assert str(info.value) == message
 
 
-def test_bytegroup_reads_versions_1_to_3_and_refuses_others():
-    assert ByteGroupCodec().descriptor == "dcp_multilevel.bytegroup/3"
-    for version in ("1", "2", "3"):
+def test_bytegroup_reads_versions_1_to_4_and_refuses_others():
+    assert ByteGroupCodec().descriptor == "dcp_multilevel.bytegroup/4"
+    for version in ("1", "2", "3", "4"):
         assert isinstance(
             codec_from_descriptor(f"dcp_multilevel.bytegroup/{version}"), ByteGroupCodec
         )
     with pytest.raises(RegistryError) as info:
-        codec_from_descriptor("dcp_multilevel.bytegroup/4")
+        codec_from_descriptor("dcp_multilevel.bytegroup/5")
     assert str(info.value) == (
-        "codec 'dcp_multilevel.bytegroup' version '4' is not readable by the installed codec "
-        "(version 3); install a dcp_multilevel release that reads it"
+        "codec 'dcp_multilevel.bytegroup' version '5' is not readable by the installed codec "
+        "(version 4); install a dcp_multilevel release that reads it"
     )
 
 
@@ -210,7 +210,7 @@ def test_save_with_threads_fails_cleanly_on_a_coding_error_and_saves_again(tmp_p
     writer = MultiLevelWriter(tmp_path / "c", codec=Compression(threads=2))
     dcp.save(state, storage_writer=writer)
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
-    assert {"dcp_multilevel.bytegroup/3"} == {
+    assert {"dcp_multilevel.bytegroup/4"} == {
         t for item in manifest["items"] for t in item["transforms"]
     }
     loaded = {k: torch.zeros_like(v) for k, v in state.items() if k != "note"}

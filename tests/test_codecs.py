@@ -109,6 +109,33 @@ def test_round_trip_any_dtype_size_and_chunk_boundary(
             pool.shutdown()
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+    n=st.integers(0, 6000),
+    zeros=st.sampled_from([0.0, 0.5, 0.8, 0.95, 0.999, 1.0]),
+    seed=st.integers(0, 2**16),
+    kernels=st.sampled_from(["all-in-C", "split-in-C", "numpy"]),
+)
+def test_round_trip_of_planes_of_every_zero_fraction(dtype, n, zeros, seed, kernels):
+    # Like XOR deltas: each byte 0 with probability `zeros`, so planes take
+    # every method, sparse (bytegroup/4) among them, one chunk each.
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(1, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    raw[torch.rand(raw.shape, generator=g) < zeros] = 0
+    t = raw.view(dtype)
+    codec = ByteGroupCodec()
+    saved = bytegroup._native, bytegroup._native_zstd
+    bytegroup._native_zstd = kernels == "all-in-C" and bytegroup.NATIVE_ZSTD
+    if kernels == "numpy":
+        bytegroup._native = None
+    try:
+        blob = _encode(t, codec, 1 << 20)
+        assert_bit_equal(_decode(blob, t, codec), t, f"{dtype} zeros={zeros}")
+    finally:
+        bytegroup._native, bytegroup._native_zstd = saved
+
+
 def test_random_bytes_cost_almost_nothing_and_structured_floats_shrink():
     noise = random_tensor((1 << 20,), torch.float32, 1)
     blob = _encode(noise, ByteGroupCodec(1), 1 << 20)

@@ -63,6 +63,11 @@ def test_the_bytegroup_3_golden_holds_every_plane_method():
     assert _plane_methods(GOLDEN / "v3-bytegroup") == {0, 1, 2, 3}
 
 
+def test_the_bytegroup_4_golden_holds_sparse_planes():
+    # Plane method 4 (a bitmap and the non-zero bytes), beside the older ones.
+    assert _plane_methods(GOLDEN / "v4-bytegroup") >= {0, 1, 4}
+
+
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_golden_checkpoint_loads_bit_exact(name):
     expected = golden_state(int(name.split("-")[0].removeprefix("v")))

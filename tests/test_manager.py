@@ -88,7 +88,7 @@ def test_remote_every_second_save_survives_losing_the_node(tmp_path):
     assert mgr.steps(0) == [4]  # step 3 is not due remotely: retention may drop it
     manifest = json.loads(mgr.drivers[1].root.store.read_bytes("step-4/manifest.json"))
     w = next(i for i in manifest["items"] if i["fqn"] == "w")
-    assert w["transforms"] == ["dcp_multilevel.bytegroup/3"] and w["length"] < w["raw_length"]
+    assert w["transforms"] == ["dcp_multilevel.bytegroup/4"] and w["length"] < w["raw_length"]
     mgr.close()
 
     shutil.rmtree(tmp_path / "l1")  # the node is replaced: its disk is empty

@@ -258,7 +258,7 @@ def format_bytes(n: int | None) -> str:
 
 def format_codecs(codecs: list[str] | None) -> str:
     """Codec descriptors for people: the built-ins without their package prefix
-    (``bytegroup/3``), ``none`` for uncoded, ``-`` when unknown."""
+    (``bytegroup/4``), ``none`` for uncoded, ``-`` when unknown."""
     if codecs is None:
         return "-"
     return ", ".join(c.removeprefix("dcp_multilevel.") for c in codecs) or "none"

@@ -23,12 +23,17 @@ from .base import MIN_SAVING
 __all__ = [
     "SAMPLE_SAVING",
     "SAMPLE_VALUES",
+    "SPARSE",
     "SPLIT_SLACK",
+    "bitmap_len",
     "join_np",
     "join_plane_np",
+    "join_sparse_np",
     "planes_np",
     "sample_rows",
     "scratch",
+    "sparse_count_np",
+    "sparse_plane_np",
     "split_judged_np",
     "split_plane_np",
     "split_sizes",
@@ -46,6 +51,8 @@ SAMPLE_SAVING = MIN_SAVING / 2
 #: The cheapest plane method within 1/SPLIT_SLACK byte per value of the
 #: smallest estimate is chosen (``SPLIT_SLACK`` in ``_planes.c`` says why).
 SPLIT_SLACK = 256.0
+#: The plane method of a sparse plane (bytegroup/4): a bitmap and the non-zero bytes.
+SPARSE = 4
 _local = threading.local()
 
 
@@ -181,6 +188,38 @@ def _entropy_bits(counts: list[int], total: int) -> float:
     return bits
 
 
+def _floored_bits(counts: list[int], total: int) -> float:
+    """Huffman-coded size in bits, at least one bit a symbol (``_planes.c``: floored_bits)."""
+    bits = 0.0
+    whole = math.log2(total)
+    for count in counts:
+        if count:
+            length = whole - math.log2(count)
+            bits += count * (length if length > 1 else 1)
+    return bits
+
+
+def _group_counts(plane: np.ndarray, slices: int) -> tuple[list[int], int]:
+    """``(counts, groups)``: the sparse bitmap bytes of each group of 8 values of
+    each of ``slices`` equal slices of a sample plane (``_planes.c``: count_groups)."""
+    counts = np.zeros(256, np.int64)
+    groups = 0
+    for part in np.split(plane, slices):
+        bits = np.packbits(part != 0, bitorder="little")  # a short last group: zeros
+        counts += np.bincount(bits, minlength=256)
+        groups += len(bits)
+    return counts.tolist(), groups
+
+
+def _sparse_pays(plane: np.ndarray, counts: list[int], slices: int) -> bool:
+    """Whether a mostly-zero sample plane is smaller sparse than zstd-coded (``_planes.c``:
+    sparse_pays)."""
+    total = len(plane)
+    groups, ngroups = _group_counts(plane, slices)
+    sparse = _floored_bits(groups, ngroups) + _floored_bits(counts[1:], total - counts[0])
+    return sparse < _floored_bits(counts, total)
+
+
 def _plane_method(counts: list[int], total: int) -> int:
     """The method for a plane whose sampled bytes counted ``counts`` (``judge`` in ``_planes.c``).
 
@@ -203,17 +242,24 @@ def _plane_method(counts: list[int], total: int) -> int:
 def split_judged_np(
     values: np.ndarray, width: int, rotate: int, name: str
 ) -> tuple[np.ndarray, list[int]]:
-    """``(planes, methods)``: each plane's method (0 raw, 1 zstd, 2/3 split), judged on a sample.
+    """``(planes, methods)``: each plane's method (0 raw, 1 zstd, 2/3 split, 4 sparse), judged
+    on a sample.
 
     ``_planes.c``: split with a sample size. The planes (scratch ``name``)
     are filled only when one is worth coding.
     """
     planes = scratch(name, len(values)).reshape(width, -1)
-    sample = planes_np(sample_rows(values, width), width, rotate, "sample_planes")
-    methods = [
-        _plane_method(np.bincount(plane, minlength=256).tolist(), len(plane)) if len(plane) else 0
-        for plane in sample
-    ]
+    rows = sample_rows(values, width)
+    slices = 1 if rows is values else _SLICES
+    sample = planes_np(rows, width, rotate, "sample_planes")
+    methods = []
+    for plane in sample:
+        counts = np.bincount(plane, minlength=256).tolist()
+        method = _plane_method(counts, len(plane)) if len(plane) else 0
+        # Over 3/4 zeros, not all (``judge`` in _planes.c says why): perhaps sparse.
+        if method == 1 and 3 * len(plane) < 4 * counts[0] < 4 * len(plane):
+            method = SPARSE if _sparse_pays(plane, counts, slices) else 1
+        methods.append(method)
     if any(methods):
         planes = planes_np(values, width, rotate, name)
     return planes, methods
@@ -278,3 +324,49 @@ def join_plane_np(high: np.ndarray, low: np.ndarray, plane: np.ndarray, method: 
             s[r] |= lo[r] & 7
             s[r + 4] |= lo[r] >> 4 & 7
     plane[:] = s.reshape(-1)[:n]
+
+
+def bitmap_len(n: int) -> int:
+    """Bytes of a sparse plane's bitmap for ``n`` bytes (``_planes.c``: bitmap_len)."""
+    return (n + 7) // 8
+
+
+def sparse_plane_np(plane: np.ndarray, bitmap: np.ndarray, values: np.ndarray) -> int:
+    """The bitmap of ``plane``'s non-zero bytes into ``bitmap`` and those bytes into
+    ``values[:count]``; returns count (``_planes.c``: sparse_plane)."""
+    nonzero = plane != 0
+    bitmap[:] = np.packbits(nonzero, bitorder="little")
+    kept = plane[nonzero]
+    values[: len(kept)] = kept
+    return len(kept)
+
+
+def sparse_count_np(bitmap: np.ndarray, n: int) -> int:
+    """The non-zero bytes ``bitmap`` marks in a plane of ``n`` (``_planes.c``: sparse_count).
+
+    Raises:
+        ValueError: the bitmap has the wrong length or marks bytes past ``n``.
+    """
+    if len(bitmap) != bitmap_len(n):
+        raise ValueError(
+            f"a sparse plane of {n} bytes has a {bitmap_len(n)}-byte bitmap, not {len(bitmap)}"
+        )
+    if n % 8 and bitmap[-1] >> (n % 8):
+        raise ValueError(f"sparse plane bitmap marks bytes past the plane's {n}")
+    return int(np.unpackbits(bitmap).sum(dtype=np.int64))
+
+
+def join_sparse_np(bitmap: np.ndarray, values: np.ndarray, plane: np.ndarray) -> None:
+    """The inverse of :func:`sparse_plane_np`, into ``plane`` (``_planes.c``: join_sparse).
+
+    Raises:
+        ValueError: the bitmap does not mark exactly ``len(values)`` bytes of the plane.
+    """
+    count = sparse_count_np(bitmap, len(plane))
+    if count != len(values):
+        raise ValueError(
+            f"sparse plane bitmap marks {count} non-zero bytes, its values are {len(values)}"
+        )
+    nonzero = np.unpackbits(bitmap, count=len(plane), bitorder="little").view(bool)
+    plane[:] = 0
+    plane[nonzero] = values

@@ -1,4 +1,4 @@
-"""Float-aware byte grouping (``dcp_multilevel.bytegroup/3``; reads ``/1`` and ``/2`` too).
+"""Float-aware byte grouping (``dcp_multilevel.bytegroup/4``; reads ``/1`` to ``/3`` too).
 
 A chunk of ``width``-byte values is split into ``width`` planes: plane ``p``
 holds byte ``p`` of every value. Floats are first rotated left by ``rotate``
@@ -35,10 +35,41 @@ the judge picks per chunk. The packing (``_planes.c``: split_plane) cuts the
 plane into 4 (k = 2) or 8 (k = 3) segments and packs slot ``j`` of every
 segment together, so both directions are contiguous, vectorized loops.
 
+Sparse planes (version 4). The planes of an XOR delta (``MultiLevelWriter(
+reference=...)``: a chunk XOR its reference) are mostly zero bytes where the
+values did not change, but rarely all zero. zstd codes such a plane as
+Huffman literals, and a Huffman code spends at least one bit on every byte:
+the zeros alone cost an eighth of the plane whatever their entropy. Method
+4 stores a bitmap of the non-zero bytes (one bit per byte) and the non-zero
+bytes in order, each as one zstd frame where that is smaller, else raw. zstd
+then sees an eighth of the plane for the bitmap and only the bytes that
+changed. Measured on the XOR deltas of MiniLM fine-tuned for real (one step,
+1 MiB fp32 chunks, 153 planes the judge makes sparse): those planes' bytes
+0.79x of zstd's; on a 92 %-zero plane of 256 KiB 0.63x, coded in 0.17
+instead of 0.56 ms (0.05 to build bitmap and values, 0.12 in zstd) and
+decoded in 0.09 instead of 0.16 ms.
+Alternatives measured on the same planes: raw values after a coded bitmap
+(0.128 of the plane against 0.083) and a raw bitmap (0.158) lose where the
+plane is sparsest, so each stream is coded and kept raw only where zstd does
+not shrink it; a raw stream is told by its length (the bitmap's is
+``ceil(n / 8)``, the values' the bitmap's count). The judge considers
+method 4 only instead of zstd, and only on a sample plane of over 3/4 zero
+bytes, not all (an all-zero plane is one zstd RLE block; under 3/4, joining
+the plane back costs more than zstd's decoding: 1.8x at 54 % zeros): both
+are estimated as Huffman codes with the one-bit floor, zstd on the plane's
+bytes, sparse on the bitmap bytes of the sample's groups of 8 values plus
+the non-zero bytes. A checkpoint of float values rarely has such a plane:
+checkpoints of MiniLM + AdamW-like states code to the same bytes as with
+version 3 but for 3 of MiniLM's 88 fp32 chunks (embedding rows whose low
+mantissa bytes are mostly zero), whose ratio moves by under 0.00001.
+
 Payload layout: ``width`` u8, then per plane ``method u8 | length u32``, then
 the planes' bytes in order. Method 0 is raw and 1 is one zstd frame. Methods
 2 and 3 store the packed high bits (``split_sizes``), then one zstd frame of
-the packed low bits.
+the packed low bits. Method 4 stores ``bitmap length u32``, the bitmap
+(``ceil(n / 8)`` bytes raw, bit ``i % 8`` of byte ``i // 8`` set where byte
+``i`` is not 0, bits past ``n`` clear; or a zstd frame of them), then the
+non-zero bytes (as many raw as the bitmap counts, or a zstd frame of them).
 
 Planes are coded with zstd tuned as an entropy coder (``_zstd._PLANE_PARAMS``;
 ``level`` does not apply). Which planes are worth it is judged on a sample of
@@ -55,8 +86,8 @@ cheapest method whose estimate is within ``SPLIT_SLACK`` of the smallest
 is chosen. Integer planes can hold repeats (``arange``, padding) that only a
 match finder sees, so their sample is compressed with zstd.
 
-Splitting, joining and the entropy sample run in ``_planes.c`` with the GIL
-released (one call each per chunk). Where a libzstd is found at import
+Splitting, joining, sparse planes and the entropy sample run in ``_planes.c``
+with the GIL released (one call each per chunk or plane). Where a libzstd is found at import
 (:data:`NATIVE_ZSTD`), a float chunk's whole coding, zstd included, is one
 call: every GIL hand-off between coding threads waits on waking the other
 thread, and on small chunks those waits cost more than the second thread
@@ -76,11 +107,16 @@ from . import _zstd
 from ._bytegroup_np import (
     SAMPLE_SAVING,
     SAMPLE_VALUES,
+    SPARSE,
+    bitmap_len,
     join_np,
     join_plane_np,
+    join_sparse_np,
     planes_np,
     sample_rows,
     scratch,
+    sparse_count_np,
+    sparse_plane_np,
     split_judged_np,
     split_plane_np,
     split_sizes,
@@ -102,6 +138,8 @@ NATIVE_ZSTD = NATIVE and bool(_native.HAS_ZSTD)
 _native_zstd = NATIVE_ZSTD  # tests switch this off to compare the two paths
 
 _PLANE = struct.Struct("<BI")
+#: A sparse plane's header: the stored length of its bitmap.
+_SPARSE = struct.Struct("<I")
 #: Rotation (bits) of version 2 per float dtype; others use version 1's.
 _ROTATE_V2 = {torch.float32: 3, torch.bfloat16: 3, torch.complex64: 3}
 
@@ -129,7 +167,7 @@ def _join(planes: list[np.ndarray], dest: np.ndarray, width: int, rotate: int) -
 def _split_judged(
     values: np.ndarray, width: int, rotate: int, name: str
 ) -> tuple[np.ndarray, list[int]]:
-    """``(planes, methods)``: each plane's method (0 raw, 1 zstd, 2/3 split), judged on a sample.
+    """``(planes, methods)``: each plane's method (0 raw, 1 zstd, 2/3 split, 4 sparse), on a sample.
 
     The planes (per-thread buffer) are filled only when one is worth coding.
     Native: one call for both, so one GIL release per chunk.
@@ -161,6 +199,85 @@ def _join_plane(high: np.ndarray, low: np.ndarray, plane: np.ndarray, method: in
         join_plane_np(high, low, plane, method)
 
 
+def _sparse_plane(plane: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(bitmap, values)`` of a sparse plane (per-thread buffers)."""
+    bitmap = scratch("sparse_bitmap", bitmap_len(len(plane)))
+    values = scratch("sparse_values", len(plane))
+    count = (sparse_plane_np if _native is None else _native.sparse_plane)(plane, bitmap, values)
+    return bitmap, values[:count]
+
+
+def _code_sparse(plane: np.ndarray, out: memoryview) -> int | None:
+    """A sparse plane into ``out`` (``len(plane)`` bytes): its length, None unless smaller.
+
+    ``_planes.c``: code_sparse, the same bytes: the bitmap's stored length
+    (u32), the bitmap, the values; each a zstd frame where that is smaller,
+    else raw.
+    """
+    n = len(plane)
+    blen, at = bitmap_len(n), _SPARSE.size
+    if at + blen >= n:
+        return None
+    bitmap, values = _sparse_plane(plane)
+    k = _zstd.compress_plane_into(bitmap, out[at : at + blen])
+    if k is None:
+        out[at : at + blen] = bitmap
+        k = blen
+    _SPARSE.pack_into(out, 0, k)
+    at += k
+    count = len(values)
+    if count == 0:
+        return at
+    room = min(n - at, count)
+    if room <= 0:
+        return None
+    k = _zstd.compress_plane_into(values, out[at : at + room])
+    if k is not None:
+        return at + k
+    if count > n - at:
+        return None
+    out[at : at + count] = values
+    return at + count
+
+
+def _decode_sparse(data: memoryview, plane: np.ndarray, p: int) -> None:
+    """The inverse of :func:`_code_sparse`, into ``plane``.
+
+    Raises:
+        ValueError: a length in the plane disagrees with the plane's size or
+            the bitmap's count, a bitmap bit lies past the plane, or a frame is
+            corrupt.
+    """
+    n = len(plane)
+    blen = bitmap_len(n)
+    if len(data) < _SPARSE.size:
+        raise ValueError(f"sparse plane {p} has {len(data)} bytes, under its 4-byte header")
+    (stored,) = _SPARSE.unpack_from(data)
+    at = _SPARSE.size + stored
+    if stored > blen or at > len(data):
+        raise ValueError(
+            f"sparse plane {p} stores a {stored}-byte bitmap: over its {blen} bytes raw "
+            f"or past the plane's {len(data)}"
+        )
+    if stored == blen:
+        bitmap = np.frombuffer(data[_SPARSE.size : at], np.uint8)
+    else:
+        bitmap = scratch("dec_bitmap", blen)
+        _zstd.decompress_into(data[_SPARSE.size : at], memoryview(bitmap))
+    count = (sparse_count_np if _native is None else _native.sparse_count)(bitmap, n)
+    rest = data[at:]
+    if len(rest) > count:
+        raise ValueError(
+            f"sparse plane {p} stores {len(rest)} bytes of values for {count} non-zero bytes"
+        )
+    if len(rest) == count:
+        values = np.frombuffer(rest, np.uint8)
+    else:
+        values = scratch("dec_values", count)
+        _zstd.decompress_into(rest, memoryview(values))
+    (join_sparse_np if _native is None else _native.join_sparse)(bitmap, values, plane)
+
+
 def _pays(coded_len: int, raw_len: int, saving: float = MIN_SAVING) -> bool:
     return coded_len < raw_len * (1 - saving)
 
@@ -169,8 +286,8 @@ class ByteGroupCodec(Codec):
     """Byte planes (exponent-aligned for floats), each zstd-compressed when it pays."""
 
     name = "dcp_multilevel.bytegroup"
-    version = 3
-    read_versions = frozenset({1, 2, 3})
+    version = 4
+    read_versions = frozenset({1, 2, 3, 4})
 
     def layout(self, dtype: torch.dtype) -> tuple[int, int]:
         """As :meth:`Codec.layout`, but fp32, bf16 and complex64 rotate by 3 bits (version 2)."""
@@ -202,12 +319,14 @@ class ByteGroupCodec(Codec):
             raise ValueError(f"output buffer of {len(out)} bytes is under the payload bound")
         values = np.frombuffer(chunk, dtype=np.uint8)
         if rotate and width > 1 and _native_zstd and _native is not None:  # float: all in C
-            # The planes, then room for a split plane's low stream.
-            planes = scratch("enc_planes", len(values) + len(values) // (2 * width) + 8)
+            # The planes, then room for a split plane's low stream or a
+            # sparse plane's bitmap and values (_planes.c: extra_room).
+            n = len(values) // width
+            planes = scratch("enc_planes", len(values) + n + n // 8 + 16)
             return _native.encode(
                 values, out, planes, width, rotate, SAMPLE_VALUES, SAMPLE_SAVING, MIN_SAVING
             )
-        # Per plane: 0 raw, 1 zstd, 2/3 split (floats only).
+        # Per plane: 0 raw, 1 zstd, 2/3 split, 4 sparse (floats only).
         if width == 1:
             planes = values.reshape(1, -1)
             methods = [1]
@@ -230,6 +349,9 @@ class ByteGroupCodec(Codec):
             method, length = methods[p], n
             if method == 1:
                 k = _zstd.compress_plane_into(plane, out[pos : pos + _zstd.plane_bound(n)])
+                length = n if k is None else k
+            elif method == SPARSE:
+                k = _code_sparse(plane, out[pos : pos + n])
                 length = n if k is None else k
             elif method:
                 high, low = _split_plane(plane, method)
@@ -296,6 +418,9 @@ class ByteGroupCodec(Codec):
                 low = scratch("dec_low", low_len)
                 _zstd.decompress_into(data[high_len:], memoryview(low))
                 _join_plane(np.frombuffer(data[:high_len], np.uint8), low, decoded[p], method)
+                planes.append(decoded[p])
+            elif method == SPARSE:
+                _decode_sparse(data, decoded[p], p)
                 planes.append(decoded[p])
             else:
                 raise ValueError(f"plane {p} has unknown method {method}")

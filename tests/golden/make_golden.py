@@ -2,6 +2,7 @@
 
     python tests/golden/make_golden.py v1                # every codec
     python tests/golden/make_golden.py v2 bytegroup      # only the codecs that changed
+    python tests/golden/make_golden.py v4 bytegroup      # bytegroup/4: sparse planes
     python tests/golden/make_golden.py fmt2-delta        # a delta checkpoint and its reference
 
 Existing folders are never rewritten: they are what an earlier release wrote,
