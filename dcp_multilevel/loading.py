@@ -211,8 +211,8 @@ class Loader:
         assert plan.manifest is not None
         manifest = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest).manifest()
         mine = next(i for i in plan.inventories if i.rank == _dist.rank())
-        inventory = take_inventory(plan.step, self.drivers, manifest, mine.ranges, mine.node,
-                                   mine.whole)  # fmt: skip
+        inventory = take_inventory(plan.step, self.drivers, manifest,
+                                   (mine.needs, mine.ranges), mine.node, mine.whole)  # fmt: skip
         plan.inventories = gather_inventories(inventory)
         steps = plan_restore(plan.step, manifest.files, plan.inventories, self._names, bad)
         if not steps.ok:

@@ -115,6 +115,10 @@ def test_a_node_that_needs_a_few_items_of_a_file_gets_only_their_bytes():
     # More than PART_SHARE of the file: the whole file.
     invs[2].ranges = {a: [[0, 55]], b: [[0, 100]]}
     assert plan_restore(7, files, invs, URLS).actions == [Copy(a, 0, 0, 1)]
+    # A rank that reads a file mostly sends no ranges for it (take_inventory keeps
+    # only those of files read in part): the node gets it whole.
+    invs[2].ranges = {b: [[0, 100]]}
+    assert plan_restore(7, files, invs, URLS).actions == [Copy(a, 0, 0, 1)]
     # The receiver's first level cannot take parts, or a rank's needs are unknown:
     # the whole file.
     invs[2].ranges = {a: [[10, 20]], b: [[0, 100]]}
@@ -408,3 +412,26 @@ def test_ranges_of_a_file_are_read_with_only_their_items_checked(tmp_path):
     with pytest.raises(ChecksumMismatchError, match="item 'c'"):
         for _ in range_blocks(ckpt, file, ranges):
             pass
+
+
+def test_an_inventory_carries_ranges_only_for_files_read_in_part(tmp_path):
+    # A rank that reads every byte (replicated state) sends no ranges at all: the
+    # exchange stays as small as a file list; a rank that reads a few items of
+    # a file sends those, and nothing for the files it reads whole.
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_multilevel import MultiLevelWriter
+    from dcp_multilevel.checkpoint import StoredCheckpoint
+    from dcp_multilevel.levels.restore import needed_ranges, split_needs
+
+    state = {"w": torch.arange(4096.0), "step": torch.tensor(3.0), "v": torch.ones(2048)}
+    dcp.save(state, storage_writer=MultiLevelWriter(str(tmp_path)))
+    manifest = StoredCheckpoint.at(str(tmp_path)).manifest()
+    (file,) = manifest.files
+    assert split_needs(needed_ranges(state, manifest, None), manifest) == (None, {})
+    few = {"step": torch.tensor(0.0)}
+    needs, ranges = split_needs(needed_ranges(few, manifest, None), manifest)
+    loc = next(loc for i, loc in manifest.locations.items() if i.fqn == "step")
+    assert needs is None and ranges == {file: [[loc.offset, loc.offset + loc.length]]}
+    assert split_needs(None, manifest) == (None, None)

@@ -23,7 +23,7 @@ from .. import _dist
 from ..checkpoint import decoded_manifest
 from ..format import Manifest
 from .base import LevelDriver
-from .restore import gather_inventories, take_inventory
+from .restore import gather_inventories, split_needs, take_inventory
 from .restore_plan import Inventory, RestorePlan, plan_restore
 
 __all__ = ["Restore", "Views", "gather_views", "restorable"]
@@ -107,7 +107,9 @@ def restorable(
         why = [] if ok else [f"step {step}: some rank sees it on no level it can read"]
         return Restore(step, whole, None, reasons=why)
     manifest = decoded_manifest(raw, drivers[0].checkpoint(step).url)
-    inventory = take_inventory(step, drivers, manifest, needs(manifest), node, whole)
+    inventory = take_inventory(
+        step, drivers, manifest, split_needs(needs(manifest), manifest), node, whole
+    )
     wanted = inventory.needs  # None: every file
     local = [i for i in sorted(inventory.files) if i > 0]
     levels = [0, *local, *whole]

@@ -49,6 +49,7 @@ from .. import _dist
 from ..checkpoint import StoredCheckpoint
 from ..errors import CheckpointNotFoundError
 from ..format import DATA_DIR, MANIFEST_NAME, Manifest
+from . import restore_plan
 from .base import LevelDriver
 from .erasure_blocks import block_chunks, rebuild, send_block
 from .node_local import PLACEMENT_NAME, link_or_copy
@@ -71,6 +72,7 @@ __all__ = [
     "needed_ranges",
     "parts_copy",
     "set_aside_damaged",
+    "split_needs",
     "take_inventory",
 ]
 
@@ -118,21 +120,38 @@ def parts_copy(first: StoredCheckpoint) -> StoredCheckpoint | None:
     return StoredCheckpoint.at(os.path.join(path, PARTS_DIR))
 
 
+def split_needs(
+    ranges: dict[str, list[list[int]]] | None, manifest: Manifest
+) -> tuple[list[str] | None, dict[str, list[list[int]]] | None]:
+    """What a rank's load reads (``needed_ranges``) as an inventory says it: the files
+    (None: every one), and the byte ranges of only those it reads at most
+    ``PART_SHARE`` of (the others are copied whole anyway: a rank that reads
+    everything sends no ranges at all)."""
+    if ranges is None:
+        return None, None
+    needs = None if set(ranges) >= set(manifest.files) else sorted(ranges)
+    partly = {
+        f: rs
+        for f, rs in ranges.items()
+        if sum(b - a for a, b in rs) <= restore_plan.PART_SHARE * manifest.files[f]
+    }
+    return needs, partly
+
+
 def take_inventory(
     step: int,
     drivers: Sequence[LevelDriver],
     manifest: Manifest,
-    ranges: dict[str, list[list[int]]] | None,
+    needs: tuple[list[str] | None, dict[str, list[list[int]]] | None],
     node: int,
     whole: Sequence[int],
 ) -> Inventory:
     """What this rank's node holds of ``step``: file listings only (no data is read).
 
-    ``ranges``: what this rank's load reads (``needed_ranges``; None: everything).
+    ``needs``: what this rank's load reads, as :func:`split_needs` gives it.
     """
     names = set(manifest.files)
-    needs = None if ranges is None or set(ranges) >= names else sorted(ranges)
-    inv = Inventory(_dist.rank(), node, needs, ranges, whole=list(whole))
+    inv = Inventory(_dist.rank(), node, needs[0], needs[1], whole=list(whole))
     for i, driver in enumerate(drivers):
         if i > 0 and not driver.node_local:
             continue

@@ -56,7 +56,9 @@ class Inventory:
     rank: int
     node: int
     needs: list[str] | None  # None: every file
-    # file -> the [offset, end) byte ranges of the items this rank reads there (None: unknown)
+    # file -> the [offset, end) byte ranges of the items this rank reads there, for the
+    # files it reads at most PART_SHARE of (a needed file not here: read mostly whole;
+    # None: unknown). Only those: a rank that reads everything sends no ranges.
     ranges: dict[str, list[list[int]]] | None = None
     parts: bool = False  # this rank's first level can take a file's parts (restore.py)
     files: dict[int, list[str]] = field(default_factory=dict)  # level -> files on this node
@@ -251,6 +253,10 @@ def _part_of(file: str, size: int, invs: Sequence[Inventory], dst: int
     receiver = next(inv for inv in invs if inv.rank == dst)
     if not receiver.parts or any(inv.ranges is None for inv in invs):
         return None
+    if any(
+        file not in (inv.ranges or {}) and (inv.needs is None or file in inv.needs) for inv in invs
+    ):
+        return None  # a rank of the node reads most of it
     wanted = merge_ranges([r for inv in invs for r in (inv.ranges or {}).get(file, ())])
     if not wanted or sum(end - start for start, end in wanted) > PART_SHARE * size:
         return None
