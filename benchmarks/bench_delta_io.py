@@ -52,22 +52,23 @@ def data_sets(gaps: list[int], chain: int, sets: list[str]) -> dict[str, dict[in
     wanted = {g: [g * i for i in range(chain)] for g in gaps}
     every = set().union(*wanted.values())
     out: dict[str, dict[int, list[dict]]] = {}
-    if "minilm" in sets:
-        states = {i: _part(s, "model.") for i, s in enumerate(minilm_states(steps)) if i in every}
-        out["minilm-w fp32"] = {g: [states[i] for i in idx] for g, idx in wanted.items()}
-        out["minilm-w bf16"] = {
+
+    def fp32_and_bf16(name: str, states: dict[int, dict]) -> None:
+        out[f"{name} fp32"] = {g: [states[i] for i in idx] for g, idx in wanted.items()}
+        out[f"{name} bf16"] = {
             g: [{k: v.to(torch.bfloat16) for k, v in states[i].items()} for i in idx]
             for g, idx in wanted.items()
         }
+
+    if "minilm" in sets:
+        states = {i: _part(s, "model.") for i, s in enumerate(minilm_states(steps)) if i in every}
+        fp32_and_bf16("minilm-w", states)
     if "minilm-ft" in sets:
         from _minilm import finetune_states
 
-        states = {i: s for i, s in enumerate(finetune_states(steps)) if i in every}
-        out["minilm-ft fp32"] = {g: [states[i] for i in idx] for g, idx in wanted.items()}
-        out["minilm-ft bf16"] = {
-            g: [{k: v.to(torch.bfloat16) for k, v in states[i].items()} for i in idx]
-            for g, idx in wanted.items()
-        }
+        fp32_and_bf16(
+            "minilm-ft", {i: s for i, s in enumerate(finetune_states(steps)) if i in every}
+        )
     if "demo" in sets:
         states = {i: s for i, s in enumerate(demo_states(steps)) if i in every}
         out["demo all fp32"] = {g: [states[i] for i in idx] for g, idx in wanted.items()}

@@ -130,7 +130,7 @@ class Loader:
         if plan.levels[0] == 0 and plan.manifest is not None:
             # Items a restore brought without their whole file (restore.py's parts copy).
             first = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest)
-            parts = parts_copy(first)
+            parts = parts_copy(first, first.manifest())
             if parts is not None and parts.is_committed():
                 copies.insert(1, parts)
                 options.insert(1, None)

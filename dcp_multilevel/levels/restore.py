@@ -110,12 +110,12 @@ def needed_ranges(
     return {f: [list(r) for r in merge_ranges(rs)] for f, rs in sorted(per_file.items())}
 
 
-def parts_copy(first: StoredCheckpoint) -> StoredCheckpoint | None:
-    """The parts copy of first-level step ``first`` where it can exist (a local
-    directory, no delta reference: a delta's reference is found beside its own
-    checkpoint, which the parts copy is not); None elsewhere."""
+def parts_copy(first: StoredCheckpoint, manifest: Manifest) -> StoredCheckpoint | None:
+    """The parts copy of first-level step ``first`` (whose manifest is ``manifest``)
+    where it can exist (a local directory, no delta reference: a delta's reference
+    is found beside its own checkpoint, which the parts copy is not); None elsewhere."""
     path = first.store.local_path("")
-    if path is None or first.manifest().reference is not None:
+    if path is None or manifest.reference is not None:
         return None
     return StoredCheckpoint.at(os.path.join(path, PARTS_DIR))
 
@@ -167,9 +167,7 @@ def take_inventory(
                 inv.placement = _placement(ckpt)
         except (OSError, ValueError) as e:  # an unreadable part is a part not held
             logger.warning("dcp_multilevel: cannot list step %d on %s: %s", step, driver.url, e)
-    inv.parts = (
-        manifest.reference is None and drivers[0].checkpoint(step).store.local_path("") is not None
-    )
+    inv.parts = parts_copy(drivers[0].checkpoint(step), manifest) is not None
     return inv
 
 
@@ -314,7 +312,7 @@ def _open_parts(first: StoredCheckpoint, manifest_bytes: bytes) -> StoredCheckpo
     """This node's parts copy of ``first``'s step, ready for ranges: one left by an
     earlier restore of the same save keeps its ranges (each item is checked when
     read); one of another save is removed, its manifest first."""
-    parts = parts_copy(first)
+    parts = parts_copy(first, first.manifest())
     assert parts is not None  # the plan sends ranges only where the inventory allows them
     try:
         same = parts.manifest_bytes() == manifest_bytes
