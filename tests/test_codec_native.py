@@ -166,6 +166,14 @@ def test_split_and_join_match_numpy_for_every_rotation(width, data, n):
     back = np.empty(n * width, np.uint8)
     native.join(list(planes), back, width, rotate)
     assert back.tobytes() == raw.tobytes()
+    # xor: the values XORed onto what the destination holds (a delta decoded
+    # onto its reference), in C and numpy alike.
+    held = np.frombuffer(data.draw(st.binary(min_size=n * width, max_size=n * width)), np.uint8)
+    want = (held ^ raw).tobytes()
+    for join in (native.join, _bytegroup_np.join_np):
+        onto = held.copy()
+        join(list(planes), onto, width, rotate, True)
+        assert onto.tobytes() == want
 
 
 @needs_native

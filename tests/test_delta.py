@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from dcp_multilevel import (
     BrokenChainError,
     Compression,
     ConfigError,
+    CorruptCheckpointError,
     ManifestError,
     MultiLevelReader,
     MultiLevelWriter,
@@ -373,10 +376,14 @@ class _Ref:
     def __init__(self, data: bytes) -> None:
         self.data, self.pos, self.used, self.finished = memoryview(data), 0, False, False
 
-    def take_lazy(self, n: int):
+    def take_into(self, n: int):
         self.pos += n
         piece = self.data[self.pos - n : self.pos]
-        return lambda: piece
+
+        def fill(out: memoryview) -> None:
+            out[:] = piece
+
+        return fill
 
     def skip(self, n: int) -> None:
         self.pos += n
@@ -393,10 +400,12 @@ class _Ref:
     flips=st.floats(0, 1),
     codec_name=st.sampled_from(["bytegroup", "zstd"]),
     seed=st.integers(0, 2**16),
+    threaded=st.booleans(),
 )
-def test_delta_chunks_decode_to_their_bytes(n, dtype, flips, codec_name, seed) -> None:
+def test_delta_chunks_decode_to_their_bytes(n, dtype, flips, codec_name, seed, threaded) -> None:
     """encode_chunk with a reference, then decode_frames with the same reference:
-    the chunk's bytes, whichever method the chunk chose."""
+    the chunk's bytes, whichever method the chunk chose (``threaded``: the
+    reference decodes on a pool while the delta decodes, then is XORed in)."""
     rng = np.random.default_rng(seed)
     ref = rng.integers(0, 256, n * 4, dtype=np.uint8)
     new = ref.copy()
@@ -424,13 +433,62 @@ def test_delta_chunks_decode_to_their_bytes(n, dtype, flips, codec_name, seed) -
     out = bytearray(len(new))
     source = _Ref(ref.tobytes())
     decode_frames(
-        read, memoryview(out), codec, stored_length=len(stream), pool=None, window=1,
+        read, memoryview(out), codec, stored_length=len(stream),
+        pool=_POOL if threaded else None, window=1,
         on_chunk_error=lambda i, why: ValueError(why), reference=source,
     )  # fmt: skip
     assert bytes(out) == new.tobytes()
     assert source.finished
     if flips == 0 and record[0] != frames.METHOD_RAW:
         assert record[0] == frames.METHOD_DELTA  # identical bytes: the delta is all zeros
+
+
+_POOL = ThreadPoolExecutor(1, thread_name_prefix="test-delta-ref")
+
+
+class _FailingRef(_Ref):
+    """A reference whose bytes cannot be produced (a chain broken further down)."""
+
+    def take_into(self, n: int):
+        super().take_into(n)
+
+        def fail(out: memoryview) -> None:
+            time.sleep(0.05)  # still writing when the delta's planes are decoded
+            out[:] = bytes(len(out))
+            raise CorruptCheckpointError("the reference's chunk is corrupt", checkpoint="ref")
+
+        return fail
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_reference_that_fails_while_decoding_fails_the_item(threaded) -> None:
+    """The reference's error comes out of decode_frames, whichever thread decoded it,
+    and only once the reference is no longer being written."""
+    codec = codec_for(Compression())
+    ref = np.arange(10_000, dtype=np.float32)
+    new = ref * np.float32(1.001)
+    record, payload, _ = encode_chunk(
+        codec, memoryview(new.view(np.uint8)), 4, 1, ref=memoryview(ref.tobytes())
+    )
+    assert record[0] == frames.METHOD_DELTA
+    stream = (
+        frames.pack_header(4, 1, MiB, new.nbytes) + record + bytes(payload)
+        + frames.pack_chunk(frames.METHOD_RAW, 0, 0, 0)
+    )  # fmt: skip
+    pos = 0
+
+    def read(k: int) -> memoryview:
+        nonlocal pos
+        pos += k
+        return memoryview(stream)[pos - k : pos]
+
+    with pytest.raises(CorruptCheckpointError, match="reference's chunk is corrupt"):
+        decode_frames(
+            read, memoryview(bytearray(new.nbytes)), codec, stored_length=len(stream),
+            pool=_POOL if threaded else None, window=1,
+            on_chunk_error=lambda i, why: ValueError(why), reference=_FailingRef(ref.tobytes()),
+        )  # fmt: skip
+    assert _POOL.submit(lambda: True).result(timeout=5)  # nothing left running on the pool
 
 
 def test_a_delta_chunk_without_a_reference_is_corrupt_framing() -> None:

@@ -31,7 +31,6 @@ import xxhash
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from ..codecs import Codec
-from ..codecs.delta import xor_into
 from ..errors import BrokenChainError, DcpMultilevelError
 from ..format import Hasher, ItemLocation, Manifest, frames
 from ..stores import ReadHandle
@@ -121,7 +120,7 @@ class ItemStream:
     """One stored item's raw bytes in order, verified (a ``ReferenceSource``).
 
     Call order: :meth:`open` (done by :meth:`opened`), then :meth:`take`,
-    :meth:`take_lazy` or :meth:`skip` until ``loc.raw_length`` bytes are covered,
+    :meth:`take_into` or :meth:`skip` until ``loc.raw_length`` bytes are covered,
     then :meth:`finish` (checks the checksum and closes); :meth:`close` on
     any error. Not thread-safe: one thread walks it, in order.
     """
@@ -209,14 +208,15 @@ class ItemStream:
                 return parts[0]
             return memoryview(np.concatenate([np.frombuffer(p, np.uint8) for p in parts]))
 
-    def take_lazy(self, n: int) -> Callable[[], memoryview]:
+    def take_into(self, n: int) -> Callable[[memoryview], None]:
         """:meth:`take`, with the decoding left to the caller's thread.
 
         The stored bytes are read and hashed now, in order; the returned
-        function decodes them (and XORs an inner reference's bytes back in),
-        so coding threads decode references in parallel. A chunk that is not
-        exactly ``n`` bytes (the reference was framed with another chunk
-        size) is decoded now.
+        function decodes them into the ``n``-byte buffer it is given (a delta
+        chunk: its reference's bytes first, then its own XORed onto them), so
+        coding threads decode references in parallel and a chain decodes in
+        one buffer. A chunk that is not exactly ``n`` bytes (the reference was
+        framed with another chunk size) is decoded now.
         """
         with self._failures():
             if self._header is not None and not self._cur and self._left:
@@ -224,11 +224,10 @@ class ItemStream:
                 if rec.raw_len == n:
                     inner = None
                     if rec.method == frames.METHOD_DELTA:
-                        inner = self._inner.take_lazy(n)  # type: ignore[union-attr]
-                    return lambda: self._decode_checked(rec, payload, inner)
+                        inner = self._inner.take_into(n)  # type: ignore[union-attr]
+                    return lambda out: self._decode_checked(rec, payload, inner, out)
                 self._cur = self._decode(rec, payload)
-        data = self.take(n)
-        return lambda: data
+        return _copier(self.take(n))
 
     def skip(self, n: int) -> None:
         """Pass over the next ``n`` raw bytes (whole chunks are read, checked, not decoded)."""
@@ -304,37 +303,44 @@ class ItemStream:
         return rec, payload
 
     def _decode(self, rec: frames.ChunkRecord, payload: memoryview) -> memoryview:
+        """The chunk's raw bytes, in a new buffer (a raw chunk: its payload)."""
+        if rec.method == frames.METHOD_RAW:
+            return payload
         inner = None
         if rec.method == frames.METHOD_DELTA:
-            ref = self._inner.take(rec.raw_len)  # type: ignore[union-attr]
-            inner = lambda: ref  # noqa: E731
-        return self._decode_now(rec, payload, inner)
+            inner = _copier(self._inner.take(rec.raw_len))  # type: ignore[union-attr]
+        out = memoryview(np.empty(rec.raw_len, np.uint8))
+        self._decode_into(rec, payload, inner, out)
+        return out
 
-    def _decode_now(
+    def _decode_into(
         self,
         rec: frames.ChunkRecord,
         payload: memoryview,
-        inner: Callable[[], memoryview] | None,
-    ) -> memoryview:
-        """The chunk's raw bytes (``inner``: the inner reference's, for a delta chunk)."""
-        if rec.method == frames.METHOD_RAW:
-            return payload
-        out = memoryview(np.empty(rec.raw_len, np.uint8))
+        inner: Callable[[memoryview], None] | None,
+        out: memoryview,
+    ) -> None:
+        """The chunk's raw bytes into ``out`` (``inner`` writes the inner reference's,
+        for a delta chunk)."""
         h = self._header
-        self._codec.decode(payload, out, h.width, h.rotate)  # type: ignore[union-attr]
-        if inner is not None:
-            xor_into(out, inner(), out)
-        return out
+        if rec.method == frames.METHOD_RAW:
+            out[:] = payload
+        elif inner is None:
+            self._codec.decode(payload, out, h.width, h.rotate)  # type: ignore[union-attr]
+        else:
+            inner(out)
+            self._codec.decode_xor(payload, out, h.width, h.rotate)  # type: ignore[union-attr]
 
     def _decode_checked(
         self,
         rec: frames.ChunkRecord,
         payload: memoryview,
-        inner: Callable[[], memoryview] | None,
-    ) -> memoryview:
-        """:meth:`_decode_now` on another thread: its failures name the chain too."""
+        inner: Callable[[memoryview], None] | None,
+        out: memoryview,
+    ) -> None:
+        """:meth:`_decode_into` on another thread: its failures name the chain too."""
         with self._failures():
-            return self._decode_now(rec, payload, inner)
+            self._decode_into(rec, payload, inner, out)
 
     @contextmanager
     def _failures(self) -> Iterator[None]:
@@ -345,6 +351,15 @@ class ItemStream:
             raise
         except (DcpMultilevelError, OSError, ValueError) as e:
             raise _broken(self.chain, self.index, str(e), file=self.loc.file) from e
+
+
+def _copier(data: memoryview) -> Callable[[memoryview], None]:
+    """A ``take_into`` function for bytes already at hand."""
+
+    def fill(out: memoryview) -> None:
+        out[:] = data
+
+    return fill
 
 
 def _broken(

@@ -14,10 +14,10 @@ that file says why the bit fields are laid out as they are.
 from __future__ import annotations
 
 import math
-import threading
 
 import numpy as np
 
+from ._scratch import scratch
 from .base import MIN_SAVING
 
 __all__ = [
@@ -53,16 +53,6 @@ SAMPLE_SAVING = MIN_SAVING / 2
 SPLIT_SLACK = 256.0
 #: The plane method of a sparse plane (bytegroup/4): a bitmap and the non-zero bytes.
 SPARSE = 4
-_local = threading.local()
-
-
-def scratch(name: str, nbytes: int) -> np.ndarray:
-    """A per-thread reusable byte buffer of at least ``nbytes`` (no allocation per chunk)."""
-    buf = getattr(_local, name, None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = np.empty(nbytes, dtype=np.uint8)
-        setattr(_local, name, buf)
-    return buf[:nbytes]
 
 
 def _rotate(words: np.ndarray, out: np.ndarray, bits: int, left: bool) -> None:
@@ -150,12 +140,19 @@ def planes_np(values: np.ndarray, width: int, rotate: int, name: str) -> np.ndar
     return planes
 
 
-def join_np(planes: list[np.ndarray], dest: np.ndarray, width: int, rotate: int) -> None:
-    """Rebuild the values of ``planes`` (inverse of :func:`planes_np`) into ``dest`` (uint8).
+def join_np(
+    planes: list[np.ndarray], dest: np.ndarray, width: int, rotate: int, xor: bool = False
+) -> None:
+    """Rebuild the values of ``planes`` (inverse of :func:`planes_np`) into ``dest`` (uint8);
+    ``xor``: XORed into what ``dest`` holds.
 
     ``_planes.c``: join.
     """
-    if width == 1:
+    if xor:
+        values = scratch("join_xor", len(dest))
+        join_np(planes, values, width, rotate)
+        np.bitwise_xor(dest, values, out=dest)
+    elif width == 1:
         dest[:] = planes[0]
     elif rotate >= 8:
         grouped = scratch("dec_rot", len(dest))

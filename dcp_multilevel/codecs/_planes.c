@@ -626,29 +626,47 @@ done:
     return result;
 }
 
-#define JOIN_LOOP(T, W)                                                        \
+/* XOR: the values are XORed into what dst holds (a delta chunk decoded onto
+ * its reference's bytes, codecs/delta.py), in the same pass. */
+#define JOIN_LOOP(T, W, XOR)                                                   \
     for (Py_ssize_t i = 0; i < n; i++) {                                       \
         T v = 0;                                                               \
         for (int p = 0; p < W; p++) v |= (T)((T)pl[p][i] << (8 * p));          \
         if (r) v = (T)((T)(v >> r) | (T)(v << (8 * W - r)));                   \
+        if (XOR) {                                                             \
+            T old;                                                             \
+            memcpy(&old, dst + i * W, W);                                      \
+            v ^= old;                                                          \
+        }                                                                      \
         memcpy(dst + i * W, &v, W);                                            \
     }
 
 static void join_words(const uint8_t *const *pl, uint8_t *restrict dst, Py_ssize_t n, int width,
-                       int r) {
+                       int r, int xor) {
+    if (xor) {
+        switch (width) {
+        case 1:
+            for (Py_ssize_t i = 0; i < n; i++) dst[i] ^= pl[0][i];
+            break;
+        case 2: JOIN_LOOP(uint16_t, 2, 1) break;
+        case 4: JOIN_LOOP(uint32_t, 4, 1) break;
+        default: JOIN_LOOP(uint64_t, 8, 1) break;
+        }
+        return;
+    }
     switch (width) {
     case 1: memcpy(dst, pl[0], (size_t)n); break;
-    case 2: JOIN_LOOP(uint16_t, 2) break;
-    case 4: JOIN_LOOP(uint32_t, 4) break;
-    default: JOIN_LOOP(uint64_t, 8) break;
+    case 2: JOIN_LOOP(uint16_t, 2, 0) break;
+    case 4: JOIN_LOOP(uint32_t, 4, 0) break;
+    default: JOIN_LOOP(uint64_t, 8, 0) break;
     }
 }
 
 static PyObject *join(PyObject *self, PyObject *args) {
     PyObject *seq;
     Py_buffer dst;
-    int width, rotate;
-    if (!PyArg_ParseTuple(args, "Ow*ii", &seq, &dst, &width, &rotate)) return NULL;
+    int width, rotate, xor = 0;
+    if (!PyArg_ParseTuple(args, "Ow*ii|p", &seq, &dst, &width, &rotate, &xor)) return NULL;
     Py_buffer planes[8];
     int held = 0;
     PyObject *result = NULL;
@@ -680,7 +698,7 @@ static PyObject *join(PyObject *self, PyObject *args) {
         const uint8_t *pl[8];
         for (int p = 0; p < width; p++) pl[p] = planes[p].buf;
         Py_BEGIN_ALLOW_THREADS
-        join_words((const uint8_t *const *)pl, d, n, width, rotate);
+        join_words((const uint8_t *const *)pl, d, n, width, rotate, xor);
         Py_END_ALLOW_THREADS
     }
     result = Py_NewRef(Py_None);
@@ -901,7 +919,8 @@ static PyMethodDef methods[] = {
      "float chunk's bytegroup payload into out (None: no plane pays); planes has room for the "
      "planes and n + n // 8 + 16 bytes more; needs HAS_ZSTD."},
     {"join", join, METH_VARARGS,
-     "join(planes, dst, width, rotate): the inverse of split, into dst."},
+     "join(planes, dst, width, rotate, xor=False): the inverse of split, into dst "
+     "(XORed into what dst holds if xor)."},
     {"split_plane", py_split_plane, METH_VARARGS,
      "split_plane(plane, high, low, method): a plane's high bits and low stream for split "
      "method 2 or 3."},

@@ -17,9 +17,13 @@ barely vary share a plane). Both are recorded in the frame header
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
+
+from ._scratch import scratch
+from .delta import xor_into
 
 __all__ = ["MIN_CODED_BYTES", "Codec", "element_layout"]
 
@@ -89,6 +93,29 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def decode(self, payload: memoryview, out: memoryview, width: int, rotate: int) -> None:
         """Decode ``payload`` into exactly ``len(out)`` bytes; ValueError if it cannot."""
+
+    def decode_xor(
+        self,
+        payload: memoryview,
+        out: memoryview,
+        width: int,
+        rotate: int,
+        ready: Callable[[], object] | None = None,
+    ) -> None:
+        """XOR the decoding of ``payload`` into ``out`` (a delta chunk decoded onto the
+        reference's bytes that ``out`` holds, ``delta.py``); ValueError as :meth:`decode`.
+
+        ``ready``, when given, is called once before ``out`` is first touched
+        and returns when ``out`` holds those bytes (another thread may still be
+        writing them until then), so the two decodings overlap. The default
+        decodes into a per-thread buffer, then XORs; a codec that can fold the
+        XOR into its last pass overrides it.
+        """
+        values = memoryview(scratch("decode_xor", len(out)))
+        self.decode(payload, values, width, rotate)
+        if ready is not None:
+            ready()
+        xor_into(out, values, out)
 
 
 def element_layout(dtype: torch.dtype) -> tuple[int, int]:

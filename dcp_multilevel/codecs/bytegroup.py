@@ -99,6 +99,7 @@ GIL, so a second coding thread gains little.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -156,12 +157,15 @@ def _planes(values: np.ndarray, width: int, rotate: int, name: str) -> np.ndarra
     return planes
 
 
-def _join(planes: list[np.ndarray], dest: np.ndarray, width: int, rotate: int) -> None:
-    """Rebuild the values of ``planes`` (inverse of :func:`_planes`) into ``dest`` (uint8)."""
+def _join(
+    planes: list[np.ndarray], dest: np.ndarray, width: int, rotate: int, xor: bool = False
+) -> None:
+    """Rebuild the values of ``planes`` (inverse of :func:`_planes`) into ``dest`` (uint8);
+    ``xor``: XORed into what ``dest`` holds (one pass, no buffer for the values)."""
     if _native is not None:
-        _native.join(planes, dest, width, rotate)
+        _native.join(planes, dest, width, rotate, xor)
     else:
-        join_np(planes, dest, width, rotate)
+        join_np(planes, dest, width, rotate, xor)
 
 
 def _split_judged(
@@ -386,16 +390,36 @@ class ByteGroupCodec(Codec):
             ValueError: the plane table, a plane's length or method, or the
                 payload's size does not match ``width`` and ``len(out)``.
         """
+        planes = self._decode_planes(payload, len(out), width)
+        _join(planes, np.frombuffer(out, dtype=np.uint8), width, rotate)
+
+    def decode_xor(
+        self,
+        payload: memoryview,
+        out: memoryview,
+        width: int,
+        rotate: int,
+        ready: Callable[[], object] | None = None,
+    ) -> None:
+        """As :meth:`Codec.decode_xor`: the planes are joined straight onto ``out``."""
+        planes = self._decode_planes(payload, len(out), width)
+        if ready is not None:
+            ready()
+        _join(planes, np.frombuffer(out, dtype=np.uint8), width, rotate, xor=True)
+
+    @staticmethod
+    def _decode_planes(payload: memoryview, raw_len: int, width: int) -> list[np.ndarray]:
+        """The ``width`` planes of a payload (views of it or of this thread's scratch)."""
         nplanes = payload[0]
         if nplanes != width:
             raise ValueError(f"payload has {nplanes} planes, the frame says width {width}")
-        n = len(out) // width
+        n = raw_len // width
         table_end = 1 + width * _PLANE.size
         if len(payload) < table_end:
             raise ValueError("payload ends inside its plane table")
         pos = table_end
         planes: list[np.ndarray] = []  # views of the payload or of this thread's scratch
-        decoded = scratch("dec_planes", len(out)).reshape(width, n)
+        decoded = scratch("dec_planes", raw_len).reshape(width, n)
         for p in range(width):
             method, length = _PLANE.unpack_from(payload, 1 + p * _PLANE.size)
             data = payload[pos : pos + length]
@@ -426,4 +450,4 @@ class ByteGroupCodec(Codec):
                 raise ValueError(f"plane {p} has unknown method {method}")
         if pos != len(payload):
             raise ValueError(f"payload has {len(payload) - pos} trailing bytes")
-        _join(planes, np.frombuffer(out, dtype=np.uint8), width, rotate)
+        return planes

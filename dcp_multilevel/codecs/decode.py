@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, wait
 from typing import TYPE_CHECKING
 
 import xxhash
 
 from ..format import frames
 from .base import Codec
-from .delta import xor_into
 
 if TYPE_CHECKING:
     from .pipeline import ReferenceSource
@@ -31,14 +30,22 @@ def _decode_chunk(
     payload: memoryview,
     out: memoryview,
     header,
-    ref: Callable[[], memoryview] | None,
+    ref: Callable[[memoryview], None] | None,
+    pool: Executor | None = None,
 ) -> None:
     if rec.method == frames.METHOD_RAW:
         out[:] = payload
-    else:
+    elif ref is None:
         codec.decode(payload, out, header.width, header.rotate)
-        if ref is not None:  # a delta chunk: undo the XOR
-            xor_into(out, ref(), out)
+    elif pool is None:  # a delta chunk: the reference's bytes, then the XOR undone onto them
+        ref(out)
+        codec.decode_xor(payload, out, header.width, header.rotate)
+    else:  # the same, the reference decoding on the pool while this thread decodes the delta
+        writing = pool.submit(ref, out)
+        try:
+            codec.decode_xor(payload, out, header.width, header.rotate, ready=writing.result)
+        finally:
+            wait([writing])  # never leave a task writing into out
 
 
 def decode_frames(
@@ -102,13 +109,16 @@ def decode_frames(
             if rec.method == frames.METHOD_DELTA:
                 if reference is None:
                     raise on_chunk_error(index, "a delta chunk in an item stored without one")
-                ref = reference.take_lazy(rec.raw_len)  # decoded where the chunk is
+                ref = reference.take_into(rec.raw_len)  # decoded where the chunk is
             elif reference is not None:
                 reference.skip(rec.raw_len)
             # The last chunk (the only one, for most tensors) is decoded here:
             # this thread would only wait for it, and a hand-off adds a wake-up.
+            # A delta's reference then decodes on the pool meanwhile.
             if pool is None or pos + rec.raw_len == len(out):
-                _decode_checked(codec, rec, payload, target, header, ref, index, on_chunk_error)
+                _decode_checked(
+                    codec, rec, payload, target, header, ref, index, on_chunk_error, pool
+                )
             else:
                 # The payload buffer must outlive the task: read() returns a fresh one.
                 pending.append(
@@ -134,8 +144,10 @@ def decode_frames(
         reference.finish()
 
 
-def _decode_checked(codec, rec, payload, target, header, ref, index, on_chunk_error) -> None:
+def _decode_checked(
+    codec, rec, payload, target, header, ref, index, on_chunk_error, pool=None
+) -> None:
     try:
-        _decode_chunk(codec, rec, payload, target, header, ref)
+        _decode_chunk(codec, rec, payload, target, header, ref, pool)
     except ValueError as e:
         raise on_chunk_error(index, str(e)) from None

@@ -88,7 +88,7 @@ def encode_chunk(
     rotate: int,
     buffers: BufferPool | None = None,
     into: memoryview | None = None,
-    ref: memoryview | Callable[[], memoryview] | None = None,
+    ref: memoryview | Callable[[memoryview], None] | None = None,
     sure: float = DELTA_SURE,
 ) -> tuple[bytes, Part, np.ndarray | None]:
     """One framed chunk: ``(record, payload, buffer)``.
@@ -98,8 +98,8 @@ def encode_chunk(
     ``codec.payload_bound`` bytes; buffer None), else ``buffer``, taken from
     ``buffers`` (to give back once the payload is consumed) or fresh.
     ``ref``: the reference's raw bytes at the same place (as long as
-    ``chunk``), or a function that produces them (called here, on the coding
-    thread): the chunk is then also coded as a delta against them, and the
+    ``chunk``), or a function that writes them into a buffer (called here, on
+    the coding thread): the chunk is then also coded as a delta against them, and the
     smallest of raw, coded and delta is kept (``delta.py``); a delta coded
     to at most ``sure`` of the chunk's size is kept without coding it whole.
     """
@@ -129,18 +129,20 @@ def _encode_delta_chunk(
     width: int,
     rotate: int,
     buffers: BufferPool | None,
-    ref: memoryview | Callable[[], memoryview],
+    ref: memoryview | Callable[[memoryview], None],
     sure: float,
 ) -> tuple[bytes, Part, np.ndarray | None]:
     """:func:`encode_chunk` with a reference: the smallest of raw, delta and whole coding."""
-    if callable(ref):
-        ref = ref()
     take = buffers.take if buffers is not None else _empty
     give = buffers.give if buffers is not None else (lambda buf: None)
     size = codec.payload_bound(len(chunk), width)
     scratch = take(len(chunk))
     diff = memoryview(scratch)[: len(chunk)]
-    xor_into(chunk, ref, diff)
+    if callable(ref):  # the reference's bytes straight into the buffer of the XOR
+        ref(diff)
+        xor_into(chunk, diff, diff)
+    else:
+        xor_into(chunk, ref, diff)
     delta = take(size)
     n = codec.encode_into(diff, width, rotate, memoryview(delta))
     give(scratch)
@@ -245,7 +247,7 @@ class _Backlog:
 class ReferenceSource(Protocol):
     """The reference's raw bytes of one item, in order (``checkpoint/reference.py``).
 
-    The pipeline calls ``take_lazy`` or ``skip`` once per chunk, in chunk order, on
+    The pipeline calls ``take_into`` or ``skip`` once per chunk, in chunk order, on
     the thread that submits chunks, then ``finish`` (which raises if the
     reference's bytes were not what they should be: the item must not be
     stored then). It sets ``used`` when a chunk was stored as a delta.
@@ -256,10 +258,10 @@ class ReferenceSource(Protocol):
     #: a delta at least that small is kept without coding the chunk whole too.
     ratio: float | None
 
-    def take_lazy(self, n: int) -> Callable[[], memoryview]:
+    def take_into(self, n: int) -> Callable[[memoryview], None]:
         """Read the next ``n`` raw bytes' worth now, in order; the function returned
-        produces them (a buffer the caller may keep), so the coding or decoding
-        thread that calls it does the decoding."""
+        writes them into the ``n``-byte buffer it is given, so the coding or
+        decoding thread that calls it does the decoding, with no buffer of its own."""
         ...
 
     def skip(self, n: int) -> None:
@@ -431,9 +433,7 @@ def _sure(job: EncodeJob) -> float:
     return DELTA_SURE if ratio is None else max(DELTA_SURE, ratio)
 
 
-def _reference_chunk(
-    item: _Item, index: int, n: int
-) -> memoryview | Callable[[], memoryview] | None:
+def _reference_chunk(item: _Item, index: int, n: int) -> Callable[[memoryview], None] | None:
     """The reference's bytes for the item's chunk ``index`` (``n`` bytes), or None.
 
     Called once per chunk in chunk order; after the last one the reference
@@ -444,7 +444,7 @@ def _reference_chunk(
     if source is None:
         return None
     if n >= MIN_CODED_BYTES:
-        ref = source.take_lazy(n)
+        ref = source.take_into(n)
     else:  # a short tail is stored raw (encode_chunk)
         source.skip(n)
         ref = None
