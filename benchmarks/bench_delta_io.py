@@ -11,7 +11,8 @@ the mean over the chain's deltas of their bytes over the full save of the same
 state. Then the drain: a ``CheckpointManager`` whose first level is a plain
 directory and whose second is the throttled remote (200 MB/s, as in
 ``bench_manager.py``) with bytegroup, with and without ``keyframe_every``:
-each drain's seconds (``DrainResult.seconds``) for the chain's deltas.
+each drain's seconds (``DrainResult.seconds``) for the chain's deltas, and a
+``dcp.load`` of the newest checkpoint from the remote (through the throttle).
 
 Data sets (``bench_delta.py`` makes them): ``minilm-w`` the real
 all-MiniLM-L6-v2 weights under AdamW (lr 2e-5, synthetic gradients), fp32 and
@@ -101,9 +102,10 @@ def save_chain(root: Path, chain: list[dict], mode: str) -> tuple[list[float], l
     return seconds, sizes, load
 
 
-def drain_chain(root: Path, chain: list[dict], mode: str, mbps: float) -> list[float]:
+def drain_chain(root: Path, chain: list[dict], mode: str, mbps: float) -> tuple[list[float], float]:
     """Drain seconds of each checkpoint of ``chain`` to the throttled remote (``mode``:
-    full, or the remote level's ``delta_against``)."""
+    full, or the remote level's ``delta_against``), and seconds to load the newest
+    back from there (the level that holds the deltas in issue 17's example)."""
     kw = {} if mode == "full" else {"keyframe_every": len(chain), "delta_against": mode}
     remote = Level(f"throttled://{root}/remote", codec="bytegroup",
                    storage_options={"mbps": mbps}, **kw)  # fmt: skip
@@ -114,7 +116,13 @@ def drain_chain(root: Path, chain: list[dict], mode: str, mbps: float) -> list[f
         mgr.wait()
     seconds = [r.seconds for r in mgr.drain_results if r.committed]
     mgr.close()
-    return seconds
+    out = {k: torch.empty_like(v) for k, v in chain[-1].items()}
+    reader = MultiLevelReader(f"throttled://{root}/remote/step-{len(chain) - 1}",
+                              storage_options={"mbps": mbps})  # fmt: skip
+    load, _ = timed(lambda: dcp.load(out, storage_reader=reader, no_dist=True))
+    assert all(torch.equal(out[k].view(torch.uint8), v.view(torch.uint8))
+               for k, v in chain[-1].items()), "remote load is not bit-exact"  # fmt: skip
+    return seconds, load
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, by_gap in sets.items():
             for gap, chain in by_gap.items():
                 got: dict[str, dict[str, list]] = {
-                    m: {"save": [], "load": [], "drain": [], "sizes": []} for m in MODES
+                    m: {"save": [], "load": [], "drain": [], "remote_load": [], "sizes": []}
+                    for m in MODES
                 }
                 for rep, mode in rounds(MODES, args.repeat):
                     root = base / f"{rep}-{mode}"
@@ -146,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                     got[mode]["load"].append(load)
                     got[mode]["sizes"] = sizes
                     if gap == gaps[0] and mode != "raw-keyframe":
-                        got[mode]["drain"] += drain_chain(root, chain, mode, args.remote_mbps)[1:]
+                        drains, remote_load = drain_chain(root, chain, mode, args.remote_mbps)
+                        got[mode]["drain"] += drains[1:]
+                        got[mode]["remote_load"].append(remote_load)
                     shutil.rmtree(root)
                 full = got["full"]["sizes"]
                 for mode in MODES:
@@ -157,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                         "stored_over_raw": sum(g["sizes"][1:]) / (len(chain) - 1)
                         / sum(t.numel() * t.element_size() for t in chain[0].values()),
                         "save_s": g["save"], "load_s": g["load"], "drain_s": g["drain"],
+                        "remote_load_s": g["remote_load"],
                     })  # fmt: skip
                 print(f"  {name} gap {gap} done", file=sys.stderr, flush=True)
     finally:
@@ -165,12 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n### Chains of {args.chain} (a keyframe, then deltas), medians over the deltas\n")
     print(markdown_table(
         ["set", "gap", "mode", "stored / raw", "delta / full", "save s (spread)",
-         "load newest s (spread)", "drain s (spread)"],
+         "load newest s (spread)", "drain s (spread)", "load newest from remote s (spread)"],
         [[r["set"], r["gap"], r["mode"], f"{r['stored_over_raw']:.3f}",
           f"{r['delta_over_full']:.3f}",
           f"{median(r['save_s']):.3f} ({spread(r['save_s'], 3)})",
           f"{median(r['load_s']):.3f} ({spread(r['load_s'], 3)})",
-          f"{median(r['drain_s']):.3f} ({spread(r['drain_s'], 3)})" if r["drain_s"] else "-"]
+          f"{median(r['drain_s']):.3f} ({spread(r['drain_s'], 3)})" if r["drain_s"] else "-",
+          f"{median(r['remote_load_s']):.3f} ({spread(r['remote_load_s'], 3)})"
+          if r["remote_load_s"] else "-"]
          for r in rows],
     ))  # fmt: skip
     print("\n### Goals (gap 1)\n")
@@ -186,8 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         print(goal_line(save <= 1.0, f"{r['set']} {r['mode']} save time",
                         f"{save:.2f}x full (goal <= 1)"))  # fmt: skip
         load = median(r["load_s"]) / median(full["load_s"])
-        print(goal_line(load <= 1.5, f"{r['set']} {r['mode']} restore newest",
+        print(goal_line(load <= 1.5, f"{r['set']} {r['mode']} restore newest (local disk)",
                         f"{load:.2f}x full (goal <= 1.5)"))  # fmt: skip
+        if r["remote_load_s"]:
+            load = median(r["remote_load_s"]) / median(full["remote_load_s"])
+            print(goal_line(load <= 1.5, f"{r['set']} {r['mode']} restore newest (remote)",
+                            f"{load:.2f}x full (goal <= 1.5)"))  # fmt: skip
         if r["drain_s"]:
             drain = median(r["drain_s"]) / median(full["drain_s"])
             ok = drain <= r["delta_over_full"] * 1.2 + 0.05

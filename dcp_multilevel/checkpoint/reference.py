@@ -175,8 +175,13 @@ class ItemStream:
     def open(self) -> None:
         """Open the data file; read the frame header of a coded item."""
         with self._failures():
+            # Limited to the item's end: on an object store the handle fetches
+            # blocks of up to 32 MiB, and one past the item is read for nothing
+            # (it made a delta's restore from a remote read 7x its bytes).
             self._handle = self._stack.enter_context(
-                self.ckpt.open_data(self.loc.file, self.index.fqn)
+                self.ckpt.open_data(
+                    self.loc.file, self.index.fqn, self.loc.offset + self.loc.length
+                )
             )
             if self.loc.transforms:
                 self._codec = item_codec(self._ref)
