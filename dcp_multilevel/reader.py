@@ -35,7 +35,7 @@ import os
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -46,6 +46,7 @@ from torch.futures import Future
 from .checkpoint import StoredCheckpoint
 from .checkpoint.chain import Failure, Trail, item_name, unusable_copy
 from .checkpoint.destinations import destination
+from .checkpoint.reference import ReferenceFiles
 from .errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -387,6 +388,8 @@ class MultiLevelReader(StorageReader):
                 )
             except _COPY_ERRORS as e:
                 return 0, [Failure(i, req, file, e, whole_file=True) for i, req, _ in reqs]
+            references = stack.enter_context(closing(ReferenceFiles()))
+            references.plan(copy, [(req.storage_index, loc) for _, req, loc in reqs])
             for n, (i, req, loc) in enumerate(reqs):
                 # Outside the try: a destination of the wrong shape is wrong for
                 # every copy, and so is an object refused by weights_only loading.
@@ -395,6 +398,7 @@ class MultiLevelReader(StorageReader):
                     copy.read_item(
                         handle, req.storage_index, loc, out,
                         pool=self._codec_pool(), window=2 * self.thread_count,
+                        references=references,
                     )  # fmt: skip
                 except _COPY_ERRORS as e:
                     if isinstance(e, (CorruptCheckpointError, ManifestError)):

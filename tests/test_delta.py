@@ -231,17 +231,22 @@ def test_delta_checkpoint_loads_with_reader_threads_and_verifies(tmp_path) -> No
 def test_a_delta_loads_from_an_object_store_reading_each_byte_once(
     s3_server: S3Server, s3_bucket: str, monkeypatch
 ) -> None:
-    """On an object store the reference's items are fetched exactly, not in
+    """On an object store the references' items are fetched exactly, not in
     the 32 MiB blocks that serve a whole file (each item's reference once read
-    the rest of the file: 7x the bytes of a restore)."""
+    the rest of the file: 7x the bytes of a restore), and each reference file
+    (down a chain of two) in one request, not one per item."""
     opts = s3_server.storage_options
     g = torch.Generator().manual_seed(3)
     a = {f"layer{i}": torch.randn(64, 1024, generator=g) for i in range(16)}  # 256 KiB each
     b = train(a, 1)
+    c = train(b, 2)
     url = f"s3://{s3_bucket}/run"
-    for name, state, ref in (("step-0", a, None), ("step-1", b, f"{url}/step-0")):
-        writer = MultiLevelWriter(f"{url}/{name}", codec="bytegroup", reference=ref,
-                                  storage_options=opts)  # fmt: skip
+    chain = (("step-0", a, None), ("step-1", b, "step-0"), ("step-2", c, "step-1"))
+    for name, state, ref in chain:
+        ref_url = ref and f"{url}/{ref}"
+        writer = MultiLevelWriter(
+            f"{url}/{name}", codec="bytegroup", reference=ref_url, storage_options=opts
+        )
         dcp.save(state, storage_writer=writer, no_dist=True)
     fs, _ = url_to_fs(url, **opts)
     stored = sum(fs.size(k) for k in fs.find(url) if k.endswith(".bin"))
@@ -255,12 +260,14 @@ def test_a_delta_loads_from_an_object_store_reading_each_byte_once(
         return data
 
     monkeypatch.setattr(fs, "cat_file", counted)
-    out = empty_like(b)
-    dcp.load(out, storage_reader=MultiLevelReader(f"{url}/step-1", storage_options=opts),
+    out = empty_like(c)
+    dcp.load(out, storage_reader=MultiLevelReader(f"{url}/step-2", storage_options=opts),
              no_dist=True)  # fmt: skip
-    assert_state_equal(out, b)
+    assert_state_equal(out, c)
+    assert manifest_of(fs, f"{url}/step-2")["reference"]["checkpoint"] == "step-1"
     assert manifest_of(fs, f"{url}/step-1")["reference"]["checkpoint"] == "step-0"
     assert stored <= sum(fetched) <= stored * 1.01, (sum(fetched), stored)
+    assert len(fetched) == 3, fetched  # one file per checkpoint, one request each
 
 
 def manifest_of(fs: Any, url: str) -> dict[str, Any]:

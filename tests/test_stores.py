@@ -6,10 +6,13 @@ import itertools
 import os
 import sys
 import threading
+import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dcp_multilevel.stores import Store, _writeback
+from dcp_multilevel.stores import Store, _writeback, coalescing
 from dcp_multilevel.stores.local import LocalStore
 
 
@@ -139,3 +142,75 @@ def test_local_files_ask_for_writeback_stride_by_stride_when_they_are_fsynced(
     assert [offset for offset, _ in asked] == [0, *ends[:-1]]
     assert all(n >= 1 << 16 for _, n in asked)
     assert sum(n for _, n in asked) <= len(block) * 20 < sum(n for _, n in asked) + (1 << 16)
+
+
+# --------------------------------------------------------------------------- coalescing
+
+
+class _FileHandle:
+    """A read handle over a real local file that records each request (offset, size)."""
+
+    def __init__(self, path, delay: float = 0.0) -> None:
+        self._f = open(path, "rb")  # noqa: SIM115 - closed by the test
+        self.size = os.fstat(self._f.fileno()).st_size
+        self.requests: list[tuple[int, int]] = []
+        self.delay = delay
+        self._lock = threading.Lock()
+
+    def read_into(self, offset: int, out: memoryview) -> int:
+        with self._lock:
+            self.requests.append((offset, len(out)))
+        time.sleep(self.delay)
+        return os.preadv(self._f.fileno(), [out], offset)
+
+
+@pytest.fixture
+def blocks_of_4k(monkeypatch):
+    monkeypatch.setattr(coalescing, "COALESCE_BYTES", 4096)
+
+
+def test_sequential_reads_fetch_each_block_once_and_the_next_ahead(tmp_path, blocks_of_4k):
+    data = os.urandom(10_000)
+    (tmp_path / "f").write_bytes(data)
+    raw = _FileHandle(tmp_path / "f", delay=0.01)
+    reader = coalescing.CoalescingReader(raw, limit=None)
+    out = bytearray()
+    for at in range(0, 10_000, 100):
+        piece = memoryview(bytearray(100))
+        assert reader.read_into(at, piece) == 100
+        out += piece
+        if at == 0:
+            time.sleep(0.05)
+            # the second block is being fetched before anything asked for it
+            assert raw.requests == [(0, 4096), (4096, 4096)]
+    reader.close()
+    assert bytes(out) == data
+    assert raw.requests == [(0, 4096), (4096, 4096), (8192, 10_000 - 8192)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    reads=st.lists(st.tuples(st.integers(0, 12_000), st.integers(0, 9000)), max_size=12),
+    limit=st.one_of(st.none(), st.integers(0, 12_000)),
+)
+def test_any_reads_return_the_files_bytes(tmp_path_factory, reads, limit) -> None:
+    """Random offsets and sizes, within the limit, across it and past the file's end:
+    exactly the file's bytes, short only at its end; no fetch left running."""
+    path = tmp_path_factory.mktemp("coalesce") / "f"
+    data = os.urandom(10_000)
+    path.write_bytes(data)
+    raw = _FileHandle(path)
+    saved = coalescing.COALESCE_BYTES
+    coalescing.COALESCE_BYTES = 4096
+    try:
+        reader = coalescing.CoalescingReader(raw, limit)
+        for offset, size in reads:
+            out = memoryview(bytearray(size))
+            got = reader.read_into(offset, out)
+            assert got == len(data[offset : offset + size])
+            assert bytes(out[:got]) == data[offset : offset + size]
+        reader.close()
+        assert reader._ahead is None
+    finally:
+        coalescing.COALESCE_BYTES = saved
+        raw._f.close()

@@ -39,7 +39,7 @@ from .items import ItemRef, item_codec, truncated, verify
 if TYPE_CHECKING:
     from .stored import StoredCheckpoint
 
-__all__ = ["ItemStream", "chunk_of", "delta_base", "open_reference"]
+__all__ = ["ItemStream", "ReferenceFiles", "chunk_of", "delta_base", "open_reference"]
 
 #: Bytes read at a time when an uncoded reference item is skipped (it is
 #: still read: its checksum covers every byte).
@@ -74,13 +74,75 @@ def delta_base(
     return reference.locations[index]
 
 
+class ReferenceFiles:
+    """The references' data files, held open across the items that one thread reads.
+
+    On an object store every open handle fetches its own blocks: a handle per
+    item cost a request per item and fetched nothing ahead. One thread reading
+    a delta's file keeps one of these: :meth:`plan` says which items it will
+    read (each reference file is then fetched in large blocks up to the end of
+    the last item read from it), :meth:`open` is called by each item's stream
+    (``ItemStream``), :meth:`close` at the end. Not thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._stack = ExitStack()
+        self._open: dict[tuple[str, str], ReadHandle] = {}
+        self._ends: dict[tuple[str, str], int] = {}
+
+    def plan(
+        self, delta: StoredCheckpoint, items: list[tuple[MetadataIndex, ItemLocation]]
+    ) -> None:
+        """Note where the references of ``delta``'s ``items`` end in their files (down
+        the chain). A reference that cannot be read is skipped here: reading the item
+        raises the chain's error."""
+        items = [(i, loc) for i, loc in items if loc.reference is not None]
+        while items:
+            try:
+                ref = delta.reference()
+                locations = ref.manifest().locations if ref is not None else {}
+            except (DcpMultilevelError, OSError):
+                return
+            inner = []
+            for index, _ in items:
+                ref_loc = locations.get(index)
+                if ref_loc is None:
+                    continue
+                key = (ref.url, ref_loc.file)  # type: ignore[union-attr]
+                self._ends[key] = max(self._ends.get(key, 0), ref_loc.offset + ref_loc.length)
+                if ref_loc.reference is not None:
+                    inner.append((index, ref_loc))
+            delta, items = ref, inner  # type: ignore[assignment]
+
+    def open(self, ckpt: StoredCheckpoint, file: str, fqn: str, end: int) -> ReadHandle:
+        """``ckpt``'s data file ``file``, opened once (``fqn`` names the item in errors;
+        ``end``: where the item ends, how far an unplanned file is fetched at once)."""
+        key = (ckpt.url, file)
+        handle = self._open.get(key)
+        if handle is None:
+            handle = self._stack.enter_context(ckpt.open_data(file, fqn, self._ends.get(key, end)))
+            self._open[key] = handle
+        return handle
+
+    def close(self) -> None:
+        """Close every file opened."""
+        self._open.clear()
+        self._stack.close()
+
+
 def open_reference(
-    delta: StoredCheckpoint, index: MetadataIndex, loc: ItemLocation, chain: tuple[str, ...] = ()
+    delta: StoredCheckpoint,
+    index: MetadataIndex,
+    loc: ItemLocation,
+    chain: tuple[str, ...] = (),
+    files: ReferenceFiles | None = None,
 ) -> ItemStream:
     """The stream of item ``index``'s bytes in the reference of ``delta`` (whose item
     ``loc`` names it), checked: the reference is that save and records that checksum.
 
     ``chain``: the checkpoints before ``delta`` in a chain being read (for errors).
+    ``files``: where to open the reference's data files (held open across items),
+    else the stream opens its own.
 
     Raises:
         BrokenChainError: the reference is missing, another save, lacks the item
@@ -113,7 +175,7 @@ def open_reference(
             f"its item has checksum {ref_loc.checksum}, the delta was coded against "
             f"{loc.reference}",
         )  # fmt: skip
-    return ItemStream.opened(ref, index, ref_loc, chain)
+    return ItemStream.opened(ref, index, ref_loc, chain, files)
 
 
 class ItemStream:
@@ -131,6 +193,7 @@ class ItemStream:
         index: MetadataIndex,
         loc: ItemLocation,
         chain: tuple[str, ...],
+        files: ReferenceFiles | None = None,
     ) -> None:
         self.ckpt = ckpt
         self.index = index
@@ -151,6 +214,7 @@ class ItemStream:
         self._header: frames.FrameHeader | None = None
         self._codec: Codec | None = None
         self._inner: ItemStream | None = None  # this item's own reference, if it is a delta
+        self._files = files
 
     @classmethod
     def opened(
@@ -159,10 +223,12 @@ class ItemStream:
         index: MetadataIndex,
         loc: ItemLocation,
         chain: tuple[str, ...],
+        files: ReferenceFiles | None = None,
     ) -> ItemStream:
         """A stream of item ``index`` (at ``loc`` in ``ckpt``), opened; nothing is left
-        open when opening fails (``BrokenChainError``)."""
-        stream = cls(ckpt, index, loc, chain)
+        open when opening fails (``BrokenChainError``). ``files``: as for
+        :func:`open_reference`."""
+        stream = cls(ckpt, index, loc, chain, files)
         try:
             stream.open()
         except BaseException:
@@ -175,14 +241,17 @@ class ItemStream:
     def open(self) -> None:
         """Open the data file; read the frame header of a coded item."""
         with self._failures():
-            # Limited to the item's end: on an object store the handle fetches
-            # blocks of up to 32 MiB, and one past the item is read for nothing
-            # (it made a delta's restore from a remote read 7x its bytes).
-            self._handle = self._stack.enter_context(
-                self.ckpt.open_data(
-                    self.loc.file, self.index.fqn, self.loc.offset + self.loc.length
+            # Fetched no further than the item's end (or the planned items'): on
+            # an object store a handle fetches blocks of up to 32 MiB, and one
+            # past the item is read for nothing (it made a delta's restore
+            # from a remote read 7x its bytes).
+            end = self.loc.offset + self.loc.length
+            if self._files is not None:
+                self._handle = self._files.open(self.ckpt, self.loc.file, self.index.fqn, end)
+            else:
+                self._handle = self._stack.enter_context(
+                    self.ckpt.open_data(self.loc.file, self.index.fqn, end)
                 )
-            )
             if self.loc.transforms:
                 self._codec = item_codec(self._ref)
                 self._header = frames.unpack_header(self._read(frames.HEADER.size))
@@ -193,7 +262,11 @@ class ItemStream:
                     )
                 if self.loc.reference is not None:
                     self._inner = self._stack.enter_context(
-                        closing(open_reference(self.ckpt, self.index, self.loc, self.chain[:-1]))
+                        closing(
+                            open_reference(
+                                self.ckpt, self.index, self.loc, self.chain[:-1], self._files
+                            )
+                        )
                     )
 
     def take(self, n: int) -> memoryview:

@@ -54,7 +54,7 @@ from ..format import (
 from ..stores import ReadHandle, Store, store_for
 from ..stores.coalescing import CoalescingReader
 from .items import ItemRef, read_item, read_stored
-from .reference import open_reference
+from .reference import ReferenceFiles, open_reference
 
 __all__ = ["StoredCheckpoint", "decoded_manifest", "new_save_id", "sibling_location"]
 
@@ -323,6 +323,7 @@ class StoredCheckpoint:
                 ) from None
             if self.store.prefers_large_reads:
                 handle = CoalescingReader(handle, limit)
+                stack.callback(handle.close)  # before the wrapped handle closes
             if handle.size != expected:
                 raise TruncatedDataError(
                     f"data file {file!r} of checkpoint {self.url} is {handle.size} bytes, "
@@ -341,12 +342,14 @@ class StoredCheckpoint:
         *,
         pool: Executor | None = None,
         window: int = 1,
+        references: ReferenceFiles | None = None,
     ) -> None:
         """Decoded, verified bytes of item ``index`` (stored at ``loc``) into ``out``
         (see :func:`.items.read_item`).
 
         A delta item (``loc.reference``) is read against the same item of
-        :meth:`reference`.
+        :meth:`reference`; ``references`` holds the reference's data files
+        open across the items a thread reads (else each item opens its own).
 
         Raises:
             BrokenChainError: the item is a delta and its reference cannot serve it.
@@ -356,7 +359,7 @@ class StoredCheckpoint:
         if loc.reference is None:
             read_item(handle, ref, out, pool=pool, window=window)
             return
-        with closing(open_reference(self, index, loc)) as reference:
+        with closing(open_reference(self, index, loc, files=references)) as reference:
             read_item(handle, ref, out, pool=pool, window=window, reference=reference)
 
     def read_stored(
