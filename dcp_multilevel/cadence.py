@@ -22,10 +22,19 @@ that step to the first level, waits for the commit, and leaves with
 ``SystemExit(128 + SIGTERM)``. The previous handler is restored by
 :meth:`Cadence.close` (and before that exit).
 
+A restarted job goes on with the schedule where it stopped: rank 0's
+:meth:`Cadence.state` (the job's clock, each level's last save, the
+blocked time, the policy's :meth:`~dcp_multilevel.schedule.SavePolicy.state`)
+is kept in the manifest of every save, and :meth:`Cadence.resume` takes it
+back after a load, on every rank alike.
+
 Call order (every rank, main thread)::
 
     cadence = Cadence(policy, levels, survives, ...)    installs the SIGTERM handler
+    cadence.resume(state, step)                          after a load (state: None or
+                                                         what state() kept with step)
     tick = cadence.tick(step, loss, costs)               each step; collective at checks
+    cadence.state(step, levels)                          rank 0, before saving step
     cadence.saved(step, levels)                          after a committed save
     cadence.close()                                      restores the handler
 """
@@ -33,6 +42,7 @@ Call order (every rank, main thread)::
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import math
 import signal
@@ -103,6 +113,7 @@ class Cadence:
         self.check_seconds = check_seconds
         self.save_on_sigterm = save_on_sigterm
         self._start: float | None = None
+        self._offset = 0.0  # the clock when this process started counting (a resumed job's)
         self._last_return: float | None = None
         self.step_seconds: float | None = None
         self._last: dict[int, tuple[int, float]] = {}  # level -> (step, clock) of its last save
@@ -128,8 +139,74 @@ class Cadence:
 
     @property
     def clock(self) -> float:
-        """Seconds since the first step on this rank."""
-        return 0.0 if self._start is None else time.monotonic() - self._start
+        """The job's training seconds: since the first step on this rank, plus the
+        clock of the checkpoint a resumed job started from."""
+        return self._offset + (0.0 if self._start is None else time.monotonic() - self._start)
+
+    def state(self, step: int, levels: Sequence[int]) -> dict[str, Any]:
+        """What a restart needs to go on with the schedule, as plain JSON, for a save of
+        ``step`` to ``levels`` that is about to start (rank 0's is kept)."""
+        last = {i: [s, t] for i, (s, t) in self._last.items()}
+        for index in levels:
+            last[index] = [step, self.clock]
+        policy = None
+        try:
+            policy = self.policy.state()
+            json.dumps(policy, allow_nan=False)  # the manifest must take it
+        except Exception as e:  # noqa: BLE001 - a third-party policy: the save goes on
+            logger.warning("dcp_multilevel: schedule %r gave no state to keep: %s", self.policy, e)
+            policy = None
+        return {
+            "clock": self.clock,
+            "blocked_seconds": self.blocked_seconds,
+            "step_seconds": self.step_seconds,
+            "save_seconds": list(self._save_seconds),
+            "last": {str(i): v for i, v in sorted(last.items())},
+            "policy": policy,
+        }
+
+    def resume(self, state: dict[str, Any] | None, step: int) -> None:
+        """Go on from ``state`` (:meth:`state` of the loaded checkpoint, ``step``; None:
+        it kept none, a checkpoint of an older version). Every rank, same arguments.
+
+        A state that does not fit (another policy, a damaged value) is logged and
+        the schedule starts afresh: it never fails a load.
+        """
+        self._start = self._last_return = self._tick_time = None
+        self._next_check = 0
+        if state is None:
+            return
+        try:
+            clock = float(state["clock"])
+            last = {
+                int(i): (int(s), float(t))
+                for i, (s, t) in state["last"].items()
+                if 0 <= int(i) < len(self.levels) and int(s) <= step
+            }
+            blocked = float(state["blocked_seconds"])
+            step_seconds = state["step_seconds"]
+            saves = [float(x) for x in state["save_seconds"]]
+            if not all(math.isfinite(x) and x >= 0 for x in (clock, blocked, *saves)):
+                raise ValueError("a negative or non-finite time")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            logger.warning(
+                "dcp_multilevel: step %d kept a schedule state this version cannot read (%s); "
+                "the schedule starts afresh", step, e,
+            )  # fmt: skip
+            return
+        if state.get("policy") is not None:
+            try:
+                self.policy.load_state(state["policy"])
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                logger.warning(
+                    "dcp_multilevel: step %d kept the state of another schedule (%s); %r "
+                    "starts afresh", step, e, self.policy,
+                )  # fmt: skip
+        self._offset, self._last, self.blocked_seconds = clock, last, blocked
+        self.step_seconds = None if step_seconds is None else float(step_seconds)
+        self._save_seconds.clear()
+        self._save_seconds.extend(saves)
+        logger.info("dcp_multilevel: schedule resumed at step %d (clock %.0f s)", step, clock)
 
     def observation(self, step: int, loss: float | None, costs: Costs) -> Observation:
         """This rank's view of ``step`` (rank 0's is the one decisions are made from)."""

@@ -86,6 +86,10 @@ from .writer import MultiLevelWriter
 
 __all__ = ["CheckpointManager", "SaveMetrics"]
 
+#: The manifest's ``extra`` key under which each save keeps the schedule's state
+#: (``cadence.py``: the job's clock, each level's last save, the policy's).
+SCHEDULE_KEY = "dcp_multilevel.schedule"
+
 logger = logging.getLogger(__name__)
 
 
@@ -307,10 +311,12 @@ class CheckpointManager:
         reference = self._reference_checkpoint(ref)
         if reference is None:
             ref = None
-        writer = self._first_save(state_dict, step, reference)
+        # Kept in the manifest (rank 0 writes it): a restart goes on with the schedule.
+        extra = {SCHEDULE_KEY: self._cadence.state(step, [0, *due])} if _dist.rank() == 0 else None
+        writer = self._first_save(state_dict, step, reference, extra)
         if writer is None:  # the reference failed while the save read it: save whole
             ref = None
-            writer = self._first_save(state_dict, step, None)
+            writer = self._first_save(state_dict, step, None, extra)
         self._chains.stored(0, step, ref)
         blocked = time.perf_counter() - t0
         committed = time.time()
@@ -358,14 +364,19 @@ class CheckpointManager:
         return metrics
 
     def _first_save(
-        self, state_dict: dict[str, Any], step: int, reference: StoredCheckpoint | None
+        self,
+        state_dict: dict[str, Any],
+        step: int,
+        reference: StoredCheckpoint | None,
+        extra: dict[str, Any] | None,
     ) -> MultiLevelWriter | None:
-        """Save ``step`` on the first level (against ``reference``); None when the save
-        failed because of its reference (every rank sees the same failure)."""
+        """Save ``step`` on the first level (against ``reference``, ``extra`` in its
+        manifest); None when the save failed because of its reference (every rank
+        sees the same failure)."""
         first = self.levels[0]
         writer = MultiLevelWriter(
             first.checkpoint_url(step), codec=first.codec, storage_options=first.storage_options,
-            reference=reference,
+            reference=reference, extra=extra,
         )  # fmt: skip
         try:
             dcp.save(state_dict, storage_writer=writer, planner=self._planner)
@@ -448,6 +459,7 @@ class CheckpointManager:
                                      for i, steps in views.everyone[0].items()})  # fmt: skip
                 self._reprotect(plan)
                 self._resume_chains(step)
+                self._resume_schedule(plan)
                 return step
         if candidates:
             raise CheckpointNotFoundError(
@@ -498,6 +510,26 @@ class CheckpointManager:
                 checkpoint=self.levels[0].checkpoint_url(step),
             )
         self._loader.load(state_dict, plan, planner)
+        self._resume_schedule(plan)
+
+    def _resume_schedule(self, plan: Restore) -> None:
+        """After a load: the schedule goes on from the state the loaded step's manifest
+        kept (rank 0 reads it from the first level that has it; every rank takes it)."""
+        state = None
+        if _dist.rank() == 0:
+            for index in plan.levels:
+                try:
+                    if index == 0 and plan.manifest is not None:
+                        ckpt = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest)
+                    else:
+                        ckpt = self.drivers[index].checkpoint(plan.step)
+                    state = ckpt.manifest().extra.get(SCHEDULE_KEY)
+                    break
+                except (DcpMultilevelError, OSError):
+                    continue  # the load read another copy: so does this
+        if _dist.world_size() > 1:
+            state = _dist.broadcast_object(state, 0)
+        self._cadence.resume(state, plan.step)
 
     def _resume_chains(self, upto: int) -> None:
         """After a restart: each delta level's history from the manifests of the steps

@@ -22,6 +22,7 @@ failure anywhere leaves no new manifest, and the old one (if any) untouched.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import posixpath
@@ -113,6 +114,9 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
             it. Needs a ``codec``. Items whose dtype, shape or placement
             changed, non-tensor values, and items this process cannot read in
             the reference are stored whole.
+        extra: plain-JSON values the coordinator records in the manifest
+            (``Manifest.extra``; the manager keeps its schedule's state there).
+            Loads do not depend on them; drains carry them along.
 
     Raises:
         ConfigError: on an invalid option.
@@ -130,8 +134,14 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         staging: StagingConfig | None = None,
         stock_hint: bool = False,
         reference: str | os.PathLike[str] | StoredCheckpoint | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        self.extra = dict(extra or {})
+        try:  # the coordinator writes it into the manifest at the commit
+            json.dumps(self.extra, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"MultiLevelWriter extra must be plain JSON: {e}") from None
         self._stager = Stager(staging)
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ConfigError(f"thread_count must be an integer >= 1, got {thread_count!r}")
@@ -339,7 +349,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
             )
         self.checkpoint.commit(
             metadata, locations, files, save_id=new_save_id(), world_size=len(results),
-            reference=self._checked_reference(locations),
+            reference=self._checked_reference(locations), extra=self.extra,
         )  # fmt: skip
         self.checkpoint.sweep(keep=files)
 

@@ -6,6 +6,7 @@ Real processes (gloo), real files, real signals.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 
@@ -14,11 +15,16 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_multilevel import BalancedSavePlanner, CheckpointManager, Level
+from dcp_multilevel.checkpoint import CheckpointRoot, StoredCheckpoint
+from dcp_multilevel.manager import SCHEDULE_KEY
 from dcp_multilevel.schedule import (
     ConvergenceAware,
     FailureModel,
     FixedInterval,
+    Interval,
+    IntervalPolicy,
     OverheadBound,
+    ProgressValue,
     YoungDaly,
 )
 from tests._dist import run_ranks
@@ -163,3 +169,69 @@ def test_the_manager_tells_the_overhead_bound_the_runs_blocked_time(tmp_path):
     # itself: tests/test_schedule.py).
     assert len(decisions) >= 3
     assert blocked <= 0.25 * wall + 0.1, (blocked, wall)
+
+
+class _EveryCheck(IntervalPolicy):
+    """Every level at every check: a save each few steps, whatever the clock."""
+
+    def intervals(self, observation):
+        return {s.index: Interval(1e-9, "every-check") for s in observation.levels}, {}
+
+
+def _kept(root: str, level: str, step: int) -> dict:
+    manifest = StoredCheckpoint.at(f"{root}/{level}/step-{step}").manifest()
+    return manifest.extra[SCHEDULE_KEY]
+
+
+def _schedule_job(rank: int, world: int, root: str) -> int:
+    policy = ProgressValue(_EveryCheck(), min_steps=2)
+    levels = [Level(f"{root}/l1", keep=3), Level(f"{root}/remote", keep=3)]
+    mgr = CheckpointManager(levels, schedule=policy, drain_policy="wait")
+    last = None
+    for step in range(1, 40):
+        time.sleep(0.005)
+        if mgr.step(_state(step), step=step, loss=5.0 / step + 0.01 * rank) is not None:
+            last = step
+    mgr.wait()
+    mgr.close()
+    return last
+
+
+def _schedule_resume(rank: int, world: int, root: str) -> tuple[int, dict | None, float]:
+    policy = ProgressValue(_EveryCheck(), min_steps=2)
+    mgr = CheckpointManager([Level(f"{root}/l1", keep=3), Level(f"{root}/remote", keep=3)],
+                            schedule=policy)  # fmt: skip
+    state = {"w": torch.zeros(64, 64), "step": -1}
+    step = mgr.load_latest(state)
+    clock = mgr._cadence.clock
+    mgr.close()
+    return step, policy.state(), clock
+
+
+def test_a_restarted_job_goes_on_with_the_schedule_it_kept(tmp_path, caplog):
+    """Each save keeps rank 0's schedule state (the clock, each level's last save,
+    the policy's learnt curve) in its manifest, drains carry it to the next level,
+    and load_latest gives it back to every rank: from the first level, and from
+    the remote once the first level is gone."""
+    root = str(tmp_path)
+    last = run_ranks(_schedule_job, 2, root, timeout=240)[0]
+    drained = CheckpointRoot(f"{root}/remote").steps()[-1]  # a drain may skip the newest
+    assert drained in CheckpointRoot(f"{root}/l1").steps()
+    assert _kept(root, "remote", drained) == _kept(root, "l1", drained)  # the drain carried it
+    for gone, step in ((None, last), ("l1", drained)):
+        if gone:
+            shutil.rmtree(tmp_path / gone)
+        kept = _kept(root, "remote" if gone else "l1", step)
+        assert kept["clock"] > 0.1 and kept["last"]["0"][0] == step
+        curve = kept["policy"]["own"]
+        assert curve["steps"][-1] == step and curve["losses"][-1] == pytest.approx(5.0 / step)
+        out = run_ranks(_schedule_resume, 2, root, timeout=240)
+        assert [o[0] for o in out] == [step, step]
+        assert out[0][1] == out[1][1] == kept["policy"]  # rank 0's curve, on every rank
+        assert all(o[2] >= kept["clock"] for o in out)
+    # Another schedule keeps going, from the clock, with its own policy afresh.
+    mgr = CheckpointManager([Level(f"{root}/remote")], schedule=FixedInterval())
+    with caplog.at_level("WARNING", logger="dcp_multilevel"):
+        assert mgr.load_latest({"w": torch.zeros(64, 64), "step": -1}) == drained
+    mgr.close()
+    assert "kept the state of another schedule" in caplog.text

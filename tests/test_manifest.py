@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from dcp_multilevel import (
     CheckpointNotFoundError,
+    ConfigError,
     ManifestError,
     MultiLevelReader,
     MultiLevelWriter,
@@ -141,6 +142,24 @@ HOSTILE = {
         "has tensor offsets" + SUFFIX,
     ),
 }
+
+
+def test_extra_values_round_trip_and_are_plain_json(valid_doc, tmp_path):
+    """A writer's extra values come back as Manifest.extra; old manifests have none;
+    what JSON cannot hold is refused when the writer is built, not at its commit."""
+    assert _decode(valid_doc).extra == {}
+    m = _decode(valid_doc)
+    kwargs = dict(save_id=m.save_id, world_size=m.world_size, created_unix=m.created_unix)
+    extra = {"tool": {"clock": 12.5, "last": {"0": [3, 1.5]}, "curve": None}}
+    doc = encode_manifest(m.metadata, m.locations, m.files, extra=extra, **kwargs)
+    assert _decode(json.loads(doc)).extra == extra
+    with pytest.raises(ManifestError, match="extra must be an object"):
+        _decode(mutate(valid_doc, lambda d: d.update(extra=[1])))
+    path = tmp_path / "c"
+    dcp.save({"w": torch.ones(3)}, storage_writer=MultiLevelWriter(path, extra=extra))
+    assert decode_manifest((path / "manifest.json").read_bytes()).extra == extra
+    with pytest.raises(ConfigError, match="plain JSON"):
+        MultiLevelWriter(path, extra={"x": float("nan")})
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 
 import numpy as np
@@ -31,6 +32,7 @@ from dcp_multilevel.schedule import (
     daly_interval,
     young_interval,
 )
+from dcp_multilevel.schedule.progress import KEPT_POINTS
 
 LEVELS = (Level("/l1"), Level("partner:/p", replicas=2), Level("s3://b/r", every=4))
 
@@ -331,6 +333,39 @@ def test_progress_value_divides_intervals_by_the_root_of_the_progress_rate():
     young_daly = np.mean((1 + true) / 2)
     # Here: 0.76 at best, 0.84 ours, 1 for Young/Daly.
     assert best < ours < 1.15 * best and ours < 0.85 * young_daly
+
+
+def test_progress_value_goes_on_from_the_curve_a_checkpoint_kept():
+    """state() -> JSON -> load_state() into a new process's policy: the same
+    decisions from there on; a long curve is thinned to KEPT_POINTS points and
+    its estimate stays within a few per cent."""
+    inner = YoungDaly(FailureModel(1.8), ("first", "node", "store"))
+    short, resumed = ProgressValue(inner), ProgressValue(inner)
+    _feed(short, range(1, 600))
+    resumed.load_state(json.loads(json.dumps(short.state(), allow_nan=False)))
+    assert _feed(resumed, range(600, 900)) == _feed(short, range(600, 900))
+    long, thinned = ProgressValue(inner), ProgressValue(inner)
+    _feed(long, range(1, 6000))
+    state = long.state()
+    assert len(state["own"]["steps"]) == KEPT_POINTS
+    assert state["own"]["steps"][0] == 1 and state["own"]["steps"][-1] == 5999
+    thinned.load_state(state)
+    for (_, got, _, a), (_, want, _, b) in zip(
+        _feed(thinned, range(6000, 7000, 50)), _feed(long, range(6000, 7000, 50)), strict=True
+    ):
+        assert a["progress_weight"] == pytest.approx(b["progress_weight"], rel=0.03)
+        assert got[1].seconds == pytest.approx(want[1].seconds, rel=0.02)
+    # The composed schedule keeps it where ProgressValue sits.
+    auto = Schedule.auto(mtbf_hours=8, convergence=True)
+    assert auto.state() is None  # nothing seen yet
+    # What is not such a state is refused (the manager then starts the policy afresh).
+    for bad in ({"policy": "TimeBounds"}, {"policy": "ProgressValue", "own": {"steps": [2, 1],
+                "losses": [1.0, 1.0]}}, {"policy": "ProgressValue", "own": {"steps": [1],
+                "losses": []}}):  # fmt: skip
+        with pytest.raises(ValueError):
+            ProgressValue(inner).load_state(bad)
+    with pytest.raises(ValueError, match="keeps no state"):
+        inner.load_state({"anything": 1})
 
 
 def test_progress_value_keeps_progress_not_repeats_and_no_trend_no_change():

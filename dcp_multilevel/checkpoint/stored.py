@@ -246,11 +246,13 @@ class StoredCheckpoint:
         save_id: str,
         world_size: int,
         reference: Reference | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
         """Write the manifest, atomically and last: from now on the checkpoint exists.
 
         Every file ``files`` names must be durable in the store already.
         ``reference``: the sibling checkpoint the delta items are coded against.
+        ``extra``: kept with the checkpoint (``Manifest.extra``), plain JSON.
 
         Raises:
             UnsupportedStateError: the metadata cannot be stored (see ``encode_manifest``).
@@ -258,7 +260,7 @@ class StoredCheckpoint:
         """
         doc = encode_manifest(
             metadata, locations, files, save_id=save_id, world_size=world_size,
-            created_unix=time.time(), reference=reference,
+            created_unix=time.time(), reference=reference, extra=extra,
         )  # fmt: skip
         self.store.write_atomic(MANIFEST_NAME, doc)
         self.forget()

@@ -139,11 +139,14 @@ def encode_manifest(
     world_size: int,
     created_unix: float,
     reference: Reference | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> bytes:
     """Serialize a checkpoint's manifest to UTF-8 JSON bytes.
 
     ``reference``: the checkpoint the items' delta chunks are coded against
     (format version 2); required when an item has a ``reference`` checksum.
+    ``extra``: what a tool keeps with the checkpoint (the manager: its
+    schedule's state), plain JSON; no load depends on it.
 
     Raises UnsupportedStateError when the planner's ``planner_data`` is not
     made of plain strings and ints (it must survive JSON), or an item names a
@@ -186,7 +189,14 @@ def encode_manifest(
     }
     if reference is not None:
         doc["reference"] = {"save_id": reference.save_id, "checkpoint": reference.checkpoint}
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    if extra:
+        doc["extra"] = dict(extra)
+    try:
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as e:  # only extra can hold what JSON cannot
+        raise UnsupportedStateError(
+            f"the manifest's extra values must be plain JSON (no NaN or infinity): {e}"
+        ) from None
 
 
 def _encode_planner_data(data: Any) -> Any:

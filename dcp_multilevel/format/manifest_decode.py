@@ -136,6 +136,9 @@ def decode_manifest(data: bytes, *, checkpoint: str | None = None) -> Manifest:
 
     locations = _decode_items(c, c.get(doc, "items", list, "manifest"), state, files)
     reference = _decode_reference(c, doc.get("reference"), version)
+    extra = doc.get("extra", {})
+    if not isinstance(extra, dict):
+        raise c.fail("extra must be an object")
     if reference is None and any(loc.reference is not None for loc in locations.values()):
         raise c.fail("an item is stored as a delta ('ref') but the manifest names no reference")
 
@@ -156,6 +159,7 @@ def decode_manifest(data: bytes, *, checkpoint: str | None = None) -> Manifest:
         torch_version=torch_version,
         created_unix=float(created),
         format_version=version,
+        extra=extra,
         reference=reference,
     )
 

@@ -75,7 +75,7 @@ class StoreLevel(LevelDriver):
             reference = Reference(delta.manifest.save_id, step_dir(job.reference))  # type: ignore[arg-type]
         target.commit(
             manifest.metadata, locations, files, save_id=manifest.save_id,
-            world_size=manifest.world_size, reference=reference,
+            world_size=manifest.world_size, reference=reference, extra=manifest.extra,
         )  # fmt: skip
         link.announce_commit()
         result.committed = True

@@ -15,8 +15,11 @@ Two ways to answer, one interface:
 
 Call order and contract (every rank, main thread)::
 
+    policy.load_state(state)          after the manager loaded a checkpoint
+                                      that kept one (rank 0's ``state()``)
     policy.decide(observation)        at each training step (the failure
                                       simulator, ``dcp_multilevel.sim``, calls it too)
+    policy.state()                    at each save (rank 0)
     policy.due(index, level, step)    for each level index >= 1, at each save,
                                       at retention and at load_latest
 
@@ -135,6 +138,21 @@ class SavePolicy:
             f"{type(self).__name__} decides from observations (decide()), not per step "
             "(due()): use it where the manager passes observations"
         )
+
+    def state(self) -> dict[str, Any] | None:
+        """What this policy learnt from its observations, as plain JSON (None: nothing),
+        so that a restarted job goes on where it stopped: the manager keeps it with
+        each save (``Manifest.extra``) and gives it to :meth:`load_state` after a load."""
+        return None
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Take back what :meth:`state` returned (another process's, from a checkpoint).
+
+        Raises:
+            ValueError: ``state`` is not what this policy writes (the caller
+                then starts the policy afresh).
+        """
+        raise ValueError(f"a {type(self).__name__} keeps no state")
 
     def decide(self, observation: Observation) -> Decision:
         """The levels that take a save of ``observation.step``; default: from :meth:`due`."""

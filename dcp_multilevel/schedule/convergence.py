@@ -25,12 +25,12 @@ import math
 from typing import Any
 
 from .base import Observation
-from .intervals import Interval, IntervalPolicy, scaled
+from .intervals import AdjustedPolicy, Interval, IntervalPolicy, scaled
 
 __all__ = ["ConvergenceAware"]
 
 
-class ConvergenceAware(IntervalPolicy):
+class ConvergenceAware(AdjustedPolicy):
     """Scale ``inner``'s intervals by the loss curve's progress (see the module docstring).
 
     Args:

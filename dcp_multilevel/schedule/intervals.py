@@ -26,7 +26,14 @@ from typing import Any
 from ..errors import ConfigError
 from .base import Decision, Observation, SavePolicy
 
-__all__ = ["Interval", "IntervalPolicy", "OverheadBound", "TimeBounds", "scaled"]
+__all__ = [
+    "AdjustedPolicy",
+    "Interval",
+    "IntervalPolicy",
+    "OverheadBound",
+    "TimeBounds",
+    "scaled",
+]
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,38 @@ class IntervalPolicy(SavePolicy):
         return Decision(chosen, "+".join(rules) or "none", inputs, seconds)
 
 
-class OverheadBound(IntervalPolicy):
+class AdjustedPolicy(IntervalPolicy):
+    """An interval policy that adjusts the intervals of ``inner``: its state holds its
+    own (:meth:`own_state`) and the inner policy's."""
+
+    inner: IntervalPolicy
+
+    def state(self) -> dict[str, Any] | None:
+        """``{"policy", "own", "inner"}`` (None when neither has any)."""
+        own, inner = self.own_state(), self.inner.state()
+        if own is None and inner is None:
+            return None
+        return {"policy": type(self).__name__, "own": own, "inner": inner}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """As :meth:`SavePolicy.load_state`, for this policy and the inner one."""
+        if not isinstance(state, dict) or state.get("policy") != type(self).__name__:
+            raise ValueError(f"not the state of a {type(self).__name__}")
+        if state.get("own") is not None:
+            self.load_own_state(state["own"])
+        if state.get("inner") is not None:
+            self.inner.load_state(state["inner"])
+
+    def own_state(self) -> dict[str, Any] | None:
+        """This policy's own part of :meth:`state` (default: none)."""
+        return None
+
+    def load_own_state(self, state: dict[str, Any]) -> None:
+        """Take back :meth:`own_state` (ValueError when it is not one)."""
+        raise ValueError(f"a {type(self).__name__} keeps no state")
+
+
+class OverheadBound(AdjustedPolicy):
     """Keep the time blocked saving under ``target`` of the training time.
 
     Every interval becomes at least ``cost / target`` (the first level's
@@ -130,7 +168,7 @@ class OverheadBound(IntervalPolicy):
         return decision
 
 
-class TimeBounds(IntervalPolicy):
+class TimeBounds(AdjustedPolicy):
     """At least ``min_seconds`` and at most ``max_seconds`` between a level's saves.
 
     Each bound is one number for every level or a mapping from level index

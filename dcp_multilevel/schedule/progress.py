@@ -44,8 +44,9 @@ What it assumes, and where it errs:
 * It is asked with the step, not the clock. Progress is the step reached,
   and a restart that goes back to an older step is not new progress: steps
   at or below the newest one seen are ignored. A process that restarts
-  starts with an empty history. Until it has seen ``min_steps`` steps, the
-  intervals are the inner policy's.
+  takes the curve back from the checkpoint it loaded (the manager keeps
+  up to :data:`KEPT_POINTS` points of it with every save). Until it has seen
+  ``min_steps`` steps, the intervals are the inner policy's.
 
 The policy is pure given the sequence of observations, which is the same
 on every rank (``base.py``). It keeps what it has seen: the simulator's
@@ -55,17 +56,22 @@ on every rank (``base.py``). It keeps what it has seen: the simulator's
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from typing import Any
 
 from ..errors import ConfigError
 from .base import Observation
-from .intervals import Interval, IntervalPolicy, scaled
+from .intervals import AdjustedPolicy, Interval, IntervalPolicy, scaled
 
-__all__ = ["ProgressValue"]
+__all__ = ["KEPT_POINTS", "ProgressValue"]
+
+#: Points of the observed curve kept with a checkpoint (``ProgressValue.own_state``):
+#: about 25 KB of JSON in the manifest, enough for window means over the run.
+KEPT_POINTS = 1024
 
 
-class ProgressValue(IntervalPolicy):
+class ProgressValue(AdjustedPolicy):
     """Divide ``inner``'s intervals by the square root of the estimated progress rate
     (see the module docstring).
 
@@ -108,6 +114,34 @@ class ProgressValue(IntervalPolicy):
         self._losses: list[float] = []
         self._integral: list[float] = []
 
+    def own_state(self) -> dict[str, Any] | None:
+        """The observed curve (at most :data:`KEPT_POINTS` of it, evenly spread, the
+        first and the newest point included)."""
+        if not self._steps:
+            return None
+        n = len(self._steps)
+        keep = range(n) if n <= KEPT_POINTS else sorted(
+            {round(i * (n - 1) / (KEPT_POINTS - 1)) for i in range(KEPT_POINTS)}
+        )  # fmt: skip
+        return {"steps": [self._steps[i] for i in keep], "losses": [self._losses[i] for i in keep]}
+
+    def load_own_state(self, state: dict[str, Any]) -> None:
+        """Take back the curve :meth:`own_state` kept (the losses seen so far are
+        replaced: the checkpoint's run is the one that goes on)."""
+        steps, losses = state.get("steps"), state.get("losses")
+        if (
+            not isinstance(steps, list)
+            or not isinstance(losses, list)
+            or len(steps) != len(losses)
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+            or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in losses)
+            or any(b <= a for a, b in itertools.pairwise(steps))
+        ):
+            raise ValueError("not a ProgressValue curve (increasing int steps, finite losses)")
+        self._steps, self._losses, self._integral = [], [], []
+        for step, loss in zip(steps, losses, strict=True):
+            self._add(step, float(loss))
+
     def _observe(self, observation: Observation) -> None:
         loss = observation.loss
         if loss is None or not math.isfinite(loss):
@@ -115,6 +149,9 @@ class ProgressValue(IntervalPolicy):
         step = observation.step
         if self._steps and step <= self._steps[-1]:
             return  # asked again for a step, or back after a restart: not new progress
+        self._add(step, loss)
+
+    def _add(self, step: int, loss: float) -> None:
         if self._steps:
             area = 0.5 * (loss + self._losses[-1]) * (step - self._steps[-1])
             self._integral.append(self._integral[-1] + area)
