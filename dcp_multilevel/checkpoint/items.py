@@ -18,7 +18,9 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from ..codecs import Codec, ReferenceSource, codec_from_descriptor, decode_frames
+import numpy as np
+
+from ..codecs import Codec, ReferenceSource, codec_from_descriptor, decode_frames, scratch
 from ..errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -81,10 +83,14 @@ def read_item(
     codec = item_codec(ref)
     hasher = Hasher()
     pos = loc.offset
+    # Without a pool every chunk is decoded before the next read, so one buffer
+    # per thread serves them all: a fresh one per chunk is page-faulted (and a
+    # bytearray zero-filled) for every chunk.
+    reuse = pool is None
 
     def read(n: int) -> memoryview:
         nonlocal pos
-        buf = memoryview(bytearray(n))
+        buf = memoryview(scratch("item_read", n) if reuse else np.empty(n, np.uint8))
         got = handle.read_into(pos, buf)
         if got != n:
             raise truncated(ref, pos + got)

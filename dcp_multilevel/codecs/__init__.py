@@ -20,6 +20,7 @@ from .._registry import Registry
 from ..errors import RegistryError
 from ..format import frames
 from ..format.tensor_bytes import byte_view, pieces
+from ._scratch import scratch
 from .base import MIN_CODED_BYTES, Codec, element_layout
 from .decode import decode_frames
 from .options import Compression
@@ -53,6 +54,7 @@ __all__ = [
     "encode_item",
     "encode_items",
     "item_layout",
+    "scratch",
     "shared_pool",
 ]
 
