@@ -445,6 +445,22 @@ class _Ref:
         self.finished = True
 
 
+def _one_chunk(record: bytes, payload, width: int, rotate: int, raw_len: int, chunk: int = MiB):
+    """The frames of one item of one chunk: ``(read, stored_length)`` for decode_frames."""
+    stream = (
+        frames.pack_header(width, rotate, chunk, raw_len) + record + bytes(payload)
+        + frames.pack_chunk(frames.METHOD_RAW, 0, 0, 0)
+    )  # fmt: skip
+    pos = 0
+
+    def read(k: int) -> memoryview:
+        nonlocal pos
+        pos += k
+        return memoryview(stream)[pos - k : pos]
+
+    return read, len(stream)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(4096 // 4, 40_000 // 4),
@@ -469,23 +485,11 @@ def test_delta_chunks_decode_to_their_bytes(n, dtype, flips, codec_name, seed, t
         codec, memoryview(new), width, rotate, ref=memoryview(ref.tobytes())
     )
     assert len(payload) <= len(new)
-    stream = (
-        frames.pack_header(width, rotate, 64 * MiB, len(new))
-        + record
-        + bytes(payload)
-        + frames.pack_chunk(frames.METHOD_RAW, 0, 0, 0)
-    )
-    pos = 0
-
-    def read(k: int) -> memoryview:
-        nonlocal pos
-        pos += k
-        return memoryview(stream)[pos - k : pos]
-
+    read, stored = _one_chunk(record, payload, width, rotate, len(new), 64 * MiB)
     out = bytearray(len(new))
     source = _Ref(ref.tobytes())
     decode_frames(
-        read, memoryview(out), codec, stored_length=len(stream),
+        read, memoryview(out), codec, stored_length=stored,
         pool=_POOL if threaded else None, window=1,
         on_chunk_error=lambda i, why: ValueError(why), reference=source,
     )  # fmt: skip
@@ -523,20 +527,10 @@ def test_a_reference_that_fails_while_decoding_fails_the_item(threaded) -> None:
         codec, memoryview(new.view(np.uint8)), 4, 1, ref=memoryview(ref.tobytes())
     )
     assert record[0] == frames.METHOD_DELTA
-    stream = (
-        frames.pack_header(4, 1, MiB, new.nbytes) + record + bytes(payload)
-        + frames.pack_chunk(frames.METHOD_RAW, 0, 0, 0)
-    )  # fmt: skip
-    pos = 0
-
-    def read(k: int) -> memoryview:
-        nonlocal pos
-        pos += k
-        return memoryview(stream)[pos - k : pos]
-
+    read, stored = _one_chunk(record, payload, 4, 1, new.nbytes)
     with pytest.raises(CorruptCheckpointError, match="reference's chunk is corrupt"):
         decode_frames(
-            read, memoryview(bytearray(new.nbytes)), codec, stored_length=len(stream),
+            read, memoryview(bytearray(new.nbytes)), codec, stored_length=stored,
             pool=_POOL if threaded else None, window=1,
             on_chunk_error=lambda i, why: ValueError(why), reference=_FailingRef(ref.tobytes()),
         )  # fmt: skip
@@ -548,20 +542,10 @@ def test_a_delta_chunk_without_a_reference_is_corrupt_framing() -> None:
     data = np.arange(10_000, dtype=np.float32).view(np.uint8)
     record, payload, _ = encode_chunk(codec, memoryview(data), 4, 1, ref=memoryview(data.tobytes()))
     assert record[0] == frames.METHOD_DELTA
-    stream = (
-        frames.pack_header(4, 1, MiB, len(data)) + record + bytes(payload)
-        + frames.pack_chunk(frames.METHOD_RAW, 0, 0, 0)
-    )  # fmt: skip
-    pos = 0
-
-    def read(k: int) -> memoryview:
-        nonlocal pos
-        pos += k
-        return memoryview(stream)[pos - k : pos]
-
+    read, stored = _one_chunk(record, payload, 4, 1, len(data))
     with pytest.raises(ValueError, match="delta chunk"):
         decode_frames(
-            read, memoryview(bytearray(len(data))), codec, stored_length=len(stream),
+            read, memoryview(bytearray(len(data))), codec, stored_length=stored,
             pool=None, window=1, on_chunk_error=lambda i, why: ValueError(why),
         )  # fmt: skip
 
