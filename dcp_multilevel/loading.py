@@ -90,6 +90,7 @@ class Loader:
             step, self.drivers, views, node=self.node(),
             needs=lambda manifest: needed_ranges(state_dict, manifest, planner),
             transfers=self._restore_group is not None, names=self._names,
+            members=self._node_ranks(), group=self._restore_group,
         )  # fmt: skip
         if not plan.ok:
             logger.warning("dcp_multilevel: step %d cannot be restored: %s", step,
@@ -99,6 +100,12 @@ class Loader:
     def node(self) -> int:
         """This rank's node (its rank when the topology is unknown: nothing is shared)."""
         return self.topology.nodes[_dist.rank()] if self.topology is not None else _dist.rank()
+
+    def _node_ranks(self) -> list[int]:
+        """The ranks of this rank's node (just this one when the topology is unknown)."""
+        if self.topology is None:
+            return [_dist.rank()]
+        return list(self.topology.ranks_on(self.node()))
 
     def load(self, state_dict: dict[str, Any], plan: Restore, planner: LoadPlanner | None) -> None:
         """Bring each node what it lacks, then ``dcp.load`` through the levels. Collective."""
@@ -210,10 +217,10 @@ class Loader:
         """A new plan from fresh inventories, leaving ``bad`` out (collective)."""
         assert plan.manifest is not None
         manifest = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest).manifest()
-        mine = next(i for i in plan.inventories if i.rank == _dist.rank())
+        mine = plan.mine or next(i for i in plan.inventories if i.rank == _dist.rank())
         inventory = take_inventory(plan.step, self.drivers, manifest,
                                    (mine.needs, mine.ranges), mine.node, mine.whole)  # fmt: skip
-        plan.inventories = gather_inventories(inventory)
+        plan.inventories = gather_inventories(inventory, self._node_ranks(), self._restore_group)
         steps = plan_restore(plan.step, manifest.files, plan.inventories, self._names, bad)
         if not steps.ok:
             raise CheckpointNotFoundError(

@@ -3,11 +3,12 @@ node-local levels: what each node must fetch, from where, and what cannot be had
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from dcp_multilevel import ConfigError, Level
@@ -21,6 +22,7 @@ from dcp_multilevel.levels.restore_plan import (
     Link,
     Rebuild,
     in_rounds,
+    merge_node_needs,
     merge_ranges,
     participants,
     plan_restore,
@@ -126,6 +128,49 @@ def test_a_node_that_needs_a_few_items_of_a_file_gets_only_their_bytes():
     assert plan_restore(7, files, invs, URLS).actions == [Copy(a, 0, 0, 1)]
     invs[1].parts, invs[2].ranges = True, None
     assert plan_restore(7, files, invs, URLS).actions == [Copy(a, 0, 0, 1)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_a_plan_from_inventories_merged_per_node_is_the_plan_from_every_ranks_own(data):
+    """The exchange carries each node's needs and ranges in its lowest rank's
+    inventory (merge_node_needs): any mix of ranks that read files whole, in
+    part or not at all, with needs known or not, gives the same plan, and the
+    other ranks of a node send no ranges."""
+    nodes = data.draw(st.integers(2, 4))
+    per_node = data.draw(st.integers(1, 3))
+    files = {f"data/{n}-0.t.bin": 1000 for n in range(nodes)}
+    names = sorted(files)
+    lost = data.draw(st.integers(0, nodes - 1))
+    invs = []
+    for rank in range(nodes * per_node):
+        node = rank // per_node
+        needs: dict[str, list[list[int]]] = {}
+        for f in names:
+            kind = data.draw(st.sampled_from(["none", "whole", "part"]))
+            if kind == "whole":
+                needs[f] = [[0, 1000]]
+            elif kind == "part":
+                start = data.draw(st.integers(0, 990))
+                needs[f] = [[start, start + data.draw(st.integers(1, 10))]]
+        partly = {f: r for f, r in needs.items() if r != [[0, 1000]]}
+        unknown = data.draw(st.integers(0, 9)) == 0
+        # Each node holds its own file and a partner copy of the next node's.
+        held = {0: [names[node]], 1: [names[(node + 1) % nodes]]}
+        invs.append(Inventory(
+            rank, node, None if unknown else sorted(needs), None if unknown else partly,
+            parts=True, files={} if node == lost else held,
+        ))  # fmt: skip
+    merged = []
+    for node in range(nodes):
+        mine = [inv for inv in invs if inv.node == node]
+        merged.append(merge_node_needs(mine))
+        merged += [dataclasses.replace(i, needs=[], ranges={}, merged=True) for i in mine[1:]]
+    merged.sort(key=lambda inv: inv.rank)
+    plan = plan_restore(3, files, invs, URLS)
+    assert plan.ok and plan_restore(3, files, merged, URLS) == plan
+    event("items only" if any(getattr(a, "ranges", None) for a in plan.actions) else "files")
+    assert all(inv.ranges == {} for inv in merged if inv.merged)
 
 
 def test_a_lost_member_is_rebuilt_where_it_is_needed_whole_and_others_take_items_from_it():

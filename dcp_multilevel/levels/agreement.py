@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .. import _dist
 from ..checkpoint import decoded_manifest
@@ -62,6 +63,7 @@ class Restore:
     plan: RestorePlan | None = None
     inventories: list[Inventory] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
+    mine: Inventory | None = None  # this rank's own, as taken (before the exchange merged it)
 
     @property
     def ok(self) -> bool:
@@ -84,6 +86,8 @@ def restorable(
     needs: Callable[[Manifest], dict[str, list[list[int]]] | None],
     transfers: bool,
     names: Sequence[str] | None = None,
+    members: Sequence[int] = (),
+    group: Any = None,
 ) -> Restore:
     """How every rank can load ``step`` (``Restore.ok``), the same verdict on all. Collective.
 
@@ -91,7 +95,10 @@ def restorable(
     this rank's load reads (``restore.needed_ranges``; None: all); ``transfers``:
     whether files may be moved between nodes (``restore.py``), else only what
     each node sees, and store levels, count;
-    ``names``: the levels as the user wrote them (for messages; default: their URLs).
+    ``names``: the levels as the user wrote them (for messages; default: their URLs);
+    ``members`` (the ranks of this rank's node) and ``group`` (the restore's):
+    the node's ranks send their needs to its lowest rank, which sends them merged
+    (``restore.gather_inventories``).
     """
     source = _manifest_source(step, drivers, views)
     whole = [
@@ -118,10 +125,10 @@ def restorable(
     own = set(inventory.files.get(0, ()))
     if all(_dist.all_gather_object(set(wanted or manifest.files) <= own)):
         return Restore(step, levels, raw, RestorePlan(step), [inventory])
-    everyone = gather_inventories(inventory)
+    everyone = gather_inventories(inventory, members, group)
     urls = list(names) if names is not None else [d.url for d in drivers]
     plan = plan_restore(step, manifest.files, everyone, urls, transfers=transfers)
-    return Restore(step, levels, raw, plan, everyone, list(plan.reasons))
+    return Restore(step, levels, raw, plan, everyone, list(plan.reasons), inventory)
 
 
 def _manifest_source(

@@ -37,9 +37,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -60,6 +61,7 @@ from .restore_plan import (
     Rebuild,
     RestorePlan,
     group_descriptions,
+    merge_node_needs,
     merge_ranges,
 )
 from .wire import SOURCE_ERRORS, file_blocks, recv_file, recv_ranges, send_file, send_ranges
@@ -77,6 +79,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: The length before each rank's needs sent to its node's receiver (u64).
+_LENGTH = struct.Struct("<Q")
 
 #: The parts copy of a first-level step (see the module docstring).
 PARTS_DIR = ".parts"
@@ -324,9 +329,42 @@ def _open_parts(first: StoredCheckpoint, manifest_bytes: bytes) -> StoredCheckpo
     return parts
 
 
-def gather_inventories(inv: Inventory) -> list[Inventory]:
-    """Every rank's inventory, in rank order. Collective."""
+def gather_inventories(
+    inv: Inventory, members: Sequence[int] = (), group: Any = None
+) -> list[Inventory]:
+    """Every rank's inventory, in rank order. Collective.
+
+    ``members``: the ranks of this rank's node, when known, and ``group`` the
+    restore's group: the ranks first send their needs and ranges to the node's
+    lowest rank, which sends them merged (``merge_node_needs``). Ranges name
+    every file a rank reads a few items of (with sharded state, every other
+    node's): gathered from every rank they were O(ranks x files) per rank, now
+    O(nodes x files).
+    """
+    members = sorted(members)
+    if group is not None and len(members) > 1 and inv.rank in members:
+        inv = _merged_at_receiver(inv, members, group)
     return [_inventory(d) for d in _dist.all_gather_object(asdict(inv))]
+
+
+def _merged_at_receiver(inv: Inventory, members: list[int], group: Any) -> Inventory:
+    """This rank's inventory as the exchange carries it: the node's lowest rank
+    receives the others' needs and ranges (JSON, length first) and merges them."""
+    receiver = members[0]
+    if inv.rank != receiver:
+        body = bytearray(json.dumps([inv.needs, inv.ranges]).encode())
+        _dist.send_bytes(bytearray(_LENGTH.pack(len(body))), receiver, group)
+        _dist.send_bytes(body, receiver, group)
+        return replace(inv, needs=[], ranges={}, merged=True)
+    node = [inv]
+    for rank in members[1:]:
+        head = bytearray(_LENGTH.size)
+        _dist.recv_bytes(head, rank, group)
+        body = bytearray(_LENGTH.unpack(head)[0])
+        _dist.recv_bytes(body, rank, group)
+        needs, ranges = json.loads(body)
+        node.append(replace(inv, rank=rank, needs=needs, ranges=ranges))
+    return merge_node_needs(node)
 
 
 def _inventory(d: dict[str, Any]) -> Inventory:
@@ -335,4 +373,5 @@ def _inventory(d: dict[str, Any]) -> Inventory:
         files={int(k): v for k, v in d["files"].items()}, whole=list(d["whole"]),
         parity={int(k): v for k, v in d["parity"].items()},
         groups={int(k): v for k, v in d["groups"].items()}, placement=d["placement"],
+        merged=d["merged"],
     )  # fmt: skip

@@ -27,7 +27,7 @@ no torch.distributed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "RestorePlan",
     "group_descriptions",
     "in_rounds",
+    "merge_node_needs",
     "merge_ranges",
     "participants",
     "plan_restore",
@@ -66,6 +67,10 @@ class Inventory:
     parity: dict[int, list[list[Any]]] = field(default_factory=dict)  # level -> [[group, block]]
     groups: dict[int, dict[str, Any]] = field(default_factory=dict)  # level -> group -> desc
     placement: list[int] | None = None  # node of each rank of the save, if recorded
+    # True: this rank's needs and ranges travel in its node's lowest rank's inventory
+    # (``merge_node_needs``); its own say it needs nothing (which plans alike: a
+    # node's needs are the union of its ranks').
+    merged: bool = False
 
 
 @dataclass(frozen=True)
@@ -243,6 +248,33 @@ def merge_ranges(ranges: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
         else:
             out.append((start, end))
     return out
+
+
+def merge_node_needs(invs: Sequence[Inventory]) -> Inventory:
+    """The inventory of a node's receiving rank, ``invs[0]`` (the node's lowest rank;
+    ``invs``: all of the node's), carrying what every rank of the node reads: the
+    union of their needs, and ranges for the files none of them reads mostly whole
+    (the union of their ranges). The others then send none (``merged``): a plan
+    made from these is the one made from every rank's own (``_part_of``), and the
+    ranges every rank gathers are one set per node, not per rank."""
+    first = invs[0]
+    needs = None
+    if all(inv.needs is not None for inv in invs):
+        needs = sorted({f for inv in invs for f in inv.needs or ()})
+    ranges = None
+    if all(inv.ranges is not None for inv in invs):
+        partly = {f for inv in invs for f in inv.ranges or {}}
+        whole = {
+            f
+            for f in partly
+            for inv in invs
+            if f not in (inv.ranges or {}) and (inv.needs is None or f in inv.needs)
+        }
+        ranges = {
+            f: [list(r) for r in merge_ranges([r for inv in invs for r in inv.ranges.get(f, ())])]  # type: ignore[union-attr]
+            for f in sorted(partly - whole)
+        }
+    return replace(first, needs=needs, ranges=ranges, merged=False)
 
 
 def _part_of(file: str, size: int, invs: Sequence[Inventory], dst: int
