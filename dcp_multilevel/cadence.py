@@ -49,7 +49,7 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,9 +165,17 @@ class Cadence:
             "policy": policy,
         }
 
-    def resume(self, state: dict[str, Any] | None, step: int) -> None:
+    def resume(
+        self, state: dict[str, Any] | None, step: int, held: Collection[int] | None = None
+    ) -> None:
         """Go on from ``state`` (:meth:`state` of the loaded checkpoint, ``step``; None:
         it kept none, a checkpoint of an older version). Every rank, same arguments.
+        ``held``: the levels that still hold a checkpoint up to ``step`` (None: all);
+        the others were wiped and have no last save.
+
+        The clock goes on from the one the checkpoint was taken at, so the loaded
+        step's save is the newest, and older ones keep their distance to it
+        (the simulator's ``resume_clock="rebased"``, docs/schedule.md).
 
         A state that does not fit (another policy, a damaged value) is logged and
         the schedule starts afresh: it never fails a load.
@@ -181,7 +189,9 @@ class Cadence:
             last = {
                 int(i): (int(s), float(t))
                 for i, (s, t) in state["last"].items()
-                if 0 <= int(i) < len(self.levels) and int(s) <= step
+                if 0 <= int(i) < len(self.levels)
+                and int(s) <= step
+                and (held is None or int(i) in held)
             }
             blocked = float(state["blocked_seconds"])
             step_seconds = state["step_seconds"]

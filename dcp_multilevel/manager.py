@@ -72,7 +72,7 @@ from .levels import (
     driver_for,
     level_kind,
 )
-from .levels.agreement import Restore, gather_views
+from .levels.agreement import Restore, Views, gather_views
 from .levels.base import LevelContext
 from .levels.node_local import rank_files
 from .levels.restore import RestoreReport
@@ -459,7 +459,7 @@ class CheckpointManager:
                                      for i, steps in views.everyone[0].items()})  # fmt: skip
                 self._reprotect(plan)
                 self._resume_chains(step)
-                self._resume_schedule(plan)
+                self._resume_schedule(plan, views)
                 return step
         if candidates:
             raise CheckpointNotFoundError(
@@ -510,11 +510,12 @@ class CheckpointManager:
                 checkpoint=self.levels[0].checkpoint_url(step),
             )
         self._loader.load(state_dict, plan, planner)
-        self._resume_schedule(plan)
+        self._resume_schedule(plan, views)
 
-    def _resume_schedule(self, plan: Restore) -> None:
+    def _resume_schedule(self, plan: Restore, views: Views) -> None:
         """After a load: the schedule goes on from the state the loaded step's manifest
-        kept (rank 0 reads it from the first level that has it; every rank takes it)."""
+        kept (rank 0 reads it from the first level that has it; every rank takes it).
+        A level that holds no checkpoint up to the step (wiped) has no last save."""
         state = None
         if _dist.rank() == 0:
             for index in plan.levels:
@@ -529,7 +530,12 @@ class CheckpointManager:
                     continue  # the load read another copy: so does this
         if _dist.world_size() > 1:
             state = _dist.broadcast_object(state, 0)
-        self._cadence.resume(state, plan.step)
+        held = {
+            i
+            for i in range(len(self.levels))
+            if any(s <= plan.step for view in views.everyone for s in view[i])
+        }
+        self._cadence.resume(state, plan.step, held)
 
     def _resume_chains(self, upto: int) -> None:
         """After a restart: each delta level's history from the manifests of the steps

@@ -197,15 +197,15 @@ def _schedule_job(rank: int, world: int, root: str) -> int:
     return last
 
 
-def _schedule_resume(rank: int, world: int, root: str) -> tuple[int, dict | None, float]:
+def _schedule_resume(rank: int, world: int, root: str) -> tuple[int, dict | None, float, list]:
     policy = ProgressValue(_EveryCheck(), min_steps=2)
     mgr = CheckpointManager([Level(f"{root}/l1", keep=3), Level(f"{root}/remote", keep=3)],
                             schedule=policy)  # fmt: skip
     state = {"w": torch.zeros(64, 64), "step": -1}
     step = mgr.load_latest(state)
-    clock = mgr._cadence.clock
+    clock, levels = mgr._cadence.clock, sorted(mgr._cadence._last)
     mgr.close()
-    return step, policy.state(), clock
+    return step, policy.state(), clock, levels
 
 
 def test_a_restarted_job_goes_on_with_the_schedule_it_kept(tmp_path, caplog):
@@ -229,6 +229,8 @@ def test_a_restarted_job_goes_on_with_the_schedule_it_kept(tmp_path, caplog):
         assert [o[0] for o in out] == [step, step]
         assert out[0][1] == out[1][1] == kept["policy"]  # rank 0's curve, on every rank
         assert all(o[2] >= kept["clock"] for o in out)
+        # Each level's last save comes back, but a wiped level has none.
+        assert [o[3] for o in out] == [[1] if gone else [0, 1]] * 2
     # Another schedule keeps going, from the clock, with its own policy afresh.
     mgr = CheckpointManager([Level(f"{root}/remote")], schedule=FixedInterval())
     with caplog.at_level("WARNING", logger="dcp_multilevel"):
