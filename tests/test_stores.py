@@ -147,12 +147,13 @@ def test_local_files_ask_for_writeback_stride_by_stride_when_they_are_fsynced(
 # --------------------------------------------------------------------------- coalescing
 
 
-class _FileHandle:
-    """A read handle over a real local file that records each request (offset, size)."""
+class _Recorded:
+    """A store's read handle that records each request (offset, size), each taking
+    ``delay`` seconds more (a round trip)."""
 
-    def __init__(self, path, delay: float = 0.0) -> None:
-        self._f = open(path, "rb")  # noqa: SIM115 - closed by the test
-        self.size = os.fstat(self._f.fileno()).st_size
+    def __init__(self, handle, delay: float = 0.0) -> None:
+        self._handle = handle
+        self.size = handle.size
         self.requests: list[tuple[int, int]] = []
         self.delay = delay
         self._lock = threading.Lock()
@@ -161,7 +162,7 @@ class _FileHandle:
         with self._lock:
             self.requests.append((offset, len(out)))
         time.sleep(self.delay)
-        return os.preadv(self._f.fileno(), [out], offset)
+        return self._handle.read_into(offset, out)
 
 
 @pytest.fixture
@@ -172,18 +173,19 @@ def blocks_of_4k(monkeypatch):
 def test_sequential_reads_fetch_each_block_once_and_the_next_ahead(tmp_path, blocks_of_4k):
     data = os.urandom(10_000)
     (tmp_path / "f").write_bytes(data)
-    raw = _FileHandle(tmp_path / "f", delay=0.01)
-    reader = coalescing.CoalescingReader(raw, limit=None)
-    out = bytearray()
-    for at in range(0, 10_000, 100):
-        piece = memoryview(bytearray(100))
-        assert reader.read_into(at, piece) == 100
-        out += piece
-        if at == 0:
-            time.sleep(0.05)
-            # the second block is being fetched before anything asked for it
-            assert raw.requests == [(0, 4096), (4096, 4096)]
-    reader.close()
+    with LocalStore(tmp_path).open_read("f") as handle:
+        raw = _Recorded(handle, delay=0.01)
+        reader = coalescing.CoalescingReader(raw, limit=None)
+        out = bytearray()
+        for at in range(0, 10_000, 100):
+            piece = memoryview(bytearray(100))
+            assert reader.read_into(at, piece) == 100
+            out += piece
+            if at == 0:
+                time.sleep(0.05)
+                # the second block is being fetched before anything asked for it
+                assert raw.requests == [(0, 4096), (4096, 4096)]
+        reader.close()
     assert bytes(out) == data
     assert raw.requests == [(0, 4096), (4096, 4096), (8192, 10_000 - 8192)]
 
@@ -196,21 +198,20 @@ def test_sequential_reads_fetch_each_block_once_and_the_next_ahead(tmp_path, blo
 def test_any_reads_return_the_files_bytes(tmp_path_factory, reads, limit) -> None:
     """Random offsets and sizes, within the limit, across it and past the file's end:
     exactly the file's bytes, short only at its end; no fetch left running."""
-    path = tmp_path_factory.mktemp("coalesce") / "f"
+    root = tmp_path_factory.mktemp("coalesce")
     data = os.urandom(10_000)
-    path.write_bytes(data)
-    raw = _FileHandle(path)
+    (root / "f").write_bytes(data)
     saved = coalescing.COALESCE_BYTES
     coalescing.COALESCE_BYTES = 4096
     try:
-        reader = coalescing.CoalescingReader(raw, limit)
-        for offset, size in reads:
-            out = memoryview(bytearray(size))
-            got = reader.read_into(offset, out)
-            assert got == len(data[offset : offset + size])
-            assert bytes(out[:got]) == data[offset : offset + size]
-        reader.close()
-        assert reader._ahead is None
+        with LocalStore(root).open_read("f") as handle:
+            reader = coalescing.CoalescingReader(handle, limit)
+            for offset, size in reads:
+                out = memoryview(bytearray(size))
+                got = reader.read_into(offset, out)
+                assert got == len(data[offset : offset + size])
+                assert bytes(out[:got]) == data[offset : offset + size]
+            reader.close()
+            assert reader._ahead is None
     finally:
         coalescing.COALESCE_BYTES = saved
-        raw._f.close()
