@@ -6,8 +6,10 @@ Every rank computes the same :class:`RestorePlan` from every rank's
 ranks need and its first level lacks, in order:
 
 1. a :class:`Link` from another level of the same node (a hard link: no bytes move);
-2. a :class:`Copy` from another node holding it (the lowest level first), or
-   from a node an earlier action of the plan brings it to. When the node's
+2. a :class:`Copy` from another node holding it, or from a node an earlier
+   action of the plan brings it to (:func:`schedule` then picks, per copy,
+   the source that can send it soonest, forwarding files from node to
+   node). When the node's
    ranks need only a small part of the file (at most :data:`PART_SHARE` of
    its bytes: a value every rank holds that one rank's file stores, next to
    that rank's own shards) and its first level can take them, only their
@@ -38,16 +40,19 @@ __all__ = [
     "Rebuild",
     "RestorePlan",
     "group_descriptions",
-    "in_rounds",
     "merge_node_needs",
     "merge_ranges",
     "participants",
     "plan_restore",
+    "schedule",
 ]
 
 
 #: A node that needs at most this share of a file's bytes gets only those byte ranges.
 PART_SHARE = 0.5
+
+#: Copies of one node weighed at a time when the restore is scheduled (``schedule``).
+_LOOKAHEAD = 8
 
 
 @dataclass
@@ -144,6 +149,7 @@ def plan_restore(
     for inv in inventories:
         nodes.setdefault(inv.node, []).append(inv)
     groups = group_descriptions(inventories)
+    held = _holders(inventories, bad)
     lacking: list[str] = []  # one line per node that lacks files (first in the reasons)
     arrived: dict[int, tuple[int, set[str]]] = {}  # node -> (receiving rank, rebuilt files)
     todo: list[_NodeNeeds] = []
@@ -170,9 +176,7 @@ def plan_restore(
             for file in sorted(wanted):
                 if file in need.rebuilt:
                     continue
-                source = (
-                    _copy_source(file, need.node, inventories, bad, arrived) if transfers else None
-                )
+                source = _copy_source(file, need.node, held, bad, arrived) if transfers else None
                 if source is not None:
                     plan.actions.append(Copy(file, *source, need.dst, need.parts[file]))
                     continue
@@ -183,6 +187,7 @@ def plan_restore(
                         wanted,
                         groups,
                         inventories,
+                        held,
                         bad,
                         need.dst,
                         level_urls,
@@ -221,7 +226,7 @@ def plan_restore(
             )
         plan.reasons = list(dict.fromkeys(plan.reasons))
         plan.actions = []
-    plan.actions = in_rounds(plan.actions)
+    plan.actions = schedule(plan.actions, files, inventories, bad)
     return plan
 
 
@@ -315,35 +320,110 @@ def participants(action: Link | Copy | Rebuild) -> set[int]:
     return {action.dst}
 
 
-def in_rounds(actions: Sequence[Link | Copy | Rebuild]) -> list[Link | Copy | Rebuild]:
-    """``actions`` ordered so that transfers between different ranks run at once.
+def schedule(
+    actions: Sequence[Link | Copy | Rebuild],
+    files: dict[str, int],
+    inventories: Sequence[Inventory],
+    bad: set[tuple[Any, ...]] = frozenset(),  # type: ignore[assignment]
+) -> list[Link | Copy | Rebuild]:
+    """``actions`` in one total order that keeps every rank busy, each copy taken
+    from the source that can send it soonest.
 
     Every rank carries out its own actions in list order and waits only on its
-    partners (blocking sends), so actions that share no rank overlap. Each
-    action goes to the earliest *round* in which none of its ranks is busy
-    (first fit) and after the action that brings its source the file; the
-    list is then sorted
-    by round (stable, so the order stays one total order, the same on every
-    rank: no deadlock). Without this, a node receiving three files before
-    sending its own holds up every node waiting for it.
+    partners (blocking sends), so actions that share no rank overlap, and any
+    one total order cannot deadlock (the earliest unfinished action always has
+    all of its ranks waiting on it). This simulates that, one time unit per
+    byte: each action starts once all its ranks are free, and a copy may come
+    from any node holding the file intact, or from the *receiving rank* of a
+    node that an earlier action brings it to (a copy forwarded, so the node
+    holding a file, or a rebuilt member, does not send it to every other node
+    itself: with replicated state every node needs every file). Candidates are
+    taken by the earliest start, then the lowest level, then a copy the node
+    held before the restore, then the lowest rank. Links and rebuilds are
+    placed first (a rebuilt member is then forwarded), then copies one at a
+    time: next is the receiving rank with the most bytes still to receive
+    (its receives are the longest chain), and of its next :data:`_LOOKAHEAD`
+    copies the one that can start soonest. The list is then sorted by start
+    (stable: the same on every rank). A forwarded copy starts after the
+    action that brings the file ends, on the same rank, so that rank has it
+    by then.
     """
-    taken: dict[int, set[int]] = {}  # rank -> the rounds it is busy in
-    ready: dict[tuple[int, str], int] = {}  # (rank, file) -> round it holds the file from
-    rounds = []
+    nodes = {inv.rank: inv.node for inv in inventories}
+    held = _holders(inventories, bad)
+    forwards: dict[str, list[tuple[int, int]]] = {}  # file -> [(ready at, rank)]
+    free: dict[int, int] = {}  # rank -> when its last action ends
+    starts: list[int] = []
+    placed: list[Link | Copy | Rebuild] = []
+
+    def place(action: Link | Copy | Rebuild, start: int, length: int) -> None:
+        if length:
+            for r in participants(action):
+                free[r] = start + length
+        starts.append(start)
+        placed.append(action)
+
+    copies: dict[int, list[Copy]] = {}  # receiving rank -> its copies, in plan order
     for action in actions:
-        ranks = participants(action)
-        start = ready.get((action.src, action.file), 0) if isinstance(action, Copy) else 0
-        while any(start in taken.get(r, ()) for r in ranks):
-            start += 1  # first fit: the earliest round free for all of its ranks
-        rounds.append(start)
-        for r in ranks:
-            taken.setdefault(r, set()).add(start)
-        if isinstance(action, (Copy, Link)):
-            ready[(action.dst, action.file)] = start + 1
+        if isinstance(action, Copy):
+            copies.setdefault(action.dst, []).append(action)
+        elif isinstance(action, Link):
+            place(action, 0, 0)  # no transfer: the file is on the node already
         else:
-            ready.update({(action.dst, f): start + 1 for f in action.brings})
-    order = sorted(range(len(actions)), key=lambda i: (rounds[i], i))
-    return [actions[i] for i in order]
+            members = max(1, len(action.members))
+            length = (
+                sum(files.get(f, 0) for f in action.brings)
+                // members
+                * sum(1 for _, r in action.sources if r != action.dst)
+            )
+            start = max(free.get(r, 0) for r in participants(action))
+            place(action, start, length)
+            for f in action.brings:
+                forwards.setdefault(f, []).append((start + length, action.dst))
+
+    def length_of(copy: Copy) -> int:
+        if copy.ranges is None:
+            return files.get(copy.file, 0)
+        return sum(b - a for a, b in copy.ranges)
+
+    def best_source(copy: Copy) -> tuple[int, int, int, int]:
+        """(start, level, forwarded, rank) of the copy's soonest source."""
+        here, at = nodes.get(copy.dst), free.get
+        ready_dst = at(copy.dst, 0)
+        best = None
+        for level, rank, node in held.get(copy.file, ()):
+            if node != here:
+                option = (max(ready_dst, at(rank, 0)), level, 0, rank)
+                if best is None or option < best:
+                    best = option
+        for ready, rank in forwards.get(copy.file, ()):
+            if nodes.get(rank) != here and ("copy", nodes.get(rank), copy.file) not in bad:
+                option = (max(ready_dst, at(rank, 0), ready), 0, 1, rank)
+                if best is None or option < best:
+                    best = option
+        if best is None:  # the plan's own source is always among them; else it goes last
+            best = (max(free.values(), default=0), copy.level, 2, copy.src)
+        return best
+
+    # The node with the most bytes still to receive goes next (its receives are the
+    # longest chain), with the one of its next few copies that can start soonest.
+    left = {dst: sum(length_of(c) for c in cs) for dst, cs in copies.items()}
+    while left:
+        dst = min(left, key=lambda r: (-left[r], r))
+        pending = copies[dst]
+        options = []
+        for i, copy in enumerate(pending[:_LOOKAHEAD]):
+            length = length_of(copy)
+            options.append((best_source(copy), i, length))
+        (start, level, _, src), i, length = min(options)
+        copy = replace(pending.pop(i), level=level, src=src)
+        place(copy, start, length)
+        if copy.ranges is None:
+            forwards.setdefault(copy.file, []).append((start + length, copy.dst))
+        left[dst] -= length
+        if not pending:
+            del left[dst]
+    order = sorted(range(len(placed)), key=lambda i: (starts[i], i))
+    return [placed[i] for i in order]
 
 
 def _lost_nodes(inventories: Sequence[Inventory]) -> list[int]:
@@ -355,25 +435,36 @@ def _lost_nodes(inventories: Sequence[Inventory]) -> list[int]:
     return sorted(set(placement) - holding)
 
 
+def _holders(
+    inventories: Sequence[Inventory], bad: set[tuple[Any, ...]]
+) -> dict[str, list[tuple[int, int, int]]]:
+    """file -> the intact copies the nodes hold before the restore, as sorted
+    ``(level, rank, node)`` (every rank of a node lists the node's files)."""
+    held: dict[str, list[tuple[int, int, int]]] = {}
+    for inv in inventories:
+        for level, fs in inv.files.items():
+            for f in fs:
+                if ("copy", inv.node, f) not in bad:
+                    held.setdefault(f, []).append((level, inv.rank, inv.node))
+    for copies in held.values():
+        copies.sort()
+    return held
+
+
 def _copy_source(
     file: str,
     node: int,
-    inventories: Sequence[Inventory],
+    held: dict[str, list[tuple[int, int, int]]],
     bad: set[tuple[Any, ...]],
     arrived: dict[int, tuple[int, set[str]]] | None = None,
 ) -> tuple[int, int] | None:
-    """(level, rank) of the first intact copy of ``file`` on another node, lowest level
-    first; else a node that an earlier action of the plan brings it to (``arrived``:
-    node -> (its receiving rank, files)), so a lost member is rebuilt once, then copied."""
-    options = sorted(
-        (level, inv.rank)
-        for inv in inventories
-        if inv.node != node and ("copy", inv.node, file) not in bad
-        for level, fs in inv.files.items()
-        if file in fs
-    )
-    if options:
-        return options[0]
+    """(level, rank) of the first intact copy of ``file`` on another node (``held``:
+    :func:`_holders`), lowest level first; else a node that an earlier action of the
+    plan brings it to (``arrived``: node -> (its receiving rank, files)), so a lost
+    member is rebuilt once, then copied."""
+    for level, rank, other in held.get(file, ()):
+        if other != node:
+            return level, rank
     for other, (rank, files) in sorted((arrived or {}).items()):
         if other != node and file in files and ("copy", other, file) not in bad:
             return 0, rank
@@ -386,6 +477,7 @@ def _rebuild_for(
     wanted: set[str],
     groups: dict[int, dict[str, dict[str, Any]]],
     inventories: Sequence[Inventory],
+    held: dict[str, list[tuple[int, int, int]]],
     bad: set[tuple[Any, ...]],
     dst: int,
     level_urls: Sequence[str],
@@ -402,7 +494,7 @@ def _rebuild_for(
             # Rebuild the members this node lacks and cannot copy (together: one pass).
             lost = [
                 y for y in range(k)
-                if any(_copy_source(f, node, inventories, bad) is None for f in members[y] & wanted)
+                if any(_copy_source(f, node, held, bad) is None for f in members[y] & wanted)
             ]  # fmt: skip
             holders = _block_holders(level, g, desc, members, inventories, bad)
             usable = [(b, holders[b]) for b in range(k + m) if b not in lost and b in holders]

@@ -102,17 +102,22 @@ def _put(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
 
 
 def read_ahead(
-    chunks: Generator[memoryview | bytes, None, None], depth: int = READ_AHEAD
+    chunks: Generator[memoryview | bytes, None, None],
+    depth: int = READ_AHEAD,
+    copy: bool = True,
 ) -> Iterator[memoryview]:
     """The pieces of ``chunks``, produced by a thread of its own up to ``depth`` pieces
     ahead of the caller, so that a sender's reads and checks overlap its sends.
 
-    Each piece is copied into one of ``depth + 2`` buffers (the source may reuse
-    its own buffer, as ``file_blocks`` does): the thread fills one while the
-    queue holds at most ``depth`` and the caller still uses the last piece it
-    got, which stays valid until it asks for the next. An error the source
-    raises is raised here, in the caller, after the pieces before it. Leaving
-    early (closing this generator) stops the thread and closes ``chunks``.
+    With ``copy``, each piece is copied into one of ``depth + 2`` buffers (the
+    source may reuse its own buffer, as ``file_blocks`` does): the thread fills
+    one while the queue holds at most ``depth`` and the caller still uses the
+    last piece it got, which stays valid until it asks for the next. Without
+    it the pieces are passed on as they are: the source must keep each valid
+    until ``depth + 1`` more were produced (``range_blocks(buffers=depth + 2)``).
+    An error the source raises is raised here, in the caller, after the pieces
+    before it. Leaving early (closing this generator) stops the thread and
+    closes ``chunks``.
     """
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
@@ -122,6 +127,10 @@ def read_ahead(
         try:
             for i, piece in enumerate(chunks):
                 view = memoryview(piece).cast("B")
+                if not copy:
+                    if not _put(q, view, stop):
+                        return
+                    continue
                 n = len(view)
                 slot = i % len(buffers)
                 if len(buffers[slot]) < n:
@@ -212,8 +221,22 @@ class OutStream:
         self.sent = 0
 
     def write(self, view: memoryview | bytes) -> None:
-        """Append ``view`` to the stream (sent in whole blocks)."""
+        """Append ``view`` to the stream (sent in whole blocks).
+
+        The caller may change ``view``'s bytes once this returns."""
         view = memoryview(view).cast("B")
+        block = len(self._buf)
+        # Whole blocks (and the stream's last bytes) go out from the caller's buffer:
+        # copying them into ours first would cost a pass over every byte.
+        while not self._fill and (
+            len(view) >= block or (view and self.sent + len(view) == self.length)
+        ):
+            n = min(block, len(view))
+            if self.sent + n > self.length:
+                break  # more than the stream's length: the loop below says so
+            _dist.send_bytes(view[:n], self.dst, self.group)
+            self.sent += n
+            view = view[n:]
         while len(view):
             n = min(len(self._buf) - self._fill, len(view), self.length - self.sent - self._fill)
             if n <= 0:
@@ -344,20 +367,26 @@ def range_blocks(
     file: str,
     ranges: Sequence[tuple[int, int]] | None,
     block: int = WIRE_BLOCK,
+    buffers: int = 1,
 ) -> Iterator[memoryview]:
     """The bytes of ``ranges`` of data file ``file`` (None: all of it), in order, in
-    blocks (one reused buffer), each item inside them verified once its last byte
-    was read.
+    blocks (``buffers`` reused buffers, in turn: a block stays valid until
+    ``buffers - 1`` more were read), each item inside them verified once its last
+    byte was read.
 
     Raises: as :func:`file_blocks`.
     """
     verifier = FileVerifier(ckpt, file, ranges)
     spans = [(0, verifier.size)] if ranges is None else ranges
     with ckpt.open_data(file, "(a transfer)") as handle:
-        buf = memoryview(bytearray(max(1, min(block, max((b - a for a, b in spans), default=1)))))
+        size = max(1, min(block, max((b - a for a, b in spans), default=1)))
+        bufs = [memoryview(bytearray(size)) for _ in range(buffers)]
+        turn = 0
         for start, end in spans:
             pos = start
             while pos < end:
+                buf = bufs[turn % buffers]
+                turn += 1
                 view = buf[: min(len(buf), end - pos)]
                 if handle.read_into(pos, view) != len(view):
                     raise TruncatedDataError(
@@ -387,7 +416,8 @@ def send_ranges(
     length = ckpt.manifest().files[file] if ranges is None else sum(b - a for a, b in ranges)
     out = OutStream(length, dst, group)
     try:
-        for view in read_ahead(range_blocks(ckpt, file, ranges)):
+        blocks = range_blocks(ckpt, file, ranges, buffers=READ_AHEAD + 2)
+        for view in read_ahead(blocks, copy=False):
             out.write(view)
     except SOURCE_ERRORS as e:
         what = "" if ranges is None else "parts of "
