@@ -393,7 +393,7 @@ def test_transfers_between_different_nodes_run_at_once():
     # A rank moves one file at a time and takes part in 2 (nodes - 1) copies on
     # average: that long at best. Node after node, the copies wait on each other.
     best = 2 * (nodes - 1) * size
-    assert _makespan(plan.actions, files) <= 1.25 * best
+    assert _makespan(plan.actions, files) <= 1.15 * best  # 11 units of 10
     assert _makespan(sorted(plan.actions, key=lambda a: a.dst), files) > 2 * best
     # Files are forwarded: not every node sends its own file to every other node.
     assert any(a.file != f"data/{a.src}-0.t.bin" for a in plan.actions)
@@ -410,7 +410,9 @@ def test_a_rebuilt_member_is_forwarded_by_the_nodes_that_receive_it():
     takers = [a for a in plan.actions if isinstance(a, Copy) and a.file == lost]
     assert sorted(a.dst for a in takers) == sorted({0, 1, 2, 3} - {rebuild.dst})
     assert {a.src for a in takers} != {rebuild.dst}  # not all from the rebuilding node
-    # 12 copies and a rebuild of one remote block: 13 transfers of about a file.
+    # 12 copies and a rebuild reading one remote block (2 here): 14 units of
+    # transfer over 4 ranks, at least 7 for rank 1 (4 receives); the holders
+    # sending to everyone took 10 (9 on rank 0 back to back, before).
     assert _makespan(plan.actions, files) <= 8 * max(files.values())
 
 

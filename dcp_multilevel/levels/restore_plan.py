@@ -327,26 +327,26 @@ def schedule(
     bad: set[tuple[Any, ...]] = frozenset(),  # type: ignore[assignment]
 ) -> list[Link | Copy | Rebuild]:
     """``actions`` in one total order that keeps every rank busy, each copy taken
-    from the source that can send it soonest.
+    from a source that is free to send it.
 
     Every rank carries out its own actions in list order and waits only on its
     partners (blocking sends), so actions that share no rank overlap, and any
     one total order cannot deadlock (the earliest unfinished action always has
-    all of its ranks waiting on it). This simulates that, one time unit per
-    byte: each action starts once all its ranks are free, and a copy may come
-    from any node holding the file intact, or from the *receiving rank* of a
-    node that an earlier action brings it to (a copy forwarded, so the node
-    holding a file, or a rebuilt member, does not send it to every other node
-    itself: with replicated state every node needs every file). Candidates are
-    taken by the earliest start, then the lowest level, then a copy the node
-    held before the restore, then the lowest rank. Links and rebuilds are
-    placed first (a rebuilt member is then forwarded), then copies one at a
-    time: next is the receiving rank with the most bytes still to receive
-    (its receives are the longest chain), and of its next :data:`_LOOKAHEAD`
-    copies the one that can start soonest. The list is then sorted by start
-    (stable: the same on every rank). A forwarded copy starts after the
-    action that brings the file ends, on the same rank, so that rank has it
-    by then.
+    all of its ranks waiting on it). This simulates those transfers, a byte per
+    time unit: links and rebuilds first (their ranks are fixed; a rebuilt
+    member can be forwarded once it ends), then copies, event by event.
+    Whenever ranks fall idle, each idle receiving rank, the one with the most
+    bytes still to receive first (its receives are the longest chain), takes
+    the first of its next :data:`_LOOKAHEAD` copies that an idle source can
+    send now: a node holding the file intact, or the *receiving rank* of a
+    node an earlier copy or rebuild brought it to (forwarded: with
+    replicated state every node needs every file, and a file's one holder
+    need not send it to every other node), the file on the fewest nodes so
+    far first (rarest first: it spreads what later copies forward), then the
+    lowest level, a copy held before the restore, the lowest rank. The list
+    is then sorted by start (stable: the same on every rank). A forwarded
+    copy starts after the action that brings the file ends, on the same
+    rank, so that rank holds it by then.
     """
     nodes = {inv.rank: inv.node for inv in inventories}
     held = _holders(inventories, bad)
@@ -385,43 +385,59 @@ def schedule(
             return files.get(copy.file, 0)
         return sum(b - a for a, b in copy.ranges)
 
-    def best_source(copy: Copy) -> tuple[int, int, int, int]:
-        """(start, level, forwarded, rank) of the copy's soonest source."""
-        here, at = nodes.get(copy.dst), free.get
-        ready_dst = at(copy.dst, 0)
-        best = None
-        for level, rank, node in held.get(copy.file, ()):
-            if node != here:
-                option = (max(ready_dst, at(rank, 0)), level, 0, rank)
-                if best is None or option < best:
-                    best = option
-        for ready, rank in forwards.get(copy.file, ()):
-            if nodes.get(rank) != here and ("copy", nodes.get(rank), copy.file) not in bad:
-                option = (max(ready_dst, at(rank, 0), ready), 0, 1, rank)
-                if best is None or option < best:
-                    best = option
-        if best is None:  # the plan's own source is always among them; else it goes last
-            best = (max(free.values(), default=0), copy.level, 2, copy.src)
-        return best
+    def sources(copy: Copy, now: int) -> list[tuple[int, int, int]]:
+        """``(level, forwarded, rank)`` of every source that can send ``copy`` at ``now``."""
+        here = nodes.get(copy.dst)
+        out = [
+            (level, 0, rank)
+            for level, rank, node in held.get(copy.file, ())
+            if node != here and free.get(rank, 0) <= now
+        ]
+        out += [
+            (0, 1, rank)
+            for ready, rank in forwards.get(copy.file, ())
+            if ready <= now
+            and free.get(rank, 0) <= now
+            and nodes.get(rank) != here
+            and ("copy", nodes.get(rank), copy.file) not in bad
+        ]
+        return out
 
-    # The node with the most bytes still to receive goes next (its receives are the
-    # longest chain), with the one of its next few copies that can start soonest.
-    left = {dst: sum(length_of(c) for c in cs) for dst, cs in copies.items()}
-    while left:
-        dst = min(left, key=lambda r: (-left[r], r))
-        pending = copies[dst]
-        options = []
-        for i, copy in enumerate(pending[:_LOOKAHEAD]):
-            length = length_of(copy)
-            options.append((best_source(copy), i, length))
-        (start, level, _, src), i, length = min(options)
-        copy = replace(pending.pop(i), level=level, src=src)
-        place(copy, start, length)
+    def send(dst: int, i: int, level: int, src: int, now: int) -> None:
+        copy = replace(copies[dst].pop(i), level=level, src=src)
+        length = length_of(copy)
+        place(copy, now, length)
         if copy.ranges is None:
-            forwards.setdefault(copy.file, []).append((start + length, copy.dst))
+            forwards.setdefault(copy.file, []).append((now + length, copy.dst))
         left[dst] -= length
-        if not pending:
-            del left[dst]
+
+    # An event-driven simulation: whenever ranks fall idle, each idle receiving rank,
+    # the one with the most bytes still to receive first (its receives are the
+    # longest chain), takes the first of its next few copies that an idle source can
+    # send now, the file with the fewest copies so far first (rarest first: it
+    # spreads what later copies forward).
+    left = {dst: sum(length_of(c) for c in cs) for dst, cs in copies.items()}
+    holding = {f: len({node for _, _, node in hs}) for f, hs in held.items()}  # nodes
+    now = 0
+    while any(copies.values()):
+        for dst in sorted((d for d, cs in copies.items() if cs), key=lambda d: (-left[d], d)):
+            if free.get(dst, 0) > now:
+                continue  # became a source in this pass
+            options = []
+            for i, copy in enumerate(copies[dst][:_LOOKAHEAD]):
+                spread = holding.get(copy.file, 0) + len(forwards.get(copy.file, ()))
+                options += [(spread, level, fwd, src, i) for level, fwd, src in sources(copy, now)]
+            if options:
+                _, level, _, src, i = min(options)
+                send(dst, i, level, src, now)
+        later = [t for t in free.values() if t > now]
+        if later:
+            now = min(later)
+            continue
+        # Nothing busy and nothing sendable (the plan's own source is always among
+        # the candidates, so this does not happen): the plan's choice, at the end.
+        dst = next(d for d, cs in copies.items() if cs)
+        send(dst, 0, copies[dst][0].level, copies[dst][0].src, now)
     order = sorted(range(len(placed)), key=lambda i: (starts[i], i))
     return [placed[i] for i in order]
 
