@@ -196,6 +196,22 @@ def test_erasure_level_rebuilds_any_lost_node(tmp_path):
         assert len(rebuilt) == 1, (lost, [o[2] for o in out])
 
 
+def test_files_are_forwarded_by_nodes_that_received_them_in_the_same_restore(tmp_path):
+    # Replicated state on 4 nodes, RS(2+1), node 1 replaced: every node needs every
+    # node's file. The replaced node held nothing before the restore, so any file
+    # another node gets from it was forwarded (the plan's choice when node 1 is
+    # the idle source); every load is bit-exact either way.
+    root = str(tmp_path)
+    opts = {"data": 2, "parity": 1}
+    run_ranks(_save_job, 4, root, 1, "erasure", opts, [1, 2], timeout=240)
+    shutil.rmtree(tmp_path / "n1")
+    out = run_ranks(_load_job, 4, root, 1, "erasure", opts, timeout=240)
+    assert [o[:2] for o in out] == [(2, True)] * 4, out
+    received = [o[2] for o in out]
+    assert any("(node 1)" in source for r in (0, 2, 3) for source in received[r]), received
+    assert sum(n for got in received for n in got.values()) == 13  # 12 copies, 1 rebuild
+
+
 def test_erasure_with_two_parity_blocks_survives_losing_two_nodes(tmp_path):
     root = str(tmp_path)
     opts = {"data": 2, "parity": 2}
