@@ -25,7 +25,12 @@ Node-to-node transfers (the partner and erasure drains, restores) go over
 gloo on loopback, unthrottled: the network between nodes is taken to be far
 faster than the link to the remote. L1 and the node-local levels share the
 scratch directory (``--root``, the disk; node-local levels hard-link the
-first level's files, so they need the same file system). The node-local
+first level's files, so they need the same file system). On a machine with
+one disk every simulated node writes to it: this VM writes new files at about
+400 MB/s, 100 MB/s per node of 4, half of each node's link to the remote,
+where real nodes each have their own NVMe; ``--root /dev/shm/...`` gives the
+nodes storage faster than their remote link (docs/benchmarks-log.md,
+"Restore scheduling"; mind the memory: about 10 GB at the default scale). The node-local
 levels keep 2 checkpoints, the remote 1, and L1 every save of a round (no L1
 retention: with two ranks per node it races, each rank deleting the node's
 same step directory).
