@@ -30,7 +30,7 @@ one disk every simulated node writes to it: this VM writes new files at about
 400 MB/s, 100 MB/s per node of 4, half of each node's link to the remote,
 where real nodes each have their own NVMe; ``--root /dev/shm/...`` gives the
 nodes storage faster than their remote link (docs/benchmarks-log.md,
-"Restore scheduling"; mind the memory: about 10 GB at the default scale). The node-local
+"Restore scheduling"; the nodes' files then live in memory, beside the ranks'). The node-local
 levels keep 2 checkpoints, the remote 1, and L1 every save of a round (no L1
 retention: with two ranks per node it races, each rank deleting the node's
 same step directory).
