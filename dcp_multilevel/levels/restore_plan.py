@@ -51,7 +51,7 @@ __all__ = [
 #: A node that needs at most this share of a file's bytes gets only those byte ranges.
 PART_SHARE = 0.5
 
-#: Copies of one node weighed at a time when the restore is scheduled (``schedule``).
+#: Copies of one receiving rank weighed at a time when a restore is scheduled (``schedule``).
 _LOOKAHEAD = 8
 
 
@@ -337,13 +337,14 @@ def schedule(
     member can be forwarded once it ends), then copies, event by event.
     Whenever ranks fall idle, each idle receiving rank, the one with the most
     bytes still to receive first (its receives are the longest chain), takes
-    the first of its next :data:`_LOOKAHEAD` copies that an idle source can
-    send now: a node holding the file intact, or the *receiving rank* of a
-    node an earlier copy or rebuild brought it to (forwarded: with
+    one of its next :data:`_LOOKAHEAD` copies that an idle source can send
+    now. A source is a node holding the file intact, or the *receiving rank*
+    of a node an earlier copy or rebuild brought it to (forwarded: with
     replicated state every node needs every file, and a file's one holder
-    need not send it to every other node), the file on the fewest nodes so
-    far first (rarest first: it spreads what later copies forward), then the
-    lowest level, a copy held before the restore, the lowest rank. The list
+    need not send it to every other node). The copy taken is the file on the
+    fewest nodes so far (rarest first: it spreads what later copies
+    forward), then from the lowest level, a copy held before the restore,
+    the lowest rank. The list
     is then sorted by start (stable: the same on every rank). A forwarded
     copy starts after the action that brings the file ends, on the same
     rank, so that rank holds it by then.
