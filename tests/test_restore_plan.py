@@ -56,16 +56,19 @@ def test_a_replaced_node_copies_from_the_lowest_level_then_the_lowest_rank():
     ]
     plan = plan_restore(7, files, invs, URLS)
     assert plan.ok
-    # Node 0 links node 1's copies into its first level; node 1 (rank 2 receives
-    # for it) gets node 0's own files from node 0's first level, the rest from copies.
+    # Node 0 links node 1's copies into its first level; node 1 gets node 0's own
+    # files from node 0's first level, the rest from copies. Both ranks of each node
+    # take part, two transfers at a time (whole files land in the node's first
+    # level, where every rank of it reads).
     assert plan.actions == [
         Link(names[2], 1, 0),
         Link(names[3], 1, 0),
         Copy(names[0], 0, 0, 2),
-        Copy(names[1], 0, 0, 2),
+        Copy(names[1], 0, 1, 3),
         Copy(names[2], 1, 0, 2),
-        Copy(names[3], 1, 0, 2),
+        Copy(names[3], 1, 1, 3),
     ]
+    assert _makespan(plan.actions, files) == files[names[1]] + files[names[3]]  # not all 4
 
 
 def test_only_the_files_a_node_needs_are_fetched():

@@ -51,7 +51,7 @@ __all__ = [
 #: A node that needs at most this share of a file's bytes gets only those byte ranges.
 PART_SHARE = 0.5
 
-#: Copies of one receiving rank weighed at a time when a restore is scheduled (``schedule``).
+#: Copies of one receiving node weighed at a time when a restore is scheduled (``schedule``).
 _LOOKAHEAD = 8
 
 
@@ -335,16 +335,19 @@ def schedule(
     all of its ranks waiting on it). This simulates those transfers, a byte per
     time unit: links and rebuilds first (their ranks are fixed; a rebuilt
     member can be forwarded once it ends), then copies, event by event.
-    Whenever ranks fall idle, each idle receiving rank, the one with the most
-    bytes still to receive first (its receives are the longest chain), takes
-    one of its next :data:`_LOOKAHEAD` copies that an idle source can send
-    now. A source is a node holding the file intact, or the *receiving rank*
-    of a node an earlier copy or rebuild brought it to (forwarded: with
-    replicated state every node needs every file, and a file's one holder
-    need not send it to every other node). The copy taken is the file on the
-    fewest nodes so far (rarest first: it spreads what later copies
-    forward), then from the lowest level, a copy held before the restore,
-    the lowest rank. The list
+    Whenever ranks fall idle, the node with the most bytes still to receive
+    first (its receives are the longest chain), each idle rank of that node
+    takes one of the node's next :data:`_LOOKAHEAD` copies that an idle
+    source can send now: any rank of the node receives a whole file (it
+    lands in the node's first level, which all of them read), so a node's
+    ranks receive side by side; byte ranges go to the plan's receiving rank
+    (a node's parts copy has one writer). A source is a node holding the
+    file intact, or the *receiving rank* of a node an earlier copy or
+    rebuild brought it to (forwarded: with replicated state every node needs
+    every file, and a file's one holder need not send it to every other
+    node). The copy taken is the file on the fewest nodes so far (rarest
+    first: it spreads what later copies forward), then from the lowest
+    level, a copy held before the restore, the lowest rank. The list
     is then sorted by start (stable: the same on every rank). A forwarded
     copy starts after the action that brings the file ends, on the same
     rank, so that rank holds it by then.
@@ -363,10 +366,13 @@ def schedule(
         starts.append(start)
         placed.append(action)
 
-    copies: dict[int, list[Copy]] = {}  # receiving rank -> its copies, in plan order
+    ranks_of: dict[int, list[int]] = {}  # node -> its ranks
+    for inv in sorted(inventories, key=lambda i: i.rank):
+        ranks_of.setdefault(inv.node, []).append(inv.rank)
+    copies: dict[int, list[Copy]] = {}  # receiving node -> its copies, in plan order
     for action in actions:
         if isinstance(action, Copy):
-            copies.setdefault(action.dst, []).append(action)
+            copies.setdefault(nodes.get(action.dst, -1), []).append(action)
         elif isinstance(action, Link):
             place(action, 0, 0)  # no transfer: the file is on the node already
         else:
@@ -404,41 +410,57 @@ def schedule(
         ]
         return out
 
-    def send(dst: int, i: int, level: int, src: int, now: int) -> None:
-        copy = replace(copies[dst].pop(i), level=level, src=src)
+    def send(node: int, i: int, dst: int, level: int, src: int, now: int) -> None:
+        copy = replace(copies[node].pop(i), dst=dst, level=level, src=src)
         length = length_of(copy)
         place(copy, now, length)
         if copy.ranges is None:
-            forwards.setdefault(copy.file, []).append((now + length, copy.dst))
-        left[dst] -= length
+            forwards.setdefault(copy.file, []).append((now + length, dst))
+        left[node] -= length
 
-    # An event-driven simulation: whenever ranks fall idle, each idle receiving rank,
-    # the one with the most bytes still to receive first (its receives are the
-    # longest chain), takes the first of its next few copies that an idle source can
-    # send now, the file with the fewest copies so far first (rarest first: it
-    # spreads what later copies forward).
-    left = {dst: sum(length_of(c) for c in cs) for dst, cs in copies.items()}
+    def receivers(node: int, copy: Copy) -> list[int]:
+        """The ranks that may receive ``copy`` on its node: any for a whole file (it
+        lands in the node's first level, where all of them read), the plan's one
+        for byte ranges (each node's parts copy has one writer)."""
+        if copy.ranges is None and node in ranks_of:
+            return ranks_of[node]
+        return [copy.dst]
+
+    # An event-driven simulation: whenever ranks fall idle, the node with the most
+    # bytes still to receive first (its receives are the longest chain), each idle
+    # rank of it takes one of the node's next few copies that an idle source can
+    # send now: the file on the fewest nodes so far (rarest first: it spreads what
+    # later copies forward), then the lowest level, a copy held before, the lowest rank.
+    left = {node: sum(length_of(c) for c in cs) for node, cs in copies.items()}
     holding = {f: len({node for _, _, node in hs}) for f, hs in held.items()}  # nodes
     now = 0
     while any(copies.values()):
-        for dst in sorted((d for d, cs in copies.items() if cs), key=lambda d: (-left[d], d)):
-            if free.get(dst, 0) > now:
-                continue  # became a source in this pass
-            options = []
-            for i, copy in enumerate(copies[dst][:_LOOKAHEAD]):
-                spread = holding.get(copy.file, 0) + len(forwards.get(copy.file, ()))
-                options += [(spread, level, fwd, src, i) for level, fwd, src in sources(copy, now)]
-            if options:
-                _, level, _, src, i = min(options)
-                send(dst, i, level, src, now)
+        for node in sorted((n for n, cs in copies.items() if cs), key=lambda n: (-left[n], n)):
+            for dst in ranks_of.get(node, [copies[node][0].dst]):
+                if free.get(dst, 0) > now or not copies[node]:
+                    continue  # busy (or became a source in this pass)
+                options = []
+                for i, copy in enumerate(copies[node][:_LOOKAHEAD]):
+                    if dst not in receivers(node, copy):
+                        continue
+                    spread = holding.get(copy.file, 0) + len(forwards.get(copy.file, ()))
+                    options += [
+                        (spread, level, fwd, src, i)
+                        for level, fwd, src in sources(copy, now)
+                        if src != dst
+                    ]
+                if options:
+                    _, level, _, src, i = min(options)
+                    send(node, i, dst, level, src, now)
         later = [t for t in free.values() if t > now]
         if later:
             now = min(later)
             continue
         # Nothing busy and nothing sendable (the plan's own source is always among
         # the candidates, so this does not happen): the plan's choice, at the end.
-        dst = next(d for d, cs in copies.items() if cs)
-        send(dst, 0, copies[dst][0].level, copies[dst][0].src, now)
+        node = next(n for n, cs in copies.items() if cs)
+        first = copies[node][0]
+        send(node, 0, first.dst, first.level, first.src, now)
     order = sorted(range(len(placed)), key=lambda i: (starts[i], i))
     return [placed[i] for i in order]
 
