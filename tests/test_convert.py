@@ -314,8 +314,10 @@ def test_memory_is_bounded_by_the_largest_tensor(memory_growth, source, to):
     # Our reader decodes straight into the (file-backed) destination and the
     # writers write from it: well under one tensor (measured: ~100 KiB). Stock
     # FileSystemReader reads an item's bytes, torch.loads them and copies the
-    # result into the destination: up to 3 copies of one item (measured: 32-48 MiB).
-    bound = 4 * largest if source == "stock" else largest
+    # result into the destination: up to 3 copies of one item (measured: 32-48 MiB,
+    # and once 83.5 MB, 5 tensors, in a CI run on a busy machine: what the
+    # allocator keeps of stock's copies varies). Still far from the 12 of the whole.
+    bound = 6 * largest if source == "stock" else largest
     assert result["peak_anon_growth"] < bound, result
 
 
