@@ -226,7 +226,7 @@ def plan_restore(
             )
         plan.reasons = list(dict.fromkeys(plan.reasons))
         plan.actions = []
-    plan.actions = schedule(plan.actions, files, inventories, bad)
+    plan.actions = schedule(plan.actions, files, inventories, bad, held)
     return plan
 
 
@@ -325,6 +325,7 @@ def schedule(
     files: dict[str, int],
     inventories: Sequence[Inventory],
     bad: set[tuple[Any, ...]] = frozenset(),  # type: ignore[assignment]
+    held: dict[str, list[tuple[int, int, int]]] | None = None,
 ) -> list[Link | Copy | Rebuild]:
     """``actions`` in one total order that keeps every rank busy, each copy taken
     from a source that is free to send it.
@@ -350,10 +351,12 @@ def schedule(
     level, a copy held before the restore, the lowest rank. The list
     is then sorted by start (stable: the same on every rank). A forwarded
     copy starts after the action that brings the file ends, on the same
-    rank, so that rank holds it by then.
+    rank, so that rank holds it by then. ``held``: :func:`_holders` of
+    ``inventories`` and ``bad``, when the caller made it already.
     """
     nodes = {inv.rank: inv.node for inv in inventories}
-    held = _holders(inventories, bad)
+    if held is None:  # plan_restore passes the index it planned from
+        held = _holders(inventories, bad)
     forwards: dict[str, list[tuple[int, int]]] = {}  # file -> [(ready at, rank)]
     free: dict[int, int] = {}  # rank -> when its last action ends
     starts: list[int] = []
@@ -372,7 +375,7 @@ def schedule(
     copies: dict[int, list[Copy]] = {}  # receiving node -> its copies, in plan order
     for action in actions:
         if isinstance(action, Copy):
-            copies.setdefault(nodes.get(action.dst, -1), []).append(action)
+            copies.setdefault(nodes[action.dst], []).append(action)
         elif isinstance(action, Link):
             place(action, 0, 0)  # no transfer: the file is on the node already
         else:
@@ -422,9 +425,7 @@ def schedule(
         """The ranks that may receive ``copy`` on its node: any for a whole file (it
         lands in the node's first level, where all of them read), the plan's one
         for byte ranges (each node's parts copy has one writer)."""
-        if copy.ranges is None and node in ranks_of:
-            return ranks_of[node]
-        return [copy.dst]
+        return ranks_of[node] if copy.ranges is None else [copy.dst]
 
     # An event-driven simulation: whenever ranks fall idle, the node with the most
     # bytes still to receive first (its receives are the longest chain), each idle
@@ -436,22 +437,21 @@ def schedule(
     now = 0
     while any(copies.values()):
         for node in sorted((n for n, cs in copies.items() if cs), key=lambda n: (-left[n], n)):
-            for dst in ranks_of.get(node, [copies[node][0].dst]):
+            for dst in ranks_of[node]:
                 if free.get(dst, 0) > now or not copies[node]:
                     continue  # busy (or became a source in this pass)
                 options = []
-                for i, copy in enumerate(copies[node][:_LOOKAHEAD]):
+                ahead = copies[node][:_LOOKAHEAD]
+                for i, copy in enumerate(ahead):
                     if dst not in receivers(node, copy):
                         continue
                     spread = holding.get(copy.file, 0) + len(forwards.get(copy.file, ()))
-                    options += [
-                        (spread, level, fwd, src, i)
-                        for level, fwd, src in sources(copy, now)
-                        if src != dst
-                    ]
+                    options += [(spread, *source, i) for source in sources(copy, now)]
                 if options:
                     _, level, _, src, i = min(options)
                     send(node, i, dst, level, src, now)
+                elif all(copy.ranges is None for copy in ahead):
+                    break  # the node's other idle ranks would find no source either
         later = [t for t in free.values() if t > now]
         if later:
             now = min(later)
