@@ -41,7 +41,14 @@ class DeltaChains:
             i: [] for i, level in enumerate(levels) if level.deltas
         }
         self._gone: dict[int, set[int]] = {i: set() for i in self._history}
-        self._read: dict[int, dict[int, int | None]] = {i: {} for i in self._history}
+        # Levels between nodes copy the first level's files as they are: its deltas
+        # keep their references there too (read from the copies' manifests).
+        self._mirrors = {
+            i for i, d in enumerate(drivers) if i > 0 and d.node_local and 0 in self._history
+        }
+        self._read: dict[int, dict[int, int | None]] = {
+            i: {} for i in (*self._history, *self._mirrors)
+        }
 
     def enabled(self, index: int) -> bool:
         """Whether level ``index`` stores deltas."""
@@ -82,11 +89,18 @@ class DeltaChains:
                 self._history[index] = list(history)
                 self._gone[index] = set()
 
+    def holds_first_level_deltas(self, index: int) -> bool:
+        """Whether level ``index`` holds the first level's deltas as they are (a level
+        between nodes above a first level with deltas): it needs their references."""
+        return index in self._mirrors
+
     def refs(self, index: int, steps: Iterable[int]) -> dict[int, int | None]:
         """Each of ``steps``' reference step on level ``index`` (as its manifest says,
-        read once per step; the history stands in where the manifest cannot be read)."""
-        if index not in self._history:
+        read once per step; the history stands in where the manifest cannot be read:
+        the first level's for a level holding its deltas as they are)."""
+        if index not in self._read:
             return {}
+        history_of = 0 if index in self._mirrors else index
         out: dict[int, int | None] = {}
         for step in steps:
             with self._lock:
@@ -98,7 +112,7 @@ class DeltaChains:
                 ref = None if link is None else parse_step_dir(link.checkpoint)
             except (DcpMultilevelError, OSError) as e:
                 with self._lock:
-                    ref = dict(self._history[index]).get(step)
+                    ref = dict(self._history[history_of]).get(step)
                 logger.debug("reference of step %d unread (%s); history says %s", step, e, ref)
                 out[step] = ref
                 continue

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 
 from . import _dist
 from .errors import CheckpointNotFoundError
-from .format import MANIFEST_NAME
+from .format import MANIFEST_NAME, Manifest
 from .levels import Drainer, LevelDriver
 from .levels.agreement import Restore, Views, restorable
 from .levels.restore import (
@@ -85,17 +85,55 @@ class Loader:
 
     def plan(self, step: int, views: Views, state_dict: dict[str, Any],
              planner: LoadPlanner | None) -> Restore:  # fmt: skip
-        """How every rank can load ``step`` (``Restore.ok``), logged when it cannot. Collective."""
+        """How every rank can load ``step`` (``Restore.ok``), logged when it cannot. Collective.
+
+        A first-level delta is read beside its references on the same level:
+        each of them must be restorable too (``Restore.chain``, whole files:
+        a reference is found in the step's directory, never in a parts copy).
+        """
         plan = restorable(
             step, self.drivers, views, node=self.node(),
             needs=lambda manifest: needed_ranges(state_dict, manifest, planner),
             transfers=self._restore_group is not None, names=self._names,
             members=self._node_ranks(), group=self._restore_group,
         )  # fmt: skip
+        link = plan.reference_step()
+        while plan.ok and link is not None:
+            if any(r.step == link for r in plan.chain) or link >= step:
+                plan.reasons.append(f"step {step}: its reference chain loops at step {link}")
+                break
+            ref = restorable(
+                link, self.drivers, views, node=self.node(),
+                needs=lambda m: _whole_files(needed_ranges(state_dict, m, planner), m),
+                transfers=self._restore_group is not None, names=self._names,
+                members=self._node_ranks(), group=self._restore_group,
+            )  # fmt: skip
+            if not ref.ok or ref.manifest is None:
+                why = "; ".join(ref.reasons) or "only store levels hold it"
+                if self._whole_elsewhere(step, views):
+                    # The reader falls back, item by item, to the store level.
+                    logger.warning("dcp_multilevel: step %d is a delta against step %d, which "
+                                   "cannot be restored onto the nodes (%s); reading it from a "
+                                   "store level", step, link, why)  # fmt: skip
+                    plan.chain.clear()
+                    break
+                plan.reasons.append(f"step {step} is a delta against step {link}, which cannot "
+                                    f"be restored: {why}")  # fmt: skip
+                break
+            plan.chain.insert(0, ref)
+            link = ref.reference_step()
         if not plan.ok:
             logger.warning("dcp_multilevel: step %d cannot be restored: %s", step,
                            "; ".join(plan.reasons))  # fmt: skip
         return plan
+
+    def _whole_elsewhere(self, step: int, views: Views) -> bool:
+        """Whether a store level holds ``step`` for every rank (the same on every rank)."""
+        return any(
+            not driver.node_local and all(step in view[i] for view in views.everyone)
+            for i, driver in enumerate(self.drivers)
+            if i > 0
+        )
 
     def node(self) -> int:
         """This rank's node (its rank when the topology is unknown: nothing is shared)."""
@@ -109,8 +147,14 @@ class Loader:
 
     def load(self, state_dict: dict[str, Any], plan: Restore, planner: LoadPlanner | None) -> None:
         """Bring each node what it lacks, then ``dcp.load`` through the levels. Collective."""
+        report = RestoreReport(plan.step)
+        for ref in plan.chain:  # the references first: the step is read beside them
+            if ref.plan is not None and ref.plan.actions:
+                self.last_restore = self._bring_files(ref, report=report)
+            assert ref.manifest is not None  # plan() keeps only references with one
+            self.keep_manifest(ref.step, ref.manifest)
         if plan.plan is not None and plan.manifest is not None:
-            self.last_restore = self._bring_files(plan)
+            self.last_restore = self._bring_files(plan, report=report)
             if plan.plan.actions:
                 self._recommit_first_level(plan)
         try:
@@ -162,6 +206,21 @@ class Loader:
             logger.info("dcp_multilevel: step %d: its manifest was lost with rank 0's node; "
                         "writing it again on %s", plan.step, first.url)  # fmt: skip
             first.store.write_atomic(MANIFEST_NAME, plan.manifest)
+
+    def keep_manifest(self, step: int, data: bytes) -> None:
+        """Write first-level ``step``'s manifest (``data``, as rank 0 read it) on this
+        node's part of the first level where it is missing: the node's lowest rank
+        (every rank when the topology is unknown: each may have a disk of its own).
+
+        A delta's reference is found beside it, on the reading rank's node; a
+        node-local first level has the manifests on rank 0's node only.
+        """
+        rank = _dist.rank()
+        if self.topology is not None and not self.topology.leads(rank):
+            return
+        ckpt = self.drivers[0].checkpoint(step)
+        if not ckpt.is_committed():
+            ckpt.store.write_atomic(MANIFEST_NAME, data)
 
     def _set_aside_damaged(self, plan: Restore) -> set[tuple[Any, ...]]:
         """Check this node's first-level files of the step (one rank per node) and
@@ -228,3 +287,13 @@ class Loader:
                 checkpoint=self.drivers[0].level.checkpoint_url(plan.step),
             )
         return steps
+
+
+def _whole_files(
+    ranges: dict[str, list[list[int]]] | None, manifest: Manifest
+) -> dict[str, list[list[int]]] | None:
+    """``ranges`` widened to whole files: a reference is read in its step's directory,
+    where a restore brings whole files only (ranges go to a parts copy beside it)."""
+    if ranges is None:
+        return None
+    return {f: [[0, manifest.files[f]]] for f in ranges}

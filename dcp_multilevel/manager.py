@@ -328,15 +328,17 @@ class CheckpointManager:
         # share, and a node-local first level holds every node's files apart.
         skip: list[int] = []
         removed: list[int] = []
+        before: dict[int, list[int]] = {}
         if _dist.rank() == 0:
             busy = self._drainer.policy == "skip"
             skip = [i for i in due if busy and self._drainer.busy(self.drivers[i])]
             for i in due:
                 if i not in skip:
                     self._drainer.finish(self.drivers[i])  # "wait": retention knows the outcome
+                    before[i] = self._missing_references(i, step)
             removed = self._retain(0)  # local listing only; higher levels: after their drains
         if _dist.world_size() > 1:
-            skip, removed = _dist.broadcast_object((skip, removed), 0)
+            skip, removed, before = _dist.broadcast_object((skip, removed, before), 0)
             if self._deletes_for_node():
                 for s in removed:
                     self.drivers[0].delete(s)
@@ -344,9 +346,9 @@ class CheckpointManager:
         source = self.drivers[0].checkpoint(step)
         for i in due:
             ref = None if i in skip else self._chains.reference(i)
-            job = DrainJob(step, source, self.drivers[i],
-                           f"m{self._instance}-{i}-{step}-{self._generation}",
-                           committed, ref)  # fmt: skip
+            drain_id = f"m{self._instance}-{i}-{step}-{self._generation}"
+            needed_first = self._drains_first(i, before.get(i, ()), drain_id, committed)
+            job = DrainJob(step, source, self.drivers[i], drain_id, committed, ref, needed_first)
             if self._drainer.submit(job, skip=i in skip) is None:
                 self._skipped[i].add(step)
                 metrics.drains_skipped.append(self.levels[i].url)
@@ -362,6 +364,32 @@ class CheckpointManager:
         )  # fmt: skip
         self._sink.emit(metrics.record(_dist.rank()))
         return metrics
+
+    def _missing_references(self, index: int, step: int) -> list[int]:
+        """Rank 0: the references of first-level ``step`` (its chain, oldest first) that
+        level ``index`` must receive before it: a level between nodes copies the first
+        level's deltas as they are, of use there only beside their references. Steps
+        on rank 0's node's part of the level are not sent again (no drain runs there
+        now: the caller waited for it)."""
+        if not self._chains.holds_first_level_deltas(index):
+            return []
+        chain: list[int] = []
+        driver = self.drivers[index]
+        ref = self._chains.refs(0, [step]).get(step)
+        while ref is not None and not driver.checkpoint(ref).is_committed() and ref not in chain:
+            chain.append(ref)
+            ref = self._chains.refs(0, [ref]).get(ref)
+        return chain[::-1]
+
+    def _drains_first(
+        self, index: int, steps: Sequence[int], drain_id: str, committed: float
+    ) -> tuple[DrainJob, ...]:
+        """Drains of first-level ``steps`` to level ``index``, to run before the drain
+        ``drain_id`` (see :meth:`_missing_references`)."""
+        first, target = self.drivers[0], self.drivers[index]
+        return tuple(
+            DrainJob(s, first.checkpoint(s), target, f"{drain_id}-ref{s}", committed) for s in steps
+        )
 
     def _first_save(
         self,
@@ -409,7 +437,14 @@ class CheckpointManager:
             except (DcpMultilevelError, OSError) as e:
                 logger.warning("dcp_multilevel: no delta against step %d: %s", step, e)
         data = _dist.broadcast_object(data, 0)
-        return None if data is None else self.drivers[0].checkpoint(step, manifest_bytes=data)
+        if data is None:
+            return None
+        # The delta's ranks find its reference's manifest beside it later (drains,
+        # loads), on their own node: a node-local first level has it on rank 0's
+        # node only, so each node's lowest rank keeps a copy before any delta
+        # against it exists there.
+        self._loader.keep_manifest(step, data)
+        return self.drivers[0].checkpoint(step, manifest_bytes=data)
 
     # ------------------------------------------------------------------ load
 
@@ -560,67 +595,81 @@ class CheckpointManager:
             self._chains.resume(i, history)
 
     def _reprotect(self, plan: Restore) -> None:
-        """After a restore onto a replaced node: drain the loaded step again to each
-        node-local level that some nodes hold it on and others lack, so the copies
-        or parity the lost node held for the others are made again now, not at the
-        next save on that level.
+        """After a restore onto a replaced node: drain the loaded step (and the
+        references it was restored with) again to each node-local level that some
+        nodes hold it on and others lack, so the copies or parity the lost node held
+        for the others are made again now, not at the next save on that level.
 
         Decided from the restore's inventories, the same on every rank (a restore
-        that needed nothing keeps only this rank's: nothing to do).
+        that needed nothing keeps only this rank's: nothing to do). Collective.
         """
-        if (
-            self.topology is None
-            or plan.manifest is None
-            or len(plan.inventories) < _dist.world_size()
-        ):
+        if self.topology is None:
             return
         nodes = set(self.topology.nodes)
-        holding = {
-            i: {inv.node for inv in plan.inventories if inv.files.get(i)}
-            for i, driver in enumerate(self.drivers)
-            if i > 0 and driver.node_local
-        }
-        degraded = [i for i, held in holding.items() if held and not held >= nodes]
-        if not degraded:
+        restored = {r.step: r for r in [*plan.chain, plan] if r.manifest is not None}
+        redo: dict[int, list[int]] = {}  # level -> steps to copy again, oldest first
+        for step, r in restored.items():
+            if len(r.inventories) < _dist.world_size():
+                continue
+            for i, driver in enumerate(self.drivers):
+                held = {inv.node for inv in r.inventories if inv.files.get(i)}
+                if i > 0 and driver.node_local and held and not held >= nodes:
+                    redo.setdefault(i, []).append(step)
+                    logger.info("dcp_multilevel: step %d is on %s on nodes %s only; copying it "
+                                "again for nodes %s", step, self.levels[i].url, sorted(held),
+                                sorted(nodes - held))  # fmt: skip
+        if not redo:
             return
         # A drain sends each rank's own files from its node's first level: all must be
         # there (a step a store level served is not).
-        first = self.drivers[0].checkpoint(plan.step)
-        manifest = decoded_manifest(plan.manifest, first.url)
-        if manifest.world_size != _dist.world_size():
-            return  # the copies follow the saving job's placement (node_local.py)
-        own = set(rank_files(manifest, _dist.rank())) <= first.data_files()
+        own = True
+        for step in sorted({s for steps in redo.values() for s in steps}):
+            first = self.drivers[0].checkpoint(step)
+            manifest = decoded_manifest(restored[step].manifest, first.url)  # type: ignore[arg-type]
+            if manifest.world_size != _dist.world_size():
+                return  # the copies follow the saving job's placement (node_local.py)
+            own = own and set(rank_files(manifest, _dist.rank())) <= first.data_files()
         if not all(_dist.all_gather_object(own)):
             logger.warning("dcp_multilevel: step %d is not on every node of %s, and some rank's "
                            "files are not on its first level to copy again; the next save "
                            "there protects the nodes again", plan.step,
-                           [self.levels[i].url for i in degraded])  # fmt: skip
+                           [self.levels[i].url for i in redo])  # fmt: skip
             return
-        for i in degraded:
+        for i, steps in redo.items():
             self._generation += 1
-            logger.info("dcp_multilevel: step %d is on %s on nodes %s only; copying it again "
-                        "for nodes %s", plan.step, self.levels[i].url, sorted(holding[i]),
-                        sorted(nodes - holding[i]))  # fmt: skip
+            step, now = steps[-1], time.time()
+            drain_id = f"m{self._instance}-{i}-{step}-{self._generation}-reprotect"
             self._drainer.submit(DrainJob(
-                plan.step, first, self.drivers[i],
-                f"m{self._instance}-{i}-{plan.step}-{self._generation}-reprotect", time.time(),
+                step, self.drivers[0].checkpoint(step), self.drivers[i], drain_id, now,
+                before=self._drains_first(i, steps[:-1], drain_id, now),
             ), skip=False)  # fmt: skip
 
     def _resume_drains(self, view: dict[int, list[int]]) -> None:
+        """Drain again the newest first-level step each higher level is due to hold and
+        lacks (``view``: rank 0's listing). Collective."""
         first = view[0]
+        resumed: dict[int, int] = {}
         for i in range(1, len(self.levels)):
             newest_there = max(view[i], default=-1)
             pending = [s for s in first if self._due(i, s) and s > newest_there]
             if pending:
-                step = pending[-1]
-                self._generation += 1
-                logger.info("dcp_multilevel: resuming the drain of step %d to %s",
-                            step, self.levels[i].url)  # fmt: skip
-                # skip=False: the same decision on every rank (wait for a running drain).
-                self._drainer.submit(DrainJob(
-                    step, self.drivers[0].checkpoint(step), self.drivers[i],
-                    f"m{self._instance}-{i}-{step}-{self._generation}-resume", time.time(),
-                ), skip=False)  # fmt: skip
+                resumed[i] = pending[-1]
+        before: dict[int, list[int]] = {}
+        if _dist.rank() == 0:
+            before = {i: self._missing_references(i, step) for i, step in resumed.items()}
+        if resumed and _dist.world_size() > 1:
+            before = _dist.broadcast_object(before, 0)
+        for i, step in resumed.items():
+            self._generation += 1
+            logger.info("dcp_multilevel: resuming the drain of step %d to %s",
+                        step, self.levels[i].url)  # fmt: skip
+            drain_id = f"m{self._instance}-{i}-{step}-{self._generation}-resume"
+            now = time.time()
+            # skip=False: the same decision on every rank (wait for a running drain).
+            self._drainer.submit(DrainJob(
+                step, self.drivers[0].checkpoint(step), self.drivers[i], drain_id, now,
+                before=self._drains_first(i, before[i], drain_id, now),
+            ), skip=False)  # fmt: skip
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -719,7 +768,8 @@ _INSTANCES = itertools.count()
 
 
 def _check_deltas(levels: Sequence[Level]) -> None:
-    """Deltas are for store levels, and not yet on a first level that node-local levels copy."""
+    """Deltas are for store levels (a level between nodes copies the first level's as
+    they are, with their references)."""
     for level in levels:
         if level.deltas and level_kind(level) is not None:
             raise ConfigError(
@@ -727,12 +777,6 @@ def _check_deltas(levels: Sequence[Level]) -> None:
                 "on store levels (a path or URL); a level between nodes copies the first "
                 "level's files as they are"
             )
-    if levels[0].deltas and any(level_kind(level) is not None for level in levels[1:]):
-        raise ConfigError(
-            f"the first level ({levels[0].url}) stores deltas, and a level between nodes would "
-            "copy them without their references: not supported yet. Put keyframe_every on a "
-            "store level above instead (its drains code the deltas)."
-        )
 
 
 def _reference_failed(e: CheckpointException) -> str | None:

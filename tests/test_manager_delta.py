@@ -203,11 +203,6 @@ def test_delta_configuration_errors(tmp_path):
             Level(str(tmp_path / "l1")),
             Level(f"partner:{tmp_path}/p", replicas=2, codec="zstd", keyframe_every=3),
         ])  # fmt: skip
-    with pytest.raises(ConfigError, match="not supported yet"):
-        CheckpointManager([
-            Level(str(tmp_path / "l1"), codec="zstd", keyframe_every=3),
-            Level(f"partner:{tmp_path}/p", replicas=2),
-        ])  # fmt: skip
 
 
 def test_sigkill_during_delta_saves_and_drains_leaves_every_checkpoint_restorable(tmp_path):

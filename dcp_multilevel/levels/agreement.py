@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import _dist
 from ..checkpoint import decoded_manifest
-from ..format import Manifest
+from ..format import Manifest, parse_step_dir
 from .base import LevelDriver
 from .restore import gather_inventories, split_needs, take_inventory
 from .restore_plan import Inventory, RestorePlan, plan_restore
@@ -64,11 +64,22 @@ class Restore:
     inventories: list[Inventory] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     mine: Inventory | None = None  # this rank's own, as taken (before the exchange merged it)
+    #: A first-level delta's references, oldest first, each restored before the
+    #: step (the reader finds them beside it on the first level).
+    chain: list[Restore] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         """True when every rank can read everything it needs."""
         return not self.reasons
+
+    def reference_step(self) -> int | None:
+        """The step the first-level manifest's deltas are coded against (None: whole,
+        or no first-level manifest)."""
+        if self.manifest is None:
+            return None
+        link = decoded_manifest(self.manifest, f"step {self.step}").reference
+        return None if link is None else parse_step_dir(link.checkpoint)
 
 
 def gather_views(drivers: Sequence[LevelDriver]) -> Views:

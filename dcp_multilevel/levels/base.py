@@ -75,6 +75,10 @@ class DrainJob:
     #: (None: store it whole). The drain stores it whole when that step is
     #: not there, or is not what a delta can use.
     reference: int | None = None
+    #: Drains to run first, in order, in the same worker (the first level's
+    #: references of a delta step, for a level that copies files as they are and
+    #: does not hold them yet). This one fails when one of them does.
+    before: tuple[DrainJob, ...] = ()
 
 
 @dataclass

@@ -131,7 +131,8 @@ class Drainer:
         future = worker.submit(self._run, job)
         with self._lock:
             refs = () if job.reference is None else (job.reference,)
-            self._inflight[job.target] = ((job.step, *refs), future)
+            firsts = tuple(j.step for j in job.before)
+            self._inflight[job.target] = ((job.step, *refs, *firsts), future)
         return future
 
     def inflight_steps(self) -> set[int]:
@@ -162,6 +163,15 @@ class Drainer:
             worker.shutdown(wait=True)
 
     def _run(self, job: DrainJob) -> DrainResult:
+        for first in job.before:
+            done = self._run(first)
+            if not done.committed:
+                why = done.error or "skipped"
+                result = DrainResult(job.step, job.target.url,
+                                     error=f"step {first.step}, which it needs there, was not "
+                                           f"copied first ({why})")  # fmt: skip
+                self._record(result)
+                return result
         t0 = time.perf_counter()
         try:
             result = run_drain(job, timeout_s=self.timeout_s)
