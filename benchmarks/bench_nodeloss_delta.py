@@ -40,7 +40,7 @@ from _cli import names, parser, quiet_dcp_warnings
 from _disk import evict_tree, remove_tree, scratch_dir, tree_nbytes
 from _measure import median, rounds, spread
 from _report import REPO, fmt, machine_info, markdown_table
-from bench_nodeloss import WORLD, new_job
+from bench_nodeloss import PHASES, WORLD, new_job, timed_phases
 from dcp_multilevel import CheckpointManager, Level
 from tests._dist import run_ranks
 
@@ -90,6 +90,7 @@ def run_round(rank: int, config: str, rep: int, dtype: str, states: list[dict],
     mgr = CheckpointManager(levels)
     dest = {k: torch.zeros_like(v) for k, v in states[-1].items()}
     dist.barrier()
+    PHASES.clear()
     t0 = time.perf_counter()
     step = mgr.load_latest(dest)
     load_s = time.perf_counter() - t0
@@ -105,7 +106,7 @@ def run_round(rank: int, config: str, rep: int, dtype: str, states: list[dict],
         remove_tree(base)
     return {"config": config, "dtype": dtype, "round": rep, "rank": rank, "saves": saves,
             "load_s": load_s, "restore_s": report.seconds if report else 0.0,
-            "brought": brought,
+            "brought": brought, "phases": dict(PHASES),
             # Files brought onto the replaced node (its ranks report the same count).
             "received": sum(report.received.values()) if report and brought else 0,
             "exact": exact}  # fmt: skip
@@ -114,6 +115,7 @@ def run_round(rank: int, config: str, rep: int, dtype: str, states: list[dict],
 def rank_main(rank: int, world: int, args: dict) -> list[dict[str, Any]]:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_dcp_warnings()
+    timed_phases()
     out = []
     for dtype in args["dtypes"]:
         states = [
@@ -140,6 +142,10 @@ def summarize(records: list[dict], dtype: str) -> list[list[object]]:
         copy_s = [max(r["saves"][i]["copy_s"] for r in mine if r["round"] == n)
                   for n in rounds_ for i in range(1, len(mine[0]["saves"]))]  # fmt: skip
         load_s = [max(r["load_s"] for r in mine if r["round"] == n) for n in rounds_]
+        slowest = [max((r for r in mine if r["round"] == n), key=lambda r: r["load_s"])
+                   for n in rounds_]  # fmt: skip
+        phases = "/".join(fmt(median(r["phases"].get(k, 0.0) for r in slowest), 2)
+                          for k in ("plan", "bring", "read"))  # fmt: skip
         got = [sum(r["received"] for r in mine if r["round"] == n) for n in rounds_]
         brought = [sum(r["brought"] for r in mine if r["round"] == n) for n in rounds_]
         exact = all(r["exact"] for r in mine)
@@ -149,7 +155,7 @@ def summarize(records: list[dict], dtype: str) -> list[list[object]]:
             config, f"{median(l1) / 1e6:.1f}", fmt(median(l1) / full_bytes),
             f"{median(sent) / 1e6:.1f}", f"{fmt(median(save_s), 3)} ({spread(save_s, 3)})",
             f"{fmt(median(copy_s), 3)} ({spread(copy_s, 3)})",
-            f"{fmt(median(load_s), 2)} ({spread(load_s, 2)})",
+            f"{fmt(median(load_s), 2)} ({spread(load_s, 2)})", phases,
             f"{median(got):.0f} / {median(brought) / 1e6:.1f}",
             "bit-exact" if exact else "FAILED",
         ])  # fmt: skip
@@ -200,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.getloadavg()[0]:.2f} after; {time.perf_counter() - t_start:.0f} s")  # fmt: skip
     headers = ["config", "L1 MB per save", "/ full", "MB sent to partners per save",
                "save() s (spread)", "copy s (spread)", "restore after losing node 1 s",
+               "of it: plan / bring / read s",
                "files / MB brought to node 1", "restored"]  # fmt: skip
     for dtype in dtypes:
         print()
