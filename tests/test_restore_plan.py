@@ -386,6 +386,22 @@ def _makespan(actions, files: dict[str, int]) -> int:
     return end
 
 
+def test_empty_files_are_planned_like_others():
+    # A rank may write an empty data file. Copies of empty files end at once: the
+    # simulation once ran out of copies with no transfer left to wait for, and
+    # raised StopIteration instead of returning the plan.
+    nodes = 3
+    files = {f"data/{n}-0.t.bin": 0 for n in range(nodes)} | {"data/9-0.t.bin": 100}
+    invs = [Inventory(n, n, None, files={0: [f"data/{n}-0.t.bin"]}) for n in range(nodes)]
+    invs[0].files[0].append("data/9-0.t.bin")
+    plan = plan_restore(7, files, invs, URLS)
+    assert plan.ok
+    held = {(inv.node, f) for inv in invs for f in inv.files[0]}
+    brought = {(a.dst, a.file) for a in plan.actions}
+    assert held | brought == {(n, f) for n in range(nodes) for f in files}
+    assert not held & brought
+
+
 def test_transfers_between_different_nodes_run_at_once():
     # Node-local first levels, replicated state: every node needs every node's file.
     nodes, size = 6, 100

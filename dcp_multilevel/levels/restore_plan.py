@@ -28,6 +28,7 @@ no torch.distributed.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -357,7 +358,7 @@ def schedule(
     nodes = {inv.rank: inv.node for inv in inventories}
     if held is None:  # plan_restore passes the index it planned from
         held = _holders(inventories, bad)
-    forwards: dict[str, list[tuple[int, int]]] = {}  # file -> [(ready at, rank)]
+    forwards: dict[str, list[tuple[int, int, int]]] = {}  # file -> [(ready at, rank, node)]
     free: dict[int, int] = {}  # rank -> when its last action ends
     starts: list[int] = []
     placed: list[Link | Copy | Rebuild] = []
@@ -388,7 +389,7 @@ def schedule(
             start = max(free.get(r, 0) for r in participants(action))
             place(action, start, length)
             for f in action.brings:
-                forwards.setdefault(f, []).append((start + length, action.dst))
+                forwards.setdefault(f, []).append((start + length, action.dst, nodes[action.dst]))
 
     def length_of(copy: Copy) -> int:
         if copy.ranges is None:
@@ -405,11 +406,11 @@ def schedule(
         ]
         out += [
             (0, 1, rank)
-            for ready, rank in forwards.get(copy.file, ())
+            for ready, rank, node in forwards.get(copy.file, ())
             if ready <= now
+            and node != here
             and free.get(rank, 0) <= now
-            and nodes.get(rank) != here
-            and ("copy", nodes.get(rank), copy.file) not in bad
+            and not (bad and ("copy", node, copy.file) in bad)
         ]
         return out
 
@@ -418,7 +419,13 @@ def schedule(
         length = length_of(copy)
         place(copy, now, length)
         if copy.ranges is None:
-            forwards.setdefault(copy.file, []).append((now + length, dst))
+            forwards.setdefault(copy.file, []).append((now + length, dst, node))
+            can_send.setdefault(dst, set()).add(copy.file)
+            when(now + length, copy.file)
+        if not length:  # an empty file: both ranks stay idle, the file is forwardable now
+            rescan.add(node)
+            rescan.update(waiting.pop(copy.file, ()))
+            fresh.add(dst)  # woken nodes later in this pass may take it from there
         left[node] -= length
 
     def receivers(node: int, copy: Copy) -> list[int]:
@@ -434,9 +441,42 @@ def schedule(
     # later copies forward), then the lowest level, a copy held before, the lowest rank.
     left = {node: sum(length_of(c) for c in cs) for node, cs in copies.items()}
     holding = {f: len({node for _, _, node in hs}) for f, hs in held.items()}  # nodes
+    # Only nodes whose options may have changed are scanned at an event: those with
+    # a rank that fell idle (``rescan``), and those waiting (idle ranks, no source)
+    # on a file that a rank that fell idle can send or that became forwardable
+    # (``woken``; scanned only while one of those ranks is still idle when its turn
+    # comes). The others would find what they found before (nothing): the plan is
+    # the one a scan of every node makes.
+    can_send: dict[int, set[str]] = {}  # rank -> files it holds or forwards
+    ready: dict[int, set[str]] = {}  # time -> files forwardable from then on
+    ready_at: list[int] = []  # a heap of ready's times
+
+    def when(at: int, file: str) -> None:
+        if at not in ready:
+            heapq.heappush(ready_at, at)
+        ready.setdefault(at, set()).add(file)
+
+    for f, hs in held.items():
+        for _, rank, _ in hs:
+            can_send.setdefault(rank, set()).add(f)
+    for f, entries in forwards.items():
+        for at, rank, _ in entries:
+            can_send.setdefault(rank, set()).add(f)
+            when(at, f)
+    waiting: dict[str, set[int]] = {}  # file -> nodes that found no source for it
+    rescan = {n for n, cs in copies.items() if cs}
+    woken: set[int] = set()
+    fresh: set[int] = set()  # the ranks that woke nodes at this event
     now = 0
     while any(copies.values()):
-        for node in sorted((n for n, cs in copies.items() if cs), key=lambda n: (-left[n], n)):
+        scan, rescan = rescan, set()
+        wake, woken = woken, set()
+        for node in sorted((n for n in scan | wake if copies.get(n)), key=lambda n: (-left[n], n)):
+            if node not in scan and not any(free.get(r, 0) <= now for r in fresh):
+                # Nodes before it took what woke it: it waits on as it did.
+                for copy in copies[node][:_LOOKAHEAD]:
+                    waiting.setdefault(copy.file, set()).add(node)
+                continue
             for dst in ranks_of[node]:
                 if free.get(dst, 0) > now or not copies[node]:
                     continue  # busy (or became a source in this pass)
@@ -450,17 +490,32 @@ def schedule(
                 if options:
                     _, level, _, src, i = min(options)
                     send(node, i, dst, level, src, now)
-                elif all(copy.ranges is None for copy in ahead):
+                    continue
+                for copy in ahead:
+                    waiting.setdefault(copy.file, set()).add(node)
+                if all(copy.ranges is None for copy in ahead):
                     break  # the node's other idle ranks would find no source either
+        if not any(copies.values()):
+            break  # the last ones were empty files: no transfer ends to wait for
         later = [t for t in free.values() if t > now]
         if later:
             now = min(later)
+            fresh = {r for r, t in free.items() if t == now}
+            for rank in fresh:
+                rescan.add(nodes[rank])
+                for f in can_send.get(rank, ()):
+                    woken.update(waiting.pop(f, ()))
+            while ready_at and ready_at[0] <= now:  # (a rebuild may end between events)
+                for f in ready.pop(heapq.heappop(ready_at)):
+                    woken.update(waiting.pop(f, ()))
+                    fresh.update(rank for at, rank, _ in forwards[f] if at <= now)
             continue
         # Nothing busy and nothing sendable (the plan's own source is always among
         # the candidates, so this does not happen): the plan's choice, at the end.
         node = next(n for n, cs in copies.items() if cs)
         first = copies[node][0]
         send(node, 0, first.dst, first.level, first.src, now)
+        rescan = {n for n, cs in copies.items() if cs}
     order = sorted(range(len(placed)), key=lambda i: (starts[i], i))
     return [placed[i] for i in order]
 
