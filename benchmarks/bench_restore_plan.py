@@ -27,7 +27,7 @@ import time
 from _cli import parser
 from _measure import median, spread
 from _report import fmt, markdown_table
-from dcp_multilevel.levels.restore_plan import Copy, Inventory, Rebuild, participants, plan_restore
+from dcp_multilevel.levels.restore_plan import Inventory, plan_restore, simulated_time
 
 URLS = ["/l1", "partner:/p"]
 SIZE = 1 << 20  # bytes per file, plus the rank: files differ a little, as real ones do
@@ -52,25 +52,6 @@ def scenario(kind: str, nodes: int, ranks: int) -> tuple[dict[str, int], list[In
                 held = {0: own[n], 1: sorted(own[n] + own[(n - 1) % nodes])}
             invs.append(Inventory(rank, n, None, files=held))
     return files, invs
-
-
-def makespan(actions, files: dict[str, int]) -> int:
-    """Time to carry ``actions`` out, each rank in list order, a byte a time unit."""
-    free: dict[int, int] = {}
-    end = 0
-    for action in actions:
-        if isinstance(action, Copy):
-            length = files[action.file]
-        elif isinstance(action, Rebuild):
-            length = max(files[f] for f in action.brings) * len(action.sources)
-        else:
-            length = 0
-        ranks = participants(action)
-        start = max((free.get(r, 0) for r in ranks), default=0)
-        for r in ranks:
-            free[r] = start + length
-        end = max(end, start + length)
-    return end
 
 
 def bound(files: dict[str, int], invs: list[Inventory], ranks: int) -> int:
@@ -107,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 plan = plan_restore(7, files, invs, URLS)
                 seconds.append(time.perf_counter() - t0)
             assert plan is not None and plan.ok, plan.reasons if plan else None
-            span, low = makespan(plan.actions, files), bound(files, invs, ranks)
+            span, low = simulated_time(plan.actions, files), bound(files, invs, ranks)
             rows.append([f"{nodes} x {ranks}", kind, len(plan.actions),
                          f"{fmt(median(seconds), 3)} ({spread(seconds, 3)})",
                          fmt(span / low, 2), digest(plan.actions)])  # fmt: skip

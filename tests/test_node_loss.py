@@ -269,22 +269,28 @@ def test_a_flipped_byte_in_a_parity_chunk_is_detected_and_the_remote_serves(tmp_
     assert any("remote" in url for url in out[0][3]), out[0][3]
 
 
-def _killed_mid_transfer_job(rank: int, world: int, root: str) -> None:
-    """Saves step 1 (copied to partners), then dies by SIGKILL in step 2's copy."""
+def die_after_first_send() -> None:
+    """Make this process die by SIGKILL right after its next block sent between nodes
+    (the receiver is then in the middle of a file)."""
     from dcp_multilevel import _dist
 
+    send = _dist.send_bytes
+
+    def send_then_die(buf, dst, group):
+        send(buf, dst, group)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    _dist.send_bytes = send_then_die
+
+
+def _killed_mid_transfer_job(rank: int, world: int, root: str) -> None:
+    """Saves step 1 (copied to partners), then dies by SIGKILL in step 2's copy."""
     os.environ["DCP_ML_NODE"] = str(rank // 2)
     mgr = CheckpointManager(_levels(root, "partner", {"replicas": 2}), drain_policy="wait")
     mgr.save(_state(1), step=1)
     mgr.wait()
     if rank == 3:
-        send = _dist.send_bytes
-
-        def send_then_die(buf, dst, group):
-            send(buf, dst, group)  # the first block is out: the receiver is mid-file
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        _dist.send_bytes = send_then_die
+        die_after_first_send()
     mgr.save(_state(2), step=2)
     mgr.wait()
 

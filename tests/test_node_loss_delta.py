@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ import torch
 from dcp_multilevel import CheckpointManager, Level
 from dcp_multilevel.errors import CheckpointNotFoundError
 from tests._dist import RankError, run_ranks
-from tests.test_node_loss import _blank, _same
+from tests.test_node_loss import _blank, _same, die_after_first_send
 
 pytestmark = pytest.mark.multiprocess
 
@@ -194,8 +193,6 @@ def test_a_delta_whose_reference_is_lost_falls_back_or_names_the_chain(tmp_path)
 
 def _killed_mid_delta_copy_job(rank: int, world: int, root: str) -> None:
     """Saves steps 1 and 2 (copied to partners), then dies by SIGKILL in step 3's copy."""
-    from dcp_multilevel import _dist
-
     os.environ["DCP_ML_NODE"] = str(rank)
     mgr = CheckpointManager(_levels(root, "partner", {"replicas": 2}, 1, False),
                             drain_policy="wait")  # fmt: skip
@@ -203,13 +200,7 @@ def _killed_mid_delta_copy_job(rank: int, world: int, root: str) -> None:
         mgr.save(_state(step), step=step)
     mgr.wait()
     if rank == 1:
-        send = _dist.send_bytes
-
-        def send_then_die(buf, dst, group):
-            send(buf, dst, group)  # the first block is out: the receiver is mid-file
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        _dist.send_bytes = send_then_die
+        die_after_first_send()
     mgr.save(_state(3), step=3)
     mgr.wait()
 

@@ -23,8 +23,8 @@ from dcp_multilevel.levels.restore_plan import (
     Rebuild,
     merge_node_needs,
     merge_ranges,
-    participants,
     plan_restore,
+    simulated_time,
 )
 from dcp_multilevel.levels.topology import Topology
 
@@ -68,7 +68,7 @@ def test_a_replaced_node_copies_from_the_lowest_level_then_the_lowest_rank():
         Copy(names[2], 1, 0, 2),
         Copy(names[3], 1, 1, 3),
     ]
-    assert _makespan(plan.actions, files) == files[names[1]] + files[names[3]]  # not all 4
+    assert simulated_time(plan.actions, files) == files[names[1]] + files[names[3]]  # not all 4
 
 
 def test_only_the_files_a_node_needs_are_fetched():
@@ -366,26 +366,6 @@ def test_node_local_levels_need_a_first_level_on_the_nodes_own_disk():
         CheckpointManager([Level("memory://bucket/l1"), Level("partner:/p")])
 
 
-def _makespan(actions, files: dict[str, int]) -> int:
-    """Time to carry ``actions`` out when each rank takes its own in list order, each
-    action starting once all its ranks are free (blocking transfers), a byte a unit."""
-    free: dict[int, int] = {}
-    end = 0
-    for action in actions:
-        ranks = participants(action)
-        if isinstance(action, Copy):
-            length = files[action.file]
-        elif isinstance(action, Rebuild):
-            length = max(files[f] for f in action.brings) * len(action.sources)
-        else:
-            length = 0
-        start = max((free.get(r, 0) for r in ranks), default=0)
-        for r in ranks:
-            free[r] = start + length
-        end = max(end, start + length)
-    return end
-
-
 def test_empty_files_are_planned_like_others():
     # A rank may write an empty data file. Copies of empty files end at once: the
     # simulation once ran out of copies with no transfer left to wait for, and
@@ -412,8 +392,8 @@ def test_transfers_between_different_nodes_run_at_once():
     # A rank moves one file at a time and takes part in 2 (nodes - 1) copies on
     # average: that long at best. Node after node, the copies wait on each other.
     best = 2 * (nodes - 1) * size
-    assert _makespan(plan.actions, files) <= 1.15 * best  # 11 units of 10
-    assert _makespan(sorted(plan.actions, key=lambda a: a.dst), files) > 2 * best
+    assert simulated_time(plan.actions, files) <= 1.15 * best  # 11 units of 10
+    assert simulated_time(sorted(plan.actions, key=lambda a: a.dst), files) > 2 * best
     # Files are forwarded: not every node sends its own file to every other node.
     assert any(a.file != f"data/{a.src}-0.t.bin" for a in plan.actions)
 
@@ -429,10 +409,10 @@ def test_a_rebuilt_member_is_forwarded_by_the_nodes_that_receive_it():
     takers = [a for a in plan.actions if isinstance(a, Copy) and a.file == lost]
     assert sorted(a.dst for a in takers) == sorted({0, 1, 2, 3} - {rebuild.dst})
     assert {a.src for a in takers} != {rebuild.dst}  # not all from the rebuilding node
-    # 12 copies and a rebuild (2 units in _makespan's model): 14 units, each
+    # 12 copies and a rebuild (2 units in simulated_time's model): 14 units, each
     # keeping two of the 4 ranks busy, so 7 at best; each holder sending its
     # file to every node (before) took 10.
-    assert _makespan(plan.actions, files) <= 8 * max(files.values())
+    assert simulated_time(plan.actions, files) <= 8 * max(files.values())
 
 
 @settings(max_examples=60, deadline=None)

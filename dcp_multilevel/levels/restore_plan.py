@@ -46,6 +46,7 @@ __all__ = [
     "participants",
     "plan_restore",
     "schedule",
+    "simulated_time",
 ]
 
 
@@ -319,6 +320,28 @@ def participants(action: Link | Copy | Rebuild) -> set[int]:
     if isinstance(action, Rebuild):
         return {action.dst, *(rank for _, rank in action.sources)}
     return {action.dst}
+
+
+def simulated_time(actions: Sequence[Link | Copy | Rebuild], files: dict[str, int]) -> int:
+    """How long carrying ``actions`` out takes, a byte a time unit: each rank takes its
+    own in list order, each action once all its ranks are free (blocking transfers).
+    A copy moves its whole file; a rebuild reads its largest file from each source.
+    For tests and benchmarks (to compare plans), not used by the planner."""
+    free: dict[int, int] = {}
+    end = 0
+    for action in actions:
+        if isinstance(action, Copy):
+            length = files[action.file]
+        elif isinstance(action, Rebuild):
+            length = max(files[f] for f in action.brings) * len(action.sources)
+        else:
+            length = 0
+        ranks = participants(action)
+        start = max((free.get(r, 0) for r in ranks), default=0)
+        for r in ranks:
+            free[r] = start + length
+        end = max(end, start + length)
+    return end
 
 
 def schedule(
