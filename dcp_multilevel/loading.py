@@ -219,7 +219,8 @@ class Loader:
         if self.topology is not None and not self.topology.leads(rank):
             return
         ckpt = self.drivers[0].checkpoint(step)
-        if not ckpt.is_committed():
+        # A node that holds none of the step's files reads no delta against it.
+        if not ckpt.is_committed() and ckpt.data_files():
             ckpt.store.write_atomic(MANIFEST_NAME, data)
 
     def _set_aside_damaged(self, plan: Restore) -> set[tuple[Any, ...]]:

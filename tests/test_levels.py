@@ -23,7 +23,18 @@ from dcp_multilevel import (
     Tier,
     retention,
 )
-from dcp_multilevel.levels import LEVEL_KINDS, StoreLevel, driver_for, level_kind
+from dcp_multilevel.checkpoint import CheckpointRoot
+from dcp_multilevel.errors import DrainError
+from dcp_multilevel.levels import (
+    LEVEL_KINDS,
+    Drainer,
+    DrainJob,
+    DrainResult,
+    LevelDriver,
+    StoreLevel,
+    driver_for,
+    level_kind,
+)
 
 # --------------------------------------------------------------------------- Level / Tier
 
@@ -215,3 +226,53 @@ def test_abandoned_are_the_uncommitted_older_than_the_newest(uncommitted, comple
 def test_not_yet_above_protects_due_steps_not_known_nor_skipped():
     due = lambda s: s % 2 == 0  # noqa: E731
     assert retention.not_yet_above([1, 2, 3, 4, 6], due, known={2}, skipped={6}) == {4}
+
+
+# --------------------------------------------------------------------------- drains first
+
+
+class Recording(LevelDriver):
+    """A level whose drains only record their step, and end as ``outcome`` says."""
+
+    def __init__(self, root, outcome: dict[int, str]) -> None:
+        super().__init__(Level(str(root)), CheckpointRoot(str(root)))
+        self.ran: list[int] = []
+        self.outcome = outcome
+
+    def drain(self, job, manifest, link):
+        self.ran.append(job.step)
+        what = self.outcome.get(job.step, "commit")
+        if what == "fail":
+            raise DrainError("the disk is full")
+        return DrainResult(job.step, self.url, committed=what == "commit", skipped=what == "skip")
+
+
+def _jobs(source_root, target, steps: list[int]) -> DrainJob:
+    """A drain of ``steps[-1]`` with the others to run first."""
+    first = CheckpointRoot(str(source_root))
+    *before, step = steps
+    firsts = tuple(DrainJob(s, first.checkpoint(s), target, f"test-{s}", 0.0) for s in before)
+    return DrainJob(step, first.checkpoint(step), target, f"test-{step}", 0.0, before=firsts)
+
+
+@pytest.mark.parametrize("outcome", ["commit", "fail", "skip"])
+def test_a_drain_runs_the_drains_it_needs_first(tmp_path, outcome):
+    # A level between nodes copies a delta after its references; a delta whose
+    # reference could not be copied is not copied either, and says why.
+    mgr = CheckpointManager([Level(str(tmp_path / "l1"))])
+    for s in (1, 2, 3):
+        mgr.save(state(s), step=s)
+    target = Recording(tmp_path / "target", {1: outcome})
+    drainer = Drainer(policy="wait")
+    drainer.submit(_jobs(tmp_path / "l1", target, [1, 2, 3]))
+    if outcome == "fail":
+        with pytest.raises(DrainError, match=r"step 3 to .*: step 1, which it needs there, "
+                           r"was not copied first \(DrainError: the disk is full\)"):  # fmt: skip
+            drainer.wait()
+    else:
+        drainer.wait()
+    results = {r.step: r for r in drainer.results}
+    assert target.ran == ([1, 2, 3] if outcome == "commit" else [1])
+    assert results[3].committed == (outcome == "commit")
+    assert results[3].skipped == (outcome == "skip")  # another world size: skipped, no error
+    drainer.close()

@@ -165,13 +165,16 @@ class Drainer:
     def _run(self, job: DrainJob) -> DrainResult:
         for first in job.before:
             done = self._run(first)
-            if not done.committed:
-                why = done.error or "skipped"
+            if done.committed:
+                continue
+            if done.error is None:  # skipped (another world size): so is this one
+                result = DrainResult(job.step, job.target.url, skipped=True)
+            else:
                 result = DrainResult(job.step, job.target.url,
                                      error=f"step {first.step}, which it needs there, was not "
-                                           f"copied first ({why})")  # fmt: skip
-                self._record(result)
-                return result
+                                           f"copied first ({done.error})")  # fmt: skip
+            self._record(result)
+            return result
         t0 = time.perf_counter()
         try:
             result = run_drain(job, timeout_s=self.timeout_s)
