@@ -608,6 +608,7 @@ class CheckpointManager:
         nodes = set(self.topology.nodes)
         restored = {r.step: r for r in [*plan.chain, plan] if r.manifest is not None}
         redo: dict[int, list[int]] = {}  # level -> steps to copy again, oldest first
+        holders: dict[tuple[int, int], set[int]] = {}  # (level, step) -> nodes holding it
         for step, r in restored.items():
             if len(r.inventories) < _dist.world_size():
                 continue
@@ -615,9 +616,7 @@ class CheckpointManager:
                 held = {inv.node for inv in r.inventories if inv.files.get(i)}
                 if i > 0 and driver.node_local and held and not held >= nodes:
                     redo.setdefault(i, []).append(step)
-                    logger.info("dcp_multilevel: step %d is on %s on nodes %s only; copying it "
-                                "again for nodes %s", step, self.levels[i].url, sorted(held),
-                                sorted(nodes - held))  # fmt: skip
+                    holders[i, step] = held
         if not redo:
             return
         # A drain sends each rank's own files from its node's first level: all must be
@@ -636,6 +635,10 @@ class CheckpointManager:
                            [self.levels[i].url for i in redo])  # fmt: skip
             return
         for i, steps in redo.items():
+            for step in steps:
+                logger.info("dcp_multilevel: step %d is on %s on nodes %s only; copying it "
+                            "again for nodes %s", step, self.levels[i].url,
+                            sorted(holders[i, step]), sorted(nodes - holders[i, step]))  # fmt: skip
             self._generation += 1
             step, now = steps[-1], time.time()
             drain_id = f"m{self._instance}-{i}-{step}-{self._generation}-reprotect"
