@@ -153,6 +153,11 @@ def test_a_partner_level_receives_each_delta_beside_its_reference(tmp_path):
     shutil.rmtree(tmp_path / "n0")
     out = run_ranks(_load_job, 4, root, 2, "partner", opts, 2, timeout=300)
     assert [o[:2] for o in out] == [(6, True)] * 4, out
+    # Fewer ranks: 2, one on node 0 and one on a new, empty node 1; DCP reshards
+    # from the delta and its reference, both restored.
+    shutil.rmtree(tmp_path / "n1")
+    out = run_ranks(_load_job, 2, root, 1, "partner", opts, 2, timeout=300)
+    assert [o[:2] for o in out] == [(6, True)] * 2, out
 
 
 def test_an_erasure_level_rebuilds_a_delta_and_its_reference(tmp_path):
