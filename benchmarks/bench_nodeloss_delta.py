@@ -28,7 +28,6 @@ import contextlib
 import logging
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from _cli import names, parser, quiet_dcp_warnings
 from _disk import evict_tree, remove_tree, scratch_dir, tree_nbytes
 from _measure import median, rounds, spread
+from _minilm import finetune_states
 from _report import REPO, fmt, machine_info, markdown_table
 from bench_nodeloss import PHASES, WORLD, new_job, timed_phases
 from dcp_multilevel import CheckpointManager, Level
@@ -173,9 +173,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     dtypes = names(p, args.dtype, list(DTYPES), "dtype")
     quiet_dcp_warnings()
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from _minilm import finetune_states
-
     load_before = os.getloadavg()
     t_start = time.perf_counter()
     with contextlib.ExitStack() as stack:
