@@ -19,7 +19,7 @@ deleted; the survivors' files evicted from the page cache) and a new job's
 brought onto the replaced node, bit-exact or not. A delta's restore brings
 its keyframe as well.
 
-    python benchmarks/bench_nodeloss_delta.py [--repeat 3] [--saves 4] [--dtype fp32,bf16]
+    python benchmarks/bench_nodeloss_delta.py [--repeat 3] [--saves 4] [--dtype fp32,bf16] [--copies 1]
 """
 
 from __future__ import annotations
@@ -118,9 +118,13 @@ def rank_main(rank: int, world: int, args: dict) -> list[dict[str, Any]]:
     timed_phases()
     out = []
     for dtype in args["dtypes"]:
+        # --copies: the weights several times over under other keys (a bigger state
+        # whose every copy changes as the real fine-tuning changed it).
         states = [
-            {k: v.to(DTYPES[dtype]) for k, v in load_file(path).items()} for path in args["states"]
-        ]
+            {f"{c}.{k}": v.to(DTYPES[dtype]) for c in range(args["copies"])
+             for k, v in load_file(path).items()}
+            for path in args["states"]
+        ]  # fmt: skip
         for rep, config in rounds(list(CONFIGS), args["repeat"]):
             out.append(run_round(rank, config, rep, dtype, states, args))
     return out
@@ -169,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="fp32,bf16", help="fp32, bf16 or both (default)")
     p.add_argument("--root", type=Path, default=None, help="scratch directory (default: "
                    "bench_out/, on the disk)")  # fmt: skip
+    p.add_argument("--copies", type=int, default=1, help="the weights this many times over, "
+                   "under other keys (a bigger state); 1")  # fmt: skip
     p.add_argument("--timeout", type=float, default=1800.0)
     args = p.parse_args(argv)
     dtypes = names(p, args.dtype, list(DTYPES), "dtype")
@@ -188,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             save_file({k: v.contiguous() for k, v in state.items()}, str(path))
             paths.append(str(path))
         payload = {"root": str(root), "states": paths, "dtypes": dtypes, "repeat": args.repeat,
-                   "timeout": args.timeout}  # fmt: skip
+                   "copies": args.copies, "timeout": args.timeout}  # fmt: skip
         per_rank = run_ranks(rank_main, WORLD, payload, timeout=args.timeout)
         shutil.rmtree(root / "jobs", ignore_errors=True)
     records = [r for rank in per_rank for r in rank]
@@ -199,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"- {k}: {v}")
     print(f"- {WORLD} ranks on 2 nodes, MiniLM fine-tuned for real, a save every step, "
           f"{args.saves} saves per round (delta: keyframe_every={args.saves}), "
+          f"the weights {args.copies} time(s) over, "
           f"{args.repeat} rounds alternating; load average {load_before[0]:.2f} before, "
           f"{os.getloadavg()[0]:.2f} after; {time.perf_counter() - t_start:.0f} s")  # fmt: skip
     headers = ["config", "L1 MB per save", "/ full", "MB sent to partners per save",
