@@ -11,7 +11,9 @@ the mean over the chain's deltas of their bytes over the full save of the same
 state. Then the drain: a ``CheckpointManager`` whose first level is a plain
 directory and whose second is the throttled remote (200 MB/s, as in
 ``bench_manager.py``) with bytegroup, with and without ``keyframe_every``:
-each drain's seconds (``DrainResult.seconds``) for the chain's deltas, and a
+each drain's seconds (``DrainResult.seconds``) for the chain's deltas (and,
+for the delta modes, again with the same deltas on the first level, which the
+drain then copies as they are), and a
 ``dcp.load`` of the newest checkpoint from the remote (through the throttle).
 
 Data sets (``bench_delta.py`` makes them): ``minilm-w`` the real
@@ -102,15 +104,20 @@ def save_chain(root: Path, chain: list[dict], mode: str) -> tuple[list[float], l
     return seconds, sizes, load
 
 
-def drain_chain(root: Path, chain: list[dict], mode: str, mbps: float) -> tuple[list[float], float]:
+def drain_chain(
+    root: Path, chain: list[dict], mode: str, mbps: float, first_deltas: bool = False
+) -> tuple[list[float], float]:
     """Drain seconds of each checkpoint of ``chain`` to the throttled remote (``mode``:
     full, or the remote level's ``delta_against``), and seconds to load the newest
-    back from there (the level that holds the deltas in issue 17's example)."""
+    back from there (the level that holds the deltas in issue 17's example).
+    ``first_deltas``: the first level stores the same deltas (the drain then copies
+    them as they are, instead of coding them)."""
     kw = {} if mode == "full" else {"keyframe_every": len(chain), "delta_against": mode}
     remote = Level(f"throttled://{root}/remote", codec="bytegroup",
                    storage_options={"mbps": mbps}, **kw)  # fmt: skip
-    mgr = CheckpointManager([Level(str(root / "l1"), keep=len(chain)), remote],
-                            drain_policy="wait")  # fmt: skip
+    first = Level(str(root / "l1"), keep=len(chain), **({"codec": "bytegroup", **kw}
+                                                        if first_deltas else {}))  # fmt: skip
+    mgr = CheckpointManager([first, remote], drain_policy="wait")
     for i, state in enumerate(chain):
         mgr.save(state, step=i)
         mgr.wait()
@@ -145,7 +152,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, by_gap in sets.items():
             for gap, chain in by_gap.items():
                 got: dict[str, dict[str, list]] = {
-                    m: {"save": [], "load": [], "drain": [], "remote_load": [], "sizes": []}
+                    m: {
+                        "save": [],
+                        "load": [],
+                        "drain": [],
+                        "remote_load": [],
+                        "sizes": [],
+                        "drain_verbatim": [],
+                    }
                     for m in MODES
                 }
                 for rep, mode in rounds(MODES, args.repeat):
@@ -158,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
                         drains, remote_load = drain_chain(root, chain, mode, args.remote_mbps)
                         got[mode]["drain"] += drains[1:]
                         got[mode]["remote_load"].append(remote_load)
+                        if mode != "full":  # the same deltas on the first level too
+                            drains, _ = drain_chain(
+                                root / "verbatim", chain, mode, args.remote_mbps, True
+                            )
+                            got[mode]["drain_verbatim"] += drains[1:]
                     shutil.rmtree(root)
                 full = got["full"]["sizes"]
                 for mode in MODES:
@@ -168,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                         "stored_over_raw": sum(g["sizes"][1:]) / (len(chain) - 1)
                         / sum(t.numel() * t.element_size() for t in chain[0].values()),
                         "save_s": g["save"], "load_s": g["load"], "drain_s": g["drain"],
-                        "remote_load_s": g["remote_load"],
+                        "remote_load_s": g["remote_load"], "drain_verbatim_s": g["drain_verbatim"],
                     })  # fmt: skip
                 print(f"  {name} gap {gap} done", file=sys.stderr, flush=True)
     finally:
@@ -177,14 +196,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n### Chains of {args.chain} (a keyframe, then deltas), medians over the deltas\n")
     print(markdown_table(
         ["set", "gap", "mode", "stored / raw", "delta / full", "save s (spread)",
-         "load newest s (spread)", "drain s (spread)", "load newest from remote s (spread)"],
+         "load newest s (spread)", "drain s (spread)", "load newest from remote s (spread)",
+         "drain s, first level with the same deltas (spread)"],
         [[r["set"], r["gap"], r["mode"], f"{r['stored_over_raw']:.3f}",
           f"{r['delta_over_full']:.3f}",
           f"{median(r['save_s']):.3f} ({spread(r['save_s'], 3)})",
           f"{median(r['load_s']):.3f} ({spread(r['load_s'], 3)})",
           f"{median(r['drain_s']):.3f} ({spread(r['drain_s'], 3)})" if r["drain_s"] else "-",
           f"{median(r['remote_load_s']):.3f} ({spread(r['remote_load_s'], 3)})"
-          if r["remote_load_s"] else "-"]
+          if r["remote_load_s"] else "-",
+          f"{median(r['drain_verbatim_s']):.3f} ({spread(r['drain_verbatim_s'], 3)})"
+          if r["drain_verbatim_s"] else "-"]
          for r in rows],
     ))  # fmt: skip
     print("\n### Goals (gap 1)\n")
@@ -211,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
             ok = drain <= r["delta_over_full"] * 1.2 + 0.05
             detail = f"{drain:.2f}x full for {r['delta_over_full']:.2f}x the bytes"
             print(goal_line(ok, f"{r['set']} {r['mode']} drain", detail))
+        if r["drain_verbatim_s"]:
+            drain = median(r["drain_verbatim_s"]) / median(full["drain_s"])
+            ok = drain <= r["delta_over_full"] * 1.2 + 0.05
+            detail = (f"{drain:.2f}x full for {r['delta_over_full']:.2f}x the bytes (the first "
+                      "level stores the same deltas: copied as they are)")  # fmt: skip
+            print(goal_line(ok, f"{r['set']} {r['mode']} drain, deltas on both levels", detail))
     if args.json:
         args.json.write_text(json.dumps({"command": command(__file__), "rows": rows}, indent=1))
     return 0
