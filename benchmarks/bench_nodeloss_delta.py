@@ -19,7 +19,8 @@ deleted; the survivors' files evicted from the page cache) and a new job's
 brought onto the replaced node, bit-exact or not. A delta's restore brings
 its keyframe as well.
 
-    python benchmarks/bench_nodeloss_delta.py [--repeat 3] [--saves 4] [--dtype fp32,bf16] [--copies 1]
+    python benchmarks/bench_nodeloss_delta.py [--repeat 3] [--saves 4] [--dtype fp32,bf16] \
+        [--copies 1]
 """
 
 from __future__ import annotations
