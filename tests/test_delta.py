@@ -585,6 +585,33 @@ def test_command_line_verifies_copies_and_converts_delta_checkpoints(tmp_path) -
     assert_state_equal(load(tmp_path / "whole" / "step-2", states[2]), states[2])
 
 
+def test_gc_keeps_what_kept_deltas_need(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from dcp_multilevel.cli import main
+
+    def gc(*args):
+        result = CliRunner().invoke(main, ["gc", str(tmp_path / "run"), *map(str, args)])
+        assert result.exit_code == 0, result.output
+        return result
+
+    # step-2 is a delta against step-1, itself one against step-0: --keep 1 keeps
+    # all three (deleting 0 or 1 would leave the kept step-2 unrestorable).
+    states = chain_of_three(tmp_path / "run")
+    plan = json.loads(gc("--keep", 1, "--json").output)
+    assert plan["kept"] == [0, 1, 2] and plan["expired"] == []
+    assert plan["kept_as_reference"] == [0, 1]
+    assert "(0, 1: references of kept deltas)" in gc("--keep", 1, "--dry-run").output
+    assert_state_equal(load(tmp_path / "run" / "step-2", states[2]), states[2])
+    # A whole step-3: the chain is needed by no kept step any more.
+    states.append(train(states[-1], 3))
+    save(tmp_path / "run" / "step-3", states[-1])
+    plan = json.loads(gc("--keep", 1, "--json").output)
+    assert plan["kept"] == [3] and plan["expired"] == [0, 1, 2]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-3"]
+    assert_state_equal(load(tmp_path / "run" / "step-3", states[3]), states[3])
+
+
 def test_a_reference_replaced_during_the_save_is_not_committed(tmp_path) -> None:
     """The commit checks every delta item against the reference as it is then."""
     from torch.distributed.checkpoint import DefaultSavePlanner

@@ -3,7 +3,9 @@
 The rules are the manager's (``retention.py``), applied to what is in ROOT:
 
 - **expired**: committed checkpoints past the newest ``--keep``; the newest
-  committed one is never deleted;
+  committed one is never deleted, nor a checkpoint a kept delta checkpoint
+  needs (its reference, and that one's: ``--keep`` counts restorable
+  checkpoints);
 - **abandoned**: ``step-<N>`` directories without a manifest that are older
   (by step) than the newest committed checkpoint, or whose files were all
   last modified more than ``--older-than`` seconds ago (age is known only on
@@ -14,9 +16,11 @@ The rules are the manager's (``retention.py``), applied to what is in ROOT:
   local directory; for an object store (which publishes objects only whole),
   this machine's spool files left by dead processes.
 
-Checkpoints are deleted manifest first, so a half-deleted one does not
-exist. Nothing here knows what a running job is doing: do not run ``gc`` on
-a level a ``CheckpointManager`` is writing to with a short ``--older-than``.
+Checkpoints are deleted newest first (a delta before its reference) and
+manifest first, so a half-deleted one does not exist and an interrupted gc
+leaves no delta without its reference. Nothing here knows what a running
+job is doing: do not run ``gc`` on a level a ``CheckpointManager`` is
+writing to with a short ``--older-than``.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from typing import Any
 import click
 
 from ..checkpoint import CheckpointRoot
-from ..errors import ConfigError
-from ..format import step_dir
-from ..retention import abandoned, expired
+from ..errors import ConfigError, DcpMultilevelError
+from ..format import parse_step_dir, step_dir
+from ..retention import abandoned, deletion_order, expired
 from ._common import emit_json, json_option, resolve, stdout_console, storage_options_option
 
 __all__ = ["gc", "plan_gc"]
@@ -54,12 +58,27 @@ def _age(root: CheckpointRoot, name: str, now: float) -> float | None:
     return now - newest
 
 
+def _references(root: CheckpointRoot, steps: list[int]) -> dict[int, int | None]:
+    """Each committed step's reference step in ``root`` (None: stored whole). A manifest
+    that cannot be read counts as whole: that checkpoint cannot be loaded anyway."""
+    refs: dict[int, int | None] = {}
+    for step in steps:
+        try:
+            link = root.checkpoint(step).manifest().reference
+        except (DcpMultilevelError, OSError):
+            link = None
+        refs[step] = None if link is None else parse_step_dir(link.checkpoint)
+    return refs
+
+
 def plan_gc(root: CheckpointRoot, keep: int, older_than_s: float) -> dict[str, Any]:
     """What ``gc`` deletes in ``root`` (the JSON shape of ``gc --dry-run --json``)."""
     now = time.time()
     complete = root.steps()
     uncommitted = root.uncommitted()
-    gone = expired(complete, keep, protected=())
+    refs = _references(root, complete)
+    gone = expired(complete, keep, protected=(), refs=refs)
+    newest = set(complete[-keep:])
     by_step = set(abandoned(uncommitted, complete, protected=()))
     for step in uncommitted:
         age = _age(root, step_dir(step), now)
@@ -72,6 +91,8 @@ def plan_gc(root: CheckpointRoot, keep: int, older_than_s: float) -> dict[str, A
         "keep": keep,
         "older_than_s": older_than_s,
         "kept": [s for s in complete if s not in gone],
+        # Kept beyond --keep: a kept delta checkpoint needs them.
+        "kept_as_reference": [s for s in complete if s not in gone and s not in newest],
         "expired": gone,
         "abandoned": debris,
         # The store's own sweep rule, listing only; not inside steps deleted anyway.
@@ -106,7 +127,8 @@ def gc(
 ) -> None:
     """Delete old checkpoints and crash debris below the root ROOT.
 
-    Keeps the newest --keep committed checkpoints; removes step-<N> directories
+    Keeps the newest --keep committed checkpoints and what delta checkpoints
+    among them are coded against; removes step-<N> directories
     without a manifest that are older than the newest committed checkpoint (or
     untouched for --older-than seconds), and temporary files older than that.
     """
@@ -119,8 +141,9 @@ def gc(
     plan = plan_gc(target.root, keep, older_than_s)
     plan["dry_run"] = dry_run
     if not dry_run:
-        # Manifest first (StoredCheckpoint.delete): a half-deleted checkpoint does not exist.
-        for step in plan["expired"] + plan["abandoned"]:
+        # Newest first (a delta before its reference), each manifest first
+        # (StoredCheckpoint.delete): an interrupted gc leaves every kept step whole.
+        for step in deletion_order(plan["expired"]) + plan["abandoned"]:
             target.root.delete(step)
         plan["temporaries"] = sorted(target.root.sweep(older_than_s))
     if as_json:
@@ -129,6 +152,8 @@ def gc(
     console = stdout_console()
     verb = "would delete" if dry_run else "deleted"
     lines = [f"{plan['root']}: keeping steps {_steps(plan['kept'])}"]
+    if plan["kept_as_reference"]:
+        lines[0] += f" ({_steps(plan['kept_as_reference'])}: references of kept deltas)"
     lines += [f"{verb} step {s} (expired)" for s in plan["expired"]]
     lines += [f"{verb} step {s} (incomplete, abandoned)" for s in plan["abandoned"]]
     lines += [f"{verb} {p} (temporary)" for p in plan["temporaries"]]
