@@ -21,7 +21,6 @@ from collections.abc import Iterable, Sequence
 
 from .config import Level
 from .errors import DcpMultilevelError
-from .format import parse_step_dir
 from .keyframes import next_reference
 from .levels import LevelDriver
 
@@ -108,8 +107,7 @@ class DeltaChains:
                     out[step] = self._read[index][step]
                     continue
             try:
-                link = self._drivers[index].checkpoint(step).manifest().reference
-                ref = None if link is None else parse_step_dir(link.checkpoint)
+                ref = self._drivers[index].checkpoint(step).manifest().reference_step
             except (DcpMultilevelError, OSError) as e:
                 with self._lock:
                     ref = dict(self._history[history_of]).get(step)

@@ -33,7 +33,7 @@ import click
 
 from ..checkpoint import CheckpointRoot
 from ..errors import ConfigError, DcpMultilevelError
-from ..format import parse_step_dir, step_dir
+from ..format import step_dir
 from ..retention import abandoned, deletion_order, expired
 from ._common import emit_json, json_option, resolve, stdout_console, storage_options_option
 
@@ -64,10 +64,9 @@ def _references(root: CheckpointRoot, steps: list[int]) -> dict[int, int | None]
     refs: dict[int, int | None] = {}
     for step in steps:
         try:
-            link = root.checkpoint(step).manifest().reference
+            refs[step] = root.checkpoint(step).manifest().reference_step
         except (DcpMultilevelError, OSError):
-            link = None
-        refs[step] = None if link is None else parse_step_dir(link.checkpoint)
+            refs[step] = None
     return refs
 
 

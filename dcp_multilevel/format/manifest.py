@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.metadata import (
 from .._version import __version__
 from ..errors import UnsupportedStateError
 from .dtypes import dtype_name
-from .layout import MANIFEST_NAME
+from .layout import MANIFEST_NAME, parse_step_dir
 
 __all__ = [
     "DELTA_FORMAT_VERSION",
@@ -125,6 +125,12 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
     reference: Reference | None = None
+
+    @property
+    def reference_step(self) -> int | None:
+        """The step whose checkpoint the deltas are coded against (None: stored whole,
+        or a reference directory not named ``step-<N>``)."""
+        return None if self.reference is None else parse_step_dir(self.reference.checkpoint)
 
 
 # --------------------------------------------------------------------------- encode

@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import _dist
 from ..checkpoint import decoded_manifest
-from ..format import Manifest, parse_step_dir
+from ..format import Manifest
 from .base import LevelDriver
 from .restore import gather_inventories, split_needs, take_inventory
 from .restore_plan import Inventory, RestorePlan, plan_restore
@@ -78,8 +78,7 @@ class Restore:
         or no first-level manifest)."""
         if self.manifest is None:
             return None
-        link = decoded_manifest(self.manifest, f"step {self.step}").reference
-        return None if link is None else parse_step_dir(link.checkpoint)
+        return decoded_manifest(self.manifest, f"step {self.step}").reference_step
 
 
 def gather_views(drivers: Sequence[LevelDriver]) -> Views:
