@@ -343,12 +343,10 @@ class CheckpointManager:
                 for s in removed:
                     self.drivers[0].delete(s)
         self._chains.removed(0, removed)
-        source = self.drivers[0].checkpoint(step)
         for i in due:
             ref = None if i in skip else self._chains.reference(i)
-            drain_id = f"m{self._instance}-{i}-{step}-{self._generation}"
-            needed_first = self._drains_first(i, before.get(i, ()), drain_id, committed)
-            job = DrainJob(step, source, self.drivers[i], drain_id, committed, ref, needed_first)
+            job = self._drain_job(i, step, f"m{self._instance}-{i}-{step}-{self._generation}",
+                                  committed, before.get(i, ()), ref)  # fmt: skip
             if self._drainer.submit(job, skip=i in skip) is None:
                 self._skipped[i].add(step)
                 metrics.drains_skipped.append(self.levels[i].url)
@@ -381,15 +379,24 @@ class CheckpointManager:
             ref = self._chains.refs(0, [ref]).get(ref)
         return chain[::-1]
 
-    def _drains_first(
-        self, index: int, steps: Sequence[int], drain_id: str, committed: float
-    ) -> tuple[DrainJob, ...]:
-        """Drains of first-level ``steps`` to level ``index``, to run before the drain
-        ``drain_id`` (see :meth:`_missing_references`)."""
-        first, target = self.drivers[0], self.drivers[index]
-        return tuple(
-            DrainJob(s, first.checkpoint(s), target, f"{drain_id}-ref{s}", committed) for s in steps
+    def _drain_job(
+        self,
+        index: int,
+        step: int,
+        drain_id: str,
+        committed: float,
+        first: Sequence[int] = (),
+        reference: int | None = None,
+    ) -> DrainJob:
+        """The drain of first-level ``step`` to level ``index``, after drains of the
+        first-level steps ``first`` (see :meth:`_missing_references`)."""
+        source, target = self.drivers[0], self.drivers[index]
+        before = tuple(
+            DrainJob(s, source.checkpoint(s), target, f"{drain_id}-ref{s}", committed)
+            for s in first
         )
+        return DrainJob(step, source.checkpoint(step), target, drain_id, committed, reference,
+                        before)  # fmt: skip
 
     def _first_save(
         self,
@@ -640,12 +647,9 @@ class CheckpointManager:
                             "again for nodes %s", step, self.levels[i].url,
                             sorted(holders[i, step]), sorted(nodes - holders[i, step]))  # fmt: skip
             self._generation += 1
-            step, now = steps[-1], time.time()
-            drain_id = f"m{self._instance}-{i}-{step}-{self._generation}-reprotect"
-            self._drainer.submit(DrainJob(
-                step, self.drivers[0].checkpoint(step), self.drivers[i], drain_id, now,
-                before=self._drains_first(i, steps[:-1], drain_id, now),
-            ), skip=False)  # fmt: skip
+            drain_id = f"m{self._instance}-{i}-{steps[-1]}-{self._generation}-reprotect"
+            job = self._drain_job(i, steps[-1], drain_id, time.time(), steps[:-1])
+            self._drainer.submit(job, skip=False)
 
     def _resume_drains(self, view: dict[int, list[int]]) -> None:
         """Drain again the newest first-level step each higher level is due to hold and
@@ -667,12 +671,9 @@ class CheckpointManager:
             logger.info("dcp_multilevel: resuming the drain of step %d to %s",
                         step, self.levels[i].url)  # fmt: skip
             drain_id = f"m{self._instance}-{i}-{step}-{self._generation}-resume"
-            now = time.time()
+            job = self._drain_job(i, step, drain_id, time.time(), before[i])
             # skip=False: the same decision on every rank (wait for a running drain).
-            self._drainer.submit(DrainJob(
-                step, self.drivers[0].checkpoint(step), self.drivers[i], drain_id, now,
-                before=self._drains_first(i, before[i], drain_id, now),
-            ), skip=False)  # fmt: skip
+            self._drainer.submit(job, skip=False)
 
     # ------------------------------------------------------------------ lifecycle
 
