@@ -91,23 +91,25 @@ class Loader:
         each of them must be restorable too (``Restore.chain``, whole files:
         a reference is found in the step's directory, never in a parts copy).
         """
-        plan = restorable(
-            step, self.drivers, views, node=self.node(),
-            needs=lambda manifest: needed_ranges(state_dict, manifest, planner),
-            transfers=self._restore_group is not None, names=self._names,
-            members=self._node_ranks(), group=self._restore_group,
-        )  # fmt: skip
+
+        def agree(at: int, whole_files: bool) -> Restore:
+            def needs(manifest: Manifest) -> dict[str, list[list[int]]] | None:
+                ranges = needed_ranges(state_dict, manifest, planner)
+                return _whole_files(ranges, manifest) if whole_files else ranges
+
+            return restorable(
+                at, self.drivers, views, node=self.node(), needs=needs,
+                transfers=self._restore_group is not None, names=self._names,
+                members=self._node_ranks(), group=self._restore_group,
+            )  # fmt: skip
+
+        plan = agree(step, whole_files=False)
         link = plan.reference_step()
         while plan.ok and link is not None:
             if any(r.step == link for r in plan.chain) or link >= step:
                 plan.reasons.append(f"step {step}: its reference chain loops at step {link}")
                 break
-            ref = restorable(
-                link, self.drivers, views, node=self.node(),
-                needs=lambda m: _whole_files(needed_ranges(state_dict, m, planner), m),
-                transfers=self._restore_group is not None, names=self._names,
-                members=self._node_ranks(), group=self._restore_group,
-            )  # fmt: skip
+            ref = agree(link, whole_files=True)
             if not ref.ok or ref.manifest is None:
                 why = "; ".join(ref.reasons) or "only store levels hold it"
                 if self._whole_elsewhere(step, views):
