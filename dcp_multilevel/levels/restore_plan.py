@@ -457,11 +457,7 @@ def schedule(
         for byte ranges (each node's parts copy has one writer)."""
         return ranks_of[node] if copy.ranges is None else [copy.dst]
 
-    # An event-driven simulation: whenever ranks fall idle, the node with the most
-    # bytes still to receive first (its receives are the longest chain), each idle
-    # rank of it takes one of the node's next few copies that an idle source can
-    # send now: the file on the fewest nodes so far (rarest first: it spreads what
-    # later copies forward), then the lowest level, a copy held before, the lowest rank.
+    # The event-driven simulation of the docstring.
     left = {node: sum(length_of(c) for c in cs) for node, cs in copies.items()}
     holding = {f: len({node for _, _, node in hs}) for f, hs in held.items()}  # nodes
     # Only nodes whose options may have changed are scanned at an event: those with
