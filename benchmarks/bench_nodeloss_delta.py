@@ -131,21 +131,22 @@ def rank_main(rank: int, world: int, args: dict) -> list[dict[str, Any]]:
     return out
 
 
+def per_save(records: list[dict], key: str, over_ranks: Any) -> list[float]:
+    """Per round and save after the first (the deltas, in the delta configuration):
+    ``over_ranks`` (sum, max) of every rank's ``key``, for one configuration's records."""
+    saves = len(records[0]["saves"])
+    return [over_ranks(r["saves"][i][key] for r in records if r["round"] == n)
+            for n in sorted({r["round"] for r in records}) for i in range(1, saves)]  # fmt: skip
+
+
 def summarize(records: list[dict], dtype: str) -> list[list[object]]:
     rows = []
     full_bytes = None
     for config in CONFIGS:
         mine = [r for r in records if r["config"] == config and r["dtype"] == dtype]
         rounds_ = sorted({r["round"] for r in mine})
-        # Per save after the first (the deltas, in the delta configuration): all ranks.
-        l1 = [sum(r["saves"][i]["l1_bytes"] for r in mine if r["round"] == n)
-              for n in rounds_ for i in range(1, len(mine[0]["saves"]))]  # fmt: skip
-        sent = [sum(r["saves"][i]["sent"] for r in mine if r["round"] == n)
-                for n in rounds_ for i in range(1, len(mine[0]["saves"]))]  # fmt: skip
-        save_s = [max(r["saves"][i]["save_s"] for r in mine if r["round"] == n)
-                  for n in rounds_ for i in range(1, len(mine[0]["saves"]))]  # fmt: skip
-        copy_s = [max(r["saves"][i]["copy_s"] for r in mine if r["round"] == n)
-                  for n in rounds_ for i in range(1, len(mine[0]["saves"]))]  # fmt: skip
+        l1, sent = per_save(mine, "l1_bytes", sum), per_save(mine, "sent", sum)
+        save_s, copy_s = per_save(mine, "save_s", max), per_save(mine, "copy_s", max)
         load_s = [max(r["load_s"] for r in mine if r["round"] == n) for n in rounds_]
         slowest = [max((r for r in mine if r["round"] == n), key=lambda r: r["load_s"])
                    for n in rounds_]  # fmt: skip
