@@ -283,16 +283,23 @@ def die_after_first_send() -> None:
     _dist.send_bytes = send_then_die
 
 
+def save_then_die_in_last_copy(mgr, state, steps: list[int], rank: int, dying: int) -> None:
+    """Save ``steps`` (each copied between nodes before the next); rank ``dying`` dies
+    by SIGKILL in the middle of the last one's copy."""
+    for step in steps[:-1]:
+        mgr.save(state(step), step=step)
+        mgr.wait()
+    if rank == dying:
+        die_after_first_send()
+    mgr.save(state(steps[-1]), step=steps[-1])
+    mgr.wait()
+
+
 def _killed_mid_transfer_job(rank: int, world: int, root: str) -> None:
     """Saves step 1 (copied to partners), then dies by SIGKILL in step 2's copy."""
     os.environ["DCP_ML_NODE"] = str(rank // 2)
     mgr = CheckpointManager(_levels(root, "partner", {"replicas": 2}), drain_policy="wait")
-    mgr.save(_state(1), step=1)
-    mgr.wait()
-    if rank == 3:
-        die_after_first_send()
-    mgr.save(_state(2), step=2)
-    mgr.wait()
+    save_then_die_in_last_copy(mgr, _state, [1, 2], rank, dying=3)
 
 
 def test_sigkill_during_the_copy_leaves_the_previous_step_restorable(tmp_path):

@@ -20,7 +20,7 @@ import torch
 from dcp_multilevel import CheckpointManager, Level
 from dcp_multilevel.errors import CheckpointNotFoundError
 from tests._dist import RankError, run_ranks
-from tests.test_node_loss import _blank, _same, die_after_first_send
+from tests.test_node_loss import _blank, _same, save_then_die_in_last_copy
 
 pytestmark = pytest.mark.multiprocess
 
@@ -201,13 +201,7 @@ def _killed_mid_delta_copy_job(rank: int, world: int, root: str) -> None:
     os.environ["DCP_ML_NODE"] = str(rank)
     mgr = CheckpointManager(_levels(root, "partner", {"replicas": 2}, 1, False),
                             drain_policy="wait")  # fmt: skip
-    for step in (1, 2):
-        mgr.save(_state(step), step=step)
-    mgr.wait()
-    if rank == 1:
-        die_after_first_send()
-    mgr.save(_state(3), step=3)
-    mgr.wait()
+    save_then_die_in_last_copy(mgr, _state, [1, 2, 3], rank, dying=1)
 
 
 def test_sigkill_during_a_delta_copy_leaves_the_previous_step_restorable(tmp_path):
