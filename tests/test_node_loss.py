@@ -94,7 +94,14 @@ def _load_job(
 ) -> tuple[int | None, bool, dict, dict | str]:  # fmt: skip
     """(step, bit-exact, what the restore brought, the reader's sources or the error)."""
     os.environ["DCP_ML_NODE"] = str(rank // per_node)
-    mgr = CheckpointManager(_levels(root, kind, options, remote))
+    return load_latest_report(_levels(root, kind, options, remote), _state)
+
+
+def load_latest_report(levels: list[Level], state_of) -> tuple[int | None, bool, dict, dict | str]:
+    """A new manager's ``load_latest`` into a blank state: (step, bit-exact against
+    ``state_of(step)``, what the restore brought, the reader's sources or the error).
+    ``close()`` waits for the copies a restore makes again."""
+    mgr = CheckpointManager(levels)
     state = _blank()
     try:
         step = mgr.load_latest(state)
@@ -103,7 +110,7 @@ def _load_job(
         return None, False, {}, str(e)
     mgr.close()
     received = mgr.last_restore.received if mgr.last_restore else {}
-    exact = _same(state, _state(step)) if step is not None else False
+    exact = _same(state, state_of(step)) if step is not None else False
     return step, exact, received, mgr.last_load_sources
 
 

@@ -18,9 +18,8 @@ import pytest
 import torch
 
 from dcp_multilevel import CheckpointManager, Level
-from dcp_multilevel.errors import CheckpointNotFoundError
 from tests._dist import RankError, run_ranks
-from tests.test_node_loss import _blank, _same, save_then_die_in_last_copy
+from tests.test_node_loss import _blank, _same, load_latest_report, save_then_die_in_last_copy
 
 pytestmark = pytest.mark.multiprocess
 
@@ -69,17 +68,7 @@ def _load_job(
 ) -> tuple[int | None, bool, dict, dict | str]:  # fmt: skip
     """(step, bit-exact, what the restore brought, the reader's sources or the error)."""
     os.environ["DCP_ML_NODE"] = str(rank // per_node)
-    mgr = CheckpointManager(_levels(root, kind, options, every, remote))
-    state = _blank()
-    try:
-        step = mgr.load_latest(state)
-    except CheckpointNotFoundError as e:
-        mgr.close()
-        return None, False, {}, str(e)
-    mgr.close()  # waits for the copies a restore makes again
-    received = mgr.last_restore.received if mgr.last_restore else {}
-    exact = _same(state, _state(step)) if step is not None else False
-    return step, exact, received, mgr.last_load_sources
+    return load_latest_report(_levels(root, kind, options, every, remote), _state)
 
 
 def _steps(path) -> list[str]:
