@@ -6,9 +6,9 @@ can load a step (``levels/agreement.py``, ``levels/restore.py``);
 :meth:`Loader.load` carries out the restore (copies, links, rebuilds over the
 restore's gloo group, in rounds that leave damaged sources out), reads with a
 :class:`~dcp_multilevel.reader.MultiLevelReader` over the levels holding the
-step, and, when that read fails on a first-level file damaged since the save,
-sets the damaged files aside, fetches intact copies from other nodes and
-reads again.
+step, and, when that read fails on a first-level file damaged since the save
+(the step's or one of its references'), sets the damaged files aside, fetches
+intact copies from other nodes and reads again.
 
 Call order (every rank, main thread, the same steps)::
 
@@ -165,13 +165,20 @@ class Loader:
             # Every rank sees DCP's failure. A first-level file damaged since the
             # save (the reader found no intact copy on this node, and no store
             # level holds the step) may still be intact on another node: set the
-            # damaged ones aside, fetch them like lost ones, and read again.
-            if plan.plan is None or plan.manifest is None or self._restore_group is None:
+            # damaged ones aside, fetch them like lost ones, and read again. The
+            # step's references too: a delta is decoded onto their bytes.
+            if self._restore_group is None:
                 raise
-            bad = self._set_aside_damaged(plan)
-            if not bad:
+            fetched = False
+            for part in [*plan.chain, plan]:  # the same list on every rank (agreed)
+                if part.plan is None or part.manifest is None:
+                    continue
+                bad = self._set_aside_damaged(part)
+                if bad:
+                    self.last_restore = self._bring_files(part, bad, self.last_restore)
+                    fetched = True
+            if not fetched:
                 raise
-            self.last_restore = self._bring_files(plan, bad, self.last_restore)
             self._read(state_dict, plan, planner)
 
     def _read(self, state_dict: dict[str, Any], plan: Restore, planner) -> None:

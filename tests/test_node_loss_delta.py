@@ -19,7 +19,13 @@ import torch
 
 from dcp_multilevel import CheckpointManager, Level
 from tests._dist import RankError, run_ranks
-from tests.test_node_loss import _blank, _same, load_latest_report, save_then_die_in_last_copy
+from tests.test_node_loss import (
+    _blank,
+    _flip_byte,
+    _same,
+    load_latest_report,
+    save_then_die_in_last_copy,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -183,6 +189,23 @@ def test_a_delta_whose_reference_is_lost_falls_back_or_names_the_chain(tmp_path)
     out = run_ranks(_load_job, 2, root, 1, "partner", opts, 1, False, timeout=300)
     assert out[0][0] is None, out
     assert "step 2 is a delta against step 1, which cannot be restored" in out[0][3], out[0][3]
+
+
+def test_a_damaged_reference_on_the_first_level_is_fetched_intact_from_another_node(tmp_path):
+    # Step 2 is a delta against step 1. Rank 0's file of step 1 is damaged on
+    # node 0 (its partner copy there is the same file, linked); node 1's copy
+    # is intact. Before the fix only step 2's own files were checked and
+    # fetched again, and load_latest fell back to step 1.
+    root, opts = str(tmp_path), {"replicas": 2}
+    run_ranks(_save_job, 2, root, 1, "partner", opts, 1, [1, 2], timeout=300)
+    assert _reference(tmp_path / "n0/l1/step-2") == "step-1"
+    (own,) = (tmp_path / "n0/l1/step-1/data").glob("0-*.bin")
+    _flip_byte(own)
+    out = run_ranks(_load_job, 2, root, 1, "partner", opts, 1, timeout=300)
+    assert [o[:2] for o in out] == [(2, True)] * 2, out
+    # The damaged reference file is kept aside, an intact copy from node 1 took its place.
+    assert len(list((tmp_path / "n0/l1/step-1/data").glob("0-*.bin.damaged-*"))) == 1
+    assert any(k.endswith("(node 1)") for k in out[0][2]), out[0][2]
 
 
 def _killed_mid_delta_copy_job(rank: int, world: int, root: str) -> None:
