@@ -8,6 +8,7 @@ Every save and load here is real (files on disk, DCP's own save and load).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 import warnings
@@ -323,6 +324,8 @@ def test_a_corrupt_link_anywhere_in_the_chain_is_named(tmp_path, broken) -> None
     assert found[0].chain[-1].endswith(broken)
     assert found[0].chain[0].endswith("step-2")
     assert "step-2" in str(found[0]) and broken in str(found[0])
+    # The flipped byte is in a chunk's payload: the message names the chunk.
+    assert re.search(r"chunk \d+: its checksum does not match its bytes", str(found[0])), found[0]
     # A whole copy of the same save on another level serves the step instead.
     shutil.copytree(tmp_path / "step-2", tmp_path / "other" / "step-2")
     for name in ("step-0", "step-1"):  # the copy's own chain, intact

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import xxhash
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from ..codecs import Codec
@@ -215,6 +214,7 @@ class ItemStream:
         self._codec: Codec | None = None
         self._inner: ItemStream | None = None  # this item's own reference, if it is a delta
         self._files = files
+        self._chunks = 0  # chunk records read (names a corrupt one)
 
     @classmethod
     def opened(
@@ -254,12 +254,7 @@ class ItemStream:
                 )
             if self.loc.transforms:
                 self._codec = item_codec(self._ref)
-                self._header = frames.unpack_header(self._read(frames.HEADER.size))
-                if self._header.raw_total not in (self.loc.raw_length, frames.UNKNOWN_TOTAL):
-                    raise frames.FrameError(
-                        f"frame holds {self._header.raw_total} bytes, the manifest "
-                        f"{self.loc.raw_length}"
-                    )
+                self._header = frames.read_header(self._read, self.loc.raw_length)
                 if self.loc.reference is not None:
                     self._inner = self._stack.enter_context(
                         closing(
@@ -368,13 +363,13 @@ class ItemStream:
         return buf
 
     def _next_chunk(self) -> tuple[frames.ChunkRecord, memoryview]:
-        rec = frames.unpack_chunk(self._read(frames.CHUNK.size))
-        frames.check_chunk(rec, self._header, self._left)  # type: ignore[arg-type]
-        if rec.raw_len == 0:
+        try:
+            rec, payload = frames.read_chunk(self._read, self._header, self._left)  # type: ignore[arg-type]
+        except frames.FrameError as e:
+            raise frames.FrameError(f"chunk {self._chunks}: {e}") from None
+        if payload is None:
             raise frames.FrameError("the frames end before the item does")
-        payload = self._read(rec.stored_len)
-        if xxhash.xxh3_64_intdigest(payload) != rec.checksum:
-            raise frames.FrameError("a chunk's checksum does not match its bytes")
+        self._chunks += 1
         if rec.method == frames.METHOD_DELTA and self._inner is None:
             raise frames.FrameError("a delta chunk in an item stored without a reference")
         self._spend(rec.raw_len)

@@ -13,8 +13,6 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future, wait
 from typing import TYPE_CHECKING
 
-import xxhash
-
 from ..format import frames
 from .base import Codec
 
@@ -84,26 +82,20 @@ def decode_frames(
         return pull(n)
 
     try:
-        header = frames.unpack_header(read(frames.HEADER.size))
+        header = frames.read_header(read, len(out))
     except frames.FrameError as e:
         raise on_chunk_error(-1, str(e)) from None
-    if header.raw_total not in (len(out), frames.UNKNOWN_TOTAL):
-        raise on_chunk_error(-1, f"frame holds {header.raw_total} bytes, expected {len(out)}")
     pending: deque[Future] = deque()
     pos = 0
     index = 0
     try:
         while True:
-            rec = frames.unpack_chunk(read(frames.CHUNK.size))
-            if rec.is_terminator:
-                break
             try:
-                frames.check_chunk(rec, header, len(out) - pos)
+                rec, payload = frames.read_chunk(read, header, len(out) - pos)
             except frames.FrameError as e:
                 raise on_chunk_error(index, str(e)) from None
-            payload = read(rec.stored_len)
-            if xxhash.xxh3_64_intdigest(payload) != rec.checksum:
-                raise on_chunk_error(index, "its checksum does not match its bytes")
+            if payload is None:
+                break
             target = out[pos : pos + rec.raw_len]
             ref = None
             if rec.method == frames.METHOD_DELTA:

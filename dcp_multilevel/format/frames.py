@@ -27,7 +27,10 @@ allows: see :func:`check_chunk`.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import xxhash
 
 __all__ = [
     "CHUNK",
@@ -45,6 +48,8 @@ __all__ = [
     "check_chunk",
     "pack_chunk",
     "pack_header",
+    "read_chunk",
+    "read_header",
     "unpack_chunk",
     "unpack_header",
 ]
@@ -172,3 +177,31 @@ def check_chunk(rec: ChunkRecord, header: FrameHeader, raw_left: int) -> None:
         raise FrameError(f"{rec.raw_len} bytes is not a multiple of {header.width}")
     if rec.method == METHOD_RAW and rec.stored_len != rec.raw_len:
         raise FrameError(f"raw chunk stores {rec.stored_len} != {rec.raw_len}")
+
+
+def read_header(read: Callable[[int], memoryview], raw_total: int) -> FrameHeader:
+    """An item's header, read with ``read(n)`` (the next ``n`` stored bytes) and
+    checked against ``raw_total``, the item's raw size from the manifest."""
+    header = unpack_header(read(HEADER.size))
+    if header.raw_total not in (raw_total, UNKNOWN_TOTAL):
+        raise FrameError(f"frame holds {header.raw_total} bytes, expected {raw_total}")
+    return header
+
+
+def read_chunk(
+    read: Callable[[int], memoryview], header: FrameHeader, raw_left: int
+) -> tuple[ChunkRecord, memoryview | None]:
+    """The next chunk's record and payload, read with ``read(n)``; the payload is
+    None for the terminator. The record is checked (:func:`check_chunk`, with
+    ``raw_left`` raw bytes still expected) before its payload is read, and the
+    payload against its checksum. The one reader of the chunk loop: decoding
+    (``codecs/decode.py``) and a delta's reference stream
+    (``checkpoint/reference.py``) both walk frames with it."""
+    rec = unpack_chunk(read(CHUNK.size))
+    if rec.is_terminator:
+        return rec, None
+    check_chunk(rec, header, raw_left)
+    payload = read(rec.stored_len)
+    if xxhash.xxh3_64_intdigest(payload) != rec.checksum:
+        raise FrameError("its checksum does not match its bytes")
+    return rec, payload
