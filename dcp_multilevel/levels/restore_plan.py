@@ -386,10 +386,17 @@ def schedule(
     starts: list[int] = []
     placed: list[Link | Copy | Rebuild] = []
 
+    ends: list[int] = []  # a heap of the times a transfer ends (the events)
+    ending: dict[int, set[int]] = {}  # time -> ranks whose last transfer ends then
+
     def place(action: Link | Copy | Rebuild, start: int, length: int) -> None:
         if length:
+            end = start + length
             for r in participants(action):
-                free[r] = start + length
+                free[r] = end
+            if end not in ending:
+                heapq.heappush(ends, end)
+            ending.setdefault(end, set()).update(participants(action))
         starts.append(start)
         placed.append(action)
 
@@ -419,23 +426,27 @@ def schedule(
             return files.get(copy.file, 0)
         return sum(b - a for a, b in copy.ranges)
 
-    def sources(copy: Copy, now: int) -> list[tuple[int, int, int]]:
-        """``(level, forwarded, rank)`` of every source that can send ``copy`` at ``now``."""
+    def best_source(copy: Copy, now: int) -> tuple[int, int, int] | None:
+        """The least ``(level, forwarded, rank)`` of the sources that can send ``copy``
+        at ``now`` (None: none can)."""
         here = nodes.get(copy.dst)
-        out = [
-            (level, 0, rank)
-            for level, rank, node in held.get(copy.file, ())
-            if node != here and free.get(rank, 0) <= now
-        ]
-        out += [
-            (0, 1, rank)
-            for ready, rank, node in forwards.get(copy.file, ())
-            if ready <= now
-            and node != here
-            and free.get(rank, 0) <= now
-            and not (bad and ("copy", node, copy.file) in bad)
-        ]
-        return out
+        best = None
+        for level, rank, node in held.get(copy.file, ()):
+            if node != here and free.get(rank, 0) <= now:
+                option = (level, 0, rank)
+                if best is None or option < best:
+                    best = option
+        for ready, rank, node in forwards.get(copy.file, ()):
+            if (
+                ready <= now
+                and node != here
+                and free.get(rank, 0) <= now
+                and not (bad and ("copy", node, copy.file) in bad)
+            ):
+                option = (0, 1, rank)
+                if best is None or option < best:
+                    best = option
+        return best
 
     def send(node: int, i: int, dst: int, level: int, src: int, now: int) -> None:
         copy = replace(copies[node].pop(i), dst=dst, level=level, src=src)
@@ -499,15 +510,23 @@ def schedule(
             for dst in ranks_of[node]:
                 if free.get(dst, 0) > now or not copies[node]:
                     continue  # busy (or became a source in this pass)
-                options = []
                 ahead = copies[node][:_LOOKAHEAD]
-                for i, copy in enumerate(ahead):
-                    if dst not in receivers(node, copy):
-                        continue
-                    spread = holding.get(copy.file, 0) + len(forwards.get(copy.file, ()))
-                    options += [(spread, *source, i) for source in sources(copy, now)]
-                if options:
-                    _, level, _, src, i = min(options)
+                # The least (spread, level, forwarded, rank, i) over every copy's
+                # sources; spread first, so a rarer copy with a source ends the search.
+                rarest = sorted(
+                    (holding.get(copy.file, 0) + len(forwards.get(copy.file, ())), i)
+                    for i, copy in enumerate(ahead)
+                    if dst in receivers(node, copy)
+                )
+                best = None
+                for spread, i in rarest:
+                    if best is not None and spread > best[0]:
+                        break
+                    source = best_source(ahead[i], now)
+                    if source is not None and (best is None or (spread, *source, i) < best):
+                        best = (spread, *source, i)
+                if best is not None:
+                    _, level, _, src, i = best
                     send(node, i, dst, level, src, now)
                     continue
                 for copy in ahead:
@@ -516,10 +535,12 @@ def schedule(
                     break  # the node's other idle ranks would find no source either
         if not any(copies.values()):
             break  # the last ones were empty files: no transfer ends to wait for
-        later = [t for t in free.values() if t > now]
-        if later:
-            now = min(later)
-            fresh = {r for r, t in free.items() if t == now}
+        fresh = set()
+        while ends and not fresh:  # the next time a rank's last transfer ends
+            at = heapq.heappop(ends)
+            fresh = {r for r in ending.pop(at) if free[r] == at}
+        if fresh:
+            now = at
             for rank in fresh:
                 rescan.add(nodes[rank])
                 for f in can_send.get(rank, ()):
