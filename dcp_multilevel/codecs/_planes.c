@@ -12,8 +12,8 @@
  * encode() does a float chunk's whole coding in one call: judge, split, and
  * zstd on the planes that pay (or on a split plane's low bits, split_plane
  * below), writing the payload bytegroup.py describes:
- * the same plane choices as the Python path, and the same bytes where the
- * libzstd found is python-zstandard's release.
+ * the same plane choices as the Python path, in other (equally valid) zstd
+ * frames: PLANE_FAST below.
  * It calls libzstd's stable API, found at import with dlopen (python-zstandard
  * links its copy statically and exports nothing). Without a libzstd,
  * HAS_ZSTD is False and bytegroup.py calls zstd through python-zstandard,
@@ -735,6 +735,17 @@ static const int PLANE_PARAMS[][2] = {
     {101, 17}, {102, 6}, {103, 6}, {104, 1}, {105, 7}, {106, 0}, {107, 1}, {200, 1}, {201, 0},
 };
 
+/* Then, where libzstd takes them: the fast strategy's acceleration
+ * (targetLength 128: the match search skips ahead through bytes that do not
+ * repeat, which byte planes mostly are) with Huffman-coded literals kept on
+ * (literalCompressionMode = 1; by itself an acceleration turns them off).
+ * python-zstandard cannot set the second, so the numpy fallback keeps
+ * _PLANE_PARAMS and writes other (equally valid) frames. Measured on MiniLM
+ * fine-tuning XOR deltas (fp32, 90 MB, one thread): coding 103 -> 80 ms,
+ * decoding 54 -> 46 ms, 0.7 % smaller; whole checkpoints within the noise,
+ * the same sizes (docs/benchmarks-log.md, session 14). */
+static const int PLANE_FAST[][2] = {{106, 128}, {1002, 1}};
+
 static void free_cctx(void *cctx) { zstd_free(cctx); }
 
 static void load_zstd(void) {
@@ -767,6 +778,9 @@ static void *thread_cctx(void) {
             return NULL;
         }
     }
+    /* Literals first: an acceleration without Huffman literals would code worse. */
+    if (!zstd_is_error(zstd_set(cctx, PLANE_FAST[1][0], PLANE_FAST[1][1])))
+        (void)zstd_set(cctx, PLANE_FAST[0][0], PLANE_FAST[0][1]);
     if (pthread_setspecific(cctx_key, cctx) != 0) {
         zstd_free(cctx);
         return NULL;

@@ -72,7 +72,8 @@ the packed low bits. Method 4 stores ``bitmap length u32``, the bitmap
 non-zero bytes (as many raw as the bitmap counts, or a zstd frame of them).
 
 Planes are coded with zstd tuned as an entropy coder (``_zstd._PLANE_PARAMS``;
-``level`` does not apply). Which planes are worth it is judged on a sample of
+``level`` does not apply; the all-in-C coder adds a faster match search,
+``_planes.c`` PLANE_FAST). Which planes are worth it is judged on a sample of
 the chunk (a few spread slices) before the chunk is split: planes whose
 sample does not compress are stored raw without compressing the rest
 (mantissa planes are near-random), and a chunk none of whose planes pays is
@@ -92,8 +93,8 @@ with the GIL released (one call each per chunk or plane). Where a libzstd is fou
 call: every GIL hand-off between coding threads waits on waking the other
 thread, and on small chunks those waits cost more than the second thread
 gained. Builds without a C compiler fall back to numpy (``_bytegroup_np.py``;
-:data:`NATIVE` is False): same bytes, but ~30 short numpy calls per chunk that each retake the
-GIL, so a second coding thread gains little.
+:data:`NATIVE` is False): the same bytes as the C kernels without libzstd, but ~30 short
+numpy calls per chunk that each retake the GIL, so a second coding thread gains little.
 """
 
 from __future__ import annotations
