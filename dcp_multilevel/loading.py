@@ -149,16 +149,17 @@ class Loader:
 
     def load(self, state_dict: dict[str, Any], plan: Restore, planner: LoadPlanner | None) -> None:
         """Bring each node what it lacks, then ``dcp.load`` through the levels. Collective."""
-        report = RestoreReport(plan.step)
-        for ref in plan.chain:  # the references first: the step is read beside them
-            if ref.plan is not None and ref.plan.actions:
-                self.last_restore = self._bring_files(ref, report=report)
+        # The references first (the step is read beside them), in one go with the step.
+        parts = [ref for ref in plan.chain if ref.plan is not None and ref.plan.actions]
+        if plan.plan is not None and plan.manifest is not None:
+            parts.append(plan)
+        if parts:
+            self.last_restore = self._bring_files(parts, report=RestoreReport(plan.step))
+        for ref in plan.chain:
             assert ref.manifest is not None  # plan() keeps only references with one
             self.keep_manifest(ref.step, ref.manifest)
-        if plan.plan is not None and plan.manifest is not None:
-            self.last_restore = self._bring_files(plan, report=report)
-            if plan.plan.actions:
-                self._recommit_first_level(plan)
+        if plan.plan is not None and plan.manifest is not None and plan.plan.actions:
+            self._recommit_first_level(plan)
         try:
             self._read(state_dict, plan, planner)
         except CheckpointException:
@@ -169,16 +170,17 @@ class Loader:
             # step's references too: a delta is decoded onto their bytes.
             if self._restore_group is None:
                 raise
-            fetched = False
+            damaged = []
             for part in [*plan.chain, plan]:  # the same list on every rank (agreed)
-                if part.plan is None or part.manifest is None:
-                    continue
-                bad = self._set_aside_damaged(part)
-                if bad:
-                    self.last_restore = self._bring_files(part, bad, self.last_restore)
-                    fetched = True
-            if not fetched:
+                if part.plan is not None and part.manifest is not None:
+                    bad = self._set_aside_damaged(part)
+                    if bad:
+                        damaged.append((part, bad))
+            if not damaged:
                 raise
+            self.last_restore = self._bring_files(
+                [part for part, _ in damaged], [bad for _, bad in damaged], self.last_restore
+            )
             self._read(state_dict, plan, planner)
 
     def _read(self, state_dict: dict[str, Any], plan: Restore, planner) -> None:
@@ -251,35 +253,54 @@ class Loader:
                            "fetching intact copies: %s", plan.step, sorted(bad))  # fmt: skip
         return bad
 
-    def _bring_files(self, plan: Restore, bad: set[tuple[Any, ...]] | None = None,
-                     report: RestoreReport | None = None) -> RestoreReport:  # fmt: skip
-        """Copy or rebuild onto each node the files it lacks (collective), in rounds:
-        a source found damaged (``bad``, and what each round finds) is left out of
-        the next round's plan. Counts go on ``report`` (a new one by default)."""
-        assert plan.plan is not None and plan.manifest is not None
+    def _bring_files(
+        self,
+        parts: Sequence[Restore],
+        bad: Sequence[set[tuple[Any, ...]]] | None = None,
+        report: RestoreReport | None = None,
+    ) -> RestoreReport:
+        """Copy or rebuild onto each node the files each of ``parts`` lacks (steps: a
+        delta's references, then the step; collective), in rounds: a source found
+        damaged (``bad``, one set per part, and what each round finds) is left out
+        of that part's next plan. Within a round the parts' transfers run one after
+        another with no wait in between: a rank goes on to the next step's as soon
+        as its own part of the last one is done (every rank walks the same actions
+        in the same order, so none waits on a transfer that never comes). Counts go
+        on ``report`` (a new one, for the last part's step, by default)."""
+        assert all(part.plan is not None and part.manifest is not None for part in parts)
         t0 = time.perf_counter()
-        bad = set(bad or ())
-        steps = self._replan(plan, bad) if bad else plan.plan
-        report = report if report is not None else RestoreReport(plan.step)
+        bads = [set(b) for b in bad] if bad is not None else [set() for _ in parts]
+        steps: list[RestorePlan | None] = [
+            self._replan(part, b) if b else part.plan for part, b in zip(parts, bads, strict=True)
+        ]
+        report = report if report is not None else RestoreReport(parts[-1].step)
         for _ in range(_RESTORE_ROUNDS):
-            if not steps.actions:
+            todo = [i for i, s in enumerate(steps) if s is not None and s.actions]
+            if not todo:
                 break
             for drain_driver in self.drivers:  # a running drain must not race the restore
                 self._drainer.finish(drain_driver)
-            found = execute(steps, self.drivers, plan.manifest, self._restore_group,
-                            plan.inventories)  # fmt: skip
-            found_everywhere = {tuple(b) for part in _dist.all_gather_object(found) for b in part}
-            report.add(steps, self._names, plan.inventories, self.node(), found_everywhere)
-            if not found_everywhere:
-                break
-            bad |= found_everywhere
-            logger.warning("dcp_multilevel: damaged sources for step %d: %s; trying others",
-                           plan.step, sorted(found_everywhere))  # fmt: skip
-            steps = self._replan(plan, bad)
+            found = [
+                execute(steps[i], self.drivers, parts[i].manifest, self._restore_group,  # type: ignore[arg-type]
+                        parts[i].inventories)
+                for i in todo
+            ]  # fmt: skip
+            everyone = _dist.all_gather_object(found)
+            for k, i in enumerate(todo):
+                part, done = parts[i], steps[i]
+                assert done is not None
+                found_everywhere = {tuple(b) for theirs in everyone for b in theirs[k]}
+                report.add(done, self._names, part.inventories, self.node(), found_everywhere)
+                steps[i] = None
+                if found_everywhere:
+                    bads[i] |= found_everywhere
+                    logger.warning("dcp_multilevel: damaged sources for step %d: %s; trying "
+                                   "others", part.step, sorted(found_everywhere))  # fmt: skip
+                    steps[i] = self._replan(part, bads[i])
         report.seconds += time.perf_counter() - t0
         if report.received:
             logger.info("dcp_multilevel: step %d restored onto this node: %s in %.2f s",
-                        plan.step, report.received, report.seconds)  # fmt: skip
+                        report.step, report.received, report.seconds)  # fmt: skip
         return report
 
     def _replan(self, plan: Restore, bad: set[tuple[Any, ...]]) -> RestorePlan:
