@@ -167,6 +167,8 @@ class BalancedSavePlanner(DefaultSavePlanner):
             merged = merge_mappings([p.planner_data for p in global_plan if p.planner_data])
             metadata = dataclasses.replace(metadata, planner_data=merged)
         errors = _validate_global_plan(global_plan, metadata)
+        if isinstance(errors, bool):  # torch < 2.13 returns True when valid, not the errors
+            errors = [] if errors else ["see DCP's warnings in the log"]
         if errors:
             raise PlanningError(f"balanced plan failed DCP's validation: {'; '.join(errors)[:500]}")
         return global_plan, metadata

@@ -146,3 +146,29 @@ def test_one_fqn_saved_as_two_whole_tensors_is_refused():
         "item 'w' is saved twice: as a whole tensor and as another item; every state-dict "
         "key must name one tensor, sharded or whole"
     )
+
+
+@pytest.mark.parametrize(
+    ("validation", "error"),
+    [
+        # torch 2.13 returns the list of errors; torch < 2.13 a bool (True: valid).
+        ([], None),
+        (True, None),
+        (["key:w has out of bounds chunk"], "key:w has out of bounds chunk"),
+        (False, "see DCP's warnings in the log"),
+    ],
+)
+def test_dcps_plan_validation_is_read_in_either_form(monkeypatch, validation, error):
+    import dcp_multilevel.planner as planner_module
+
+    # DCP's own validation of a correct plan returns "valid" in one form only; the
+    # other forms are what other torch releases (or an invalid plan) return.
+    monkeypatch.setattr(planner_module, "_validate_global_plan", lambda plan, md: validation)
+    plans = _local_plans([{"w": torch.zeros(8, 8)}] * 2)
+    if error is None:
+        global_plan, _ = BalancedSavePlanner().create_global_plan(plans)
+        assert sorted(i.index.fqn for p in global_plan for i in p.items) == ["w"]
+    else:
+        with pytest.raises(PlanningError) as info:
+            BalancedSavePlanner().create_global_plan(plans)
+        assert str(info.value) == f"balanced plan failed DCP's validation: {error}"
