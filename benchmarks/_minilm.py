@@ -103,10 +103,11 @@ class MiniLM:
         return (x * m).sum(1) / m.sum(1).clamp(min=1.0)
 
 
-def finetune_states(steps: int, batch: int = 16, max_tokens: int = 64, seed: int = 0
-                    ) -> Iterator[State]:  # fmt: skip
+def finetune_states(steps: int, batch: int = 16, max_tokens: int = 64, seed: int = 0,
+                    losses: list[float] | None = None) -> Iterator[State]:  # fmt: skip
     """The MiniLM weights (fp32) before training and after each of ``steps`` real
-    fine-tuning steps (see the module docstring); ``batch`` sentence pairs per step."""
+    fine-tuning steps (see the module docstring); ``batch`` sentence pairs per step.
+    Each step's training loss is appended to ``losses`` when given."""
     from tokenizers import Tokenizer
 
     torch.manual_seed(seed)
@@ -132,6 +133,8 @@ def finetune_states(steps: int, batch: int = 16, max_tokens: int = 64, seed: int
         loss = F.cross_entropy(scores, torch.arange(len(chunk)))
         if not math.isfinite(loss.item()):
             raise RuntimeError(f"MiniLM fine-tuning diverged at step {step}")
+        if losses is not None:
+            losses.append(loss.item())
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()

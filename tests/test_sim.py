@@ -401,6 +401,19 @@ def test_loss_curves_value_early_progress_more():
     assert flat.value_seconds(10, 2.0) == pytest.approx(np.arange(11) * 2.0)
 
 
+def test_coci_bound_is_the_mean_root_of_the_progress_rate():
+    # Flat: every step worth the same, nothing to gain over Young/Daly.
+    assert Recorded((0, 10), (1.0, 1.0)).coci_bound(100) == pytest.approx(1.0)
+    # Linear loss: w = 1 at every step, the same.
+    assert Recorded((0, 100), (2.0, 1.0)).coci_bound(100) == pytest.approx(1.0)
+    # All progress in the first quarter: w = 4 there, 0 after; mean(sqrt(w)) = 2 / 4.
+    front = Recorded((0, 25, 100), (2.0, 1.0, 1.0))
+    assert front.progress_rates(100) == pytest.approx([4.0] * 25 + [0.0] * 75)
+    assert front.coci_bound(100) == pytest.approx(0.5)
+    # The benchmark's Chinchilla-shaped curve over 72 h of 6 s steps (docs/schedule.md).
+    assert m.LOSS.coci_bound(43_200) == pytest.approx(0.673, abs=5e-4)
+
+
 def test_estimates_and_the_brute_force_grid():
     e = Estimate.of([1.0, 2.0, 3.0])
     assert (e.mean, e.half_width) == pytest.approx((2.0, 1.96 / math.sqrt(3)))

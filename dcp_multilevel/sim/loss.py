@@ -58,6 +58,19 @@ class LossCurve:
             return np.arange(total_steps + 1) * step_seconds
         return gained / gained[-1] * whole
 
+    def progress_rates(self, total_steps: int) -> np.ndarray:
+        """``w`` per step ``1..total_steps``: the value a step adds over its mean share
+        (mean 1 over the run; docs/schedule.md "Three accountings")."""
+        return np.diff(self.value_seconds(total_steps, 1.0))
+
+    def coci_bound(self, total_steps: int) -> float:
+        """The least ratio to Young/Daly's fault-tolerance cost that any schedule can reach
+        under COCI's accounting on this curve, to first order: ``mean(sqrt(w))``
+        (Young/Daly pays ``(1 + w) / 2`` per unit at each step, the best interval
+        ``sqrt(w)``; docs/schedule.md "Three accountings"). 1.0 for a flat curve; the
+        closer to 0, the more a convergence-aware schedule can gain."""
+        return float(np.mean(np.sqrt(self.progress_rates(total_steps))))
+
 
 @dataclass(frozen=True)
 class PowerLaw(LossCurve):
