@@ -1,6 +1,6 @@
 """Async saves through MultiLevelWriter's buffer pool (issue 6), on real gloo ranks.
 
-Each scenario runs in fresh interpreters (``_dist.run_ranks``): PROCESS mode
+Each scenario runs in processes of its own (``_dist.run_ranks``): PROCESS mode
 needs a process group, and RSS figures need a process of their own.
 
 * snapshot: mutate every tensor right after ``async_save`` returns, three saves

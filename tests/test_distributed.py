@@ -1,7 +1,8 @@
 """Real multi-process saves and loads: gloo process groups, DTensors, resharding.
 
-Every scenario spawns fresh interpreters (see ``_dist.run_ranks``), and each
-interpreter costs seconds to import torch, so one spawn checks several things:
+Every scenario starts processes of their own (see ``_dist.run_ranks``); these
+scenarios were grouped when each process cost seconds to import torch, so one
+job checks several things:
 
 * ``saved_by_2`` / ``saved_by_4``: save replicated + sharded state with 2 and 4
   ranks; every rank checks the commit (only rank 0 writes the one manifest),
