@@ -332,3 +332,21 @@ def test_harness_reports_the_failing_rank() -> None:
     assert 1 in info.value.failures
     assert "ValueError: planted failure on rank 1 of 2" in info.value.failures[1]
     assert "rank 1 failed:\nTraceback (most recent call last):" in str(info.value)
+
+
+def _rank_env_and_pid(rank: int, world_size: int) -> tuple[str | None, int]:
+    return os.environ.get("DCP_ML_TEST_MARKER"), os.getpid()
+
+
+def test_harness_ranks_see_the_callers_environment_now_and_are_new_processes(monkeypatch):
+    # The fork server may have started before this test (with an older
+    # environment): each rank must still see the caller's environment of now.
+    run_ranks(_rank_env_and_pid, 1, timeout=60)
+    monkeypatch.setenv("DCP_ML_TEST_MARKER", "set after the server started")
+    first = run_ranks(_rank_env_and_pid, 2, timeout=60)
+    monkeypatch.delenv("DCP_ML_TEST_MARKER")
+    second = run_ranks(_rank_env_and_pid, 2, timeout=60)
+    assert [env for env, _ in first] == ["set after the server started"] * 2
+    assert [env for env, _ in second] == [None, None]
+    pids = [pid for _, pid in first + second]
+    assert len(set(pids)) == 4 and os.getpid() not in pids
