@@ -35,6 +35,11 @@ def add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the raw samples here")
 
 
+def args_record(args: argparse.Namespace) -> dict[str, object]:
+    """The parsed options as JSON values (paths as strings), for a results file."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
 def add_wait_idle(p: argparse.ArgumentParser, help: str = WAIT_IDLE_HELP) -> None:
     p.add_argument("--wait-idle", type=float, default=0.0, help=help)
 

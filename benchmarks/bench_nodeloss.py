@@ -128,7 +128,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _remotes  # noqa: F401 - registers throttled:// with fsspec (in every rank too)
-from _cli import add_json, add_seed, names, parser, quiet_dcp_warnings
+from _cli import add_json, add_seed, args_record, names, parser, quiet_dcp_warnings
 from _data import (
     assert_state_equal,
     bert_adamw_state,
@@ -918,7 +918,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(goals))
     if args.json:
         args.json.write_text(json.dumps({
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "args": args_record(args),
             "machine": info, "load": {"before": load_before, "after_ranks": load_ranks,
                                       "after": load_after},
             "records": records, "coder": coder,

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _cli import add_json, parser
+from _cli import add_json, args_record, parser
 from _report import markdown_table
 from dcp_multilevel.sim import Recorded
 from dcp_multilevel.sim import measured as m
@@ -42,8 +42,13 @@ RUNS = {"72 h": 43_200, "24 h": 14_400, "12 h": 7_200}
 GOAL = 0.60  # 40 % below Young/Daly
 
 
-def fits(losses: np.ndarray) -> list[tuple[str, Recorded]]:
-    """Least-squares fits of the expected loss, each as a curve over the same steps."""
+def over_run(values: np.ndarray, steps: int) -> Recorded:
+    """``values`` (one per recorded step) stretched evenly over a run of ``steps``."""
+    return Recorded(tuple(np.linspace(0, steps, len(values))), tuple(values))
+
+
+def fits(losses: np.ndarray, steps: int) -> list[tuple[str, Recorded]]:
+    """Least-squares fits of the expected loss, each stretched over a run of ``steps``."""
     s = np.arange(1, len(losses) + 1, dtype=np.float64)
     out = []
     shapes = {
@@ -62,24 +67,20 @@ def fits(losses: np.ndarray) -> list[tuple[str, Recorded]]:
                 best = (err, fitted)
         if best is not None:
             rms = (best[0] / len(losses)) ** 0.5
-            out.append((f"{how} (rms {rms:.3f})", Recorded(tuple(s), tuple(best[1]))))
+            out.append((f"{how} (rms {rms:.3f})", over_run(best[1], steps)))
     return out
 
 
-def smoothed(losses: np.ndarray, windows: list[int]) -> list[tuple[str, Recorded]]:
-    """Moving averages of the losses over each of ``windows`` steps."""
-    out = []
-    for w in windows:
-        avg = np.convolve(losses, np.ones(w) / w, mode="valid")
-        out.append((f"moving average, {w} steps", Recorded(tuple(range(len(avg))), tuple(avg))))
-    return out
-
-
-def stretched(curve: Recorded, steps: int) -> Recorded:
-    """``curve`` with its steps scaled to span ``0..steps``."""
-    first, last = curve.steps[0], curve.steps[-1]
-    scale = steps / (last - first)
-    return Recorded(tuple((x - first) * scale for x in curve.steps), curve.values)
+def smoothed(losses: np.ndarray, windows: list[int], steps: int) -> list[tuple[str, Recorded]]:
+    """Moving averages of the losses over each of ``windows`` steps, each stretched over
+    a run of ``steps``."""
+    return [
+        (
+            f"moving average, {w} steps",
+            over_run(np.convolve(losses, np.ones(w) / w, "valid"), steps),
+        )
+        for w in windows
+    ]
 
 
 def main() -> int:
@@ -112,9 +113,11 @@ def main() -> int:
         seconds = time.perf_counter() - t0
     if losses:
         name = f"MiniLM fine-tuning, {len(losses)} steps"
-        for how, curve in [*fits(np.asarray(losses)), *smoothed(np.asarray(losses), windows)]:
-            # Stretched over the run, the bound does not depend on the run's length.
-            b = stretched(curve, RUNS["72 h"]).coci_bound(RUNS["72 h"])
+        # Stretched over the run, the bound does not depend on the run's length.
+        steps = RUNS["72 h"]
+        recorded = np.asarray(losses)
+        for how, curve in [*fits(recorded, steps), *smoothed(recorded, windows, steps)]:
+            b = curve.coci_bound(steps)
             rows.append([name, how, "72 h", f"{b:.3f}", f"{1 - b:.0%}"])
     print("## The least cost of any schedule against Young/Daly, COCI's accounting\n")
     if losses:
@@ -126,9 +129,8 @@ def main() -> int:
     head = ["curve", "expected curve", "run", "mean(sqrt(w))", "best possible below Y/D"]
     print(markdown_table(head, rows))
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
-                                                  for k, v in vars(args).items()},
-                                         "losses": losses, "rows": rows}, indent=1))  # fmt: skip
+        record = {"args": args_record(args), "losses": losses, "rows": rows}
+        args.json.write_text(json.dumps(record, indent=1))
     return 0
 
 
