@@ -136,7 +136,7 @@ def run_ranks(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     iface = _LOOPBACK.get(sys.platform)
     if iface is not None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)  # inherited by the children
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)  # sent to the children with env
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (first call)
     reports = ctx.Queue()
