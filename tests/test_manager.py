@@ -424,6 +424,34 @@ def test_drain_copies_files_verbatim_when_the_codecs_agree(
     fresh.close()
 
 
+def test_a_recoding_drain_writes_outputs_that_grow_from_small_to_the_cap(tmp_path, monkeypatch):
+    # Small first outputs start the uploads early; later ones grow to the cap.
+    from dcp_multilevel.levels import transfer
+
+    monkeypatch.setattr(transfer, "PART_FIRST", 32 << 10)
+    monkeypatch.setattr(transfer, "PART_BYTES", 128 << 10)
+    g = torch.Generator().manual_seed(3)
+    sd = {f"t{i:02d}": torch.randn(64, 64, generator=g) for i in range(40)}  # 16 KiB each
+    levels = [Level(str(tmp_path / "l1")), Level(memory_url(), codec="bytegroup")]
+    mgr = CheckpointManager(levels, drain_policy="wait")
+    mgr.save(sd, step=1)
+    (result,) = mgr.wait()
+    assert result.committed and result.details["files_encoded"] == 7
+    items = json.loads(mgr.drivers[1].root.store.read_bytes("step-1/manifest.json"))["items"]
+    raw: dict[str, int] = {}
+    for item in sorted(items, key=lambda i: i["fqn"]):  # outputs follow the source file's order
+        raw.setdefault(item["file"], 0)
+        raw[item["file"]] += item["raw_length"]
+    assert list(raw.values()) == [s << 10 for s in (32, 64, 128, 128, 128, 128, 32)]
+    mgr.close()
+    out = {k: torch.empty_like(v) for k, v in sd.items()}
+    fresh = CheckpointManager(levels[1:])
+    assert fresh.load_latest(out) == 1
+    for k, v in sd.items():
+        assert_bit_equal(out[k], v, k)
+    fresh.close()
+
+
 @pytest.mark.parametrize("source_kind", ["local", "memory"])
 @pytest.mark.parametrize("codec", [None, "bytegroup"])
 def test_a_drain_refuses_to_copy_an_item_corrupted_on_the_first_tier(tmp_path, source_kind, codec):

@@ -61,6 +61,7 @@ from ..stores import ReadHandle, Store
 __all__ = [
     "BLOCK",
     "PART_BYTES",
+    "PART_FIRST",
     "CopyStats",
     "DeltaTarget",
     "copy_file_verbatim",
@@ -72,8 +73,18 @@ logger = logging.getLogger(__name__)
 #: I/O block of streamed copies and of verification reads.
 BLOCK = 16 << 20
 
-#: Raw bytes per output file when re-encoding: small enough that uploading one
-#: overlaps encoding the next, large enough to keep requests efficient.
+#: Raw bytes of a source file's first output file when re-encoding; each next
+#: output holds twice the previous one's, up to :data:`PART_BYTES`. Nothing
+#: is uploaded before the first output is encoded: with outputs of 64 MiB from
+#: the start, a drain of one step of MiniLM fine-tuning (90 MB, coded as deltas,
+#: to a 200 MB/s remote) waited 0.26 s, with outputs growing from 8 MiB 0.19 s
+#: (docs/benchmarks-log.md, session 16).
+PART_FIRST = 8 << 20
+
+#: Raw bytes per output file at most (an item bigger than that is one output):
+#: outputs this large keep the requests per checkpoint few (an object store
+#: limits requests per second per prefix), and one of them is uploaded while
+#: the next is encoded.
 PART_BYTES = 64 << 20
 
 Item = tuple[MetadataIndex, ItemLocation]
@@ -236,14 +247,18 @@ def _kept(loc: ItemLocation, dtype: torch.dtype | None, wanted: tuple[str, ...])
 
 
 def _parts(items: list[Item]) -> Iterable[list[Item]]:
+    """``items`` (in file order) cut into outputs of at least PART_FIRST, 2 * PART_FIRST,
+    ... raw bytes, up to PART_BYTES each (whole items: one item may exceed it)."""
     part: list[Item] = []
     raw = 0
+    size = min(PART_FIRST, PART_BYTES)
     for item in items:
         part.append(item)
         raw += item[1].raw_length
-        if raw >= PART_BYTES:
+        if raw >= size:
             yield part
             part, raw = [], 0
+            size = min(2 * size, PART_BYTES)
     if part:
         yield part
 
