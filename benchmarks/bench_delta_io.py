@@ -23,7 +23,7 @@ encoder, sentence pairs of real text, sentence-transformers' loss, AdamW lr
 2e-5; ~1.3 s per step here, so use short gaps), fp32 and bf16; ``demo`` the
 demo MLP trained for real, weights and AdamW state (fp32).
 
-    python benchmarks/bench_delta_io.py [--repeat 3] [--chain 4] [--gaps 1,10,100]
+    python benchmarks/bench_delta_io.py [--repeat 3] [--chain 4] [--gaps 1,10,100] [--threads 2]
 """
 
 from __future__ import annotations
@@ -43,10 +43,18 @@ from _measure import median, rounds, spread, timed
 from _remotes import ThrottledFileSystem  # noqa: F401 - registers throttled://
 from _report import REPO, command, goal_line, markdown_table, print_header
 from bench_delta import _part, demo_states, minilm_states
-from dcp_multilevel import CheckpointManager, Level, MultiLevelReader, MultiLevelWriter
+from dcp_multilevel import (
+    CheckpointManager,
+    Compression,
+    Level,
+    MultiLevelReader,
+    MultiLevelWriter,
+)
 
 MODES = ("full", "keyframe", "previous", "raw-keyframe")
 warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+#: Every save's and level's codec by default (``--threads`` sets its coding threads).
+BYTEGROUP = Compression("bytegroup")
 
 
 def data_sets(gaps: list[int], chain: int, sets: list[str]) -> dict[str, dict[int, list[dict]]]:
@@ -82,17 +90,19 @@ def _bytes(path: Path) -> int:
     return sum(json.loads((path / "manifest.json").read_text())["files"].values())
 
 
-def save_chain(root: Path, chain: list[dict], mode: str) -> tuple[list[float], list[int], float]:
-    """Save ``chain`` below ``root`` as ``mode``: (seconds per save, bytes per save,
-    seconds to load the newest)."""
+def save_chain(
+    root: Path, chain: list[dict], mode: str, codec: Compression = BYTEGROUP
+) -> tuple[list[float], list[int], float]:
+    """Save ``chain`` below ``root`` as ``mode`` with ``codec``: (seconds per save, bytes
+    per save, seconds to load the newest)."""
     seconds, sizes = [], []
     for i, state in enumerate(chain):
         ref = None
         if mode != "full" and i > 0:
             ref = root / ("step-0" if mode != "previous" else f"step-{i - 1}")
         # raw-keyframe: the keyframe stored uncoded, so deltas need no decoding of it
-        codec = None if mode == "raw-keyframe" and i == 0 else "bytegroup"
-        writer = MultiLevelWriter(root / f"step-{i}", codec=codec, reference=ref)
+        this = None if mode == "raw-keyframe" and i == 0 else codec
+        writer = MultiLevelWriter(root / f"step-{i}", codec=this, reference=ref)
         t, _ = timed(lambda: dcp.save(state, storage_writer=writer, no_dist=True))  # noqa: B023
         seconds.append(t)
         sizes.append(_bytes(root / f"step-{i}"))
@@ -105,7 +115,12 @@ def save_chain(root: Path, chain: list[dict], mode: str) -> tuple[list[float], l
 
 
 def drain_chain(
-    root: Path, chain: list[dict], mode: str, mbps: float, first_deltas: bool = False
+    root: Path,
+    chain: list[dict],
+    mode: str,
+    mbps: float,
+    first_deltas: bool = False,
+    codec: Compression = BYTEGROUP,
 ) -> tuple[list[float], float, list[float]]:
     """Drain seconds of each checkpoint of ``chain`` to the throttled remote (``mode``:
     full, or the remote level's ``delta_against``), seconds to load the newest
@@ -114,9 +129,9 @@ def drain_chain(
     ``first_deltas``: the first level stores the same deltas (the drain then copies
     them as they are, instead of coding them)."""
     kw = {} if mode == "full" else {"keyframe_every": len(chain), "delta_against": mode}
-    remote = Level(f"throttled://{root}/remote", codec="bytegroup",
+    remote = Level(f"throttled://{root}/remote", codec=codec,
                    storage_options={"mbps": mbps}, **kw)  # fmt: skip
-    first = Level(str(root / "l1"), keep=len(chain), **({"codec": "bytegroup", **kw}
+    first = Level(str(root / "l1"), keep=len(chain), **({"codec": codec, **kw}
                                                         if first_deltas else {}))  # fmt: skip
     mgr = CheckpointManager([first, remote], drain_policy="wait")
     blocked = []
@@ -144,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="any of minilm, minilm-ft, demo; minilm,demo")  # fmt: skip
     p.add_argument("--root", type=Path, default=None, help="where to save (default: a temp dir)")
     p.add_argument("--remote-mbps", type=float, default=200.0, help="throttled remote; 200")
+    p.add_argument("--threads", type=int, default=BYTEGROUP.threads,
+                   help=f"coding threads per writer and drain; {BYTEGROUP.threads}")  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
+    codec = Compression("bytegroup", threads=args.threads)
     gaps = [int(g) for g in args.gaps.split(",")]
     print_header(__file__, REPO)
     base = Path(tempfile.mkdtemp(prefix="bench-delta-", dir=args.root))
@@ -169,20 +187,20 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 for rep, mode in rounds(MODES, args.repeat):
                     root = base / f"{rep}-{mode}"
-                    secs, sizes, load = save_chain(root, chain, mode)
+                    secs, sizes, load = save_chain(root, chain, mode, codec)
                     got[mode]["save"] += secs[1:]  # the deltas (the keyframe is a full save)
                     got[mode]["load"].append(load)
                     got[mode]["sizes"] = sizes
                     if gap == gaps[0] and mode != "raw-keyframe":
                         drains, remote_load, blocked = drain_chain(
-                            root, chain, mode, args.remote_mbps
+                            root, chain, mode, args.remote_mbps, codec=codec
                         )
                         got[mode]["drain"] += drains[1:]
                         got[mode]["blocked"] += blocked[1:]
                         got[mode]["remote_load"].append(remote_load)
                         if mode != "full":  # the same deltas on the first level too
                             drains, _, blocked = drain_chain(
-                                root / "verbatim", chain, mode, args.remote_mbps, True
+                                root / "verbatim", chain, mode, args.remote_mbps, True, codec
                             )
                             got[mode]["drain_verbatim"] += drains[1:]
                             got[mode]["blocked_verbatim"] += blocked[1:]
