@@ -48,6 +48,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
@@ -225,6 +226,12 @@ def copy_rank_files(
             codec_pool.shutdown(wait=True)
     stats.bytes_stored = sum(stats.files.values())
     return stats
+
+
+def _buffer(size: int) -> memoryview:
+    """A buffer of ``size`` bytes that a read fills whole (uninitialized: a
+    bytearray zero-fills first, 30 ms of CPU for a 47 MB item, measured)."""
+    return memoryview(np.empty(size, dtype=np.uint8))
 
 
 def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
@@ -422,10 +429,10 @@ class _Recoder:
             and self.delta.item(self.source.manifest(), index, loc)
         )
         if not deltable and _kept(loc, dtype, wanted):
-            stored = memoryview(bytearray(loc.length))
+            stored = _buffer(loc.length)
             self.source.read_stored(src, fqn, loc, [stored])
             return loc.transforms, [stored], None
-        raw = memoryview(bytearray(loc.raw_length))
+        raw = _buffer(loc.raw_length)
         self.source.read_item(src, index, loc, raw, pool=self.pool, window=window)
         stream = self._reference(index, loc, dtype, streams)
         transforms, parts = encode_item(

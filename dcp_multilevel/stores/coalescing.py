@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
+
 from .base import ReadHandle
 
 __all__ = ["COALESCE_BYTES", "CoalescingReader"]
@@ -108,7 +110,9 @@ class CoalescingReader:
                 pass
 
     def _fetch(self, offset: int, size: int) -> memoryview:
-        buf = memoryview(bytearray(size))
+        # Uninitialized: the read overwrites it (a bytearray zero-fills a
+        # 32 MiB block first, ~20 ms of CPU).
+        buf = memoryview(np.empty(size, dtype=np.uint8))
         self.requests += 1
         got = self._handle.read_into(offset, buf)
         return buf[:got]
