@@ -48,7 +48,8 @@ def over_run(values: np.ndarray, steps: int) -> Recorded:
 
 
 def fits(losses: np.ndarray, steps: int) -> list[tuple[str, Recorded]]:
-    """Least-squares fits of the expected loss, each stretched over a run of ``steps``."""
+    """Least-squares fits of the expected loss, each stretched over a run of ``steps``
+    (labelled with its rms error), best fit first."""
     s = np.arange(1, len(losses) + 1, dtype=np.float64)
     out = []
     shapes = {
@@ -67,8 +68,8 @@ def fits(losses: np.ndarray, steps: int) -> list[tuple[str, Recorded]]:
                 best = (err, fitted)
         if best is not None:
             rms = (best[0] / len(losses)) ** 0.5
-            out.append((f"{how} (rms {rms:.3f})", over_run(best[1], steps)))
-    return out
+            out.append((rms, f"{how} (rms {rms:.3f})", over_run(best[1], steps)))
+    return [(label, curve) for _, label, curve in sorted(out, key=lambda f: f[0])]
 
 
 def smoothed(losses: np.ndarray, windows: list[int], steps: int) -> list[tuple[str, Recorded]]:

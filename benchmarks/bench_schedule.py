@@ -11,7 +11,10 @@ Scenarios: 1,024 and 16,384 GPUs; one level (every save straight to the
 remote, blocking) or three (node-local first level, partner copies, remote
 drained in the background); the whole run, or exploratory runs stopped early
 with probability 0.5. Each run is ``--hours`` of failure-free training
-(6 s steps) valued by a Chinchilla-shaped loss curve (``sim/loss.py``).
+(6 s steps) valued by a Chinchilla-shaped loss curve (``sim/loss.py``), or,
+with ``--losses``, by a recorded one: the losses of the demo's real run
+(``bench_schedule_real.py --json``), stretched over the run and smoothed by
+the least-squares fit (exponential or power law) that fits them best.
 
 Policies:
 
@@ -53,18 +56,23 @@ below the best Young/Daly row under COCI's accounting.
 
     python benchmarks/bench_schedule.py            # ~23 minutes on one core
     python benchmarks/bench_schedule.py --quick    # fewer seeds, shorter runs
+    python benchmarks/bench_schedule.py --losses benchmarks/results/schedule_real_demo.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
 from pathlib import Path
 
+import numpy as np
+
 from _cli import parser
 from _report import goal_line, markdown_table
+from bench_progress_bound import fits
 from dcp_multilevel.schedule import (
     ConvergenceAware,
     FailureModel,
@@ -179,6 +187,8 @@ def row(name: str, intervals: str, s: Summary) -> list[str]:
 def run_scenario(gpus: int, levels: str, early: bool, args: argparse.Namespace) -> dict:
     chosen = m.one_level() if levels == "one" else m.three_levels()
     job = m.scenario(gpus, chosen, early_stop=early, hours=args.hours)
+    if args.curve is not None:
+        job = dataclasses.replace(job, loss=args.curve)
     seeds = range(args.seeds)
     search = range(10_000, 10_000 + args.search_seeds)
     t0 = time.perf_counter()
@@ -246,12 +256,30 @@ def main(argv: list[str] | None = None) -> int:
         "--hours", type=float, default=72.0, help="failure-free length of a run, hours; 72"
     )
     p.add_argument("--quick", action="store_true", help="8 seeds, 4 search seeds, 24 h runs")
+    p.add_argument(
+        "--losses", type=Path, default=None,
+        help="value progress by the losses of bench_schedule_real.py --json's first auto run "
+             "(default: the Chinchilla-shaped curve)",
+    )  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)  # fmt: skip
     if args.quick:
         args.seeds, args.search_seeds, args.hours = 8, 4, 24.0
     three = m.three_levels()
     print("## Simulated fault-tolerance overhead (dcp_multilevel.sim)\n")
+    args.curve = None
+    total = round(args.hours * 3600 / m.STEP_SECONDS)
+    if args.losses is not None:
+        losses = np.asarray(json.loads(args.losses.read_text())["auto"][0]["losses"])
+        # The fit that fits best: a recorded curve's best-loss-so-far would count
+        # its batches' scatter as progress (docs/schedule.md "Three accountings").
+        name, args.curve = fits(losses, total)[0]
+        print(f"- loss curve: the {len(losses)} losses of {args.losses} ({losses[:10].mean():.4f} "
+              f"-> {losses[-10:].mean():.4f}), {name}, stretched over the run; "
+              f"coci_bound {args.curve.coci_bound(total):.3f}")  # fmt: skip
+    else:
+        print(f"- loss curve: Chinchilla-shaped (sim/measured.py); coci_bound "
+              f"{m.LOSS.coci_bound(total):.3f}")  # fmt: skip
     print(f"- step {m.STEP_SECONDS} s, {args.hours:g} h failure-free per run, "
           f"{args.seeds} seeds per policy ({args.search_seeds} other seeds per grid point "
           "for the brute-force search)")  # fmt: skip

@@ -17,7 +17,8 @@ rounds:
 Reported per schedule (medians of the rounds, spread): saves, seconds blocked
 in saves (what ``mgr.step`` spent saving), wall seconds, the blocked fraction,
 and, for ``auto``, which rules fired. Goal: the ``auto`` blocked fraction at
-most the bound.
+most the bound. ``--json`` keeps every run's losses too (the mean over the
+ranks, per step): ``bench_schedule.py --losses`` values progress by them.
 
     python benchmarks/bench_schedule_real.py                  # 3 rounds of 40 s each
     python benchmarks/bench_schedule_real.py --seconds 10 --repeat 1   # quick
@@ -72,10 +73,12 @@ def _rank(rank: int, world: int, store_path: str, root: str, name: str, args: di
         )  # fmt: skip
         blocked = 0.0
         saves = 0
+        losses: list[float] = []
         start = time.perf_counter()
         step = 0
         while True:
             loss = demo.train_step(model, optim, step)
+            losses.append(float(f"{loss:.7g}"))
             t0 = time.perf_counter()
             metrics = mgr.step({"model": model.module.state_dict(), "optim": optim.state_dict()},
                                step=step, loss=loss)  # fmt: skip
@@ -94,7 +97,7 @@ def _rank(rank: int, world: int, store_path: str, root: str, name: str, args: di
         if rank == 0:
             Path(out).write_text(json.dumps({
                 "saves": saves, "blocked": blocked, "wall": wall, "steps": step,
-                "rules": dict(rules),
+                "rules": dict(rules), "losses": losses,
             }))  # fmt: skip
     except BaseException:  # noqa: BLE001 - any failure must end this rank with a code
         traceback.print_exc()
