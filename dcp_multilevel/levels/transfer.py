@@ -78,8 +78,8 @@ BLOCK = 16 << 20
 #: output holds twice the previous one's, up to :data:`PART_BYTES`. Nothing
 #: is uploaded before the first output is encoded: with outputs of 64 MiB from
 #: the start, a drain of one step of MiniLM fine-tuning (90 MB, coded as deltas,
-#: to a 200 MB/s remote) waited 0.26 s, with outputs growing from 8 MiB 0.19 s
-#: (docs/benchmarks-log.md, session 16).
+#: to a 200 MB/s remote) took 0.25-0.29 s, with outputs growing from 8 MiB
+#: 0.20-0.23 s (docs/benchmarks-log.md, session 16).
 PART_FIRST = 8 << 20
 
 #: Raw bytes per output file at most (an item bigger than that is one output):
