@@ -334,7 +334,7 @@ def _scan(
     sink: Callable[[memoryview], None] | None,
 ) -> None:
     """Read ``file`` in blocks, verifying every item; pass all bytes to ``sink`` if given."""
-    buf = memoryview(bytearray(max(1, min(BLOCK, size))))
+    buf = _buffer(max(1, min(BLOCK, size)))
     with source.open_data(file, items[0][0].fqn if items else "(no item)") as handle:
         pos = 0
         for index, loc in items:
