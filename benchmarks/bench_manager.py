@@ -23,8 +23,9 @@ iteration:
    remote = the L1 commit (``SaveMetrics.blocked_seconds``) + the drain's
    ``DrainResult.lag_seconds`` (L1 commit -> remote manifest written). Waiting
    for the drain before the next iteration keeps every save's drain measurable
-   (with the default policy "skip", a save arriving while the previous drain runs
-   would not be copied to the remote at all); that wait is in the ``--json`` output.
+   (with the default policy "latest", a save arriving while the previous drain
+   runs waits, and a newer one would replace it; ``bench_drain_policy.py``
+   measures that case); that wait is in the ``--json`` output.
 
 Remotes (``_remotes.py``): ``s3``, a moto server on loopback in a child process,
 reached with s3fs; ``throttled``, ``throttled:///<dir>``, a local directory (in

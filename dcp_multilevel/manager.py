@@ -40,6 +40,7 @@ import itertools
 import logging
 import signal
 import statistics
+import threading
 import time
 import warnings
 import weakref
@@ -114,8 +115,12 @@ class CheckpointManager:
             convergence-aware intervals, for :meth:`step`).
         planner: save planner (default: one :class:`BalancedSavePlanner`, reused
             so DCP's plan cache works across saves).
-        drain_policy: ``"skip"`` or ``"wait"`` when a save is due on a level whose
-            previous drain is still running (see ``levels/drainer.py``).
+        drain_policy: what a save due on a level whose previous drain is still
+            running does there (``levels/drainer.py``): ``"latest"`` (default) waits
+            in that level's one slot, where a newer due step replaces it, so the
+            newest due step always reaches the level and :meth:`wait` covers it;
+            ``"skip"`` is not sent there; ``"wait"`` blocks :meth:`save` until the
+            level is free.
         drain_timeout_s: how long a drain's ranks wait for each other.
         metrics_path: append every save's and drain's metrics record to this
             JSON-lines file (see ``metrics.py``; ``{rank}`` in the path gives each
@@ -140,7 +145,7 @@ class CheckpointManager:
         topology: Topology | None = None,
         schedule: SavePolicy | None = None,
         planner: SavePlanner | None = None,
-        drain_policy: str = "skip",
+        drain_policy: str = "latest",
         drain_timeout_s: float = 3600.0,
         metrics_path: str | None = None,
         on_metrics: Callable[[dict[str, Any]], None] | None = None,
@@ -202,21 +207,27 @@ class CheckpointManager:
         self._planner = planner or BalancedSavePlanner()
         self._chains = DeltaChains(self.levels, self.drivers)
         self._sink = MetricsSink(metrics_path, on_metrics, _dist.rank())
+        # Drain ids key values in the c10d store that every manager of the process
+        # group shares: a second manager must not read the first one's. Managers are
+        # built collectively, in the same order on every rank: the same number.
+        self._instance = next(_INSTANCES)
         self._drainer = Drainer(
             policy=drain_policy, timeout_s=drain_timeout_s, on_committed=self._drained,
-            on_result=lambda r: self._sink.emit(r.record(_dist.rank())),
+            on_result=self._drain_ended, key=f"m{self._instance}",
         )  # fmt: skip
         n = len(self.levels)
         # Steps known to be committed on each higher level (from drains and from
         # load_latest's listing): first-level retention consults this, never the
         # remote itself, so a slow or unreachable remote cannot stall save().
+        # Steps skipped or superseded there need no protection on the first level.
+        # Lane threads add to both (after a commit; when a newer step supersedes a
+        # waiting one) while the main thread's retention reads them: `_books` guards
+        # them and `_decided`. Never held during I/O or while waiting for a drain
+        # (a lane's callback would wait for it, and save() behind the lane).
+        self._books = threading.Lock()
         self._known: dict[int, set[int]] = {i: set() for i in range(n)}
         self._skipped: dict[int, set[int]] = {i: set() for i in range(n)}
         self._generation = 0
-        # Drain ids key values in the c10d store that every manager of the process
-        # group shares: a second manager must not read the first one's. Managers are
-        # built collectively, in the same order on every rank: the same number.
-        self._instance = next(_INSTANCES)
         self.metrics: list[SaveMetrics] = []
         self._loader = Loader(self.drivers, self._names, self.topology, self._restore_group,
                               self._drainer)  # fmt: skip
@@ -227,8 +238,12 @@ class CheckpointManager:
                 except OSError as e:  # housekeeping: never stops a run from starting
                     logger.warning("dcp_multilevel: sweeping %s failed: %s", driver.url, e)
         # Drains must not be lost silently at exit: wait for them and log failures.
+        # Registered with threading's exit hooks where Python has them: those run
+        # before concurrent.futures refuses new work at shutdown (hooks run newest
+        # first), which a drain still running then needs; atexit runs after it.
         self._exit_hook = weakref.finalize(self, _finish_at_exit, self._drainer)
-        atexit.register(self._exit_hook)
+        self._exit_hook.atexit = False
+        getattr(threading, "_register_atexit", atexit.register)(self._exit_hook)
 
     def _due(self, index: int, step: int) -> bool:
         if step in self._decided:
@@ -265,7 +280,8 @@ class CheckpointManager:
                 raise SystemExit(128 + signal.SIGTERM)
             if tick.decision is None:
                 return None
-            self._decided[step] = tick.decision.levels
+            with self._books:
+                self._decided[step] = tick.decision.levels
             self._sink.emit({**tick.decision.record(), "step": step, "rank": _dist.rank(),
                              "unix": time.time()})  # fmt: skip
             higher = sorted(i for i in tick.decision.levels if i > 0)
@@ -330,11 +346,12 @@ class CheckpointManager:
         removed: list[int] = []
         before: dict[int, list[int]] = {}
         if _dist.rank() == 0:
-            busy = self._drainer.policy == "skip"
-            skip = [i for i in due if busy and self._drainer.busy(self.drivers[i])]
+            policy = self._drainer.policy
+            skip = [i for i in due if policy == "skip" and self._drainer.busy(self.drivers[i])]
             for i in due:
                 if i not in skip:
-                    self._drainer.finish(self.drivers[i])  # "wait": retention knows the outcome
+                    if policy == "wait":  # retention then knows the outcome
+                        self._drainer.finish(self.drivers[i])
                     before[i] = self._missing_references(i, step)
             removed = self._retain(0)  # local listing only; higher levels: after their drains
         if _dist.world_size() > 1:
@@ -347,12 +364,16 @@ class CheckpointManager:
             ref = None if i in skip else self._chains.reference(i)
             job = self._drain_job(i, step, f"m{self._instance}-{i}-{step}-{self._generation}",
                                   committed, before.get(i, ()), ref)  # fmt: skip
+            queued = self._drainer.busy(self.drivers[i])
             if self._drainer.submit(job, skip=i in skip) is None:
-                self._skipped[i].add(step)
+                with self._books:
+                    self._skipped[i].add(step)
                 metrics.drains_skipped.append(self.levels[i].url)
             else:
                 self._chains.stored(i, step, ref)
                 metrics.drains_started.append(self.levels[i].url)
+                if queued:
+                    metrics.drains_queued.append(self.levels[i].url)
         metrics.waited_seconds = time.perf_counter() - t0 - blocked
         self.metrics.append(metrics)
         logger.info(
@@ -480,8 +501,9 @@ class CheckpointManager:
         drain killed with the previous run) are drained again.
         """
         views = gather_views(self.drivers)
-        for i in range(1, len(self.levels)):
-            self._known[i].update(views.everyone[0][i])
+        with self._books:
+            for i in range(1, len(self.levels)):
+                self._known[i].update(views.everyone[0][i])
         candidates = views.candidates()
         newest: Restore | None = None
         for step in reversed(candidates):
@@ -690,7 +712,8 @@ class CheckpointManager:
         """In the drain worker, after a commit: remember it; rank 0 applies retention there
         (on a node-local level, the lowest rank of each node, on its node's part)."""
         index = self.drivers.index(job.target)
-        self._known[index].add(job.step)
+        with self._books:
+            self._known[index].add(job.step)
         if job.target.node_local and self.topology is not None:
             applies = self.topology.leads(_dist.rank())
         else:
@@ -700,6 +723,15 @@ class CheckpointManager:
                 self._retain(index)
             except OSError as e:  # retention is housekeeping: the drain itself succeeded
                 logger.warning("dcp_multilevel: retention on %s failed: %s", job.target.url, e)
+
+    def _drain_ended(self, result: DrainResult) -> None:
+        """Every drain's outcome, in the thread that decided it: its metrics record; a
+        superseded step needs no protection on the first level any more."""
+        if result.superseded:
+            index = next(i for i, d in enumerate(self.drivers) if d.url == result.level)
+            with self._books:
+                self._skipped[index].add(result.step)
+        self._sink.emit(result.record(_dist.rank()))
 
     def close(self) -> None:
         """Wait for drains (raising their errors), then stop the workers; restore the
@@ -714,15 +746,23 @@ class CheckpointManager:
     # ------------------------------------------------------------------ retention
 
     def _retain(self, index: int) -> list[int]:
-        """Apply retention on level ``index`` (rank 0); return the steps removed."""
+        """Apply retention on level ``index`` (rank 0); return the steps removed.
+
+        One thread per level runs it (the main thread for the first level, the
+        level's lane for a higher one), so a level's listing and deletions never
+        race; the books it reads are copied under the lock, and no I/O runs
+        under it (a slow remote's listing must not stall the next ``save``).
+        """
         driver, level = self.drivers[index], self.levels[index]
         complete = driver.steps()
-        protected = self._drainer.inflight_steps()
+        protected = self._drainer.inflight_steps(None if index == 0 else driver)
         if index == 0:
             for j in range(1, len(self.levels)):
-                protected |= retention.not_yet_above(
-                    complete, lambda s, j=j: self._due(j, s), self._known[j], self._skipped[j]
-                )
+                with self._books:
+                    protected |= retention.not_yet_above(
+                        complete, lambda s, j=j: self._due(j, s), self._known[j],
+                        self._skipped[j],
+                    )  # fmt: skip
                 # The next delta drained to level j reads its reference from here.
                 ref = self._chains.reference(j)
                 if ref is not None:

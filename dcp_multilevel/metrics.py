@@ -7,10 +7,11 @@ record, a flat JSON-able dict::
     {"kind": "save", "rank": 0, "step": 100, "level": "file:///nvme/run1",
      "bytes": 1634000000, "seconds": 0.84, "gbps": 1.95, "blocked_seconds": 0.86,
      "waited_seconds": 0.0, "drains_started": ["s3://b/run1"], "drains_skipped": [],
-     "unix": 1763712000.1}
+     "drains_queued": [], "unix": 1763712000.1}
     {"kind": "drain", "rank": 0, "step": 100, "level": "s3://b/run1",
      "bytes": 612000000, "seconds": 7.9, "gbps": 0.077, "lag_seconds": 8.1,
-     "committed": true, "skipped": false, "error": null, "bytes_read": 1634000000,
+     "queued_seconds": 0.0, "committed": true, "skipped": false, "superseded_by": null,
+     "error": null, "bytes_read": 1634000000,
      "files_verbatim": 0, "files_encoded": 26, "unix": 1763712008.2}
 
 A :class:`MetricsSink` hands each record to the user's callback and/or appends
@@ -48,7 +49,11 @@ class SaveMetrics:
             ``"wait"``), plus the first level's retention; training is blocked for
             ``blocked_seconds + waited_seconds`` in all.
         drains_started / drains_skipped: higher levels this step was sent to, or
-            skipped on because their previous drain was still running.
+            skipped on because their previous drain was still running (policy
+            ``"skip"``).
+        drains_queued: of ``drains_started``, the levels where this step waits
+            behind a running drain (policy ``"latest"``: a newer due step may
+            supersede it; the drain record says so).
     """
 
     step: int
@@ -57,6 +62,7 @@ class SaveMetrics:
     blocked_seconds: float
     drains_started: list[str] = field(default_factory=list)
     drains_skipped: list[str] = field(default_factory=list)
+    drains_queued: list[str] = field(default_factory=list)
     waited_seconds: float = 0.0
 
     @property
@@ -78,6 +84,7 @@ class SaveMetrics:
             "waited_seconds": self.waited_seconds,
             "drains_started": list(self.drains_started),
             "drains_skipped": list(self.drains_skipped),
+            "drains_queued": list(self.drains_queued),
             "unix": time.time(),
         }
 

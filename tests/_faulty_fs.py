@@ -17,6 +17,7 @@ the calls seen and the faults injected.
 
 from __future__ import annotations
 
+import pathlib
 import random
 import threading
 import time
@@ -28,6 +29,9 @@ import fsspec
 from fsspec.spec import AbstractFileSystem
 
 __all__ = ["OPERATIONS", "FaultyFileSystem"]
+
+#: The longest a ``wait_for`` gate holds a call before failing it (no test hangs forever).
+WAIT_FOR_S = 120.0
 
 #: Operation names that faults can target (the delegated methods).
 OPERATIONS = ("info", "ls", "cat_file", "pipe_file", "put_file", "rm", "rm_file", "open")
@@ -46,6 +50,9 @@ class FaultyFileSystem(AbstractFileSystem):
         truncate_puts: how many of the first ``put_file``/``pipe_file`` calls
             store the data one byte short (as a broken proxy would), reporting success.
         delay: operation -> seconds each call sleeps first (a slow link).
+        wait_for: operation -> a file path: each call first waits until that file
+            exists (a link that stalls until the test lets it go; works across
+            processes), at most ``WAIT_FOR_S`` seconds, then fails.
     """
 
     protocol = ("faulty",)
@@ -60,6 +67,7 @@ class FaultyFileSystem(AbstractFileSystem):
         error: Callable[[str], BaseException] = ConnectionError,
         truncate_puts: int = 0,
         delay: dict[str, float] | None = None,
+        wait_for: dict[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -74,6 +82,7 @@ class FaultyFileSystem(AbstractFileSystem):
         self.error = error
         self.truncate_puts = truncate_puts
         self.delay = dict(delay or {})
+        self.wait_for = dict(wait_for or {})
         self.calls: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()
         self._rng = random.Random(seed)
@@ -83,6 +92,13 @@ class FaultyFileSystem(AbstractFileSystem):
         """Count a call of ``op``; raise the configured error if it is chosen to fail."""
         if self.delay.get(op):
             time.sleep(self.delay[op])
+        if self.wait_for.get(op):
+            gate = pathlib.Path(self.wait_for[op])
+            deadline = time.monotonic() + WAIT_FOR_S
+            while not gate.exists():
+                if time.monotonic() > deadline:
+                    raise self.error(f"{op} waited {WAIT_FOR_S} s for {gate} ({path})")
+                time.sleep(0.01)
         with self._lock:
             self.calls[op] += 1
             n = self.calls[op]

@@ -183,7 +183,7 @@ def test_flaky_remote_succeeds_after_retries(tmp_path):
 def test_skip_policy_skips_a_step_while_a_drain_runs_and_retention_spares_inflight(tmp_path):
     slow = dict(skip_instance_cache=True, delay={"put_file": 0.5})
     remote = Level(f"faulty://slow-{uuid.uuid4().hex[:6]}/run", storage_options=slow)
-    mgr = CheckpointManager([Level(str(tmp_path / "l1"), keep=1), remote])
+    mgr = CheckpointManager([Level(str(tmp_path / "l1"), keep=1), remote], drain_policy="skip")
     first = mgr.save(state(1), step=1)
     second = mgr.save(state(2), step=2)  # step 1 is still draining
     assert first.drains_started == [remote.url]
@@ -345,7 +345,8 @@ def _skip_together(rank: int, world: int, root: str) -> list[list[str]]:
     options = {"target_protocol": "file", "target_options": {"auto_mkdir": True},
                "delay": {"ls": 2.0}, "skip_instance_cache": True}  # fmt: skip
     remote = Level(f"faulty://{root}/remote", storage_options=options)
-    mgr = CheckpointManager([Level(_node_dir(root, rank)), remote], drain_timeout_s=30)
+    mgr = CheckpointManager([Level(_node_dir(root, rank)), remote], drain_timeout_s=30,
+                            drain_policy="skip")  # fmt: skip
     first = mgr.save(_replicated(1), step=1)
     time.sleep(1.0)  # rank 1's drain has ended, rank 0's is listing the remote
     second = mgr.save(_replicated(2), step=2)

@@ -91,9 +91,18 @@ class DrainResult:
     seconds: float = 0.0
     lag_seconds: float = 0.0  # source commit -> target commit (coordinator)
     committed: bool = False
-    skipped: bool = False
+    skipped: bool = False  # never sent (policy "skip", or another world size)
     error: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    #: Policy "latest": this step waited while an earlier drain ran, and this newer
+    #: step, due on the level too, went there instead (not an error).
+    superseded_by: int | None = None
+    queued_seconds: float = 0.0  # submitted -> started: waited for the level's lane
+
+    @property
+    def superseded(self) -> bool:
+        """Whether a newer due step replaced this one before it started."""
+        return self.superseded_by is not None
 
     @property
     def gbps(self) -> float:
@@ -105,8 +114,9 @@ class DrainResult:
         return {
             "kind": "drain", "rank": rank, "step": self.step, "level": self.level,
             "bytes": self.bytes_stored, "seconds": self.seconds, "gbps": self.gbps,
-            "lag_seconds": self.lag_seconds, "committed": self.committed,
-            "skipped": self.skipped, "error": self.error, **self.details,
+            "lag_seconds": self.lag_seconds, "queued_seconds": self.queued_seconds,
+            "committed": self.committed, "skipped": self.skipped,
+            "superseded_by": self.superseded_by, "error": self.error, **self.details,
             "unix": time.time(),
         }  # fmt: skip
 

@@ -1,4 +1,5 @@
-"""Drains in the background: one worker per target level, a skip-or-wait policy.
+"""Drains in the background: one lane per target level, and what happens to a due
+step while that level is busy.
 
 A drain brings one committed checkpoint of the first level onto a higher
 level; *how* is the level's driver's (``LevelDriver.drain``); this module
@@ -6,18 +7,31 @@ runs drains, one at a time per level, and keeps their outcomes.
 
 Call order (driven by :class:`~dcp_multilevel.manager.CheckpointManager`)::
 
-    every rank, main thread   drainer.submit(job)       after the first level's commit
-    every rank, background    run_drain(job)             the source manifest shared
+    every rank, main thread   drainer.submit(job)       after the first level's commit,
+                                                         in the same order on every rank
+    every rank, lane thread   run_drain(job)             the source manifest shared
                               through the link (rank 0 reads it), then
                               job.target.drain(job, manifest, link)
-    any thread                drainer.wait()             raises DrainError
+    any thread                drainer.wait()             every lane idle; raises DrainError
 
-One worker per target level: at most one drain per level is in flight. When
-a save asks for a drain while one is running on that level, ``policy``
-decides: ``"skip"`` (default: this step is not copied there, and the result
-says so) or ``"wait"`` (the caller blocks until the running drain ends). A
-drain's ranks agree only through a :class:`~.link.DrainLink` (the c10d
-store), never the trainer's process group.
+One lane (one thread) per target level: at most one drain per level runs.
+When a save is due on a level whose lane is busy, ``policy`` decides:
+
+- ``"latest"`` (default): the step waits in the lane; when the running drain
+  ends, the lane runs the newest waiting step and reports the older waiting
+  ones as *superseded* (``DrainResult.superseded_by``), not as errors. So
+  the newest due step always reaches the level, and ``save`` never blocks on
+  a drain.
+- ``"skip"``: the step is not sent there at all (the caller decides, see
+  :meth:`Drainer.submit`); the result says so.
+- ``"wait"``: ``submit`` blocks until the lane is idle.
+
+Which waiting step a lane runs next is one decision for every rank (a drain
+needs every rank's share): rank 0's lane picks it and publishes its drain id
+through the c10d store under ``dcp_multilevel/lane/<drainer key>/<lane>/<n>``
+(the n-th drain that lane starts); the other ranks' lanes run exactly that
+one, dropping the waiting jobs older than it. Lanes never use the trainer's
+process group (see ``link.py``).
 """
 
 from __future__ import annotations
@@ -26,11 +40,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 
+from .. import _dist
 from ..checkpoint import StoredCheckpoint
-from ..errors import ConfigError, DrainError
+from ..errors import ConfigError, DcpMultilevelError, DrainError
 from .base import DrainJob, DrainResult, LevelDriver
 from .link import DrainLink
 
@@ -39,7 +54,7 @@ __all__ = ["DRAIN_POLICIES", "Drainer", "run_drain"]
 logger = logging.getLogger(__name__)
 
 #: What a save does when its level's previous drain is still running.
-DRAIN_POLICIES = ("skip", "wait")
+DRAIN_POLICIES = ("latest", "skip", "wait")
 
 
 def run_drain(job: DrainJob, *, timeout_s: float) -> DrainResult:
@@ -60,109 +75,278 @@ def run_drain(job: DrainJob, *, timeout_s: float) -> DrainResult:
         raise
 
 
+@dataclass
+class _Waiting:
+    """A submitted drain that has not started: its job, its future, when it came."""
+
+    job: DrainJob
+    future: Future[DrainResult]
+    since: float = field(default_factory=time.perf_counter)  # submitted
+    queued_seconds: float = 0.0  # submitted -> started (set when it starts)
+    #: Steps of ``job.before`` that an earlier job of the lane was to bring there
+    #: when this one was submitted: dropped from ``before`` if they are there by
+    #: the time this job starts (the others are sent as asked: a re-protection
+    #: sends steps that rank 0's node holds but others lack).
+    recheck: frozenset[int] = frozenset()
+
+
+@dataclass
+class _Lane:
+    """One target level's drains. Guarded by the drainer's condition, except ``started``,
+    which only the lane's own thread reads and writes."""
+
+    name: str
+    waiting: list[_Waiting] = field(default_factory=list)  # oldest first
+    running: _Waiting | None = None
+    started: int = 0  # drains this lane started: the same count on every rank
+    thread: threading.Thread | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.running is not None or bool(self.waiting)
+
+
 class Drainer:
-    """Runs drains in the background, one worker per target level."""
+    """Runs drains in the background, one lane per target level (see the module docstring).
+
+    Args:
+        policy: ``"latest"``, ``"skip"`` or ``"wait"`` (see the module docstring).
+        timeout_s: how long a drain's ranks wait for each other.
+        on_committed: ``on_committed(job)`` runs in the lane's thread after a commit.
+        on_result: ``on_result(result)`` after every drain (also failed, skipped and
+            superseded ones), in the thread that decided it. Neither is called with
+            the drainer's lock held.
+        key: names this drainer's lanes in the c10d store: the same on every rank,
+            unique among the drainers of one process group.
+    """
 
     def __init__(
         self,
         *,
-        policy: str = "skip",
+        policy: str = "latest",
         timeout_s: float = 3600.0,
         on_committed: Callable[[DrainJob], None] | None = None,
         on_result: Callable[[DrainResult], None] | None = None,
+        key: str = "drainer",
     ) -> None:
-        """``on_committed(job)`` runs in the drain's worker thread after a commit;
-        ``on_result(result)`` after every drain (also failed and skipped ones),
-        in the thread that decided it."""
         if policy not in DRAIN_POLICIES:
-            raise ConfigError(f"drain_policy must be 'skip' or 'wait', got {policy!r}")
+            raise ConfigError(
+                f"drain_policy must be one of {', '.join(map(repr, DRAIN_POLICIES))}, "
+                f"got {policy!r}"
+            )
         self.policy = policy
         self.timeout_s = timeout_s
         self._on_committed = on_committed
         self._on_result = on_result
-        self._workers: dict[LevelDriver, ThreadPoolExecutor] = {}
-        # target level -> (source step, future) of the drain running there
-        self._inflight: dict[LevelDriver, tuple[tuple[int, ...], Future[DrainResult]]] = {}
-        self._lock = threading.Lock()
+        self._key = key
+        # One condition guards every lane's waiting/running, the results and
+        # `_closed`: the main thread submits and waits while lane threads pick and
+        # finish jobs. Callbacks and I/O never run under it.
+        self._cond = threading.Condition()
+        self._lanes: dict[LevelDriver, _Lane] = {}
+        self._closed = False
         self.results: list[DrainResult] = []
         self._unreported: list[DrainResult] = []
 
     def busy(self, target: LevelDriver) -> bool:
-        """True while a drain to ``target`` is running."""
-        with self._lock:
-            _, running = self._inflight.get(target, (None, None))
-        return running is not None and not running.done()
+        """True while a drain to ``target`` runs or waits to run."""
+        with self._cond:
+            lane = self._lanes.get(target)
+            return lane is not None and lane.busy
 
     def finish(self, target: LevelDriver) -> None:
-        """Block until the drain running to ``target`` (if any) ended.
+        """Block until the lane of ``target`` is idle (nothing running or waiting).
 
-        Its errors are not raised here; :meth:`wait` reports them.
+        Errors are not raised here; :meth:`wait` reports them.
         """
-        with self._lock:
-            _, running = self._inflight.get(target, (None, None))
-        if running is not None:
-            running.result()  # _run catches every error: this never raises
+        with self._cond:
+            lane = self._lanes.get(target)
+            while lane is not None and lane.busy:
+                self._cond.wait()
 
     def submit(self, job: DrainJob, *, skip: bool | None = None) -> Future[DrainResult] | None:
-        """Start ``job`` in the background; None when it is skipped.
+        """Queue ``job`` on its level's lane; None when it is skipped.
 
-        ``skip``: None lets this Drainer's policy decide (skip, or wait for the
-        running drain, when one is running on the level). With several ranks the
-        decision must be the same everywhere (a drain needs every rank's share),
-        so the manager takes rank 0's decision and passes it: True skips; False
-        runs, after waiting for a running drain.
+        ``skip``: None lets this Drainer's policy decide (``"skip"`` skips when
+        the lane is busy). With several ranks the decision must be the same
+        everywhere (a drain needs every rank's share), so the manager takes
+        rank 0's and passes it: True skips; False queues the job. Under
+        ``"wait"`` this blocks until the lane is idle first; under ``"latest"``
+        a newer job submitted before this one starts supersedes it. Every rank
+        must submit the same jobs in the same order.
         """
         if skip is None:
             skip = self.policy == "skip" and self.busy(job.target)
         if skip:
-            result = DrainResult(job.step, job.target.url, skipped=True)
             logger.warning(
                 "dcp_multilevel: step %d not copied to %s: the drain of an earlier step "
                 "is still running (policy 'skip')", job.step, job.target.url,
             )  # fmt: skip
-            self._record(result)
+            self._record(DrainResult(job.step, job.target.url, skipped=True))
             return None
-        self.finish(job.target)
-        worker = self._workers.get(job.target)
-        if worker is None:
-            worker = self._workers[job.target] = ThreadPoolExecutor(
-                1, thread_name_prefix=f"dcp-ml-drain-{len(self._workers) + 1}"
-            )
-        future = worker.submit(self._run, job)
-        with self._lock:
-            refs = () if job.reference is None else (job.reference,)
-            firsts = tuple(j.step for j in job.before)
-            self._inflight[job.target] = ((job.step, *refs, *firsts), future)
-        return future
+        if self.policy == "wait":
+            self.finish(job.target)
+        entry = _Waiting(job, Future())
+        with self._cond:
+            if self._closed:
+                raise DrainError(f"the drainer is closed: step {job.step} cannot drain to "
+                                 f"{job.target.url}")  # fmt: skip
+            lane = self._lanes.get(job.target)
+            if lane is None:
+                # Lanes are named in the order their levels are first submitted to,
+                # which is the same on every rank (submit's contract).
+                lane = self._lanes[job.target] = _Lane(f"{self._key}/{len(self._lanes)}")
+            ahead = {e.job.step for e in (lane.running, *lane.waiting) if e is not None}
+            entry.recheck = frozenset(b.step for b in job.before if b.step in ahead)
+            lane.waiting.append(entry)
+            if lane.thread is None:
+                lane.thread = threading.Thread(
+                    target=self._serve, args=(lane,), daemon=True,
+                    name=f"dcp-ml-drain-{len(self._lanes)}",
+                )  # fmt: skip
+                lane.thread.start()
+            self._cond.notify_all()
+        return entry.future
 
-    def inflight_steps(self) -> set[int]:
-        """Source steps being drained right now, and the steps those drains code deltas
-        against (read from the source level too): retention must not delete them."""
-        with self._lock:
-            return {s for steps, f in self._inflight.values() if not f.done() for s in steps}
+    def inflight_steps(self, target: LevelDriver | None = None) -> set[int]:
+        """Source steps a drain runs or waits to run on, with the steps those drains
+        read beside them (references, references sent first): retention must not
+        delete them from the first level (``target`` None: every lane's), nor a
+        reference from the level ``target`` while a drain there codes against it
+        (that lane's only)."""
+        with self._cond:
+            lanes = [lane for t, lane in self._lanes.items() if target in (None, t)]
+            entries = [e for lane in lanes
+                       for e in (lane.running, *lane.waiting) if e is not None]  # fmt: skip
+        out: set[int] = set()
+        for e in entries:
+            out.add(e.job.step)
+            out.update(b.step for b in e.job.before)
+            if e.job.reference is not None:
+                out.add(e.job.reference)
+        return out
 
     def wait(self) -> list[DrainResult]:
-        """Block until every drain ended; raise DrainError for any that failed since last time."""
-        with self._lock:
-            futures = [f for _, f in self._inflight.values()]
-        for f in futures:
-            f.result()
-        with self._lock:
+        """Block until every lane is idle; raise DrainError for any drain that failed
+        since the last call (superseded and skipped steps are not failures)."""
+        with self._cond:
+            while any(lane.busy for lane in self._lanes.values()):
+                self._cond.wait()
             failed = [r for r in self._unreported if r.error]
             self._unreported.clear()
+            results = list(self.results)
         if failed:
             raise DrainError(
                 "; ".join(f"step {r.step} to {r.level}: {r.error}" for r in failed)
                 + ". The first level still holds these checkpoints."
             )
-        return list(self.results)
+        return results
 
     def close(self) -> None:
-        """Stop the workers after the drains they run (call :meth:`wait` first for errors)."""
-        for worker in self._workers.values():
-            worker.shutdown(wait=True)
+        """Stop the lanes once nothing waits (call :meth:`wait` first for errors)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            threads = [lane.thread for lane in self._lanes.values() if lane.thread is not None]
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join()
 
-    def _run(self, job: DrainJob) -> DrainResult:
+    # ------------------------------------------------------------------ lane threads
+
+    def _serve(self, lane: _Lane) -> None:
+        """A lane's thread: run the job every rank agrees on next, until closed."""
+        while True:
+            entry = self._next(lane)
+            if entry is None:
+                return
+            result = self._run(entry.job, entry.queued_seconds)
+            entry.future.set_result(result)
+            with self._cond:
+                lane.running = None
+                self._cond.notify_all()
+
+    def _next(self, lane: _Lane) -> _Waiting | None:
+        """Take the lane's next job (rank 0 chooses, every rank takes the same), after
+        reporting the waiting jobs it supersedes; None once closed and idle."""
+        with self._cond:
+            while not lane.waiting:
+                if self._closed:
+                    return None
+                self._cond.wait()
+        leader = _dist.rank() == 0
+        key = f"dcp_multilevel/lane/{lane.name}/{lane.started}"
+        lane.started += 1
+        chosen: tuple[_Waiting, list[_Waiting]] | None = None
+        try:
+            if leader:
+                with self._cond:
+                    pick = len(lane.waiting) - 1 if self.policy == "latest" else 0
+                    chosen = self._take(lane, lane.waiting[pick].job.drain_id)
+                picked = chosen[0]
+                before = [b for b in picked.job.before
+                          if b.step not in picked.recheck or not _committed(b)]  # fmt: skip
+                if _dist.world_size() > 1:
+                    _dist.store_set(key, {"drain": chosen[0].job.drain_id,
+                                          "before": [b.drain_id for b in before]})  # fmt: skip
+            else:
+                (value,) = _dist.store_wait_get([key], self.timeout_s)
+                chosen = self._take_when_submitted(lane, value["drain"])
+                before = [b for b in chosen[0].job.before if b.drain_id in value["before"]]
+        except Exception as e:  # noqa: BLE001 - the lane must go on and wait() must hear of it
+            self._fail_waiting(lane, e, [] if chosen is None else [chosen[0], *chosen[1]])
+            return self._next(lane)
+        entry, superseded = chosen
+        for old in superseded:
+            result = DrainResult(old.job.step, old.job.target.url, superseded_by=entry.job.step)
+            logger.info("dcp_multilevel: step %d is not drained to %s: step %d, due there "
+                        "too, replaces it", old.job.step, old.job.target.url,
+                        entry.job.step)  # fmt: skip
+            self._record(result)
+            old.future.set_result(result)
+        entry.queued_seconds = time.perf_counter() - entry.since
+        entry.job = replace(entry.job, before=tuple(before))
+        return entry
+
+    def _take(self, lane: _Lane, drain_id: str) -> tuple[_Waiting, list[_Waiting]]:
+        """Under the lock: make the waiting job ``drain_id`` the running one; return it
+        and the waiting jobs before it (superseded)."""
+        ids = [e.job.drain_id for e in lane.waiting]
+        pick = ids.index(drain_id)
+        entry, superseded = lane.waiting[pick], lane.waiting[:pick]
+        del lane.waiting[: pick + 1]
+        lane.running = entry
+        return entry, superseded
+
+    def _take_when_submitted(self, lane: _Lane, drain_id: str) -> tuple[_Waiting, list[_Waiting]]:
+        """:meth:`_take` once this rank's main thread submitted ``drain_id`` (rank 0's
+        lane may pick a job before this rank's save returned)."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while drain_id not in {e.job.drain_id for e in lane.waiting}:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DrainError(f"rank 0 chose drain {drain_id}, which this rank was "
+                                     f"not given within {self.timeout_s:.0f} s")  # fmt: skip
+                self._cond.wait(left)
+            return self._take(lane, drain_id)
+
+    def _fail_waiting(self, lane: _Lane, error: Exception, taken: list[_Waiting]) -> None:
+        """The ranks could not agree on the lane's next job: fail it (``taken``: what
+        this rank had already taken for it) and everything waiting there."""
+        with self._cond:
+            failed, lane.waiting = [*taken, *lane.waiting], []
+            lane.running = None
+            self._cond.notify_all()
+        why = f"the ranks could not agree which drain runs next ({type(error).__name__}: {error})"
+        logger.error("dcp_multilevel: lane %s: %s", lane.name, why)
+        for entry in failed:
+            result = DrainResult(entry.job.step, entry.job.target.url, error=why)
+            self._record(result)
+            entry.future.set_result(result)
+
+    def _run(self, job: DrainJob, queued_seconds: float = 0.0) -> DrainResult:
+        """Run ``job`` (after the jobs it needs first) and record its result."""
         for first in job.before:
             done = self._run(first)
             if done.committed:
@@ -183,14 +367,25 @@ class Drainer:
             logger.error("dcp_multilevel: drain of step %d to %s failed: %s",
                          job.step, job.target.url, result.error)  # fmt: skip
         result.seconds = time.perf_counter() - t0
+        result.queued_seconds = queued_seconds
         self._record(result)
         if result.committed and self._on_committed is not None:
             self._on_committed(job)
         return result
 
     def _record(self, result: DrainResult) -> None:
-        with self._lock:
+        with self._cond:
             self.results.append(result)
             self._unreported.append(result)
         if self._on_result is not None:
             self._on_result(result)
+
+
+def _committed(job: DrainJob) -> bool:
+    """Whether ``job``'s step is committed on its target already, as rank 0 sees it
+    (a reference that an earlier drain, still running when the job was submitted,
+    has brought there since). Unreadable counts as not there: send it."""
+    try:
+        return job.target.checkpoint(job.step).is_committed()
+    except (OSError, DcpMultilevelError):
+        return False
