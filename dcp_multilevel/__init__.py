@@ -39,7 +39,7 @@ from .manager import CheckpointManager, SaveMetrics
 from .planner import BalancedSavePlanner
 from .planning import CostModel
 from .reader import MultiLevelReader
-from .schedule import FixedInterval, SavePolicy
+from .schedule import FixedInterval, SavePolicy, Schedule
 from .staging import StagingConfig
 from .writer import MultiLevelWriter
 
@@ -72,6 +72,7 @@ __all__ = [
     "SaveInFlightError",
     "SaveMetrics",
     "SavePolicy",
+    "Schedule",
     "StagingConfig",
     "Tier",
     "TruncatedDataError",

@@ -424,3 +424,14 @@ def test_progress_value_inside_the_bounds_never_saves_closer_than_the_floor_nor_
             assert now - last >= floor
         if now - last >= ceiling:
             assert i in decision.levels
+
+
+def test_the_package_exports_schedule_and_every_public_name():
+    # The README and docs/schedule.md import Schedule from the package itself.
+    import dcp_multilevel
+    from dcp_multilevel import Schedule
+    from dcp_multilevel.schedule import Schedule as Inner
+
+    assert Schedule is Inner and "Schedule" in dcp_multilevel.__all__
+    missing = [n for n in dcp_multilevel.__all__ if not hasattr(dcp_multilevel, n)]
+    assert missing == []
