@@ -33,6 +33,9 @@ __all__ = ["OPERATIONS", "FaultyFileSystem"]
 #: The longest a ``wait_for`` gate holds a call before failing it (no test hangs forever).
 WAIT_FOR_S = 120.0
 
+#: ``record`` name -> (operation, thread name) of every call, in order (this process).
+CALLS: dict[str, list[tuple[str, str]]] = {}
+
 #: Operation names that faults can target (the delegated methods).
 OPERATIONS = ("info", "ls", "cat_file", "pipe_file", "put_file", "rm", "rm_file", "open")
 
@@ -53,6 +56,8 @@ class FaultyFileSystem(AbstractFileSystem):
         wait_for: operation -> a file path: each call first waits until that file
             exists (a link that stalls until the test lets it go; works across
             processes), at most ``WAIT_FOR_S`` seconds, then fails.
+        record: a name: every call appends ``(operation, thread name)`` to
+            ``CALLS[record]`` as it starts (which thread touched the remote).
     """
 
     protocol = ("faulty",)
@@ -68,6 +73,7 @@ class FaultyFileSystem(AbstractFileSystem):
         truncate_puts: int = 0,
         delay: dict[str, float] | None = None,
         wait_for: dict[str, str] | None = None,
+        record: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -83,6 +89,7 @@ class FaultyFileSystem(AbstractFileSystem):
         self.truncate_puts = truncate_puts
         self.delay = dict(delay or {})
         self.wait_for = dict(wait_for or {})
+        self.record = record
         self.calls: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()
         self._rng = random.Random(seed)
@@ -90,6 +97,8 @@ class FaultyFileSystem(AbstractFileSystem):
 
     def _fault(self, op: str, path: Any) -> None:
         """Count a call of ``op``; raise the configured error if it is chosen to fail."""
+        if self.record is not None:
+            CALLS.setdefault(self.record, []).append((op, threading.current_thread().name))
         if self.delay.get(op):
             time.sleep(self.delay[op])
         if self.wait_for.get(op):

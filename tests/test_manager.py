@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -266,23 +267,33 @@ def test_two_ranks_drain_together_and_load_from_remote_after_node_loss(tmp_path)
     run_ranks(_two_rank_load, 2, l1, remote, timeout=180)
 
 
-def test_a_remote_failing_every_call_never_stalls_or_breaks_save(tmp_path):
+def test_a_remote_failing_or_stalling_every_call_never_stalls_or_breaks_save(tmp_path):
+    # save() must not need the remote: a dead one fails every call, a stalled one
+    # holds every call until the test opens its gate, after the saves. Each call
+    # records its thread: none may come from the thread that saves.
     ops = ("info", "ls", "cat_file", "pipe_file", "put_file", "rm", "rm_file", "open")
-    dead = dict(retries=0, skip_instance_cache=True, fail_rate=dict.fromkeys(ops, 1.0))
-    slow = dict(skip_instance_cache=True, delay={"ls": 2.0, "info": 2.0})
-    for name, options in [("dead", dead), ("slow", slow)]:
-        remote = Level(f"faulty://{name}-{uuid.uuid4().hex[:6]}/run", storage_options=options)
-        mgr = CheckpointManager([Level(str(tmp_path / name), keep=1), remote])
+    gate = tmp_path / "gate"
+    dead = dict(retries=0, fail_rate=dict.fromkeys(ops, 1.0))
+    stalled = dict(wait_for=dict.fromkeys(ops, str(gate)))
+    for name, options in [("dead", dead), ("stalled", stalled)]:
+        tag = f"{name}-{uuid.uuid4().hex[:6]}"
+        options = {**options, "record": tag, "skip_instance_cache": True}
+        remote = Level(f"faulty://{tag}/run", storage_options=options)
+        # No sweep at construction: it lists every level, the remote too, by design.
+        mgr = CheckpointManager([Level(str(tmp_path / name), keep=1), remote],
+                                sweep_older_than_s=None)  # fmt: skip
         for s in (1, 2):
-            t0 = time.perf_counter()
             mgr.save(state(s), step=s)  # never raises for the remote's sake
-            assert time.perf_counter() - t0 < 1.5, f"{name}: save() waited on the remote"
         assert mgr.steps(0)[-1] == 2
+        saver = threading.current_thread().name
+        assert [op for op, thread in _faulty_fs.CALLS.get(tag, []) if thread == saver] == []
+        gate.touch()
         if name == "dead":
             with pytest.raises(DrainError):
                 mgr.close()
         else:
             mgr.close()
+            assert mgr.steps(1) == [1, 2]
 
 
 # --------------------------------------------------------------------------- node-local L1

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 from .. import _dist
 from ..checkpoint import StoredCheckpoint
 from ..errors import ConfigError, DcpMultilevelError, DrainError
+from ..staging._priority import lower_thread_priority
 from .base import DrainJob, DrainResult, LevelDriver
 from .link import DrainLink
 
@@ -118,6 +119,9 @@ class Drainer:
             the drainer's lock held.
         key: names this drainer's lanes in the c10d store: the same on every rank,
             unique among the drainers of one process group.
+        nice: the lanes' threads run at this nice value (Linux; threads they start
+            inherit it), so that on a node whose cores are busy the training loop
+            and its ``save`` win the CPU from a drain (0: unchanged).
     """
 
     def __init__(
@@ -128,6 +132,7 @@ class Drainer:
         on_committed: Callable[[DrainJob], None] | None = None,
         on_result: Callable[[DrainResult], None] | None = None,
         key: str = "drainer",
+        nice: int = 10,
     ) -> None:
         if policy not in DRAIN_POLICIES:
             raise ConfigError(
@@ -139,6 +144,7 @@ class Drainer:
         self._on_committed = on_committed
         self._on_result = on_result
         self._key = key
+        self._nice = nice
         # One condition guards every lane's waiting/running, the results and
         # `_closed`: the main thread submits and waits while lane threads pick and
         # finish jobs. Callbacks and I/O never run under it.
@@ -256,6 +262,7 @@ class Drainer:
 
     def _serve(self, lane: _Lane) -> None:
         """A lane's thread: run the job every rank agrees on next, until closed."""
+        lower_thread_priority(self._nice)
         while True:
             entry = self._next(lane)
             if entry is None:

@@ -9,8 +9,8 @@ this changes only the calling thread, and threads it starts afterwards
 inherit it.
 
 Called by ``Stager.background`` on the thread running an async save's
-``write_data`` / ``finish`` (DCP starts that thread for the one save), never
-on the training thread.
+``write_data`` / ``finish`` (DCP starts that thread for the one save), and by
+each drain lane's thread (``levels/drainer.py``), never on the training thread.
 """
 
 from __future__ import annotations
