@@ -144,7 +144,7 @@ from dcp_multilevel.format import checksum_of
 from dcp_multilevel.levels import restore_plan
 from dcp_multilevel.levels.erasure_code import CHUNK, ErasureCode
 from dcp_multilevel.levels.restore_plan import PART_SHARE
-from dcp_multilevel.loading import Loader
+from dcp_multilevel.restore import Loader
 from tests._dist import run_ranks
 
 WORLD = 4

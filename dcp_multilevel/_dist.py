@@ -11,8 +11,9 @@ our own (:func:`new_group`), used by one thread at a time.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ __all__ = [
     "is_active",
     "new_group",
     "rank",
+    "rank0_decides",
     "recv_bytes",
     "send_bytes",
     "store_set",
@@ -62,6 +64,20 @@ def broadcast_object(obj: Any, src: int) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+T = TypeVar("T")
+
+
+def rank0_decides(decide: Callable[[], T]) -> T:
+    """Rank 0's ``decide()``, on every rank (main thread only; collective).
+
+    For what one rank must choose for all: a drain to skip, the steps
+    retention removes, a manifest only rank 0's node holds. Only rank 0 calls
+    ``decide``; without a process group, this process does.
+    """
+    value = decide() if rank() == 0 else None
+    return broadcast_object(value, 0) if world_size() > 1 else value  # type: ignore[return-value]
 
 
 def _store() -> dist.Store:

@@ -132,7 +132,6 @@ def _bounded_job(rank: int, world: int, root: str) -> tuple[list[dict], float, f
     records: list[dict] = []
     mgr = CheckpointManager(levels, schedule=policy, planner=SlowFirstSave(),
                             on_metrics=records.append)  # fmt: skip
-    start = time.monotonic()
     for step in range(4000):
         # At least 800 steps, then until three decisions, whatever the machine's load
         # (decisions are agreed: the same step on every rank).
@@ -140,11 +139,17 @@ def _bounded_job(rank: int, world: int, root: str) -> tuple[list[dict], float, f
             break
         time.sleep(0.01)
         mgr.step(_state(step), step=step)
-    wall = time.monotonic() - start
     mgr.close()
-    blocked = sum(r["blocked_seconds"] + r["waited_seconds"] for r in records
-                  if r["kind"] == "save")  # fmt: skip
-    return [r for r in records if r["kind"] == "decision"], blocked, wall
+    # Each decision against the saves' own records before it: what the schedule was
+    # told the run had blocked, and what the save records say it blocked.
+    told, saved, blocked = [], [], 0.0
+    for r in records:
+        if r["kind"] == "decision":
+            told.append(r["inputs"]["run_blocked_seconds"])
+            saved.append(blocked)
+        elif r["kind"] == "save":
+            blocked += r["blocked_seconds"]
+    return [r for r in records if r["kind"] == "decision"], told, saved
 
 
 class SlowFirstSave(BalancedSavePlanner):
@@ -160,15 +165,14 @@ class SlowFirstSave(BalancedSavePlanner):
 
 
 def test_the_manager_tells_the_overhead_bound_the_runs_blocked_time(tmp_path):
-    (decisions, blocked, wall), _ = run_ranks(_bounded_job, 2, str(tmp_path), timeout=240)
+    (decisions, told, saved), _ = run_ranks(_bounded_job, 2, str(tmp_path), timeout=240)
     # Each decision says how long the run had been blocked by then: 0 before the
     # first save, then at least the slow first save's second, never less later.
-    seen = [d["inputs"]["run_blocked_seconds"] for d in decisions]
-    assert seen[0] == 0 and seen[1] >= 1.0 and seen == sorted(seen), seen
-    # And the run stays under the bound, slow first save included (the rule
-    # itself: tests/test_schedule.py).
     assert len(decisions) >= 3
-    assert blocked <= 0.25 * wall + 0.1, (blocked, wall)
+    assert told[0] == 0 and told[1] >= 1.0 and told == sorted(told), told
+    # One measure of a save's cost: exactly what the save records before it say
+    # (the bound the policy keeps from these inputs: tests/test_schedule.py).
+    assert told == pytest.approx(saved), (told, saved)
 
 
 class _EveryCheck(IntervalPolicy):

@@ -21,7 +21,6 @@ from dcp_multilevel import (
     RegistryError,
     SavePolicy,
     Tier,
-    retention,
 )
 from dcp_multilevel.checkpoint import CheckpointRoot
 from dcp_multilevel.errors import DrainError
@@ -35,6 +34,7 @@ from dcp_multilevel.levels import (
     driver_for,
     level_kind,
 )
+from dcp_multilevel.manage import retention
 
 # --------------------------------------------------------------------------- Level / Tier
 

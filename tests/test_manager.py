@@ -15,7 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-import _faulty_fs  # noqa: F401 - registers the faulty:// fsspec protocol
+import _faulty_fs
 import pytest
 import torch
 import xxhash
@@ -275,9 +275,9 @@ def test_a_remote_failing_or_stalling_every_call_never_stalls_or_breaks_save(tmp
     gate = tmp_path / "gate"
     dead = dict(retries=0, fail_rate=dict.fromkeys(ops, 1.0))
     stalled = dict(wait_for=dict.fromkeys(ops, str(gate)))
-    for name, options in [("dead", dead), ("stalled", stalled)]:
+    for name, faults in [("dead", dead), ("stalled", stalled)]:
         tag = f"{name}-{uuid.uuid4().hex[:6]}"
-        options = {**options, "record": tag, "skip_instance_cache": True}
+        options = {**faults, "record": tag, "skip_instance_cache": True}
         remote = Level(f"faulty://{tag}/run", storage_options=options)
         # No sweep at construction: it lists every level, the remote too, by design.
         mgr = CheckpointManager([Level(str(tmp_path / name), keep=1), remote],

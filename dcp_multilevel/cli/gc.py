@@ -1,6 +1,7 @@
 """``dcp-multilevel gc ROOT --keep N``: retention and debris sweep for one root (level).
 
-The rules are the manager's (``retention.py``), applied to what is in ROOT:
+The rules are the manager's (``manage/retention.py``: the same
+:class:`RetentionRules` object), applied to what is in ROOT:
 
 - **expired**: committed checkpoints past the newest ``--keep``; the newest
   committed one is never deleted, nor a checkpoint a kept delta checkpoint
@@ -34,7 +35,7 @@ import click
 from ..checkpoint import CheckpointRoot
 from ..errors import ConfigError, DcpMultilevelError
 from ..format import step_dir
-from ..retention import abandoned, deletion_order, expired
+from ..manage.retention import RetentionRules, deletion_order
 from ._common import emit_json, json_option, resolve, stdout_console, storage_options_option
 
 __all__ = ["gc", "plan_gc"]
@@ -76,9 +77,10 @@ def plan_gc(root: CheckpointRoot, keep: int, older_than_s: float) -> dict[str, A
     complete = root.steps()
     uncommitted = root.uncommitted()
     refs = _references(root, complete)
-    gone = expired(complete, keep, protected=(), refs=refs)
+    rules = RetentionRules(keep)
+    gone = rules.expired(complete, refs=refs)
     newest = set(complete[-keep:])
-    by_step = set(abandoned(uncommitted, complete, protected=()))
+    by_step = set(rules.abandoned(uncommitted, complete))
     for step in uncommitted:
         age = _age(root, step_dir(step), now)
         if age is not None and age > older_than_s:

@@ -19,10 +19,11 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 
-from .config import Level
-from .errors import DcpMultilevelError
+from .. import _dist
+from ..config import Level
+from ..errors import DcpMultilevelError
+from ..levels import LevelDriver
 from .keyframes import next_reference
-from .levels import LevelDriver
 
 __all__ = ["DeltaChains"]
 
@@ -87,6 +88,29 @@ class DeltaChains:
             with self._lock:
                 self._history[index] = list(history)
                 self._gone[index] = set()
+
+    def resume_from_levels(self, upto: int) -> None:
+        """After a restart: each delta level's history from the manifests of the steps
+        it holds up to ``upto`` (rank 0 reads them, every rank takes the same), so the
+        next saves go on with the chain instead of starting a keyframe. Collective."""
+        levels = list(self._history)
+        if not levels:
+            return
+
+        def read() -> dict[int, list[tuple[int, int | None]]]:
+            histories = {}
+            for i in levels:
+                try:
+                    steps = [s for s in self._drivers[i].steps() if s <= upto]
+                except OSError as e:  # the chain starts over: costs bytes, never data
+                    logger.warning("dcp_multilevel: listing %s failed: %s",
+                                   self._levels[i].url, e)  # fmt: skip
+                    continue
+                histories[i] = sorted(self.refs(i, steps).items())
+            return histories
+
+        for i, history in _dist.rank0_decides(read).items():
+            self.resume(i, history)
 
     def holds_first_level_deltas(self, index: int) -> bool:
         """Whether level ``index`` holds the first level's deltas as they are (a level

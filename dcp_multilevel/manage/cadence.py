@@ -35,7 +35,8 @@ Call order (every rank, main thread)::
                                                          what state() kept with step)
     tick = cadence.tick(step, loss, costs)               each step; collective at checks
     cadence.state(step, levels)                          rank 0, before saving step
-    cadence.saved(step, levels)                          after a committed save
+    cadence.saved(step, levels, seconds)                 after a committed save (seconds:
+                                                         what it blocked, as its metrics say)
     cadence.close()                                      restores the handler
 """
 
@@ -53,18 +54,19 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import _dist
-from .errors import ConfigError
-from .levels.options import Level
-from .schedule import Decision, LevelState, Observation, SavePolicy
+from .. import _dist
+from ..errors import ConfigError
+from ..levels.options import Level
+from ..schedule import Decision, LevelState, Observation, SavePolicy
 
 __all__ = ["Cadence", "Costs", "Tick"]
 
 logger = logging.getLogger(__name__)
 
-#: Measured costs on this rank: (first level's blocked seconds per save, or None;
-#: level index -> its last drain's seconds; the levels whose drain is running).
-Costs = Callable[[], tuple[float | None, dict[int, float], set[int]]]
+#: Measured costs on this rank: (level index -> its last drain's seconds; the
+#: levels whose drain is running). The first level's cost is what saves blocked,
+#: as :meth:`Cadence.saved` is told (the save's metrics: one measure everywhere).
+Costs = Callable[[], tuple[dict[int, float], set[int]]]
 
 #: Saves whose median is the first level's cost (as the manager's metrics).
 _RECENT_SAVES = 5
@@ -73,8 +75,8 @@ _RECENT_SAVES = 5
 _STEP_WEIGHT = 0.1
 
 
-def _no_costs() -> tuple[float | None, dict[int, float], set[int]]:
-    return None, {}, set()
+def _no_costs() -> tuple[dict[int, float], set[int]]:
+    return {}, set()
 
 
 @dataclass(frozen=True)
@@ -119,10 +121,8 @@ class Cadence:
         self._last: dict[int, tuple[int, float]] = {}  # level -> (step, clock) of its last save
         self._next_check = 0
         self._signalled = False
-        self.blocked_seconds = 0.0  # of the clock, the time step() spent saving
+        self.blocked_seconds = 0.0  # of the clock, the time saves blocked training
         self._save_seconds: collections.deque[float] = collections.deque(maxlen=_RECENT_SAVES)
-        self._tick_time: float | None = None
-        self._saving = False
         self._previous: Any = None
         if save_on_sigterm:
             if threading.current_thread() is not threading.main_thread():
@@ -180,7 +180,7 @@ class Cadence:
         A state that does not fit (another policy, a damaged value) is logged and
         the schedule starts afresh: it never fails a load.
         """
-        self._start = self._last_return = self._tick_time = None
+        self._start = self._last_return = None
         self._next_check = 0
         if state is None:
             return
@@ -220,11 +220,10 @@ class Cadence:
 
     def observation(self, step: int, loss: float | None, costs: Costs) -> Observation:
         """This rank's view of ``step`` (rank 0's is the one decisions are made from)."""
-        blocked, drains, busy = costs()
-        if self._save_seconds:
-            # What step() spent per save, decision and collectives included: the
-            # same measure as blocked_seconds, so the overhead bound adds like to like.
-            blocked = statistics.median(self._save_seconds)
+        drains, busy = costs()
+        # The median of recent saves, the same measure as blocked_seconds, so that
+        # the overhead bound adds like to like.
+        blocked = statistics.median(self._save_seconds) if self._save_seconds else None
         states = tuple(
             LevelState(
                 i, level,
@@ -241,7 +240,7 @@ class Cadence:
 
     def tick(self, step: int, loss: float | None, costs: Costs) -> Tick:
         """The decision for ``step`` (collective at check steps; see the module docstring)."""
-        now = self._tick_time = time.monotonic()
+        now = time.monotonic()
         if self._start is None:
             self._start = now
         elif self._last_return is not None:
@@ -280,21 +279,17 @@ class Cadence:
             seconds = self.check_seconds
         return max(1, int(seconds / self.step_seconds))
 
-    def saved(self, step: int, levels: Sequence[int]) -> None:
-        """Record a committed save of ``step`` to ``levels`` (every rank, same arguments)."""
+    def saved(self, step: int, levels: Sequence[int], seconds: float) -> None:
+        """Record a committed save of ``step`` to ``levels`` (every rank, same arguments)
+        that blocked training ``seconds`` (its metrics' ``blocked_seconds``)."""
         for index in levels:
             self._last[index] = (step, self.clock)
-        self._saving = True
+        self.blocked_seconds += seconds
+        self._save_seconds.append(seconds)
 
     def stepped(self) -> None:
-        """Mark the end of the manager's work in this step (step times exclude saving;
-        the time of a save adds to ``blocked_seconds``)."""
+        """Mark the end of the manager's work in this step (step times exclude it)."""
         self._last_return = time.monotonic()
-        if self._saving and self._tick_time is not None:
-            took = self._last_return - self._tick_time
-            self.blocked_seconds += took
-            self._save_seconds.append(took)
-        self._saving = False
 
     def close(self) -> None:
         """Restore the SIGTERM handler that was there before."""

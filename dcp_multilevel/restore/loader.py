@@ -12,6 +12,9 @@ intact copies from other nodes and reads again.
 
 Call order (every rank, main thread, the same steps)::
 
+    restore = loader.load_newest(state_dict, views, planner)  collective: the newest step
+    restore = loader.load_step(state_dict, step, views, planner)   or a given one
+    # or, step by step:
     restore = loader.plan(step, views, state_dict, planner)   collective
     loader.load(state_dict, restore, planner)                 collective, when restore.ok
 """
@@ -28,12 +31,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner
 
-from . import _dist
-from .errors import CheckpointNotFoundError
-from .format import MANIFEST_NAME, Manifest
-from .levels import Drainer, LevelDriver
-from .levels.agreement import Restore, Views, restorable
-from .levels.restore import (
+from .. import _dist
+from ..errors import CheckpointNotFoundError
+from ..format import MANIFEST_NAME, Manifest
+from ..levels import Drainer, LevelDriver
+from ..levels.agreement import Restore, Views, restorable
+from ..levels.restore import (
     RestoreReport,
     execute,
     gather_inventories,
@@ -42,9 +45,9 @@ from .levels.restore import (
     set_aside_damaged,
     take_inventory,
 )
-from .levels.restore_plan import RestorePlan, plan_restore
-from .levels.topology import Topology
-from .reader import MultiLevelReader
+from ..levels.restore_plan import RestorePlan, plan_restore
+from ..levels.topology import Topology
+from ..reader import MultiLevelReader
 
 __all__ = ["Loader"]
 
@@ -82,6 +85,77 @@ class Loader:
         self.last_load_sources: dict[str, int] = {}
         #: The last load's restore: files brought onto this rank's node, by source.
         self.last_restore: RestoreReport | None = None
+
+    def load_newest(
+        self, state_dict: dict[str, Any], views: Views, planner: LoadPlanner | None
+    ) -> Restore | None:
+        """Load the newest step every rank can restore; its restore, or None when no
+        level holds a checkpoint. Collective.
+
+        Raises:
+            CheckpointNotFoundError: checkpoints exist, but none can be restored by
+                every rank (never a silent fresh start).
+        """
+        candidates = views.candidates()
+        newest: Restore | None = None
+        for step in reversed(candidates):
+            plan = self.plan(step, views, state_dict, planner)
+            newest = newest or plan
+            if not plan.ok:
+                continue
+            try:
+                self.load(state_dict, plan, planner)
+            except CheckpointNotFoundError as e:
+                # Damage found only while copying (every rank re-planned alike):
+                # the next older step may still be whole.
+                logger.warning("dcp_multilevel: %s; trying an older step", e)
+                plan.reasons.append(str(e))
+                continue
+            return plan
+        if candidates:
+            first = self.drivers[0].level
+            raise CheckpointNotFoundError(
+                f"committed checkpoints exist (newest: step {candidates[-1]}), but for each of "
+                f"them some rank cannot reach all of its data files on {first.url} (a "
+                "node-local level on a lost or new node?) and no higher level holds it"
+                + _why(newest)
+                + ". Restore the nodes' disks, or start fresh deliberately "
+                "with a new level location.",
+                checkpoint=first.checkpoint_url(candidates[-1]),
+            )
+        return None
+
+    def load_step(
+        self, state_dict: dict[str, Any], step: int, views: Views, planner: LoadPlanner | None
+    ) -> Restore:
+        """Load ``step`` from the fastest level holding it; its restore. Collective.
+
+        Raises:
+            CheckpointNotFoundError: no level holds ``step``, or not every rank can
+                restore it.
+        """
+        first = self.drivers[0].level
+        if not views.anywhere(step):
+            raise CheckpointNotFoundError(
+                f"step {step} has no complete checkpoint on any level ("
+                + "; ".join(
+                    f"{d.url}: {views.mine[i][-3:] or 'none'}" for i, d in enumerate(self.drivers)
+                )
+                + " are the newest there). Refusing to start fresh silently: pick an existing "
+                "step or call load_latest().",
+                checkpoint=first.checkpoint_url(step),
+            )
+        plan = self.plan(step, views, state_dict, planner)
+        if not plan.ok:
+            raise CheckpointNotFoundError(
+                f"step {step} is committed on {first.url}, but not every rank can reach "
+                "all of its data files there (a node-local level on a lost or new node?) and no "
+                "higher level holds it" + _why(plan) + ". Load an earlier step that a higher "
+                "level holds.",
+                checkpoint=first.checkpoint_url(step),
+            )
+        self.load(state_dict, plan, planner)
+        return plan
 
     def plan(self, step: int, views: Views, state_dict: dict[str, Any],
              planner: LoadPlanner | None) -> Restore:  # fmt: skip
@@ -328,3 +402,7 @@ def _whole_files(
     if ranges is None:
         return None
     return {f: [[0, manifest.files[f]]] for f in ranges}
+
+
+def _why(plan: Restore | None) -> str:
+    return f" ({'; '.join(plan.reasons)})" if plan is not None and plan.reasons else ""

@@ -66,6 +66,12 @@ class SaveMetrics:
     waited_seconds: float = 0.0
 
     @property
+    def seconds(self) -> float:
+        """All the time this save blocked training: the commit and what followed it.
+        The one measure of a save's cost (metrics, the schedule's overhead bound)."""
+        return self.blocked_seconds + self.waited_seconds
+
+    @property
     def gbps(self) -> float:
         """First-level write throughput of this rank, in GB/s (10**9 bytes)."""
         return self.bytes_written / self.blocked_seconds / 1e9 if self.blocked_seconds else 0.0
@@ -80,7 +86,7 @@ class SaveMetrics:
             "bytes": self.bytes_written,
             "seconds": self.blocked_seconds,
             "gbps": self.gbps,
-            "blocked_seconds": self.blocked_seconds + self.waited_seconds,
+            "blocked_seconds": self.seconds,
             "waited_seconds": self.waited_seconds,
             "drains_started": list(self.drains_started),
             "drains_skipped": list(self.drains_skipped),

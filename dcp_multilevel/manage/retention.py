@@ -1,9 +1,11 @@
 """Retention rules: which checkpoints a level may delete (pure: no I/O).
 
-The manager lists a level, asks these rules, and deletes what they return,
-newest first (a delta before its reference) and each manifest first, so a
-crash in the middle leaves no half-deleted checkpoint and no delta without
-its reference. The rules:
+:class:`RetentionRules` composes them for one level: the manager
+(``holdings.py``) and ``dcp-multilevel gc`` (``cli/gc.py``) both list a
+level, ask the same object, and delete what it returns, newest first (a
+delta before its reference) and each manifest first, so a crash in the
+middle leaves no half-deleted checkpoint and no delta without its
+reference. A rule added here is run by both. The rules:
 
 - keep the newest ``keep`` complete checkpoints (``None``: all);
 - never delete the newest complete checkpoint, nor a protected one: one
@@ -20,10 +22,47 @@ its reference. The rules:
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from .keyframes import needed
 
-__all__ = ["abandoned", "deletion_order", "expired", "not_yet_above"]
+__all__ = ["RetentionRules", "abandoned", "deletion_order", "expired", "not_yet_above"]
+
+
+@dataclass(frozen=True)
+class RetentionRules:
+    """The retention of one level: keep the newest ``keep`` (None: all), see the module
+    docstring for the rest. ``protected`` steps are the caller's to know (drains in
+    flight, steps not yet on a higher level); ``refs`` maps each delta checkpoint to
+    its reference step."""
+
+    keep: int | None
+
+    def expired(
+        self,
+        complete: Sequence[int],
+        protected: Collection[int] = (),
+        refs: Mapping[int, int | None] | None = None,
+    ) -> list[int]:
+        """Committed steps past ``keep`` that nothing kept needs."""
+        return expired(complete, self.keep, protected, refs)
+
+    def abandoned(
+        self, uncommitted: Iterable[int], complete: Sequence[int], protected: Collection[int] = ()
+    ) -> list[int]:
+        """Step directories without a manifest older than the newest committed step."""
+        return abandoned(uncommitted, complete, protected)
+
+    def doomed(
+        self,
+        complete: Sequence[int],
+        uncommitted: Iterable[int],
+        protected: Collection[int] = (),
+        refs: Mapping[int, int | None] | None = None,
+    ) -> list[int]:
+        """Everything to delete, in the order to delete it (:func:`deletion_order`)."""
+        gone = self.expired(complete, protected, refs)
+        return deletion_order(gone + self.abandoned(uncommitted, complete, protected))
 
 
 def expired(

@@ -1,0 +1,275 @@
+"""Drain coordination: which drains a save starts, after a restart, and after a restore.
+
+:class:`Drains` builds the drain jobs the manager's saves need (a first-level
+step onto each higher level due, after the references a level between nodes
+lacks), names them alike on every rank, takes rank 0's decisions where the
+policy needs one, and hands them to the lanes (``levels/drainer.py``). It
+also drains again what a crash left undone (:meth:`Drains.resume`) and what
+a restore onto a replaced node left unprotected (:meth:`Drains.reprotect`).
+
+Call order (main thread, every rank, the same arguments everywhere)::
+
+    decision = drains.decide(step, due)    rank 0 (inside rank0_decides): what to
+                                           skip ("skip"), what to send first
+    drains.submit(step, due, decision,     every rank: one job per due level
+                  committed, metrics)
+    drains.resume(view)                    after load_latest: drains a crash left
+    drains.reprotect(plan)                 after a restore onto a replaced node
+    drains.wait() / drains.close()
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import _dist
+from ..checkpoint import decoded_manifest
+from ..config import Level
+from ..errors import DrainError
+from ..levels import Drainer, DrainJob, DrainResult, LevelDriver, Topology
+from ..levels.node_local import rank_files
+from .chains import DeltaChains
+from .holdings import Holdings
+from .metrics import MetricsSink, SaveMetrics
+
+__all__ = ["DrainDecision", "Drains", "finish_at_exit"]
+
+logger = logging.getLogger(__name__)
+
+#: Numbers the coordinators of this process: drain ids key values in the c10d
+#: store that every manager of the process group shares, and managers are built
+#: collectively, in the same order on every rank: the same number everywhere.
+_INSTANCES = itertools.count()
+
+
+@dataclass(frozen=True)
+class DrainDecision:
+    """Rank 0's decision for one save's drains, taken by every rank."""
+
+    skip: tuple[int, ...] = ()  # levels the step is not sent to (policy "skip", busy)
+    #: level -> first-level steps to drain there first (references it lacks)
+    before: dict[int, list[int]] = field(default_factory=dict)
+
+
+class Drains:
+    """Builds and submits the manager's drains (see the module docstring)."""
+
+    def __init__(
+        self,
+        levels: Sequence[Level],
+        drivers: Sequence[LevelDriver],
+        chains: DeltaChains,
+        holdings: Holdings,
+        sink: MetricsSink,
+        topology: Topology | None,
+        *,
+        policy: str,
+        timeout_s: float,
+    ) -> None:
+        self.levels = list(levels)
+        self.drivers = list(drivers)
+        self.chains = chains
+        self.holdings = holdings
+        self.topology = topology
+        self._sink = sink
+        self._instance = next(_INSTANCES)
+        self._generation = 0
+        self.drainer = Drainer(
+            policy=policy, timeout_s=timeout_s, on_committed=holdings.committed,
+            on_result=self._ended, key=f"m{self._instance}",
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ saves
+
+    def decide(self, step: int, due: Sequence[int]) -> DrainDecision:
+        """Rank 0: which due levels to skip, and which references to send first."""
+        policy = self.drainer.policy
+        skip = tuple(i for i in due if policy == "skip" and self.drainer.busy(self.drivers[i]))
+        before: dict[int, list[int]] = {}
+        for i in due:
+            if i in skip:
+                continue
+            if policy == "wait":  # then retention knows the outcome
+                self.drainer.finish(self.drivers[i])
+            before[i] = self._missing_references(i, step)
+        return DrainDecision(skip, before)
+
+    def submit(
+        self,
+        step: int,
+        due: Sequence[int],
+        decision: DrainDecision,
+        committed_unix: float,
+        metrics: SaveMetrics,
+    ) -> None:
+        """Every rank: start (or queue, or skip) the drain of ``step`` to each due level."""
+        self._generation += 1
+        for i in due:
+            skip = i in decision.skip
+            ref = None if skip else self.chains.reference(i)
+            job = self._job(i, step, self._drain_id(i, step), committed_unix,
+                            decision.before.get(i, ()), ref)  # fmt: skip
+            url = self.levels[i].url
+            queued = self.drainer.busy(self.drivers[i])
+            if self.drainer.submit(job, skip=skip) is None:
+                self.holdings.dropped(i, step)
+                metrics.drains_skipped.append(url)
+                continue
+            self.chains.stored(i, step, ref)
+            metrics.drains_started.append(url)
+            if queued:
+                metrics.drains_queued.append(url)
+
+    def _missing_references(self, index: int, step: int) -> list[int]:
+        """Rank 0: the references of first-level ``step`` (its chain, oldest first) that
+        level ``index`` must receive before it: a level between nodes copies the first
+        level's deltas as they are, of use there only beside their references. Steps
+        on rank 0's node's part of the level are not sent again; one a running drain
+        is bringing there is dropped when this job starts, if it arrived."""
+        if not self.chains.holds_first_level_deltas(index):
+            return []
+        chain: list[int] = []
+        driver = self.drivers[index]
+        ref = self.chains.refs(0, [step]).get(step)
+        while ref is not None and not driver.checkpoint(ref).is_committed() and ref not in chain:
+            chain.append(ref)
+            ref = self.chains.refs(0, [ref]).get(ref)
+        return chain[::-1]
+
+    def _drain_id(self, index: int, step: int, why: str = "") -> str:
+        """The same on every rank for the same drain (submissions are in the same order)."""
+        return f"m{self._instance}-{index}-{step}-{self._generation}{why and '-' + why}"
+
+    def _job(
+        self,
+        index: int,
+        step: int,
+        drain_id: str,
+        committed: float,
+        first: Sequence[int] = (),
+        reference: int | None = None,
+    ) -> DrainJob:
+        """The drain of first-level ``step`` to level ``index``, after drains of the
+        first-level steps ``first`` (see :meth:`_missing_references`)."""
+        source, target = self.drivers[0], self.drivers[index]
+        before = tuple(
+            DrainJob(s, source.checkpoint(s), target, f"{drain_id}-ref{s}", committed)
+            for s in first
+        )
+        return DrainJob(step, source.checkpoint(step), target, drain_id, committed, reference,
+                        before)  # fmt: skip
+
+    def _ended(self, result: DrainResult) -> None:
+        """Every drain's outcome, in the thread that decided it: its metrics record; a
+        superseded step needs no protection on the first level any more."""
+        if result.superseded:
+            index = next(i for i, d in enumerate(self.drivers) if d.url == result.level)
+            self.holdings.dropped(index, result.step)
+        self._sink.emit(result.record(_dist.rank()))
+
+    # ------------------------------------------------------------------ restarts
+
+    def resume(self, view: dict[int, list[int]]) -> None:
+        """Drain again the newest first-level step each higher level is due to hold and
+        lacks (``view``: rank 0's listing, up to the loaded step). Collective."""
+        first = view[0]
+        resumed: dict[int, int] = {}
+        for i in range(1, len(self.levels)):
+            newest_there = max(view[i], default=-1)
+            pending = [s for s in first if self.holdings.due(i, s) and s > newest_there]
+            if pending:
+                resumed[i] = pending[-1]
+        if not resumed:
+            return
+        before = _dist.rank0_decides(
+            lambda: {i: self._missing_references(i, step) for i, step in resumed.items()}
+        )
+        self._generation += 1
+        for i, step in resumed.items():
+            logger.info("dcp_multilevel: resuming the drain of step %d to %s",
+                        step, self.levels[i].url)  # fmt: skip
+            job = self._job(i, step, self._drain_id(i, step, "resume"), time.time(), before[i])
+            self.drainer.submit(job, skip=False)  # every rank alike: never skipped
+
+    def reprotect(self, plan: Any) -> None:
+        """After a restore onto a replaced node: drain the loaded step (and the
+        references it was restored with) again to each node-local level that some
+        nodes hold it on and others lack, so the copies or parity the lost node held
+        for the others are made again now, not at the next save on that level.
+
+        Decided from the restore's inventories (``plan``: the loader's restore of
+        the step), the same on every rank (a restore that needed nothing keeps only
+        this rank's: nothing to do). Collective.
+        """
+        if self.topology is None:
+            return
+        nodes = set(self.topology.nodes)
+        restored = {r.step: r for r in [*plan.chain, plan] if r.manifest is not None}
+        redo: dict[int, list[int]] = {}  # level -> steps to copy again, oldest first
+        holders: dict[tuple[int, int], set[int]] = {}  # (level, step) -> nodes holding it
+        for step, r in restored.items():
+            if len(r.inventories) < _dist.world_size():
+                continue
+            for i, driver in enumerate(self.drivers):
+                held = {inv.node for inv in r.inventories if inv.files.get(i)}
+                if i > 0 and driver.node_local and held and not held >= nodes:
+                    redo.setdefault(i, []).append(step)
+                    holders[i, step] = held
+        if not redo:
+            return
+        # A drain sends each rank's own files from its node's first level: all must be
+        # there (a step a store level served is not).
+        own = True
+        for step in sorted({s for steps in redo.values() for s in steps}):
+            first = self.drivers[0].checkpoint(step)
+            manifest = decoded_manifest(restored[step].manifest, first.url)
+            if manifest.world_size != _dist.world_size():
+                return  # the copies follow the saving job's placement (node_local.py)
+            own = own and set(rank_files(manifest, _dist.rank())) <= first.data_files()
+        if not all(_dist.all_gather_object(own)):
+            logger.warning("dcp_multilevel: step %d is not on every node of %s, and some rank's "
+                           "files are not on its first level to copy again; the next save "
+                           "there protects the nodes again", plan.step,
+                           [self.levels[i].url for i in redo])  # fmt: skip
+            return
+        self._generation += 1
+        for i, steps in redo.items():
+            for step in steps:
+                logger.info("dcp_multilevel: step %d is on %s on nodes %s only; copying it "
+                            "again for nodes %s", step, self.levels[i].url,
+                            sorted(holders[i, step]), sorted(nodes - holders[i, step]))  # fmt: skip
+            drain_id = self._drain_id(i, steps[-1], "reprotect")
+            job = self._job(i, steps[-1], drain_id, time.time(), steps[:-1])
+            self.drainer.submit(job, skip=False)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def costs(self) -> tuple[dict[int, float], set[int]]:
+        """Each higher level's last committed drain's seconds on this rank, and the
+        levels whose lane is busy (for the schedule)."""
+        drains: dict[int, float] = {}
+        index_of = {d.url: i for i, d in enumerate(self.drivers)}
+        for result in reversed(self.drainer.results):  # the newest first
+            index = index_of.get(result.level)
+            if result.committed and index is not None and index not in drains:
+                drains[index] = result.seconds
+                if len(drains) == len(self.drivers) - 1:
+                    break
+        busy = {i for i, d in enumerate(self.drivers) if i > 0 and self.drainer.busy(d)}
+        return drains, busy
+
+
+def finish_at_exit(drainer: Drainer) -> None:
+    """At interpreter exit (or when a manager is collected): wait for ``drainer``'s
+    drains, log their failures, stop its lanes."""
+    try:
+        drainer.wait()
+    except DrainError as e:
+        logger.error("dcp_multilevel: at exit, checkpoint drains had failed: %s", e)
+    finally:
+        drainer.close()

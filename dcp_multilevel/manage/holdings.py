@@ -1,0 +1,182 @@
+"""What each level holds, as the manager knows it, and the retention that follows.
+
+:class:`Holdings` is the one owner of the manager's books: the levels each
+step was decided for, the steps known committed on each higher level (from
+drains and from listings at load time), and the steps a level will not get
+(skipped, or superseded by a newer due step). First-level retention reads
+them, never the remote itself, so a slow or unreachable remote cannot stall
+``save``.
+
+Threads: the main thread saves, decides and applies first-level retention;
+each higher level's drain lane reports its commits (:meth:`Holdings.committed`,
+the drainer's ``on_committed``) and applies that level's retention in its own
+thread. The books are under one lock, held only to read or change them, never
+during I/O or while waiting for a drain (a lane's callback would wait for it,
+and the next ``save`` behind the lane). Each level's retention runs in one
+thread only, so its listing and its deletions never race.
+
+Call order (the manager makes every call)::
+
+    holdings.spare(drainer)            construction: what retention must not delete
+    holdings.decided(step, levels)     main thread, when the schedule sent a step
+    holdings.due(index, step)          any thread
+    holdings.retain(0) -> removed      rank 0, main thread, after a first-level save
+    holdings.removed_on_first(removed) every rank: its node's copies of rank 0's removals
+    holdings.committed(job)            a lane, after a drain committed (retention there)
+    holdings.dropped(index, step)      when a step will not reach a level
+    holdings.learned(index, steps)     main thread, from a listing at load time
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+
+from .. import _dist
+from ..config import Level
+from ..levels import Drainer, DrainJob, LevelDriver, Topology
+from ..schedule import SavePolicy
+from .chains import DeltaChains
+from .retention import RetentionRules, not_yet_above
+
+__all__ = ["Holdings"]
+
+logger = logging.getLogger(__name__)
+
+
+class Holdings:
+    """The manager's books and its retention (see the module docstring).
+
+    Args:
+        levels: the manager's levels; ``drivers`` their drivers.
+        schedule: decides the steps no decision was recorded for (fixed policies).
+        chains: the levels' delta histories (references retention keeps).
+        topology: which node each rank is on (None: unknown).
+    """
+
+    def __init__(
+        self,
+        levels: Sequence[Level],
+        drivers: Sequence[LevelDriver],
+        schedule: SavePolicy,
+        chains: DeltaChains,
+        topology: Topology | None,
+    ) -> None:
+        self.levels = list(levels)
+        self.drivers = list(drivers)
+        self.schedule = schedule
+        self.chains = chains
+        self.topology = topology
+        self._drainer: Drainer | None = None
+        self._rules = [RetentionRules(level.keep) for level in self.levels]
+        n = len(self.levels)
+        # The race: a lane adds a commit or a superseded step while the main
+        # thread's first-level retention reads the same sets.
+        self._lock = threading.Lock()
+        self._known: dict[int, set[int]] = {i: set() for i in range(n)}
+        self._dropped: dict[int, set[int]] = {i: set() for i in range(n)}
+        # step -> the levels a decision sent it to (an adaptive policy cannot be
+        # asked again about a past step; retention and resumed drains look here).
+        self._decided: dict[int, frozenset[int]] = {}
+
+    def spare(self, drainer: Drainer) -> None:
+        """Retention spares what ``drainer``'s running and waiting drains read (the
+        drainer reports its commits to :meth:`committed`: it is built after this)."""
+        self._drainer = drainer
+
+    # ------------------------------------------------------------------ books
+
+    def decided(self, step: int, levels: frozenset[int]) -> None:
+        """The schedule sent ``step`` to ``levels``."""
+        with self._lock:
+            self._decided[step] = levels
+
+    def due(self, index: int, step: int) -> bool:
+        """Whether ``step`` was (or, for a fixed policy, is) due on level ``index``."""
+        with self._lock:
+            decided = self._decided.get(step)
+        if decided is not None:
+            return index in decided
+        try:
+            return self.schedule.due(index, self.levels[index], step)
+        except NotImplementedError:  # an adaptive policy: only its recorded decisions count
+            return False
+
+    def learned(self, index: int, steps: Iterable[int]) -> None:
+        """A listing shows ``steps`` committed on level ``index``."""
+        with self._lock:
+            self._known[index].update(steps)
+
+    def dropped(self, index: int, step: int) -> None:
+        """``step`` will not reach level ``index`` (skipped, or superseded there): the
+        first level need not keep it for that level."""
+        with self._lock:
+            self._dropped[index].add(step)
+
+    def committed(self, job: DrainJob) -> None:
+        """A lane, after ``job`` committed: remember it, and apply that level's retention
+        (rank 0; on a node-local level, the lowest rank of each node, on its node's part)."""
+        index = self.drivers.index(job.target)
+        self.learned(index, [job.step])
+        if job.target.node_local and self.topology is not None:
+            applies = self.topology.leads(_dist.rank())
+        else:
+            applies = _dist.rank() == 0
+        if applies:
+            try:
+                self.retain(index)
+            except OSError as e:  # retention is housekeeping: the drain itself succeeded
+                logger.warning("dcp_multilevel: retention on %s failed: %s", job.target.url, e)
+
+    # ------------------------------------------------------------------ retention
+
+    def retain(self, index: int) -> list[int]:
+        """Apply retention on level ``index`` (rank 0, or a node's lowest rank for a
+        node-local level); return the steps removed."""
+        driver, level = self.drivers[index], self.levels[index]
+        complete = driver.steps()
+        protected = set()
+        if self._drainer is not None:  # the first level: every lane's; else the level's own
+            protected = self._drainer.inflight_steps(None if index == 0 else driver)
+        if index == 0:
+            protected |= self._first_level_protected(complete)
+        refs = self.chains.refs(index, complete)
+        doomed = self._rules[index].doomed(complete, driver.uncommitted(), protected, refs)
+        for step in doomed:
+            driver.delete(step)
+            logger.info("dcp_multilevel: retention removed step %d from %s", step, level.url)
+        # (Higher levels' removals are not recorded in the delta history: only rank 0
+        # sees them, and every rank must choose a drain's reference alike. A drain
+        # whose reference retention removed stores its step whole, on every rank.)
+        return doomed
+
+    def _first_level_protected(self, complete: Sequence[int]) -> set[int]:
+        """First-level steps a higher level still needs from there: due and not known
+        there yet, and the reference the next delta drained there reads."""
+        protected: set[int] = set()
+        for j in range(1, len(self.levels)):
+            with self._lock:
+                known, dropped = set(self._known[j]), set(self._dropped[j])
+            protected |= not_yet_above(complete, lambda s, j=j: self.due(j, s), known, dropped)
+            ref = self.chains.reference(j)
+            if ref is not None:
+                protected.add(ref)
+        return protected
+
+    def removed_on_first(self, removed: Sequence[int]) -> None:
+        """Every rank, after rank 0's first-level retention: each node removes the same
+        steps from its own view (one rank per node), and the chains forget them."""
+        if _dist.world_size() > 1 and self._deletes_for_node():
+            for step in removed:
+                self.drivers[0].delete(step)
+        self.chains.removed(0, removed)
+
+    def _deletes_for_node(self) -> bool:
+        """True on the rank that applies rank 0's first-level retention to its node's
+        view: one rank per node (all but rank 0, when the topology is unknown)."""
+        rank = _dist.rank()
+        if self.topology is None:
+            return rank != 0
+        nodes = self.topology.nodes
+        return nodes[rank] != nodes[0] and self.topology.leads(rank)
