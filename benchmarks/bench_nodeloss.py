@@ -144,7 +144,6 @@ from dcp_multilevel.format import checksum_of
 from dcp_multilevel.levels import restore_plan
 from dcp_multilevel.levels.erasure_code import CHUNK, ErasureCode
 from dcp_multilevel.levels.restore_plan import PART_SHARE
-from dcp_multilevel.restore import Loader
 from tests._dist import run_ranks
 
 WORLD = 4
@@ -337,34 +336,13 @@ def run_config(
     return record
 
 
-#: Seconds this rank spent in each phase of the load being timed (``timed_phases``).
-PHASES: dict[str, float] = {}
-
-
-def timed_phases() -> None:
-    """Time the three phases of every ``load_latest`` on this rank, into ``PHASES``.
-
+def load_phases(records: list[dict[str, Any]]) -> dict[str, float]:
+    """The phases of the load a manager reported (its ``"load"`` metrics record):
     ``plan``: agreeing on the step and planning the restore (listings, manifest,
     the load planner's dry run, inventories, collectives); ``bring``: the copies,
-    links and rebuilds (``RestoreReport.seconds`` plus the report's counting);
-    ``read``: ``dcp.load`` through the levels. Wraps the manager's ``Loader``
-    methods (benchmark instrumentation; the library is not changed).
-    """
-
-    def wrap(name: str, phase: str) -> None:
-        inner = getattr(Loader, name)
-
-        def timed(self: Loader, *a: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return inner(self, *a, **kw)
-            finally:
-                PHASES[phase] = PHASES.get(phase, 0.0) + time.perf_counter() - t0
-
-        setattr(Loader, name, timed)
-
-    for name, phase in (("plan", "plan"), ("_bring_files", "bring"), ("_read", "read")):
-        wrap(name, phase)
+    links and rebuilds; ``read``: ``dcp.load`` through the levels."""
+    (load,) = [r for r in records if r["kind"] == "load"]
+    return {k[: -len("_seconds")]: v for k, v in load.items() if k.endswith("_seconds")}
 
 
 def timed_load(
@@ -375,11 +353,11 @@ def timed_load(
 
     dist.barrier()  # rank 0's file work is done
     new_job(rank, job, args)
-    mgr = CheckpointManager(levels)
+    records: list[dict[str, Any]] = []
+    mgr = CheckpointManager(levels, on_metrics=records.append)
     for t in dest.values():
         t.zero_()
     dist.barrier()
-    PHASES.clear()
     profile = None
     if args["profile"] and job.endswith("-restore"):
         import cProfile
@@ -404,7 +382,7 @@ def timed_load(
     return {
         "load_s": load_s, "restore_s": report.seconds if report else 0.0, "exact": exact,
         "received": dict(report.received) if report else {},
-        "sources": dict(mgr.last_load_sources), "phases": dict(PHASES),
+        "sources": dict(mgr.last_load_sources), "phases": load_phases(records),
     }  # fmt: skip
 
 
@@ -415,7 +393,6 @@ def rank_main(rank: int, world: int, args: dict) -> list[dict[str, Any]]:
     # remote, and the reader warns once per file and rank: expected here.
     logging.getLogger("dcp_multilevel.reader").setLevel(logging.ERROR)
     quiet_dcp_warnings()
-    timed_phases()
     cfg = bert_config(args["scale"], tiny=args["quick"])
     state = bert_adamw_state(cfg, seed=args["seed"])
     if args["state"] in ("sharded", "fsdp"):
@@ -552,7 +529,7 @@ class Summary:
     exact: list[str]
     disk: list[dict[str, Any]]
     received: dict[str, int]  # the lost node's lowest rank, last round
-    # The slowest rank's seconds in each phase of the restore (see timed_phases), per round.
+    # The slowest rank's seconds in each phase of the restore (see load_phases), per round.
     phases: dict[str, list[float]] = field(default_factory=dict)
 
 

@@ -41,7 +41,7 @@ from _disk import evict_tree, remove_tree, scratch_dir, tree_nbytes
 from _measure import median, rounds, spread
 from _minilm import finetune_states
 from _report import REPO, fmt, machine_info, markdown_table
-from bench_nodeloss import PHASES, WORLD, new_job, timed_phases
+from bench_nodeloss import WORLD, load_phases, new_job
 from dcp_multilevel import CheckpointManager, Level
 from tests._dist import run_ranks
 
@@ -88,10 +88,10 @@ def run_round(rank: int, config: str, rep: int, dtype: str, states: list[dict],
         evict_tree(base)
     dist.barrier()
     new_job(rank, f"{name}-restore", args)
-    mgr = CheckpointManager(levels)
+    records: list[dict[str, Any]] = []
+    mgr = CheckpointManager(levels, on_metrics=records.append)
     dest = {k: torch.zeros_like(v) for k, v in states[-1].items()}
     dist.barrier()
-    PHASES.clear()
     t0 = time.perf_counter()
     step = mgr.load_latest(dest)
     load_s = time.perf_counter() - t0
@@ -107,7 +107,7 @@ def run_round(rank: int, config: str, rep: int, dtype: str, states: list[dict],
         remove_tree(base)
     return {"config": config, "dtype": dtype, "round": rep, "rank": rank, "saves": saves,
             "load_s": load_s, "restore_s": report.seconds if report else 0.0,
-            "brought": brought, "phases": dict(PHASES),
+            "brought": brought, "phases": load_phases(records),
             # Files brought onto the replaced node (its ranks report the same count).
             "received": sum(report.received.values()) if report and brought else 0,
             "exact": exact}  # fmt: skip
@@ -116,7 +116,6 @@ def run_round(rank: int, config: str, rep: int, dtype: str, states: list[dict],
 def rank_main(rank: int, world: int, args: dict) -> list[dict[str, Any]]:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_dcp_warnings()
-    timed_phases()
     out = []
     for dtype in args["dtypes"]:
         # --copies: the weights several times over under other keys (a bigger state

@@ -264,6 +264,7 @@ class CheckpointManager:
         plan = self._loader.load_newest(state_dict, views, planner)
         if plan is None:
             return None
+        self._loaded(plan)
         # Newer steps were not restorable: their files are not all there to drain.
         self._drains.resume({i: [s for s in steps if s <= plan.step]
                              for i, steps in views.everyone[0].items()})  # fmt: skip
@@ -281,7 +282,20 @@ class CheckpointManager:
         """
         views = gather_views(self.drivers)
         plan = self._loader.load_step(state_dict, step, views, planner)
+        self._loaded(plan)
         self._resume_schedule(plan, views)
+
+    def _loaded(self, plan: Restore) -> None:
+        """The load's metrics record: where the time went, what came from where."""
+        phases = self._loader.last_phases
+        restore = self._loader.last_restore
+        self._sink.emit({
+            "kind": "load", "rank": _dist.rank(), "step": plan.step,
+            **{f"{name}_seconds": seconds for name, seconds in phases.items()},
+            "sources": dict(self._loader.last_load_sources),
+            "received": dict(restore.received) if restore is not None else {},
+            "unix": time.time(),
+        })  # fmt: skip
 
     def _resume_schedule(self, plan: Restore, views: Views) -> None:
         """After a load: the schedule goes on from the state the loaded step's manifest

@@ -613,3 +613,22 @@ def test_two_managers_in_one_process_group_drain_apart(tmp_path):
     # Drains agree through the c10d store, which every manager of the group shares:
     # manager b's ranks must not take manager a's values (its commit, its manifest).
     assert run_ranks(_two_managers_job, 2, str(tmp_path), timeout=180) == [[True, True]] * 2
+
+
+def test_a_load_reports_its_phases_and_sources_in_the_metrics(tmp_path):
+    # A public record of where a load's time went (benchmarks read it; no patching).
+    l1, remote = tmp_path / "l1", memory_url()
+    mgr = CheckpointManager([Level(str(l1)), Level(remote)])
+    mgr.save(state(3), step=3)
+    mgr.close()
+    shutil.rmtree(l1)
+    records: list[dict] = []
+    again = CheckpointManager([Level(str(l1)), Level(remote)], on_metrics=records.append)
+    loaded = blank()
+    assert again.load_latest(loaded) == 3
+    check(loaded, 3)
+    again.close()
+    (load,) = [r for r in records if r["kind"] == "load"]
+    assert load["step"] == 3 and load["sources"] == again.last_load_sources
+    assert list(load["sources"]) == [f"{remote}/step-3"]
+    assert load["plan_seconds"] > 0 and load["read_seconds"] > 0

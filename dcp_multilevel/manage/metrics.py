@@ -14,6 +14,12 @@ record, a flat JSON-able dict::
      "error": null, "bytes_read": 1634000000,
      "files_verbatim": 0, "files_encoded": 26, "unix": 1763712008.2}
 
+and each load (``CheckpointManager.load_latest`` / ``load``) one more::
+
+    {"kind": "load", "rank": 0, "step": 100, "plan_seconds": 0.05, "bring_seconds": 0.19,
+     "read_seconds": 0.06, "sources": {"file:///nvme/run1/step-100": 14},
+     "received": {"partner:/nvme/{node}/partner (node 0)": 2}, "unix": 1763712100.4}
+
 A :class:`MetricsSink` hands each record to the user's callback and/or appends
 it as one JSON line to a file. Records come from the thread that produced
 them: save records from the training thread, drain records from the drain's

@@ -21,10 +21,11 @@ Call order (every rank, main thread, the same steps)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -85,6 +86,18 @@ class Loader:
         self.last_load_sources: dict[str, int] = {}
         #: The last load's restore: files brought onto this rank's node, by source.
         self.last_restore: RestoreReport | None = None
+        #: Seconds the last load spent in each phase on this rank: ``plan`` (agreeing
+        #: on the step, inventories, the restore plan), ``bring`` (copies, links,
+        #: rebuilds), ``read`` (``dcp.load`` through the levels).
+        self.last_phases: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.last_phases[name] = self.last_phases.get(name, 0.0) + time.perf_counter() - t0
 
     def load_newest(
         self, state_dict: dict[str, Any], views: Views, planner: LoadPlanner | None
@@ -96,6 +109,7 @@ class Loader:
             CheckpointNotFoundError: checkpoints exist, but none can be restored by
                 every rank (never a silent fresh start).
         """
+        self.last_phases = {}
         candidates = views.candidates()
         newest: Restore | None = None
         for step in reversed(candidates):
@@ -134,6 +148,7 @@ class Loader:
             CheckpointNotFoundError: no level holds ``step``, or not every rank can
                 restore it.
         """
+        self.last_phases = {}
         first = self.drivers[0].level
         if not views.anywhere(step):
             raise CheckpointNotFoundError(
@@ -165,6 +180,11 @@ class Loader:
         each of them must be restorable too (``Restore.chain``, whole files:
         a reference is found in the step's directory, never in a parts copy).
         """
+        with self._phase("plan"):
+            return self._plan(step, views, state_dict, planner)
+
+    def _plan(self, step: int, views: Views, state_dict: dict[str, Any],
+              planner: LoadPlanner | None) -> Restore:  # fmt: skip
 
         def agree(at: int, whole_files: bool) -> Restore:
             def needs(manifest: Manifest) -> dict[str, list[list[int]]] | None:
@@ -228,14 +248,16 @@ class Loader:
         if plan.plan is not None and plan.manifest is not None:
             parts.append(plan)
         if parts:
-            self.last_restore = self._bring_files(parts, report=RestoreReport(plan.step))
+            with self._phase("bring"):
+                self.last_restore = self._bring_files(parts, report=RestoreReport(plan.step))
         for ref in plan.chain:
             assert ref.manifest is not None  # plan() keeps only references with one
             self.keep_manifest(ref.step, ref.manifest)
         if plan.plan is not None and plan.manifest is not None and plan.plan.actions:
             self._recommit_first_level(plan)
         try:
-            self._read(state_dict, plan, planner)
+            with self._phase("read"):
+                self._read(state_dict, plan, planner)
         except CheckpointException:
             # Every rank sees DCP's failure. A first-level file damaged since the
             # save (the reader found no intact copy on this node, and no store
@@ -252,10 +274,12 @@ class Loader:
                         damaged.append((part, bad))
             if not damaged:
                 raise
-            self.last_restore = self._bring_files(
-                [part for part, _ in damaged], [bad for _, bad in damaged], self.last_restore
-            )
-            self._read(state_dict, plan, planner)
+            with self._phase("bring"):
+                self.last_restore = self._bring_files(
+                    [part for part, _ in damaged], [bad for _, bad in damaged], self.last_restore
+                )
+            with self._phase("read"):
+                self._read(state_dict, plan, planner)
 
     def _read(self, state_dict: dict[str, Any], plan: Restore, planner) -> None:
         # The first level serves what this rank sees there (with what the restore
