@@ -322,6 +322,8 @@ class ByteGroupCodec(Codec):
         """
         if len(out) < self.payload_bound(len(chunk), width):
             raise ValueError(f"output buffer of {len(out)} bytes is under the payload bound")
+        if not len(chunk):  # nothing to gain (and zstd would wait on an empty plane)
+            return None
         values = np.frombuffer(chunk, dtype=np.uint8)
         if rotate and width > 1 and _native_zstd and _native is not None:  # float: all in C
             # The planes, then room for a split plane's low stream or a
