@@ -141,9 +141,9 @@ from _measure import GB, median, rotated, rounds, spread
 from _report import REPO, fmt, goal_line, machine_info, markdown_table, times
 from dcp_multilevel import CheckpointManager, Level
 from dcp_multilevel.format import checksum_of
-from dcp_multilevel.levels import restore_plan
 from dcp_multilevel.levels.erasure_code import CHUNK, ErasureCode
-from dcp_multilevel.levels.restore_plan import PART_SHARE
+from dcp_multilevel.restore import plan as restore_plan
+from dcp_multilevel.restore.plan import PART_SHARE
 from tests._dist import run_ranks
 
 WORLD = 4

@@ -27,7 +27,7 @@ import time
 from _cli import parser
 from _measure import median, spread
 from _report import fmt, markdown_table
-from dcp_multilevel.levels.restore_plan import Inventory, plan_restore, simulated_time
+from dcp_multilevel.restore.plan import Inventory, plan_restore, simulated_time
 
 URLS = ["/l1", "partner:/p"]
 SIZE = 1 << 20  # bytes per file, plus the rank: files differ a little, as real ones do

@@ -47,8 +47,6 @@ from . import _dist
 from .config import Level
 from .errors import ConfigError, DcpMultilevelError
 from .levels import DrainResult
-from .levels.agreement import Restore, Views, gather_views
-from .levels.restore import RestoreReport
 from .levels.topology import Topology
 from .manage.cadence import Cadence
 from .manage.chains import DeltaChains
@@ -59,6 +57,8 @@ from .manage.metrics import MetricsSink, SaveMetrics
 from .manage.saving import FirstLevelSaves
 from .planner import BalancedSavePlanner
 from .restore import Loader
+from .restore.agreement import Restore, Views, gather_views
+from .restore.execute import RestoreReport
 from .schedule import FixedInterval, SavePolicy
 
 __all__ = ["CheckpointManager", "SaveMetrics"]

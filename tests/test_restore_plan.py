@@ -16,7 +16,8 @@ from dcp_multilevel.levels import driver_for
 from dcp_multilevel.levels.erasure import group_layout
 from dcp_multilevel.levels.erasure_blocks import rechunk
 from dcp_multilevel.levels.erasure_code import ErasureCode
-from dcp_multilevel.levels.restore_plan import (
+from dcp_multilevel.levels.topology import Topology
+from dcp_multilevel.restore.plan import (
     Copy,
     Inventory,
     Link,
@@ -26,7 +27,6 @@ from dcp_multilevel.levels.restore_plan import (
     plan_restore,
     simulated_time,
 )
-from dcp_multilevel.levels.topology import Topology
 
 URLS = ["/l1", "partner:/p", "erasure:/e", "s3://remote"]
 
@@ -534,7 +534,7 @@ def test_an_inventory_carries_ranges_only_for_files_read_in_part(tmp_path):
 
     from dcp_multilevel import MultiLevelWriter
     from dcp_multilevel.checkpoint import StoredCheckpoint
-    from dcp_multilevel.levels.restore import needed_ranges, split_needs
+    from dcp_multilevel.restore.inventory import needed_ranges, split_needs
 
     state = {"w": torch.arange(4096.0), "step": torch.tensor(3.0), "v": torch.ones(2048)}
     dcp.save(state, storage_writer=MultiLevelWriter(str(tmp_path)))

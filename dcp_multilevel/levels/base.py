@@ -34,7 +34,7 @@ A *node-local* kind (``node_local = True``: partner copies, erasure parity)
 keeps each node's part on that node's own disk: each node sees, and
 retention deletes, its own part (every rank calls ``delete`` then, like
 for the first level), and a load asks every rank what its node holds
-(``levels/restore.py``) instead of trusting one listing.
+(``restore/inventory.py``) instead of trusting one listing.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class LevelDriver(abc.ABC):
 
     def holdings(self, step: int) -> dict[str, Any] | None:
         """What this node holds of ``step`` besides whole data files, for a restore's
-        inventory (``levels/restore.py``): ``{"groups": {group: description},
+        inventory (``restore/inventory.py``): ``{"groups": {group: description},
         "parity": [[group, block], ...]}`` for a level of erasure-coded groups;
         None (the default) for a level that holds whole files only."""
         return None

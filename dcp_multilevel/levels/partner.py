@@ -7,7 +7,7 @@ level commits a step, each rank sends its data files to its partners
 group, verified item by item as they are read. Each node keeps what it
 receives, plus hard links to its own files, below its directory
 (``node_local.py``). A node lost with its disk is then rebuilt from the
-copies on its partners (``restore.py``): any ``replicas - 1`` lost nodes
+copies on its partners (``restore/``): any ``replicas - 1`` lost nodes
 whose copies are not all on lost nodes too.
 
 Cost: ``replicas - 1`` times the checkpoint on the network and on the

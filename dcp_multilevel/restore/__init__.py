@@ -1,11 +1,18 @@
 """The load after a loss: agree on a step, bring each node what it lacks, read.
 
+In the order a load runs them:
+
+- ``agreement.py``: :class:`Views` (what every rank lists on every level) and
+  :class:`Restore` (how every rank can load a step), agreed collectively;
+- ``inventory.py``: what each rank needs and its node holds, exchanged;
+- ``actions.py``: the inventories and a plan's actions, as values
+  (:class:`Link`, :class:`Copy`, :class:`Rebuild`);
+- ``plan.py``: the pure plan: per missing file, a link, a copy, a rebuild,
+  a store level, or the reasons it cannot be restored;
+- ``order.py``: :class:`TransferOrder`, the order that keeps every rank busy;
+- ``execute.py``: carrying a plan out over the restore's gloo group;
 - ``loader.py``: :class:`Loader`, the manager's load path (the newest
   restorable step or a given one; re-plans around damaged sources).
-
-The agreement on what each rank sees (``levels/agreement.py``), the
-inventories and the transfers (``levels/restore.py``) and the restore plan
-(``levels/restore_plan.py``) move here next (issue 30, item 4).
 """
 
 from .loader import Loader

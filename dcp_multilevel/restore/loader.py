@@ -2,7 +2,7 @@
 
 The manager's load path (``CheckpointManager.load_latest`` / ``load``) after it
 listed every level: :meth:`Loader.plan` agrees collectively on how every rank
-can load a step (``levels/agreement.py``, ``levels/restore.py``);
+can load a step (``agreement.py``, ``inventory.py``, ``plan.py``);
 :meth:`Loader.load` carries out the restore (copies, links, rebuilds over the
 restore's gloo group, in rounds that leave damaged sources out), reads with a
 :class:`~dcp_multilevel.reader.MultiLevelReader` over the levels holding the
@@ -36,19 +36,12 @@ from .. import _dist
 from ..errors import CheckpointNotFoundError
 from ..format import MANIFEST_NAME, Manifest
 from ..levels import Drainer, LevelDriver
-from ..levels.agreement import Restore, Views, restorable
-from ..levels.restore import (
-    RestoreReport,
-    execute,
-    gather_inventories,
-    needed_ranges,
-    parts_copy,
-    set_aside_damaged,
-    take_inventory,
-)
-from ..levels.restore_plan import RestorePlan, plan_restore
 from ..levels.topology import Topology
 from ..reader import MultiLevelReader
+from .agreement import Restore, Views, restorable
+from .execute import RestoreReport, execute, parts_copy, set_aside_damaged
+from .inventory import gather_inventories, needed_ranges, take_inventory
+from .plan import RestorePlan, plan_restore
 
 __all__ = ["Loader"]
 
@@ -288,7 +281,7 @@ class Loader:
         copies = [self.drivers[i].checkpoint(plan.step) for i in plan.levels]
         options = [self.drivers[i].root.storage_options for i in plan.levels]
         if plan.levels[0] == 0 and plan.manifest is not None:
-            # Items a restore brought without their whole file (restore.py's parts copy).
+            # Items a restore brought without their whole file (execute.py's parts copy).
             first = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest)
             parts = parts_copy(first, first.manifest())
             if parts is not None and parts.is_committed():

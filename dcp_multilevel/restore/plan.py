@@ -2,19 +2,19 @@
 
 Every rank computes the same :class:`RestorePlan` from every rank's
 :class:`Inventory` (what its ranks need, what its node holds on every level;
-``restore.py`` takes and exchanges them). For each node, for each file its
+``inventory.py`` takes and exchanges them). For each node, for each file its
 ranks need and its first level lacks, in order:
 
 1. a :class:`Link` from another level of the same node (a hard link: no bytes move);
 2. a :class:`Copy` from another node holding it, or from a node an earlier
-   action of the plan brings it to (:func:`schedule` then picks, per copy,
-   the source that can send it soonest, forwarding files from node to
-   node). When the node's
+   action of the plan brings it to (``order.py``'s :class:`TransferOrder`
+   then picks, per copy, the source that can send it soonest, forwarding
+   files from node to node). When the node's
    ranks need only a small part of the file (at most :data:`PART_SHARE` of
    its bytes: a value every rank holds that one rank's file stores, next to
    that rank's own shards) and its first level can take them, only their
    items' byte ranges are copied (``Copy.ranges``), into the step's
-   ``.parts`` copy (``restore.py``), never into the first level's files;
+   ``.parts`` copy (``execute.py``), never into the first level's files;
 3. a :class:`Rebuild` of the erasure member it belongs to (every member of
    the group the node lacks, in one pass, from any ``data`` intact blocks),
    once, on the first node that needs it;
@@ -28,10 +28,12 @@ no torch.distributed.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from .actions import Copy, Inventory, Link, Rebuild, participants
+from .order import TransferOrder
 
 __all__ = [
     "PART_SHARE",
@@ -45,75 +47,12 @@ __all__ = [
     "merge_ranges",
     "participants",
     "plan_restore",
-    "schedule",
     "simulated_time",
 ]
 
 
 #: A node that needs at most this share of a file's bytes gets only those byte ranges.
 PART_SHARE = 0.5
-
-#: Copies of one receiving node weighed at a time when a restore is scheduled (``schedule``).
-_LOOKAHEAD = 8
-
-
-@dataclass
-class Inventory:
-    """One rank's view of one step (JSON-able: exchanged with every rank)."""
-
-    rank: int
-    node: int
-    needs: list[str] | None  # None: every file
-    # file -> the [offset, end) byte ranges of the items this rank reads there, for the
-    # files it reads at most PART_SHARE of (a needed file not here: read mostly whole;
-    # None: unknown). Only those: a rank that reads everything sends no ranges.
-    ranges: dict[str, list[list[int]]] | None = None
-    parts: bool = False  # this rank's first level can take a file's parts (restore.py)
-    files: dict[int, list[str]] = field(default_factory=dict)  # level -> files on this node
-    whole: list[int] = field(default_factory=list)  # store levels above the first holding it
-    parity: dict[int, list[list[Any]]] = field(default_factory=dict)  # level -> [[group, block]]
-    groups: dict[int, dict[str, Any]] = field(default_factory=dict)  # level -> group -> desc
-    placement: list[int] | None = None  # node of each rank of the save, if recorded
-    # True: this rank's needs and ranges travel in its node's lowest rank's inventory
-    # (``merge_node_needs``); its own say it needs nothing (which plans alike: a
-    # node's needs are the union of its ranks').
-    merged: bool = False
-
-
-@dataclass(frozen=True)
-class Link:
-    """Make ``file``, which ``dst``'s node holds on level ``level``, appear on its first level."""
-
-    file: str
-    level: int
-    dst: int
-
-
-@dataclass(frozen=True)
-class Copy:
-    """Send ``file`` from ``src``'s node (its copy on level ``level``) to ``dst``'s;
-    with ``ranges`` (sorted, disjoint ``(offset, end)`` pairs, each whole items)
-    only those bytes, into ``dst``'s parts copy."""
-
-    file: str
-    level: int
-    src: int
-    dst: int
-    ranges: tuple[tuple[int, int], ...] | None = None
-
-
-@dataclass(frozen=True)
-class Rebuild:
-    """Rebuild members ``members`` of erasure group ``group`` (level ``level``) on
-    ``dst``'s node from ``sources`` ((block, rank) pairs); ``brings`` names the
-    files the rebuilt members hold."""
-
-    level: int
-    group: str
-    members: tuple[int, ...]
-    sources: tuple[tuple[int, int], ...]
-    dst: int
-    brings: tuple[str, ...] = ()
 
 
 @dataclass
@@ -228,7 +167,7 @@ def plan_restore(
             )
         plan.reasons = list(dict.fromkeys(plan.reasons))
         plan.actions = []
-    plan.actions = schedule(plan.actions, files, inventories, bad, held)
+    plan.actions = TransferOrder(files, inventories, held, bad).order(plan.actions)
     return plan
 
 
@@ -313,15 +252,6 @@ def group_descriptions(inventories: Sequence[Inventory]) -> dict[int, dict[str, 
     return groups
 
 
-def participants(action: Link | Copy | Rebuild) -> set[int]:
-    """The ranks that take part in ``action``."""
-    if isinstance(action, Copy):
-        return {action.src, action.dst}
-    if isinstance(action, Rebuild):
-        return {action.dst, *(rank for _, rank in action.sources)}
-    return {action.dst}
-
-
 def simulated_time(actions: Sequence[Link | Copy | Rebuild], files: dict[str, int]) -> int:
     """How long carrying ``actions`` out takes, a byte a time unit: each rank takes its
     own in list order, each action once all its ranks are free (blocking transfers).
@@ -342,222 +272,6 @@ def simulated_time(actions: Sequence[Link | Copy | Rebuild], files: dict[str, in
             free[r] = start + length
         end = max(end, start + length)
     return end
-
-
-def schedule(
-    actions: Sequence[Link | Copy | Rebuild],
-    files: dict[str, int],
-    inventories: Sequence[Inventory],
-    bad: set[tuple[Any, ...]] = frozenset(),  # type: ignore[assignment]
-    held: dict[str, list[tuple[int, int, int]]] | None = None,
-) -> list[Link | Copy | Rebuild]:
-    """``actions`` in one total order that keeps every rank busy, each copy taken
-    from a source that is free to send it.
-
-    Every rank carries out its own actions in list order and waits only on its
-    partners (blocking sends), so actions that share no rank overlap, and any
-    one total order cannot deadlock (the earliest unfinished action always has
-    all of its ranks waiting on it). This simulates those transfers, a byte per
-    time unit: links and rebuilds first (their ranks are fixed; a rebuilt
-    member can be forwarded once it ends), then copies, event by event.
-    Whenever ranks fall idle, the node with the most bytes still to receive
-    first (its receives are the longest chain), each idle rank of that node
-    takes one of the node's next :data:`_LOOKAHEAD` copies that an idle
-    source can send now: any rank of the node receives a whole file (it
-    lands in the node's first level, which all of them read), so a node's
-    ranks receive side by side; byte ranges go to the plan's receiving rank
-    (a node's parts copy has one writer). A source is a node holding the
-    file intact, or the *receiving rank* of a node an earlier copy or
-    rebuild brought it to (forwarded: with replicated state every node needs
-    every file, and a file's one holder need not send it to every other
-    node). The copy taken is the file on the fewest nodes so far (rarest
-    first: it spreads what later copies forward), then from the lowest
-    level, a copy held before the restore, the lowest rank. The list
-    is then sorted by start (stable: the same on every rank). A forwarded
-    copy starts after the action that brings the file ends, on the same
-    rank, so that rank holds it by then. ``held``: :func:`_holders` of
-    ``inventories`` and ``bad``, when the caller made it already.
-    """
-    nodes = {inv.rank: inv.node for inv in inventories}
-    if held is None:  # plan_restore passes the index it planned from
-        held = _holders(inventories, bad)
-    forwards: dict[str, list[tuple[int, int, int]]] = {}  # file -> [(ready at, rank, node)]
-    free: dict[int, int] = {}  # rank -> when its last action ends
-    starts: list[int] = []
-    placed: list[Link | Copy | Rebuild] = []
-
-    ends: list[int] = []  # a heap of the times a transfer ends (the events)
-    ending: dict[int, set[int]] = {}  # time -> ranks whose last transfer ends then
-
-    def place(action: Link | Copy | Rebuild, start: int, length: int) -> None:
-        if length:
-            end = start + length
-            for r in participants(action):
-                free[r] = end
-            if end not in ending:
-                heapq.heappush(ends, end)
-            ending.setdefault(end, set()).update(participants(action))
-        starts.append(start)
-        placed.append(action)
-
-    ranks_of: dict[int, list[int]] = {}  # node -> its ranks
-    for inv in sorted(inventories, key=lambda i: i.rank):
-        ranks_of.setdefault(inv.node, []).append(inv.rank)
-    copies: dict[int, list[Copy]] = {}  # receiving node -> its copies, in plan order
-    for action in actions:
-        if isinstance(action, Copy):
-            copies.setdefault(nodes[action.dst], []).append(action)
-        elif isinstance(action, Link):
-            place(action, 0, 0)  # no transfer: the file is on the node already
-        else:
-            members = max(1, len(action.members))
-            length = (
-                sum(files.get(f, 0) for f in action.brings)
-                // members
-                * sum(1 for _, r in action.sources if r != action.dst)
-            )
-            start = max(free.get(r, 0) for r in participants(action))
-            place(action, start, length)
-            for f in action.brings:
-                forwards.setdefault(f, []).append((start + length, action.dst, nodes[action.dst]))
-
-    def length_of(copy: Copy) -> int:
-        if copy.ranges is None:
-            return files.get(copy.file, 0)
-        return sum(b - a for a, b in copy.ranges)
-
-    def best_source(copy: Copy, now: int) -> tuple[int, int, int] | None:
-        """The least ``(level, forwarded, rank)`` of the sources that can send ``copy``
-        at ``now`` (None: none can)."""
-        here = nodes.get(copy.dst)
-        best = None
-        for level, rank, node in held.get(copy.file, ()):
-            if node != here and free.get(rank, 0) <= now:
-                option = (level, 0, rank)
-                if best is None or option < best:
-                    best = option
-        for ready, rank, node in forwards.get(copy.file, ()):
-            if (
-                ready <= now
-                and node != here
-                and free.get(rank, 0) <= now
-                and not (bad and ("copy", node, copy.file) in bad)
-            ):
-                option = (0, 1, rank)
-                if best is None or option < best:
-                    best = option
-        return best
-
-    def send(node: int, i: int, dst: int, level: int, src: int, now: int) -> None:
-        copy = replace(copies[node].pop(i), dst=dst, level=level, src=src)
-        length = length_of(copy)
-        place(copy, now, length)
-        if copy.ranges is None:
-            forwards.setdefault(copy.file, []).append((now + length, dst, node))
-            can_send.setdefault(dst, set()).add(copy.file)
-            when(now + length, copy.file)
-        if not length:  # an empty file: both ranks stay idle, the file is forwardable now
-            rescan.add(node)
-            rescan.update(waiting.pop(copy.file, ()))
-            fresh.add(dst)  # woken nodes later in this pass may take it from there
-        left[node] -= length
-
-    def receivers(node: int, copy: Copy) -> list[int]:
-        """The ranks that may receive ``copy`` on its node: any for a whole file (it
-        lands in the node's first level, where all of them read), the plan's one
-        for byte ranges (each node's parts copy has one writer)."""
-        return ranks_of[node] if copy.ranges is None else [copy.dst]
-
-    # The event-driven simulation of the docstring.
-    left = {node: sum(length_of(c) for c in cs) for node, cs in copies.items()}
-    holding = {f: len({node for _, _, node in hs}) for f, hs in held.items()}  # nodes
-    # Only nodes whose options may have changed are scanned at an event: those with
-    # a rank that fell idle (``rescan``), and those waiting (idle ranks, no source)
-    # on a file that a rank that fell idle can send or that became forwardable
-    # (``woken``; scanned only while one of those ranks is still idle when its turn
-    # comes). The others would find what they found before (nothing): the plan is
-    # the one a scan of every node makes.
-    can_send: dict[int, set[str]] = {}  # rank -> files it holds or forwards
-    ready: dict[int, set[str]] = {}  # time -> files forwardable from then on
-    ready_at: list[int] = []  # a heap of ready's times
-
-    def when(at: int, file: str) -> None:
-        if at not in ready:
-            heapq.heappush(ready_at, at)
-        ready.setdefault(at, set()).add(file)
-
-    for f, hs in held.items():
-        for _, rank, _ in hs:
-            can_send.setdefault(rank, set()).add(f)
-    for f, entries in forwards.items():
-        for at, rank, _ in entries:
-            can_send.setdefault(rank, set()).add(f)
-            when(at, f)
-    waiting: dict[str, set[int]] = {}  # file -> nodes that found no source for it
-    rescan = {n for n, cs in copies.items() if cs}
-    woken: set[int] = set()
-    fresh: set[int] = set()  # the ranks that woke nodes at this event
-    now = 0
-    while any(copies.values()):
-        scan, rescan = rescan, set()
-        wake, woken = woken, set()
-        for node in sorted((n for n in scan | wake if copies.get(n)), key=lambda n: (-left[n], n)):
-            if node not in scan and not any(free.get(r, 0) <= now for r in fresh):
-                # Nodes before it took what woke it: it waits on as it did.
-                for copy in copies[node][:_LOOKAHEAD]:
-                    waiting.setdefault(copy.file, set()).add(node)
-                continue
-            for dst in ranks_of[node]:
-                if free.get(dst, 0) > now or not copies[node]:
-                    continue  # busy (or became a source in this pass)
-                ahead = copies[node][:_LOOKAHEAD]
-                # The least (spread, level, forwarded, rank, i) over every copy's
-                # sources; spread first, so a rarer copy with a source ends the search.
-                rarest = sorted(
-                    (holding.get(copy.file, 0) + len(forwards.get(copy.file, ())), i)
-                    for i, copy in enumerate(ahead)
-                    if dst in receivers(node, copy)
-                )
-                best = None
-                for spread, i in rarest:
-                    if best is not None and spread > best[0]:
-                        break
-                    source = best_source(ahead[i], now)
-                    if source is not None and (best is None or (spread, *source, i) < best):
-                        best = (spread, *source, i)
-                if best is not None:
-                    _, level, _, src, i = best
-                    send(node, i, dst, level, src, now)
-                    continue
-                for copy in ahead:
-                    waiting.setdefault(copy.file, set()).add(node)
-                if all(copy.ranges is None for copy in ahead):
-                    break  # the node's other idle ranks would find no source either
-        if not any(copies.values()):
-            break  # the last ones were empty files: no transfer ends to wait for
-        fresh = set()
-        while ends and not fresh:  # the next time a rank's last transfer ends
-            at = heapq.heappop(ends)
-            fresh = {r for r in ending.pop(at) if free[r] == at}
-        if fresh:
-            now = at
-            for rank in fresh:
-                rescan.add(nodes[rank])
-                for f in can_send.get(rank, ()):
-                    woken.update(waiting.pop(f, ()))
-            while ready_at and ready_at[0] <= now:  # (a rebuild may end between events)
-                for f in ready.pop(heapq.heappop(ready_at)):
-                    woken.update(waiting.pop(f, ()))
-                    fresh.update(rank for at, rank, _ in forwards[f] if at <= now)
-            continue
-        # Nothing busy and nothing sendable (the plan's own source is always among
-        # the candidates, so this does not happen): the plan's choice, at the end.
-        node = next(n for n, cs in copies.items() if cs)
-        first = copies[node][0]
-        send(node, 0, first.dst, first.level, first.src, now)
-        rescan = {n for n, cs in copies.items() if cs}
-    order = sorted(range(len(placed)), key=lambda i: (starts[i], i))
-    return [placed[i] for i in order]
 
 
 def _lost_nodes(inventories: Sequence[Inventory]) -> list[int]:

@@ -7,7 +7,7 @@ the lowest rank that sees it on the first level (else on a node-local level,
 which keeps the same bytes), sent to all. Then every rank says what its node
 holds and what its load needs, and the step is restorable when every node can
 have every file it needs: on its own disk, copied or rebuilt from other
-nodes (``restore.py``), or from a store level that holds the whole step.
+nodes (``execute.py``), or from a store level that holds the whole step.
 
 Collective: every rank calls these functions in the same order, on the main
 thread (they use the trainer's process group through ``_dist``).
@@ -23,9 +23,9 @@ from typing import Any
 from .. import _dist
 from ..checkpoint import decoded_manifest
 from ..format import Manifest
-from .base import LevelDriver
-from .restore import gather_inventories, split_needs, take_inventory
-from .restore_plan import Inventory, RestorePlan, plan_restore
+from ..levels.base import LevelDriver
+from .inventory import gather_inventories, split_needs, take_inventory
+from .plan import Inventory, RestorePlan, plan_restore
 
 __all__ = ["Restore", "Views", "gather_views", "restorable"]
 
@@ -103,7 +103,7 @@ def restorable(
 
     ``node``: this rank's node; ``needs(manifest)``: per file, the byte ranges
     this rank's load reads (``restore.needed_ranges``; None: all); ``transfers``:
-    whether files may be moved between nodes (``restore.py``), else only what
+    whether files may be moved between nodes (``execute.py``), else only what
     each node sees, and store levels, count;
     ``names``: the levels as the user wrote them (for messages; default: their URLs);
     ``members`` (the ranks of this rank's node) and ``group`` (the restore's):
