@@ -20,6 +20,7 @@ import torch
 
 from dcp_multilevel import CheckpointManager, Level
 from dcp_multilevel.errors import CheckpointNotFoundError
+from dcp_multilevel.testing.levels import bit_equal
 from tests._dist import RankError, run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -42,24 +43,6 @@ def _blank() -> dict:
         "layers": {str(i): torch.zeros(64, 128) for i in range(6)},
         "step": -1,
     }
-
-
-def _same(a: dict, b: dict) -> bool:
-    """Bit-exact equality of two nested state dicts."""
-    if a.keys() != b.keys():
-        return False
-    for key, x in a.items():
-        y = b[key]
-        if isinstance(x, dict):
-            if not _same(x, y):
-                return False
-        elif isinstance(x, torch.Tensor):
-            bits = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
-            if x.dtype != y.dtype or not torch.equal(bits(x), bits(y)):
-                return False
-        elif x != y:
-            return False
-    return True
 
 
 def _levels(root: str, kind: str, options: dict, remote: bool = False) -> list[Level]:
@@ -110,7 +93,7 @@ def load_latest_report(levels: list[Level], state_of) -> tuple[int | None, bool,
         return None, False, {}, str(e)
     mgr.close()
     received = mgr.last_restore.received if mgr.last_restore else {}
-    exact = _same(state, state_of(step)) if step is not None else False
+    exact = bit_equal(state, state_of(step)) if step is not None else False
     return step, exact, received, mgr.last_load_sources
 
 
@@ -379,7 +362,7 @@ def _sharded_load_job(rank: int, world: int, root: str, options: dict) -> tuple:
     step = mgr.load_latest(state)
     mgr.close()
     received = mgr.last_restore.received if mgr.last_restore else {}
-    return step, _same(state, _shard(rank, 1)), received
+    return step, bit_equal(state, _shard(rank, 1)), received
 
 
 def test_sharded_state_restores_only_the_lost_nodes_member(tmp_path):
@@ -436,7 +419,7 @@ def _fsdp_load_job(rank: int, world: int, root: str) -> tuple:
     step = mgr.load_latest(state)
     mgr.close()
     received = mgr.last_restore.received if mgr.last_restore else {}
-    return step, _same(state, _fsdp_like(rank, 1)), received, mgr.last_load_sources
+    return step, bit_equal(state, _fsdp_like(rank, 1)), received, mgr.last_load_sources
 
 
 def _data_files(directory: Path) -> set[str]:

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from dcp_multilevel import CheckpointManager, Level
+from dcp_multilevel.testing.levels import bit_equal
 from tests._dist import RankError, run_ranks
 from tests.test_node_loss import (
     _blank,
     _flip_byte,
-    _same,
     load_latest_report,
     save_then_die_in_last_copy,
 )
@@ -101,7 +101,7 @@ def _node_local_first_level_job(rank: int, world: int, root: str) -> tuple:
     state = _blank()
     step = mgr.load_latest(state)
     mgr.close()
-    return step, _same(state, _state(step)), mgr.last_load_sources
+    return step, bit_equal(state, _state(step)), mgr.last_load_sources
 
 
 def test_deltas_on_a_node_local_first_level_drain_and_load_on_every_node(tmp_path):

@@ -37,7 +37,7 @@ from ..config import Level
 from ..manager import CheckpointManager
 from .ranks import run_ranks
 
-__all__ = ["LevelTests"]
+__all__ = ["LevelTests", "bit_equal"]
 
 #: The steps every test saves, in order.
 STEPS = (1, 2, 3, 4)
@@ -54,10 +54,12 @@ def _state(step: int) -> dict[str, Any]:
     }
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Bit-exact equality of two nested state dicts."""
+def bit_equal(a: Any, b: Any) -> bool:
+    """Bit-exact equality of two nested state dicts (tensors by their bytes and dtype)."""
     if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(bit_equal(a[k], b[k]) for k in a)
+        )
     if isinstance(a, torch.Tensor):
         bits = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
         return a.dtype == b.dtype and torch.equal(bits(a), bits(b))
@@ -96,7 +98,7 @@ def _load_job(rank: int, world: int, cls: type[LevelTests], root: str) -> tuple[
     state = _state(0)
     step = mgr.load_latest(state)
     mgr.close()  # a restore may copy the lost node's part again
-    return step, step is not None and _same(state, _state(step))
+    return step, step is not None and bit_equal(state, _state(step))
 
 
 class LevelTests:
