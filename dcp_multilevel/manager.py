@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from . import _dist
 from .config import Level
-from .errors import ConfigError, DcpMultilevelError
+from .errors import ConfigError
 from .levels import DrainResult
 from .levels.topology import Topology
 from .manage.cadence import Cadence
@@ -264,7 +264,7 @@ class CheckpointManager:
         plan = self._loader.load_newest(state_dict, views, planner)
         if plan is None:
             return None
-        self._loaded(plan)
+        self._sink.emit(self._loader.record(plan.step))
         # Newer steps were not restorable: their files are not all there to drain.
         self._drains.resume({i: [s for s in steps if s <= plan.step]
                              for i, steps in views.everyone[0].items()})  # fmt: skip
@@ -282,42 +282,18 @@ class CheckpointManager:
         """
         views = gather_views(self.drivers)
         plan = self._loader.load_step(state_dict, step, views, planner)
-        self._loaded(plan)
+        self._sink.emit(self._loader.record(plan.step))
         self._resume_schedule(plan, views)
-
-    def _loaded(self, plan: Restore) -> None:
-        """The load's metrics record: where the time went, what came from where."""
-        phases = self._loader.last_phases
-        restore = self._loader.last_restore
-        self._sink.emit({
-            "kind": "load", "rank": _dist.rank(), "step": plan.step,
-            **{f"{name}_seconds": seconds for name, seconds in phases.items()},
-            "sources": dict(self._loader.last_load_sources),
-            "received": dict(restore.received) if restore is not None else {},
-            "unix": time.time(),
-        })  # fmt: skip
 
     def _resume_schedule(self, plan: Restore, views: Views) -> None:
         """After a load: the schedule goes on from the state the loaded step's manifest
-        kept (rank 0 reads it from the first level that has it; every rank takes it).
-        A level that holds no checkpoint up to the step (wiped) has no last save."""
-
-        def read() -> Any:
-            for index in plan.levels:
-                try:
-                    known = plan.manifest if index == 0 else None
-                    ckpt = self.drivers[index].checkpoint(plan.step, manifest_bytes=known)
-                    return ckpt.manifest().extra.get(SCHEDULE_KEY)
-                except (DcpMultilevelError, OSError):
-                    continue  # the load read another copy: so does this
-            return None
-
+        kept. A level that holds no checkpoint up to the step (wiped) has no last save."""
         held = {
             i
             for i in range(len(self.levels))
             if any(s <= plan.step for view in views.everyone for s in view[i])
         }
-        self._cadence.resume(_dist.rank0_decides(read), plan.step, held)
+        self._cadence.resume(self._loader.kept(plan, SCHEDULE_KEY), plan.step, held)
 
     # ------------------------------------------------------------------ lifecycle
 

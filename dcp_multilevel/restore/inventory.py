@@ -38,7 +38,13 @@ from .plan import (
     merge_ranges,
 )
 
-__all__ = ["gather_inventories", "needed_ranges", "split_needs", "take_inventory"]
+__all__ = [
+    "gather_inventories",
+    "needed_ranges",
+    "split_needs",
+    "take_inventory",
+    "whole_files_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -179,3 +185,13 @@ def _inventory(d: dict[str, Any]) -> Inventory:
         groups={int(k): v for k, v in d["groups"].items()}, placement=d["placement"],
         merged=d["merged"],
     )  # fmt: skip
+
+
+def whole_files_of(
+    ranges: dict[str, list[list[int]]] | None, manifest: Manifest
+) -> dict[str, list[list[int]]] | None:
+    """``ranges`` widened to whole files: a reference is read in its step's directory,
+    where a restore brings whole files only (ranges go to a parts copy beside it)."""
+    if ranges is None:
+        return None
+    return {f: [[0, manifest.files[f]]] for f in ranges}

@@ -33,14 +33,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from .. import _dist
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, DcpMultilevelError
 from ..format import MANIFEST_NAME, Manifest
 from ..levels import Drainer, LevelDriver
 from ..levels.topology import Topology
 from ..reader import MultiLevelReader
 from .agreement import Restore, Views, restorable
 from .execute import RestoreReport, execute, parts_copy, set_aside_damaged
-from .inventory import gather_inventories, needed_ranges, take_inventory
+from .inventory import gather_inventories, needed_ranges, take_inventory, whole_files_of
 from .plan import RestorePlan, plan_restore
 
 __all__ = ["Loader"]
@@ -165,6 +165,33 @@ class Loader:
         self.load(state_dict, plan, planner)
         return plan
 
+    def record(self, step: int) -> dict[str, Any]:
+        """The last load's metrics record: where the time went, what came from where."""
+        restore = self.last_restore
+        return {
+            "kind": "load", "rank": _dist.rank(), "step": step,
+            **{f"{name}_seconds": seconds for name, seconds in self.last_phases.items()},
+            "sources": dict(self.last_load_sources),
+            "received": dict(restore.received) if restore is not None else {},
+            "unix": time.time(),
+        }  # fmt: skip
+
+    def kept(self, plan: Restore, key: str) -> Any:
+        """What the loaded step's manifest keeps under ``key`` in its ``extra`` (rank 0
+        reads it from the first level that has it; every rank gets it). Collective."""
+
+        def read() -> Any:
+            for index in plan.levels:
+                try:
+                    known = plan.manifest if index == 0 else None
+                    ckpt = self.drivers[index].checkpoint(plan.step, manifest_bytes=known)
+                    return ckpt.manifest().extra.get(key)
+                except (DcpMultilevelError, OSError):
+                    continue  # the load read another copy: so does this
+            return None
+
+        return _dist.rank0_decides(read)
+
     def plan(self, step: int, views: Views, state_dict: dict[str, Any],
              planner: LoadPlanner | None) -> Restore:  # fmt: skip
         """How every rank can load ``step`` (``Restore.ok``), logged when it cannot. Collective.
@@ -182,7 +209,7 @@ class Loader:
         def agree(at: int, whole_files: bool) -> Restore:
             def needs(manifest: Manifest) -> dict[str, list[list[int]]] | None:
                 ranges = needed_ranges(state_dict, manifest, planner)
-                return _whole_files(ranges, manifest) if whole_files else ranges
+                return whole_files_of(ranges, manifest) if whole_files else ranges
 
             return restorable(
                 at, self.drivers, views, node=self.node(), needs=needs,
@@ -409,16 +436,6 @@ class Loader:
                 checkpoint=self.drivers[0].level.checkpoint_url(plan.step),
             )
         return steps
-
-
-def _whole_files(
-    ranges: dict[str, list[list[int]]] | None, manifest: Manifest
-) -> dict[str, list[list[int]]] | None:
-    """``ranges`` widened to whole files: a reference is read in its step's directory,
-    where a restore brings whole files only (ranges go to a parts copy beside it)."""
-    if ranges is None:
-        return None
-    return {f: [[0, manifest.files[f]]] for f in ranges}
 
 
 def _why(plan: Restore | None) -> str:
