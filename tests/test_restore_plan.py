@@ -17,6 +17,7 @@ from dcp_multilevel.levels.erasure import group_layout
 from dcp_multilevel.levels.erasure_blocks import rechunk
 from dcp_multilevel.levels.erasure_code import ErasureCode
 from dcp_multilevel.levels.topology import Topology
+from dcp_multilevel.restore.actions import CopyFault
 from dcp_multilevel.restore.plan import (
     Copy,
     Inventory,
@@ -85,7 +86,7 @@ def test_a_damaged_source_is_left_out_and_a_store_level_covers_the_rest():
     names = sorted(files)
     invs = [Inventory(0, 0, None, files={0: [names[0]], 1: names}, whole=[3]),
             Inventory(1, 1, None, whole=[3])]  # fmt: skip
-    bad = {("copy", 0, names[1])}
+    bad = {CopyFault(0, names[1])}
     plan = plan_restore(7, files, invs, URLS, bad)
     assert plan.ok
     assert Copy(names[1], 1, 0, 1) not in plan.actions  # the remote serves it

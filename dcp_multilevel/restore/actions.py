@@ -5,7 +5,9 @@ Every rank plans the same restore from every rank's :class:`Inventory`
 (``plan.py`` chooses them, ``order.py`` orders them, ``execute.py`` carries
 them out): a :class:`Link` (a file another level of the node holds), a
 :class:`Copy` (from another node), a :class:`Rebuild` (erasure members from
-their group's intact blocks). Pure: no I/O, no torch.distributed.
+their group's intact blocks). A source found damaged while a plan is
+carried out is a *fault* (:class:`CopyFault`, :class:`BlockFault`): the next
+plan leaves it out. Pure: no I/O, no torch.distributed.
 """
 
 from __future__ import annotations
@@ -13,7 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Copy", "Inventory", "Link", "Rebuild", "participants"]
+__all__ = [
+    "BlockFault",
+    "Copy",
+    "CopyFault",
+    "Fault",
+    "Inventory",
+    "Link",
+    "Rebuild",
+    "participants",
+]
 
 
 @dataclass
@@ -82,3 +93,27 @@ def participants(action: Link | Copy | Rebuild) -> set[int]:
     if isinstance(action, Rebuild):
         return {action.dst, *(rank for _, rank in action.sources)}
     return {action.dst}
+
+
+@dataclass(frozen=True)
+class CopyFault:
+    """Every copy of ``file`` on ``node`` is damaged (after a restore linked one
+    level's copy into another, both are the same bytes)."""
+
+    node: int
+    file: str
+
+
+@dataclass(frozen=True)
+class BlockFault:
+    """Block ``block`` of erasure group ``group`` on level ``level``, as rank ``rank``
+    holds it, is damaged."""
+
+    level: int
+    group: str
+    block: int
+    rank: int
+
+
+#: A source a restore found damaged (every rank learns of it alike).
+Fault = CopyFault | BlockFault

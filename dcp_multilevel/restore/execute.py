@@ -49,14 +49,8 @@ from ..levels.base import LevelDriver
 from ..levels.erasure_blocks import block_chunks, rebuild, send_block
 from ..levels.node_local import link_or_copy
 from ..levels.wire import SOURCE_ERRORS, file_blocks, recv_file, recv_ranges, send_file, send_ranges
-from .plan import (
-    Copy,
-    Inventory,
-    Link,
-    Rebuild,
-    RestorePlan,
-    group_descriptions,
-)
+from .actions import BlockFault, Copy, CopyFault, Fault, Inventory, Link, Rebuild
+from .plan import RestorePlan, group_descriptions
 
 __all__ = ["PARTS_DIR", "RestoreReport", "execute", "parts_copy", "set_aside_damaged"]
 
@@ -86,7 +80,7 @@ class RestoreReport:
     seconds: float = 0.0
 
     def add(self, plan: RestorePlan, names: Sequence[str], inventories: Sequence[Inventory],
-            node: int, bad: set[tuple[Any, ...]]) -> None:  # fmt: skip
+            node: int, bad: set[Fault]) -> None:  # fmt: skip
         """Count the files ``plan`` brought onto ``node``, by where they came from
         (``names``: each level as the user wrote it; ``bad``: the sources that failed)."""
         nodes = {inv.rank: inv.node for inv in inventories}
@@ -131,12 +125,12 @@ def set_aside_damaged(first: StoredCheckpoint, node: Sequence[Inventory]) -> lis
     return damaged
 
 
-def _failed(action: Link | Copy | Rebuild, nodes: dict[int, int], bad: set[tuple[Any, ...]]
+def _failed(action: Link | Copy | Rebuild, nodes: dict[int, int], bad: set[Fault]
             ) -> bool:  # fmt: skip
     if isinstance(action, Copy):
-        return ("copy", nodes[action.src], action.file) in bad
+        return CopyFault(nodes[action.src], action.file) in bad
     if isinstance(action, Rebuild):
-        return any(("block", action.level, action.group, b, r) in bad for b, r in action.sources)
+        return any(BlockFault(action.level, action.group, b, r) in bad for b, r in action.sources)
     return False
 
 
@@ -146,7 +140,7 @@ def execute(
     manifest_bytes: bytes,
     group: Any,
     inventories: Sequence[Inventory],
-) -> list[tuple[Any, ...]]:
+) -> list[Fault]:
     """Carry out this rank's part of ``plan`` (collective); the sources found damaged here.
 
     Received and rebuilt files go to this node's first-level copy of the step.
@@ -166,7 +160,7 @@ def execute(
     into = at(0)
     files = into.manifest().files
     parts: StoredCheckpoint | None = None  # this node's parts copy, once it receives one
-    bad: list[tuple[Any, ...]] = []
+    bad: list[Fault] = []
     descs = group_descriptions(inventories)
     for action in plan.actions:
         if isinstance(action, Link):
@@ -182,7 +176,7 @@ def execute(
                 path = parts.store.local_path(action.file)
                 assert path is not None  # parts_copy() is a local directory
                 if not recv_ranges(path, files[action.file], action.ranges, action.src, group):
-                    bad.append(("copy", nodes[action.src], action.file))
+                    bad.append(CopyFault(nodes[action.src], action.file))
             continue
         if isinstance(action, Copy):
             if me == action.src:
@@ -190,13 +184,13 @@ def execute(
             elif me == action.dst and not recv_file(
                 into.store, action.file, files[action.file], action.src, group
             ):
-                bad.append(("copy", nodes[action.src], action.file))
+                bad.append(CopyFault(nodes[action.src], action.file))
             continue
         desc = descs[action.level][action.group]
         if me == action.dst:
             local = {b: at(action.level) for b, r in action.sources if r == me}
             failed = rebuild(desc, action.members, action.sources, local, into.store, into, group)
-            bad += [("block", action.level, action.group, b, r) for b, r in failed]
+            bad += [BlockFault(action.level, action.group, b, r) for b, r in failed]
         else:
             for block, rank in action.sources:
                 if rank == me:

@@ -38,6 +38,7 @@ from ..format import MANIFEST_NAME, Manifest
 from ..levels import Drainer, LevelDriver
 from ..levels.topology import Topology
 from ..reader import MultiLevelReader
+from .actions import CopyFault, Fault
 from .agreement import Restore, Views, restorable
 from .execute import RestoreReport, execute, parts_copy, set_aside_damaged
 from .inventory import gather_inventories, needed_ranges, take_inventory, whole_files_of
@@ -352,7 +353,7 @@ class Loader:
         if not ckpt.is_committed() and ckpt.data_files():
             ckpt.store.write_atomic(MANIFEST_NAME, data)
 
-    def _set_aside_damaged(self, plan: Restore) -> set[tuple[Any, ...]]:
+    def _set_aside_damaged(self, plan: Restore) -> set[Fault]:
         """Check this node's first-level files of the step (one rank per node) and
         rename the damaged ones aside; every node's findings, as bad sources. Collective."""
         assert plan.manifest is not None
@@ -365,7 +366,7 @@ class Loader:
                 mine = [dataclasses.replace(mine[0], needs=None)]  # check every file here
             found = set_aside_damaged(first, mine)
         everyone = _dist.all_gather_object((node, found))
-        bad = {("copy", n, f) for n, files in everyone for f in files}
+        bad: set[Fault] = {CopyFault(n, f) for n, files in everyone for f in files}
         if bad:
             logger.warning("dcp_multilevel: step %d: damaged first-level files set aside, "
                            "fetching intact copies: %s", plan.step, sorted(bad))  # fmt: skip
@@ -374,7 +375,7 @@ class Loader:
     def _bring_files(
         self,
         parts: Sequence[Restore],
-        bad: Sequence[set[tuple[Any, ...]]] | None = None,
+        bad: Sequence[set[Fault]] | None = None,
         report: RestoreReport | None = None,
     ) -> RestoreReport:
         """Copy or rebuild onto each node the files each of ``parts`` lacks (steps: a
@@ -407,13 +408,14 @@ class Loader:
             for k, i in enumerate(todo):
                 part, done = parts[i], steps[i]
                 assert done is not None
-                found_everywhere = {tuple(b) for theirs in everyone for b in theirs[k]}
+                found_everywhere = {b for theirs in everyone for b in theirs[k]}
                 report.add(done, self._names, part.inventories, self.node(), found_everywhere)
                 steps[i] = None
                 if found_everywhere:
                     bads[i] |= found_everywhere
+                    damaged = sorted(map(repr, found_everywhere))
                     logger.warning("dcp_multilevel: damaged sources for step %d: %s; trying "
-                                   "others", part.step, sorted(found_everywhere))  # fmt: skip
+                                   "others", part.step, damaged)  # fmt: skip
                     steps[i] = self._replan(part, bads[i])
         report.seconds += time.perf_counter() - t0
         if report.received:
@@ -421,7 +423,7 @@ class Loader:
                         report.step, report.received, report.seconds)  # fmt: skip
         return report
 
-    def _replan(self, plan: Restore, bad: set[tuple[Any, ...]]) -> RestorePlan:
+    def _replan(self, plan: Restore, bad: set[Fault]) -> RestorePlan:
         """A new plan from fresh inventories, leaving ``bad`` out (collective)."""
         assert plan.manifest is not None
         manifest = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest).manifest()

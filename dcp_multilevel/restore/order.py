@@ -30,11 +30,10 @@ Pure: no I/O, no torch.distributed. Call order::
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
-from typing import Any
 
-from .actions import Copy, Inventory, Link, Rebuild, participants
+from .actions import Copy, CopyFault, Fault, Inventory, Link, Rebuild, participants
 
 __all__ = ["LOOKAHEAD", "TransferOrder"]
 
@@ -52,7 +51,7 @@ class TransferOrder:
         inventories: every rank's inventory (which node each rank is on).
         held: file -> the intact copies the nodes hold before the restore, as
             sorted ``(level, rank, node)`` (``plan.py``'s ``_holders``).
-        bad: sources found damaged in an earlier round (``("copy", node, file)``).
+        bad: sources found damaged in an earlier round.
     """
 
     def __init__(
@@ -60,7 +59,7 @@ class TransferOrder:
         files: dict[str, int],
         inventories: Sequence[Inventory],
         held: dict[str, list[tuple[int, int, int]]],
-        bad: set[tuple[Any, ...]] = frozenset(),  # type: ignore[assignment]
+        bad: Collection[Fault] = frozenset(),
     ) -> None:
         self.files = files
         self.held = held
@@ -259,7 +258,7 @@ class TransferOrder:
                 ready <= now
                 and node != here
                 and self.free.get(rank, 0) <= now
-                and not (self.bad and ("copy", node, copy.file) in self.bad)
+                and not (self.bad and CopyFault(node, copy.file) in self.bad)
             ):
                 option = (0, 1, rank)
                 if best is None or option < best:

@@ -28,11 +28,20 @@ no torch.distributed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .actions import Copy, Inventory, Link, Rebuild, participants
+from .actions import (
+    BlockFault,
+    Copy,
+    CopyFault,
+    Fault,
+    Inventory,
+    Link,
+    Rebuild,
+    participants,
+)
 from .order import TransferOrder
 
 __all__ = [
@@ -74,15 +83,14 @@ def plan_restore(
     files: dict[str, int],
     inventories: Sequence[Inventory],
     level_urls: Sequence[str],
-    bad: set[tuple[Any, ...]] = frozenset(),  # type: ignore[assignment]
+    bad: Collection[Fault] = frozenset(),
     transfers: bool = True,
 ) -> RestorePlan:
     """How every node gets the files its ranks need (pure; see the module docstring).
 
     ``bad`` holds the sources found damaged in earlier rounds:
-    ``("copy", node, file)`` (every copy of ``file`` on ``node``: after a restore
-    linked one level's copy into another, both are the same bytes) and
-    ``("block", level, group, block, rank)``.
+    :class:`~dcp_multilevel.restore.actions.CopyFault` and
+    :class:`~dcp_multilevel.restore.actions.BlockFault` (``actions.py``).
     With ``transfers=False`` (no group to move bytes over) only store levels help.
     """
     plan = RestorePlan(step)
@@ -97,7 +105,7 @@ def plan_restore(
     for node, invs in sorted(nodes.items()):
         dst = min(inv.rank for inv in invs)
         # Copies on this node found damaged (and what a restore linked to them).
-        spoiled = {key[2] for key in bad if key[0] == "copy" and key[1] == node}
+        spoiled = {f.file for f in bad if isinstance(f, CopyFault) and f.node == node}
         have = {f for inv in invs for fs in inv.files.values() for f in fs} - spoiled
         needed = set(files)
         if all(inv.needs is not None for inv in invs):
@@ -284,7 +292,7 @@ def _lost_nodes(inventories: Sequence[Inventory]) -> list[int]:
 
 
 def _holders(
-    inventories: Sequence[Inventory], bad: set[tuple[Any, ...]]
+    inventories: Sequence[Inventory], bad: Collection[Fault]
 ) -> dict[str, list[tuple[int, int, int]]]:
     """file -> the intact copies the nodes hold before the restore, as sorted
     ``(level, rank, node)`` (every rank of a node lists the node's files)."""
@@ -292,7 +300,7 @@ def _holders(
     for inv in inventories:
         for level, fs in inv.files.items():
             for f in fs:
-                if ("copy", inv.node, f) not in bad:
+                if CopyFault(inv.node, f) not in bad:
                     held.setdefault(f, []).append((level, inv.rank, inv.node))
     for copies in held.values():
         copies.sort()
@@ -303,7 +311,7 @@ def _copy_source(
     file: str,
     node: int,
     held: dict[str, list[tuple[int, int, int]]],
-    bad: set[tuple[Any, ...]],
+    bad: Collection[Fault],
     arrived: dict[int, tuple[int, set[str]]] | None = None,
 ) -> tuple[int, int] | None:
     """(level, rank) of the first intact copy of ``file`` on another node (``held``:
@@ -314,7 +322,7 @@ def _copy_source(
         if other != node:
             return level, rank
     for other, (rank, files) in sorted((arrived or {}).items()):
-        if other != node and file in files and ("copy", other, file) not in bad:
+        if other != node and file in files and CopyFault(other, file) not in bad:
             return 0, rank
     return None
 
@@ -326,7 +334,7 @@ def _rebuild_for(
     groups: dict[int, dict[str, dict[str, Any]]],
     inventories: Sequence[Inventory],
     held: dict[str, list[tuple[int, int, int]]],
-    bad: set[tuple[Any, ...]],
+    bad: Collection[Fault],
     dst: int,
     level_urls: Sequence[str],
     step: int,
@@ -368,7 +376,7 @@ def _block_holders(
     desc: dict[str, Any],
     members: list[set[str]],
     inventories: Sequence[Inventory],
-    bad: set[tuple[Any, ...]],
+    bad: Collection[Fault],
 ) -> dict[int, int]:
     """block -> the lowest rank that can stream it intact."""
     out: dict[int, int] = {}
@@ -376,9 +384,9 @@ def _block_holders(
     for inv in sorted(inventories, key=lambda i: i.rank):
         held = set(inv.files.get(level, ()))
         for y, files in enumerate(members):
-            if y not in out and files <= held and ("block", level, g, y, inv.rank) not in bad:
+            if y not in out and files <= held and BlockFault(level, g, y, inv.rank) not in bad:
                 out[y] = inv.rank
         for pg, b in inv.parity.get(level, ()):
-            if pg == g and b >= k and b not in out and ("block", level, g, b, inv.rank) not in bad:
+            if pg == g and b >= k and b not in out and BlockFault(level, g, b, inv.rank) not in bad:
                 out[b] = inv.rank
     return out
