@@ -68,7 +68,7 @@ def bound(files: dict[str, int], invs: list[Inventory], ranks: int) -> int:
 
 
 def digest(actions) -> str:
-    return hashlib.sha256(repr(actions).encode()).hexdigest()[:12]
+    return hashlib.sha256(repr(list(actions)).encode()).hexdigest()[:12]
 
 
 def main(argv: list[str] | None = None) -> int:

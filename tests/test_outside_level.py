@@ -1,7 +1,9 @@
 """A level kind from outside the package is one file plus an entry point (issue 30).
 
-``mirror3:`` keeps every rank's files on its own node and the next two
-along the ring of nodes, so any two lost nodes leave a copy. It lives in a
+``mirror3:`` keeps every rank's files on its own node and the next
+``copies - 1`` along the ring of nodes (an option of its own:
+``Level("mirror3:...", options={"copies": 3})``), so any two lost nodes
+leave a copy. It lives in a
 module of its own, installed as a fake third-party distribution that
 registers it in the ``dcp_multilevel.levels`` entry-point group; nothing
 under ``dcp_multilevel/`` names it. It passes the shipped level suite
@@ -21,7 +23,8 @@ import pytest
 
 import dcp_multilevel
 from dcp_multilevel import Level
-from dcp_multilevel.levels import LEVEL_KINDS
+from dcp_multilevel.errors import ConfigError
+from dcp_multilevel.levels import LEVEL_KINDS, driver_for
 from dcp_multilevel.testing import LevelTests, run_ranks
 from dcp_multilevel.testing.levels import STEPS, _load_job, _save_job
 
@@ -34,14 +37,20 @@ MIRROR3 = textwrap.dedent(
     '''
     """mirror3: each rank's files on its node and the next two nodes (a plugin module)."""
 
-    from dcp_multilevel.errors import DrainError
+    from dcp_multilevel.errors import ConfigError, DrainError
     from dcp_multilevel.levels.node_local import NodeLocalLevel, rank_files
     from dcp_multilevel.levels.wire import recv_file, send_file
 
 
     class Mirror3Level(NodeLocalLevel):
         kind = "mirror3"
-        copies = 3
+        options = ("copies",)  # Level("mirror3:...", options={"copies": 3})
+
+        def __init__(self, level):
+            super().__init__(level)
+            self.copies = level.options.get("copies", 3)
+            if not isinstance(self.copies, int) or self.copies < 2:
+                raise ConfigError(f"level {level.url!r}: copies must be an integer >= 2")
 
         def check_topology(self, topology):
             super().check_topology(topology)
@@ -91,7 +100,7 @@ class Mirror3Tests(LevelTests):
 
     @classmethod
     def level(cls, root):
-        return Level(f"mirror3:{root}/n{{node}}/mirror3")
+        return Level(f"mirror3:{root}/n{{node}}/mirror3", options={"copies": 3})
 
     @classmethod
     def setup_rank(cls) -> None:
@@ -110,6 +119,16 @@ class TestMirror3(Mirror3Tests):
         assert cls.__module__ == "mirror3_level" and "mirror3" in LEVEL_KINDS.names()
         package = Path(dcp_multilevel.__file__).parent
         assert not any("mirror3" in p.read_text() for p in package.rglob("*.py"))
+
+    def test_its_options_are_its_own(self):
+        assert driver_for(Level("mirror3:/m", options={"copies": 4})).copies == 4
+        with pytest.raises(ConfigError, match=r"sets \['replicas'\]; a mirror3 level takes "
+                           r"\['copies'\]"):  # fmt: skip
+            driver_for(Level("mirror3:/m", options={"replicas": 2}))
+        with pytest.raises(ConfigError, match="copies must be an integer >= 2"):
+            driver_for(Level("mirror3:/m", options={"copies": 1}))
+        with pytest.raises(ConfigError, match=r"sets \['replicas'\] twice"):
+            Level("partner:/p", replicas=2, options={"replicas": 2})
 
     def test_two_lost_nodes_still_restore_the_newest_step(self, tmp_path):
         root = str(tmp_path)

@@ -43,7 +43,7 @@ def test_nothing_to_do_when_every_node_holds_what_it_needs():
     files = _files(2)
     invs = [Inventory(r, r, None, files={0: sorted(files)}) for r in range(2)]
     plan = plan_restore(7, files, invs, URLS)
-    assert plan.ok and plan.actions == []
+    assert plan.ok and plan.actions == ()
 
 
 def test_a_replaced_node_copies_from_the_lowest_level_then_the_lowest_rank():
@@ -61,7 +61,7 @@ def test_a_replaced_node_copies_from_the_lowest_level_then_the_lowest_rank():
     # files from node 0's first level, the rest from copies. Both ranks of each node
     # take part, two transfers at a time (whole files land in the node's first
     # level, where every rank of it reads).
-    assert plan.actions == [
+    assert list(plan.actions) == [
         Link(names[2], 1, 0),
         Link(names[3], 1, 0),
         Copy(names[0], 0, 0, 2),
@@ -78,7 +78,7 @@ def test_only_the_files_a_node_needs_are_fetched():
     invs = [Inventory(0, 0, [names[0]], files={0: [names[0]], 1: [names[1]]}),
             Inventory(1, 1, [names[1]])]  # fmt: skip
     plan = plan_restore(7, files, invs, URLS)
-    assert plan.actions == [Copy(names[1], 1, 0, 1)]
+    assert list(plan.actions) == [Copy(names[1], 1, 0, 1)]
 
 
 def test_a_damaged_source_is_left_out_and_a_store_level_covers_the_rest():
@@ -95,9 +95,9 @@ def test_a_damaged_source_is_left_out_and_a_store_level_covers_the_rest():
     for inv in invs:
         inv.whole = []
     plan = plan_restore(7, files, invs, URLS, bad)
-    assert not plan.ok and plan.actions == []
+    assert not plan.ok and plan.actions == ()
     # Node 0's own copy is the damaged one: neither node can have the file.
-    assert plan.reasons[:2] == [
+    assert list(plan.reasons[:2]) == [
         f"node {n} (ranks [{n}]) lacks 1 file(s) of step 7 that no node holds and no level can "
         f"rebuild (e.g. {names[1]})"
         for n in (0, 1)
@@ -116,21 +116,21 @@ def test_a_node_that_needs_a_few_items_of_a_file_gets_only_their_bytes():
         Inventory(2, 1, [a, b], {a: [[10, 15], [15, 20]], b: [[0, 100]]}, parts=True),
     ]
     plan = plan_restore(7, files, invs, URLS)
-    assert plan.actions == [Copy(a, 0, 0, 1, ((10, 20), (40, 50)))]
+    assert list(plan.actions) == [Copy(a, 0, 0, 1, ((10, 20), (40, 50)))]
     # More than PART_SHARE of the file: the whole file.
     invs[2].ranges = {a: [[0, 55]], b: [[0, 100]]}
-    assert plan_restore(7, files, invs, URLS).actions == [Copy(a, 0, 0, 1)]
+    assert list(plan_restore(7, files, invs, URLS).actions) == [Copy(a, 0, 0, 1)]
     # A rank that reads a file mostly sends no ranges for it (take_inventory keeps
     # only those of files read in part): the node gets it whole.
     invs[2].ranges = {b: [[0, 100]]}
-    assert plan_restore(7, files, invs, URLS).actions == [Copy(a, 0, 0, 1)]
+    assert list(plan_restore(7, files, invs, URLS).actions) == [Copy(a, 0, 0, 1)]
     # The receiver's first level cannot take parts, or a rank's needs are unknown:
     # the whole file.
     invs[2].ranges = {a: [[10, 20]], b: [[0, 100]]}
     invs[1].parts = False
-    assert plan_restore(7, files, invs, URLS).actions == [Copy(a, 0, 0, 1)]
+    assert list(plan_restore(7, files, invs, URLS).actions) == [Copy(a, 0, 0, 1)]
     invs[1].parts, invs[2].ranges = True, None
-    assert plan_restore(7, files, invs, URLS).actions == [Copy(a, 0, 0, 1)]
+    assert list(plan_restore(7, files, invs, URLS).actions) == [Copy(a, 0, 0, 1)]
 
 
 @settings(max_examples=150, deadline=None)
@@ -303,7 +303,11 @@ def test_any_parity_lost_nodes_are_rebuilt_and_one_more_in_a_group_is_not(nodes,
         (Level("partner:/p", replicas=1), "needs replicas >= 2"),
         (Level("partner:/p", data=2), "a partner level takes ['replicas', 'jump']"),
         (Level("erasure:/e", data=2), "needs data= and parity="),
-        (Level("/plain", replicas=2), "only partner: (replicas, jump) and erasure: (data, parity)"),
+        (
+            Level("/plain", replicas=2),
+            "sets ['replicas']: options of a level kind (Level('<kind>:...')), which "
+            "StoreLevel does not take",
+        ),
     ],
 )
 def test_bad_node_level_options_are_named(level, message):

@@ -143,8 +143,9 @@ class LevelDriver(abc.ABC):
         """Refuse kind options this kind does not take (override to accept some)."""
         if self.level.kind_options():
             raise ConfigError(
-                f"level {self.level.url!r} sets {sorted(self.level.kind_options())}, which "
-                f"only partner: (replicas, jump) and erasure: (data, parity) levels take"
+                f"level {self.level.url!r} sets {sorted(self.level.kind_options())}: options "
+                f"of a level kind (Level('<kind>:...')), which {type(self).__name__} does not "
+                "take"
             )
 
     def bind(self, context: LevelContext) -> None:

@@ -40,6 +40,10 @@ class Level:
             or :class:`Compression`). Local disk is usually faster than
             compression; remote storage is not.
         storage_options: options for the level's store / fsspec.
+        options: options of the level's kind, by name (``Level("mirror:/p",
+            options={"copies": 3})``): a kind declares which it takes, and its
+            driver checks them. The built-in kinds' options also have fields of
+            their own (below); either spelling works.
         replicas: ``partner:`` levels: copies of each rank's files in all (its
             own included), each on another node (``levels/partner.py``).
         jump: ``partner:`` levels: place the ``i``-th copy ``i * jump`` nodes
@@ -68,8 +72,9 @@ class Level:
     parity: int | None = None
     keyframe_every: int | None = None
     delta_against: str = "keyframe"
+    options: dict[str, Any] = field(default_factory=dict)
 
-    #: The options only some kinds of level take (checked by their drivers).
+    #: The built-in kinds' options that are fields too (checked by their drivers).
     KIND_OPTIONS = ("replicas", "jump", "data", "parity")
     #: What ``delta_against`` may say.
     DELTA_AGAINST = ("keyframe", "previous")
@@ -91,6 +96,15 @@ class Level:
                 not isinstance(value, int) or isinstance(value, bool) or value < 1
             ):
                 raise ConfigError(f"{name}.{option} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.options, dict) or not all(
+            isinstance(key, str) and key for key in self.options
+        ):
+            raise ConfigError(
+                f"{name}.options must be a dict of option names to values, got {self.options!r}"
+            )
+        both = set(self.options) & {o for o in self.KIND_OPTIONS if getattr(self, o) is not None}
+        if both:
+            raise ConfigError(f"{name} sets {sorted(both)} twice: as fields and in options")
         k = self.keyframe_every
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ConfigError(f"{name}.keyframe_every must be None or an integer >= 1, got {k!r}")
@@ -110,9 +124,10 @@ class Level:
         """Whether checkpoints on this level may be stored as deltas."""
         return self.keyframe_every is not None and self.keyframe_every > 1
 
-    def kind_options(self) -> dict[str, int]:
-        """The kind-specific options this level sets (``replicas=2``, ...)."""
-        return {o: getattr(self, o) for o in self.KIND_OPTIONS if getattr(self, o) is not None}
+    def kind_options(self) -> dict[str, Any]:
+        """The kind-specific options this level sets (``replicas=2``, ``options=``)."""
+        fields = {o: getattr(self, o) for o in self.KIND_OPTIONS if getattr(self, o) is not None}
+        return {**fields, **self.options}
 
     def checkpoint_url(self, step: int) -> str:
         """Where this level holds the checkpoint of ``step``."""

@@ -95,7 +95,7 @@ def participants(action: Link | Copy | Rebuild) -> set[int]:
     return {action.dst}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class CopyFault:
     """Every copy of ``file`` on ``node`` is damaged (after a restore linked one
     level's copy into another, both are the same bytes)."""
@@ -104,7 +104,7 @@ class CopyFault:
     file: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class BlockFault:
     """Block ``block`` of erasure group ``group`` on level ``level``, as rank ``rank``
     holds it, is damaged."""

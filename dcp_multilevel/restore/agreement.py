@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .. import _dist
@@ -51,22 +51,25 @@ class Views:
         return any(step in steps for view in self.everyone for steps in view.values())
 
 
-@dataclass
+@dataclass(frozen=True)
 class Restore:
     """How this rank loads ``step``: the transfers every node needs first (``plan``),
     then the levels to read, in order (the first level first when a manifest
-    for it was found), or why the step cannot be restored (``reasons``)."""
+    for it was found), or why the step cannot be restored (``reasons``).
+
+    A value: a re-plan, a reference chain or a reason found later make a new one
+    (``dataclasses.replace``)."""
 
     step: int
-    levels: list[int]
+    levels: tuple[int, ...]
     manifest: bytes | None  # the first level's manifest (as its holder read it)
     plan: RestorePlan | None = None
-    inventories: list[Inventory] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)
+    inventories: tuple[Inventory, ...] = ()
+    reasons: tuple[str, ...] = ()
     mine: Inventory | None = None  # this rank's own, as taken (before the exchange merged it)
     #: A first-level delta's references, oldest first, each restored before the
     #: step (the reader finds them beside it on the first level).
-    chain: list[Restore] = field(default_factory=list)
+    chain: tuple[Restore, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -121,24 +124,24 @@ def restorable(
         raw = _dist.broadcast_object(mine, rank)
     if raw is None:  # only store levels above the first hold it
         ok = all(_dist.all_gather_object(bool(whole)))
-        why = [] if ok else [f"step {step}: some rank sees it on no level it can read"]
-        return Restore(step, whole, None, reasons=why)
+        why = () if ok else (f"step {step}: some rank sees it on no level it can read",)
+        return Restore(step, tuple(whole), None, reasons=why)
     manifest = decoded_manifest(raw, drivers[0].checkpoint(step).url)
     inventory = take_inventory(
         step, drivers, manifest, split_needs(needs(manifest), manifest), node, whole
     )
     wanted = inventory.needs  # None: every file
     local = [i for i in sorted(inventory.files) if i > 0]
-    levels = [0, *local, *whole]
+    levels = (0, *local, *whole)
     # The common case first: every rank's node already holds what it needs on the
     # first level. One boolean each, instead of every rank's file lists.
     own = set(inventory.files.get(0, ()))
     if all(_dist.all_gather_object(set(wanted or manifest.files) <= own)):
-        return Restore(step, levels, raw, RestorePlan(step), [inventory])
+        return Restore(step, levels, raw, RestorePlan(step), (inventory,))
     everyone = gather_inventories(inventory, members, group)
     urls = list(names) if names is not None else [d.url for d in drivers]
     plan = plan_restore(step, manifest.files, everyone, urls, transfers=transfers)
-    return Restore(step, levels, raw, plan, everyone, list(plan.reasons), inventory)
+    return Restore(step, levels, raw, plan, tuple(everyone), plan.reasons, inventory)
 
 
 def _manifest_source(

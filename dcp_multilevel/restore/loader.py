@@ -117,7 +117,8 @@ class Loader:
                 # Damage found only while copying (every rank re-planned alike):
                 # the next older step may still be whole.
                 logger.warning("dcp_multilevel: %s; trying an older step", e)
-                plan.reasons.append(str(e))
+                if newest is plan:
+                    newest = dataclasses.replace(plan, reasons=(*plan.reasons, str(e)))
                 continue
             return plan
         if candidates:
@@ -219,10 +220,12 @@ class Loader:
             )  # fmt: skip
 
         plan = agree(step, whole_files=False)
+        chain: list[Restore] = []  # the references, newest first while they are found
+        why_not: list[str] = []
         link = plan.reference_step()
         while plan.ok and link is not None:
-            if any(r.step == link for r in plan.chain) or link >= step:
-                plan.reasons.append(f"step {step}: its reference chain loops at step {link}")
+            if any(r.step == link for r in chain) or link >= step:
+                why_not.append(f"step {step}: its reference chain loops at step {link}")
                 break
             ref = agree(link, whole_files=True)
             if not ref.ok or ref.manifest is None:
@@ -232,13 +235,15 @@ class Loader:
                     logger.warning("dcp_multilevel: step %d is a delta against step %d, which "
                                    "cannot be restored onto the nodes (%s); reading it from a "
                                    "store level", step, link, why)  # fmt: skip
-                    plan.chain.clear()
+                    chain.clear()
                     break
-                plan.reasons.append(f"step {step} is a delta against step {link}, which cannot "
-                                    f"be restored: {why}")  # fmt: skip
+                why_not.append(f"step {step} is a delta against step {link}, which cannot "
+                               f"be restored: {why}")  # fmt: skip
                 break
-            plan.chain.insert(0, ref)
+            chain.append(ref)
             link = ref.reference_step()
+        plan = dataclasses.replace(plan, chain=tuple(reversed(chain)),
+                                   reasons=(*plan.reasons, *why_not))  # fmt: skip
         if not plan.ok:
             logger.warning("dcp_multilevel: step %d cannot be restored: %s", step,
                            "; ".join(plan.reasons))  # fmt: skip
@@ -389,9 +394,12 @@ class Loader:
         assert all(part.plan is not None and part.manifest is not None for part in parts)
         t0 = time.perf_counter()
         bads = [set(b) for b in bad] if bad is not None else [set() for _ in parts]
-        steps: list[RestorePlan | None] = [
-            self._replan(part, b) if b else part.plan for part, b in zip(parts, bads, strict=True)
-        ]
+        parts = list(parts)  # each part's inventories are renewed by a re-plan
+        steps: list[RestorePlan | None] = []
+        for i, b in enumerate(bads):
+            if b:
+                parts[i] = self._replan(parts[i], b)
+            steps.append(parts[i].plan)
         report = report if report is not None else RestoreReport(parts[-1].step)
         for _ in range(_RESTORE_ROUNDS):
             todo = [i for i, s in enumerate(steps) if s is not None and s.actions]
@@ -416,28 +424,29 @@ class Loader:
                     damaged = sorted(map(repr, found_everywhere))
                     logger.warning("dcp_multilevel: damaged sources for step %d: %s; trying "
                                    "others", part.step, damaged)  # fmt: skip
-                    steps[i] = self._replan(part, bads[i])
+                    parts[i] = self._replan(part, bads[i])
+                    steps[i] = parts[i].plan
         report.seconds += time.perf_counter() - t0
         if report.received:
             logger.info("dcp_multilevel: step %d restored onto this node: %s in %.2f s",
                         report.step, report.received, report.seconds)  # fmt: skip
         return report
 
-    def _replan(self, plan: Restore, bad: set[Fault]) -> RestorePlan:
-        """A new plan from fresh inventories, leaving ``bad`` out (collective)."""
+    def _replan(self, plan: Restore, bad: set[Fault]) -> Restore:
+        """``plan`` planned again from fresh inventories, leaving ``bad`` out (collective)."""
         assert plan.manifest is not None
         manifest = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest).manifest()
         mine = plan.mine or next(i for i in plan.inventories if i.rank == _dist.rank())
         inventory = take_inventory(plan.step, self.drivers, manifest,
                                    (mine.needs, mine.ranges), mine.node, mine.whole)  # fmt: skip
-        plan.inventories = gather_inventories(inventory, self._node_ranks(), self._restore_group)
-        steps = plan_restore(plan.step, manifest.files, plan.inventories, self._names, bad)
+        everyone = gather_inventories(inventory, self._node_ranks(), self._restore_group)
+        steps = plan_restore(plan.step, manifest.files, everyone, self._names, bad)
         if not steps.ok:
             raise CheckpointNotFoundError(
                 f"step {plan.step} cannot be restored: " + "; ".join(steps.reasons),
                 checkpoint=self.drivers[0].level.checkpoint_url(plan.step),
             )
-        return steps
+        return dataclasses.replace(plan, plan=steps, inventories=tuple(everyone))
 
 
 def _why(plan: Restore | None) -> str:

@@ -64,13 +64,13 @@ __all__ = [
 PART_SHARE = 0.5
 
 
-@dataclass
+@dataclass(frozen=True)
 class RestorePlan:
-    """Every rank's part of a restore (the same on every rank)."""
+    """Every rank's part of a restore (the same on every rank); a re-plan is a new one."""
 
     step: int
-    actions: list[Link | Copy | Rebuild] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)  # why it cannot work; empty: it can
+    actions: tuple[Link | Copy | Rebuild, ...] = ()
+    reasons: tuple[str, ...] = ()  # why it cannot work; empty: it can
 
     @property
     def ok(self) -> bool:
@@ -93,7 +93,8 @@ def plan_restore(
     :class:`~dcp_multilevel.restore.actions.BlockFault` (``actions.py``).
     With ``transfers=False`` (no group to move bytes over) only store levels help.
     """
-    plan = RestorePlan(step)
+    actions: list[Link | Copy | Rebuild] = []
+    reasons: list[str] = []
     nodes: dict[int, list[Inventory]] = {}
     for inv in inventories:
         nodes.setdefault(inv.node, []).append(inv)
@@ -113,7 +114,7 @@ def plan_restore(
         mine = {f for inv in invs for f in inv.files.get(0, ())} - spoiled
         for file in sorted(needed & (have - mine)):  # on another level of this very node
             level = min(i for inv in invs for i, fs in inv.files.items() if file in fs)
-            plan.actions.append(Link(file, level, dst))
+            actions.append(Link(file, level, dst))
         missing = sorted(needed - have)
         parts = {f: _part_of(f, files[f], invs, dst) for f in missing}
         todo.append(_NodeNeeds(node, invs, dst, parts, any(inv.whole for inv in invs)))
@@ -127,7 +128,7 @@ def plan_restore(
                     continue
                 source = _copy_source(file, need.node, held, bad, arrived) if transfers else None
                 if source is not None:
-                    plan.actions.append(Copy(file, *source, need.dst, need.parts[file]))
+                    actions.append(Copy(file, *source, need.dst, need.parts[file]))
                     continue
                 action = (
                     _rebuild_for(
@@ -146,14 +147,14 @@ def plan_restore(
                     else None
                 )
                 if isinstance(action, Rebuild):
-                    plan.actions.append(action)
+                    actions.append(action)
                     need.rebuilt |= set(action.brings)
                     arrived.setdefault(need.node, (need.dst, set()))[1].update(need.rebuilt)
                     continue
                 if not need.covered:
                     need.unmet.append(file)
                     if isinstance(action, str):
-                        plan.reasons.append(action)
+                        reasons.append(action)
     for need in todo:
         if need.unmet:
             ranks = sorted(inv.rank for inv in need.invs)
@@ -163,20 +164,16 @@ def plan_restore(
             )
             copying = sorted({i for inv in inventories for i in inv.files if i > 0} - set(groups))
             for i in copying:
-                plan.reasons.append(
-                    f"{level_urls[i]}: no node here holds a copy of {need.unmet[0]}"
-                )
-    plan.reasons[:0] = lacking
-    if plan.reasons:
+                reasons.append(f"{level_urls[i]}: no node here holds a copy of {need.unmet[0]}")
+    reasons[:0] = lacking
+    if reasons:
         lost = _lost_nodes(inventories)
         if lost:
-            plan.reasons.append(
+            reasons.append(
                 f"nodes that held step {step} and hold none of it now (lost or replaced): {lost}"
             )
-        plan.reasons = list(dict.fromkeys(plan.reasons))
-        plan.actions = []
-    plan.actions = TransferOrder(files, inventories, held, bad).order(plan.actions)
-    return plan
+        return RestorePlan(step, (), tuple(dict.fromkeys(reasons)))
+    return RestorePlan(step, tuple(TransferOrder(files, inventories, held, bad).order(actions)))
 
 
 @dataclass
