@@ -40,8 +40,8 @@ from _cli import names, parser, quiet_dcp_warnings
 from _disk import evict_tree, remove_tree, scratch_dir, tree_nbytes
 from _measure import median, rounds, spread
 from _minilm import finetune_states
+from _nodeloss_jobs import WORLD, load_phases, new_job
 from _report import REPO, fmt, machine_info, markdown_table
-from bench_nodeloss import WORLD, load_phases, new_job
 from dcp_multilevel import CheckpointManager, Level
 from tests._dist import run_ranks
 
