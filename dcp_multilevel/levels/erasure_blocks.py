@@ -22,16 +22,8 @@ from ..errors import CorruptCheckpointError
 from ..format import checksum_of
 from ..stores import Store, WriteHandle
 from .erasure_code import CHUNK, ErasureCode
-from .wire import (
-    SOURCE_ERRORS,
-    FileVerifier,
-    OutStream,
-    WriteBehind,
-    file_blocks,
-    read_ahead,
-    receive,
-    status,
-)
+from .overlap import WriteBehind, read_ahead
+from .wire import SOURCE_ERRORS, FileVerifier, OutStream, file_blocks, receive, status
 
 __all__ = [
     "PARITY_DIR",
