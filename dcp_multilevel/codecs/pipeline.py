@@ -27,6 +27,7 @@ import xxhash
 
 from ..format import frames
 from ..format.tensor_bytes import pieces
+from ._backlog import Backlog, Task
 from .base import MIN_CODED_BYTES, Codec
 from .decode import decode_frames
 from .delta import DELTA_SURE, xor_into
@@ -171,79 +172,6 @@ def _framed(method: int, raw_len: int, payload: Part) -> bytes:
     return frames.pack_chunk(method, raw_len, len(payload), xxhash.xxh3_64_intdigest(payload))
 
 
-class _Task:
-    """One chunk to code, by a pool thread or by the consumer, whichever comes first."""
-
-    __slots__ = ("args", "done", "error", "result")
-
-    def __init__(self, args: tuple) -> None:
-        self.args = args
-        self.done = threading.Event()
-        self.result: tuple[bytes, Part, np.ndarray | None] | None = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.result = encode_chunk(*self.args)
-        # Everything, as concurrent.futures does: the consumer raises it where it surfaces.
-        except BaseException as e:  # noqa: BLE001
-            self.error = e
-        finally:
-            self.done.set()
-
-
-class _Backlog:
-    """Chunks submitted and not yet started, taken oldest first by pool threads and the consumer.
-
-    Whenever the consumer would wait for a chunk, it codes the oldest chunk
-    no thread has started instead. With a pool of ``threads`` workers and a
-    consumer that only waited and wrote, one thread more than the coding
-    threads was runnable; on 2 cores, a pool of 1 plus a consumer that codes
-    saved BERT and MiniLM checkpoints 7-10 % faster than a pool of 2 (and
-    2 plus a coding consumer, no faster than before).
-    """
-
-    def __init__(self, pool: Executor) -> None:
-        self._pool = pool
-        self._tasks: deque[_Task] = deque()
-        self._lock = threading.Lock()
-
-    def submit(self, *args: Any) -> _Task:
-        task = _Task(args)
-        with self._lock:
-            self._tasks.append(task)
-        self._pool.submit(self._run_oldest)
-        return task
-
-    def _take_oldest(self) -> _Task | None:
-        with self._lock:
-            return self._tasks.popleft() if self._tasks else None
-
-    def _run_oldest(self) -> None:
-        task = self._take_oldest()
-        if task is not None:  # else the consumer took it, or the coding was cancelled
-            task.run()
-
-    def result(self, task: _Task) -> tuple[bytes, Part, np.ndarray | None]:
-        """``task``'s result (or error); runs it here when no thread has started it."""
-        # Code the oldest chunks not yet started (``task`` first, if it is one)
-        # rather than wait for ``task``.
-        while not task.done.is_set():
-            other = self._take_oldest()
-            if other is None:
-                task.done.wait()
-                break
-            other.run()
-        if task.error is not None:
-            raise task.error
-        return task.result  # type: ignore[return-value]
-
-    def cancel(self) -> None:
-        """Drop every chunk not yet started (the pool's calls then return at once)."""
-        with self._lock:
-            self._tasks.clear()
-
-
 class ReferenceSource(Protocol):
     """The reference's raw bytes of one item, in order (``checkpoint/reference.py``).
 
@@ -294,7 +222,7 @@ class _Item:
     job: EncodeJob
     starts: range
     next_chunk: int = 0  # first chunk not yet submitted
-    tasks: deque[_Task] = field(default_factory=deque)
+    tasks: deque[Task] = field(default_factory=deque)
 
     @property
     def submitted_all(self) -> bool:
@@ -327,7 +255,7 @@ def encode_items(
     the iteration) where it surfaces; chunks not yet started are then dropped.
     """
     source = iter(jobs)
-    backlog = _Backlog(pool) if pool is not None else None
+    backlog = Backlog(pool) if pool is not None else None
     queue: deque[_Item] = deque()  # items taken from ``source`` and not yet consumed
     feed = 0  # index in ``queue`` of the first item with chunks left to submit
     in_flight = 0  # submitted chunks not yet taken by the consumer
@@ -367,7 +295,7 @@ def encode_items(
             chunk = item.job.view[start : start + item.starts.step]
             ref = _reference_chunk(item, item.next_chunk, len(chunk))
             args = (codec, chunk, width, rotate, buffers, None, ref, _sure(item.job))
-            item.tasks.append(backlog.submit(*args))  # type: ignore[union-attr]
+            item.tasks.append(backlog.submit(encode_chunk, *args))  # type: ignore[union-attr]
             item.next_chunk += 1
             in_flight += 1
 
