@@ -25,7 +25,7 @@ import click
 from ..checkpoint import StoredCheckpoint, verify_file
 from ..errors import BrokenChainError, CheckpointExistsError, ConfigError, DcpMultilevelError
 from ..format import MANIFEST_NAME, checkpoint_url, parse_step_dir
-from ..levels.transfer import copy_file_verbatim
+from ..levels.verbatim import copy_file_verbatim
 from ..stores import store_for
 from ._common import (
     emit_json,
