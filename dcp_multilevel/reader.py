@@ -46,7 +46,7 @@ from torch.futures import Future
 from .checkpoint import StoredCheckpoint
 from .checkpoint.chain import Failure, Trail, item_name, unusable_copy
 from .checkpoint.destinations import destination
-from .checkpoint.reference import ReferenceFiles
+from .checkpoint.reference_files import ReferenceFiles
 from .errors import (
     ConfigError,
     CorruptCheckpointError,

@@ -54,7 +54,8 @@ from ..format import (
 from ..stores import ReadHandle, Store, store_for
 from ..stores.coalescing import CoalescingReader
 from .items import ItemRef, read_item, read_stored
-from .reference import ReferenceFiles, open_reference
+from .reference import open_reference
+from .reference_files import ReferenceFiles
 
 __all__ = ["StoredCheckpoint", "decoded_manifest", "new_save_id", "sibling_location"]
 
