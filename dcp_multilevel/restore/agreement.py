@@ -50,6 +50,14 @@ class Views:
         """True when some rank sees ``step`` committed on some level."""
         return any(step in steps for view in self.everyone for steps in view.values())
 
+    def on_a_store(self, step: int, drivers: Sequence[LevelDriver]) -> bool:
+        """Whether a store level above the first holds ``step`` for every rank."""
+        return any(
+            not driver.node_local and all(step in view[i] for view in self.everyone)
+            for i, driver in enumerate(drivers)
+            if i > 0
+        )
+
 
 @dataclass(frozen=True)
 class Restore:

@@ -230,7 +230,7 @@ class Loader:
             ref = agree(link, whole_files=True)
             if not ref.ok or ref.manifest is None:
                 why = "; ".join(ref.reasons) or "only store levels hold it"
-                if self._whole_elsewhere(step, views):
+                if views.on_a_store(step, self.drivers):
                     # The reader falls back, item by item, to the store level.
                     logger.warning("dcp_multilevel: step %d is a delta against step %d, which "
                                    "cannot be restored onto the nodes (%s); reading it from a "
@@ -248,14 +248,6 @@ class Loader:
             logger.warning("dcp_multilevel: step %d cannot be restored: %s", step,
                            "; ".join(plan.reasons))  # fmt: skip
         return plan
-
-    def _whole_elsewhere(self, step: int, views: Views) -> bool:
-        """Whether a store level holds ``step`` for every rank (the same on every rank)."""
-        return any(
-            not driver.node_local and all(step in view[i] for view in views.everyone)
-            for i, driver in enumerate(self.drivers)
-            if i > 0
-        )
 
     def node(self) -> int:
         """This rank's node (its rank when the topology is unknown: nothing is shared)."""
