@@ -121,7 +121,8 @@ class Drainer:
             unique among the drainers of one process group.
         nice: the lanes' threads run at this nice value (Linux; threads they start
             inherit it), so that on a node whose cores are busy the training loop
-            and its ``save`` win the CPU from a drain (0: unchanged).
+            could win the CPU from a drain. 0 (the default): unchanged; nice 10
+            made no difference to ``save()`` on 2 cores (docs/benchmarks-log.md).
     """
 
     def __init__(
@@ -132,7 +133,7 @@ class Drainer:
         on_committed: Callable[[DrainJob], None] | None = None,
         on_result: Callable[[DrainResult], None] | None = None,
         key: str = "drainer",
-        nice: int = 10,
+        nice: int = 0,
     ) -> None:
         if policy not in DRAIN_POLICIES:
             raise ConfigError(
