@@ -6,9 +6,10 @@ lacks files its ranks must read. Before ``dcp.load``, the ranks:
 
 1. take an :class:`Inventory` each: the files its ranks need (a dry run of
    DCP's load planner on its state_dict, or all files), and what its node
-   holds of the step on every level (``take_inventory``);
-2. exchange them (one all-gather) and compute the same :class:`RestorePlan`
-   on every rank (``plan.py``, pure; ``order.py`` orders it): per missing file, in order,
+   holds of the step on every level (``inventory.py``: ``take_inventory``);
+2. exchange them (one all-gather, ``gather_inventories``) and compute the same
+   :class:`RestorePlan` on every rank (``plan.py``, pure; ``order.py`` orders
+   it): per missing file, in order,
    a link from another level of the node, a copy from another node holding
    it, an erasure rebuild of the member it belongs to, a store level
    holding the whole step (the reader reads it there), else the step cannot
