@@ -17,7 +17,7 @@ NODELOSS_OUT ?= $(DEMO_OUT)/nodeloss
 STAMP := $(VENV)/.stamp-setup
 NATIVE_SRC := setup.py dcp_multilevel/codecs/_planes.c
 
-.PHONY: setup test lint format demo demo-nodeloss bench plots clean
+.PHONY: setup test lint format demo demo-nodeloss bench gpu-check plots clean
 
 setup: $(STAMP)
 
@@ -66,6 +66,12 @@ bench: setup
 	$(VENV)/bin/python benchmarks/bench_codecs.py
 	$(VENV)/bin/python benchmarks/bench_manager.py
 	$(VENV)/bin/python benchmarks/bench_async.py
+
+# Device state round trips bit-exact, then step-time inflation of saves against stock
+# DCP (benchmarks/gpu_check.py). On a machine with CUDA: the GPT-2-medium-sized run
+# (about 2.5 minutes on an H200); without one, the tiny CPU mode CI also runs.
+gpu-check: setup
+	$(VENV)/bin/python benchmarks/gpu_check.py
 
 # The summary's plots (docs/img/*.png) from the benchmarks' JSON in benchmarks/results/
 # (each file holds the command that wrote it; a missing one skips its plot).

@@ -1,0 +1,301 @@
+"""``gpu_check.py``'s benchmark: how much a save every N steps lengthens training.
+
+One round runs the same training loop once per method, in rotated order:
+``none`` (no saves), ``ours`` (``dcp.async_save`` with a
+:class:`~dcp_multilevel.MultiLevelWriter`), ``stock`` (``dcp.async_save`` with
+``FileSystemWriter``, DCP's default staging) and ``stock-best``
+(``FileSystemWriter`` with ``DefaultStager(StagingOptions(pinned, not shared,
+async staging, non-blocking copies))``, reused across saves; the loop waits
+for its ``staging_completion`` before the next optimizer step, the fence
+torchtitan's ``maybe_wait_for_staging`` keeps). Both writers use one thread
+and fsync, as their defaults do.
+
+A step is forward, backward and the optimizer step of the model in
+``_gpt.py``, then a device synchronize (as a loss printout would do). Its
+time includes the ``async_save`` call of a step that saves. Saves at steps 1, 1 +
+N, ...: each has steps after it to slow down. Inflation per save = (the
+loop's time - the ``none`` loop's time in the same round) / saves; as a
+percentage, of the N steps between saves.
+After each loop, untimed: wait for the saves to be durable, note memory,
+delete the checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import statistics
+import time
+import traceback
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from _gpt import GPT, SHAPES, batch, forward_backward, optimizer
+from dcp_multilevel import MultiLevelReader, MultiLevelWriter
+
+METHODS = ("none", "ours", "stock", "stock-best")
+GB = 1e9
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def pinned_bytes() -> int | None:
+    """Bytes the CUDA caching host allocator holds (pinned), None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    stats = torch.cuda.host_memory_stats()
+    return int(stats.get("reserved_bytes.current", stats.get("allocated_bytes.current", 0)))
+
+
+def state_nbytes(state: Any) -> int:
+    if isinstance(state, dict):
+        return sum(state_nbytes(v) for v in state.values())
+    if isinstance(state, list):
+        return sum(state_nbytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    return 0
+
+
+class Trainer:
+    """The model, its optimizer and the state dict a save takes (live references)."""
+
+    def __init__(self, size: str, device: torch.device) -> None:
+        self.shape = SHAPES[size]
+        self.device = device
+        torch.manual_seed(0)
+        self.model = GPT(self.shape).to(device)
+        self.opt = optimizer(self.model)
+        self.step_no = 0
+        self.step(None)  # the optimizer state exists from here on
+
+    def state(self) -> dict[str, Any]:
+        return {"model": dict(self.model.state_dict()), "optim": self.opt.state_dict()}
+
+    def step(self, fence: Future | None) -> None:
+        forward_backward(self.model, batch(self.shape, self.step_no, self.device))
+        if fence is not None:  # the staged copy must be taken before the weights change
+            fence.result()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step_no += 1
+        _sync(self.device)
+
+
+class Method:
+    """One way of saving; ``save`` returns (staging fence or None, durable future)."""
+
+    def __init__(self, name: str, root: Path) -> None:
+        self.name = name
+        self.root = root
+        self.writer = MultiLevelWriter(root) if name == "ours" else None
+        # On CPU, stock's best is async staging alone (pinning and non-blocking
+        # copies need an accelerator).
+        gpu = torch.cuda.is_available()
+        opts = StagingOptions(gpu, False, True, gpu)
+        self.stager = DefaultStager(opts) if name == "stock-best" else None
+        self.n = 0
+
+    def save(self, state: dict[str, Any]) -> tuple[Future | None, Future]:
+        self.n += 1
+        path = self.root / f"step-{self.n}"
+        if self.name == "ours":
+            return None, dcp.async_save(state, storage_writer=self.writer, checkpoint_id=path)
+        w = FileSystemWriter(path)
+        if self.name == "stock":
+            return None, dcp.async_save(state, storage_writer=w)
+        r = dcp.async_save(state, storage_writer=w, async_stager=self.stager)
+        return r.staging_completion, r.upload_completion
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+
+
+def run_loop(tr: Trainer, method: Method | None, steps: int, every: int) -> dict[str, Any]:
+    blocked, durable, pending = [], [], []
+    fence: Future | None = None
+    t_loop = time.perf_counter()
+    for i in range(1, steps + 1):
+        tr.step(fence)
+        fence = None
+        if method is not None and (i - 1) % every == 0:  # each save has steps after it
+            t0 = time.perf_counter()
+            fence, fut = method.save(tr.state())
+            blocked.append(time.perf_counter() - t0)
+            fut.add_done_callback(lambda _, t0=t0: durable.append(time.perf_counter() - t0))
+            pending.append(fut)
+    if fence is not None:
+        fence.result()
+    loop_s = time.perf_counter() - t_loop
+    for fut in pending:
+        fut.result()
+    time.sleep(0.01)  # the done callbacks ran on the saving threads
+    return {
+        "loop_s": loop_s,
+        "saves": len(blocked),
+        "blocked": blocked,
+        "durable": list(durable),
+        "rss": rss(),
+        "pinned": pinned_bytes(),
+    }
+
+
+def bench_steps(
+    size: str,
+    device: torch.device,
+    root: Path,
+    rounds: int,
+    steps: int,
+    every: int,
+    deadline: float,
+) -> dict[str, Any]:
+    tr = Trainer(size, device)
+    nbytes = state_nbytes(tr.state())
+    print(f"  state: {nbytes / GB:.2f} GB ({size}); warm-up", flush=True)
+    for _ in range(3):
+        tr.step(None)
+    methods = {m: Method(m, root / m) for m in METHODS if m != "none"}
+    errors: dict[str, str] = {}
+    for name, m in methods.items():  # first saves pay one-time costs (pools, threads): untimed
+        try:
+            fence, fut = m.save(tr.state())
+            if fence is not None:
+                fence.result()
+            fut.result()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        # DCP's CheckpointException derives from BaseException.
+        except BaseException as e:  # noqa: BLE001 - a failing method is reported, the others run
+            errors[name] = f"{type(e).__name__}: {e}"
+    rows: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
+    done_rounds = 0
+    for r in range(rounds):
+        if time.monotonic() > deadline:
+            print(f"  time budget reached after {r} rounds", flush=True)
+            break
+        order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
+        for m in order:
+            if m in errors:
+                continue
+            try:
+                rows[m].append(run_loop(tr, methods.get(m), steps, every))
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - as above
+                errors[m] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            for p in (root / m).glob("step-*"):
+                shutil.rmtree(p, ignore_errors=True)
+        done_rounds += 1
+        ran = [m for m in order if m not in errors]
+        print(f"  round {r + 1}: " + ", ".join(f"{m} {rows[m][-1]['loop_s']:.2f}s" for m in ran))
+    for m in methods.values():
+        m.close()
+    for m, e in errors.items():
+        print(f"  {m} FAILED: {e}", flush=True)
+    return {
+        "state_bytes": nbytes,
+        "errors": errors,
+        "rounds": done_rounds,
+        "steps": steps,
+        "every": every,
+        **_table(rows, steps),
+    }
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _table(rows: dict[str, list[dict[str, Any]]], steps: int) -> dict[str, Any]:
+    base = rows["none"]
+    step_s = _med([b["loop_s"] / steps for b in base])
+    out: dict[str, Any] = {"step_s": step_s, "methods": {}}
+    for m in METHODS[1:]:
+        got = rows[m]
+        infl = [
+            (g["loop_s"] - b["loop_s"]) / g["saves"]
+            for g, b in zip(got, base, strict=False)
+            if g["saves"]
+        ]
+        if not got:
+            continue
+        out["methods"][m] = {
+            "inflation_s": _med(infl),
+            "inflation_spread": [min(infl), max(infl)] if infl else None,
+            "inflation_pct": 100 * _med(infl) / (step_s * (steps / max(got[0]["saves"], 1)))
+            if got and infl
+            else None,
+            "blocked_s": _med([x for g in got for x in g["blocked"]]),
+            "durable_s": _med([x for g in got for x in g["durable"]]),
+            "rss_gb": max(g["rss"] for g in got) / GB if got else None,
+            "pinned_gb": (max(g["pinned"] or 0 for g in got) / GB) if got else None,
+        }
+    return out
+
+
+def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
+    """GB/s of one pinned host-to-device copy of ``nbytes`` (median of 5)."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(5):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / GB
+
+
+def bench_load(size: str, device: torch.device, root: Path, repeats: int) -> dict[str, Any]:
+    """Load the trainer's state into device destinations: ours against stock's reader."""
+    tr = Trainer(size, device)
+    state = tr.state()
+    nbytes = state_nbytes(state)
+    dcp.save(state, storage_writer=MultiLevelWriter(root / "ours"))
+    dcp.save(state, storage_writer=FileSystemWriter(root / "stock"))
+    times: dict[str, list[float]] = {"ours": [], "stock": []}
+    for r in range(repeats):
+        for name in ("ours", "stock") if r % 2 == 0 else ("stock", "ours"):
+            dest = tr.state()  # live device tensors: loaded in place
+            reader = (
+                MultiLevelReader(root / "ours")
+                if name == "ours"
+                else FileSystemReader(root / "stock")
+            )
+            _sync(device)
+            t0 = time.perf_counter()
+            dcp.load(dest, storage_reader=reader)
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    shutil.rmtree(root, ignore_errors=True)
+    return {
+        "state_bytes": nbytes,
+        "h2d_pinned_gbps": h2d_bandwidth(device),
+        "load": {
+            k: {"s": _med(v), "gbps": nbytes / _med(v) / GB, "all_s": v} for k, v in times.items()
+        },
+    }

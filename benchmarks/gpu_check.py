@@ -1,0 +1,158 @@
+"""Device check: device state round trips bit-exact, then what saves cost a training loop.
+
+    python benchmarks/gpu_check.py                  # CUDA, GPT-2-medium-sized model
+    python benchmarks/gpu_check.py --device cpu     # tiny model, what CI runs
+
+Part 1 (``_gpu_roundtrips.py``): plain device tensors of several dtypes,
+``dcp.save``/``dcp.load`` with our writer and reader (and the balanced
+planner, a codec), ``dcp.async_save`` with the state changed right after it
+returns, a two-level ``CheckpointManager`` (and a load after losing level 1),
+FSDP2 ``fully_shard`` DTensors with AdamW state (``dcp.save`` and
+``async_save``), and the CLI on a checkpoint written from the device. Each
+loads into device destinations and compares bytes.
+
+Part 2 (``_gpu_bench.py``): a GPT-2-shaped model (AdamW, bf16 autocast on
+CUDA) trained with a save every ``--every`` steps, ours against stock DCP's
+default staging and its best (pinned, async, non-blocking), alternating, and
+the load of that state into device destinations against stock's reader and
+the pinned host-to-device bandwidth.
+
+Exit status: 1 if a round trip failed. ``--json`` writes every figure.
+Checkpoints go under ``--dir`` (default /dev/shm when it has room: the
+figures are about staging and the host, not the disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scratch(arg: str | None, need: int) -> Path:
+    if arg:
+        return Path(arg)
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > need:
+        return Path(tempfile.mkdtemp(prefix="dcp-ml-gpu-", dir=shm))
+    return Path(tempfile.mkdtemp(prefix="dcp-ml-gpu-"))
+
+
+def _init(device: torch.device) -> None:
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+
+
+def _print_bench(b: dict) -> None:
+    print(
+        f"\nSave every {b['every']} steps, {b['steps']} steps per loop, {b['rounds']} rounds, "
+        f"state {b['state_bytes'] / 1e9:.2f} GB, step {b['step_s'] * 1e3:.1f} ms (no saves)"
+    )
+    print(
+        "| method | inflation per save s (spread) | % of training time | blocked s | durable s "
+        "| RSS GB | pinned GB |\n|---|---:|---:|---:|---:|---:|---:|"
+    )
+    for m, r in b["methods"].items():
+        spread = r["inflation_spread"] or [float("nan")] * 2
+        pct = r["inflation_pct"]
+        print(
+            f"| {m} | {r['inflation_s']:.3f} ({spread[0]:.3f}..{spread[1]:.3f}) | "
+            f"{pct:.2f} | {r['blocked_s']:.3f} | {r['durable_s']:.2f} | {r['rss_gb']:.2f} | "
+            f"{r['pinned_gb']:.2f} |"
+            if pct is not None
+            else f"| {m} | - | - | - | - | - | - |"
+        )
+
+
+def _print_load(ld: dict) -> None:
+    h2d = ld["h2d_pinned_gbps"]
+    print(f"\nLoad {ld['state_bytes'] / 1e9:.2f} GB into device destinations")
+    print("| reader | s | GB/s | % of pinned H2D |\n|---|---:|---:|---:|")
+    for k, v in ld["load"].items():
+        pct = f"{100 * v['gbps'] / h2d:.0f}" if h2d else "-"
+        print(f"| {k} | {v['s']:.3f} | {v['gbps']:.2f} | {pct} |")
+    if h2d:
+        print(f"pinned host-to-device copy: {h2d:.1f} GB/s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--size", choices=("tiny", "small", "medium"), default=None)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20, help="steps per loop")
+    ap.add_argument("--every", type=int, default=10, help="save every N steps")
+    ap.add_argument("--budget-s", type=float, default=330, help="stop starting rounds after this")
+    ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    size = args.size or ("medium" if device.type == "cuda" else "tiny")
+    t_start = time.monotonic()
+    deadline = t_start + args.budget_s
+
+    from _gpu_bench import bench_load, bench_steps
+    from _gpu_roundtrips import run_all
+
+    root = _scratch(args.dir, need=40 << 30 if size == "medium" else 1 << 30)
+    info = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "size": size,
+        "dir": str(root),
+        "cpus": os.cpu_count(),
+    }
+    print("gpu_check:", ", ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+    _init(device)
+    report: dict = {"info": info}
+    try:
+        print("\nRound trips (bit-exact, loaded into device destinations):", flush=True)
+        report["roundtrips"] = run_all(root / "rt", device)
+        if not args.skip_bench:
+            print("\nTraining loop with saves:", flush=True)
+            report["bench"] = bench_steps(
+                size, device, root / "bench", args.rounds, args.steps, args.every, deadline
+            )
+            _print_bench(report["bench"])
+            report["load"] = bench_load(size, device, root / "load", repeats=4)
+            _print_load(report["load"])
+    finally:
+        report["seconds"] = round(time.monotonic() - t_start, 1)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+        shutil.rmtree(root, ignore_errors=True)
+        dist.destroy_process_group()
+    failed = [r["check"] for r in report["roundtrips"] if not r["ok"]]
+    print(
+        f"\n{len(failed)} round trip(s) failed{': ' + ', '.join(failed) if failed else ''}; "
+        f"{report['seconds']} s in all"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
