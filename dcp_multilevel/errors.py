@@ -122,8 +122,12 @@ class CheckpointNotFoundError(DcpMultilevelError, FileNotFoundError):
         self.checkpoint = checkpoint
 
 
-class CheckpointExistsError(DcpMultilevelError, FileExistsError):
-    """A committed checkpoint already exists where a new one would be written."""
+class CheckpointExistsError(DcpMultilevelError, FileExistsError, RuntimeError):
+    """A committed checkpoint already exists where a new one would be written.
+
+    Also a ``RuntimeError``, and its message starts with "Checkpoint already
+    exists", as stock ``FileSystemWriter``'s does: callers match either.
+    """
 
     def __init__(self, message: str, *, checkpoint: str) -> None:
         super().__init__(message)

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .checkpoint import StoredCheckpoint
+from .checkpoint import StoredCheckpoint, new_save_id
 from .checkpoint.chain import Failure, Trail, item_name, unusable_copy
 from .checkpoint.destinations import destination
 from .checkpoint.reference_files import ReferenceFiles
@@ -143,6 +143,7 @@ class MultiLevelReader(StorageReader):
         self._primary_manifest = primary_manifest
         self._primary_url = StoredCheckpoint.at(path, self.storage_options).url
         self._set_path(path)
+        self._new_load_id()
 
     def _set_path(self, path: str | os.PathLike[str]) -> None:
         primary = StoredCheckpoint.at(path, self.storage_options)
@@ -171,6 +172,11 @@ class MultiLevelReader(StorageReader):
         self._trail = Trail(self._copies[0].url)
         self.metadata_source: str | None = None
 
+    def _new_load_id(self) -> None:
+        #: This load's id, as stock readers' (new at construction and at each reset);
+        #: ``read_metadata().storage_meta.load_id`` carries it.
+        self.load_id = new_save_id()
+
     @property
     def checkpoint_id(self) -> str:
         """The location of the first copy (the one this reader tries first)."""
@@ -196,6 +202,7 @@ class MultiLevelReader(StorageReader):
             self._set_path(checkpoint_id)
         else:
             self._new_load()
+        self._new_load_id()
 
     # Deliberately no **kwargs: DCP then does not retry with rank-local metadata
     # files, which dcp_multilevel never writes.
@@ -224,7 +231,7 @@ class MultiLevelReader(StorageReader):
             self.metadata_source = copy.url
             md = manifest.metadata
             md.storage_meta = StorageMeta(
-                checkpoint_id=copy.location, save_id=manifest.save_id, load_id=os.urandom(8).hex()
+                checkpoint_id=copy.location, save_id=manifest.save_id, load_id=self.load_id
             )
             return md
         raise self._trail.no_usable_copy()

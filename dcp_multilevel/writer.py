@@ -21,11 +21,9 @@ failure anywhere leaves no new manifest, and the old one (if any) untouched.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
-import posixpath
 import threading
 import uuid
 from collections.abc import Iterator
@@ -45,21 +43,15 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .checkpoint import StoredCheckpoint, new_save_id
-from .checkpoint.reference import ItemStream, delta_base
-from .checkpoint.stored import sibling_location
+from .checkpoint.save_reference import SaveReference
+from .checkpoint.sources import object_record, tensor_of
 from .codecs import BufferPool, EncodeJob, codec_for, encode_items, item_layout
 from .config import Compression
 from .errors import (
-    BrokenChainError,
     CheckpointExistsError,
     ConfigError,
-    CorruptCheckpointError,
-    DcpMultilevelError,
-    UnsupportedStateError,
 )
-from .format import Hasher, ItemLocation, Reference, data_file_path, dtype_name
-from .format.objects import load_object
-from .format.stock_hint import STOCK_METADATA_NAME, stock_hint_bytes
+from .format import Hasher, ItemLocation, data_file_path, dtype_name
 from .format.tensor_bytes import byte_view
 from .planner import write_item_nbytes
 from .planning import balance
@@ -100,12 +92,14 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
             default: no budget, wait). See ``docs/async.md``: DCP stages through
             the writer (an ``AsyncStager``), which hands each call to its
             :class:`~dcp_multilevel.staging.Stager`.
-        stock_hint: also write a ``.metadata`` for stock DCP tools
-            (``dcp.load(checkpoint_id=...)`` without a reader,
-            ``format_utils``): they then fail naming this reader and the
-            ``convert`` command instead of a missing file. Off by default: the
-            file is a pickle that calls a function when loaded
-            (``format/stock_hint.py``, ``docs/interop.md``).
+        stock_hint: also write a ``.metadata`` for stock DCP tools (on by
+            default): tools that probe for it (torchtitan's step discovery,
+            Lightning's sharded-checkpoint test) see a checkpoint, and
+            ``dcp.load(checkpoint_id=...)`` without a reader fails naming this
+            reader and the ``convert`` command instead of a missing file. The
+            file is a pickle that calls a function when loaded, which pickle
+            scanners flag; ``False`` omits it (``format/stock_hint.py``,
+            ``docs/interop.md``).
         reference: store tensor chunks as deltas against this committed
             checkpoint where that is smaller (a path or URL, or a
             :class:`~dcp_multilevel.checkpoint.StoredCheckpoint`). It must be a
@@ -132,7 +126,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         codec: Compression | str | None = None,
         storage_options: dict[str, Any] | None = None,
         staging: StagingConfig | None = None,
-        stock_hint: bool = False,
+        stock_hint: bool = True,
         reference: str | os.PathLike[str] | StoredCheckpoint | None = None,
         extra: dict[str, Any] | None = None,
     ) -> None:
@@ -161,13 +155,20 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         if reference is not None and not isinstance(reference, StoredCheckpoint):
             reference = StoredCheckpoint.at(reference, storage_options)
         self.reference: StoredCheckpoint | None = reference
-        self._warned = False  # the reference could not be read (said once)
+        self._delta = (
+            SaveReference(reference, self.storage_options) if reference is not None else None
+        )
         self._codec_pool: ThreadPoolExecutor | None = None
         # Coded-chunk payloads, reused across chunks and saves: each part is
         # written (copied by the store) before the next one is coded into it.
         self._payload_buffers = BufferPool() if self._codec is not None else None
         self._set_path(path)
-        self._reference_name()  # checked again per save: checkpoint_id may move the path
+        #: The id of the save being made (or last made): DCP's ``storage_meta().save_id``,
+        #: the manifest's ``save_id`` and the reader's ``storage_meta.save_id``.
+        self.save_id = new_save_id()
+        self._committed_id: str | None = None
+        self._allowed_globals: list[Any] | None = None  # see stage()
+        self._check_reference()  # again per save: checkpoint_id may move the path
         self.rank = 0
         self.is_coordinator = True
         #: Bytes this rank stored in its last write_data (for metrics).
@@ -187,6 +188,11 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         state["_payload_buffers"] = None
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self._allowed_globals:  # in DCP's daemon: what the training process allowed
+            torch.serialization.add_safe_globals(self._allowed_globals)
+
     # ------------------------------------------------------------------ staging (AsyncStager)
 
     @property
@@ -196,6 +202,9 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict`` into the stager's host buffers (training thread)."""
+        # The types the caller allowed for weights_only loading, as of this save: in
+        # PROCESS mode the value check runs in DCP's daemon, which has not got them.
+        self._allowed_globals = list(torch.serialization.get_safe_globals())
         return self._stager.stage(state_dict, checkpoint_id=self.checkpoint_id)
 
     def synchronize_staging(self) -> None:
@@ -230,6 +239,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         self._stager.claim(checkpoint_id=os.fspath(checkpoint_id or self.checkpoint_id))
         if checkpoint_id:
             self._set_path(checkpoint_id)
+        self.save_id = new_save_id()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Note this rank; refuse ``use_collectives=False`` (one coordinator commits for all)."""
@@ -242,12 +252,20 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         self.is_coordinator = is_coordinator
 
     def storage_meta(self) -> StorageMeta:
-        """A fresh ``save_id`` for this save; claims an async save's staging at the latest."""
+        """This save's location and ``save_id`` (the id the commit records, as stock's).
+
+        Claims an async save's staging at the latest.
+        """
         # DCP's first call of every save (reset only comes with a checkpoint_id): an
         # async save's background part begins here at the latest, before the planner
         # is set up (see Stager.claim; again on the same thread it changes nothing).
         self._stager.claim(checkpoint_id=self.checkpoint_id)
-        return StorageMeta(checkpoint_id=self.path, save_id=uuid.uuid4().hex)
+        if self._committed_id == self.save_id:
+            # The same writer saving again without reset(): stock reuses the id, but
+            # ours names one save (copies between levels and delta references match
+            # saves by it), so the next save gets its own.
+            self.save_id = new_save_id()
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """The plan unchanged, once every tensor's dtype is known to be storable."""
@@ -260,33 +278,21 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """The plans unchanged; :class:`CheckpointExistsError` before overwriting unasked."""
         if self.checkpoint.is_committed() and not self.overwrite:
+            # "Checkpoint already exists": the words stock's FileSystemWriter raises
+            # and callers (training stacks) match.
             raise CheckpointExistsError(
-                f"a committed checkpoint already exists at {self.checkpoint.url}; refusing to "
-                "replace it. Save to a new location, or pass MultiLevelWriter(..., "
-                "overwrite=True) to replace it (the old one stays loadable until the new "
-                "one commits).",
+                f"Checkpoint already exists at {self.checkpoint.url} and overwrite=False: "
+                "refusing to replace it. Save to a new location, or pass MultiLevelWriter("
+                "..., overwrite=True) to replace it (the old one stays loadable until the "
+                "new one commits).",
                 checkpoint=self.checkpoint.url,
             )
-        self._reference_name()  # a reference that is no sibling fails before any write
+        self._check_reference()  # a reference that is no sibling fails before any write
         return plans
 
-    def _reference_name(self) -> str | None:
-        """The reference's directory name, checked to be a sibling of this checkpoint's."""
-        if self.reference is None:
-            return None
-        name = posixpath.basename(self.reference.location.rstrip("/"))
-        sibling = StoredCheckpoint.at(sibling_location(self.path, name), self.storage_options)
-        if (
-            not name
-            or sibling.url != self.reference.url
-            or self.reference.url == self.checkpoint.url
-        ):
-            raise ConfigError(
-                f"reference {self.reference.url} is not a sibling directory of "
-                f"{self.checkpoint.url}; a delta checkpoint names its reference by directory "
-                "name, so both must share one parent (run/step-8 for run/step-9)"
-            )
-        return name
+    def _check_reference(self) -> None:
+        if self._delta is not None:
+            self._delta.name_for(self.checkpoint)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items to its own data files; the future is complete."""
@@ -343,36 +349,16 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
                 loc: ItemLocation = wr.storage_data
                 locations[wr.index] = loc
                 files[loc.file] = max(files.get(loc.file, 0), loc.offset + loc.length)
-        if self.stock_hint:  # before the commit: a committed checkpoint is never changed
-            self.checkpoint.store.write_atomic(
-                STOCK_METADATA_NAME, stock_hint_bytes(self.checkpoint.url)
-            )
         self.checkpoint.commit(
-            metadata, locations, files, save_id=new_save_id(), world_size=len(results),
-            reference=self._checked_reference(locations), extra=self.extra,
+            metadata, locations, files, save_id=self.save_id, world_size=len(results),
+            reference=self._delta and self._delta.checked(self.checkpoint, locations),
+            extra=self.extra,
+            stock_hint=self.stock_hint,
         )  # fmt: skip
+        self._committed_id = self.save_id
+        # dcp.save returns this metadata: its storage_meta names the save, as stock's.
+        metadata.storage_meta = StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
         self.checkpoint.sweep(keep=files)
-
-    def _checked_reference(self, locations: dict[MetadataIndex, ItemLocation]) -> Reference | None:
-        """The manifest's ``reference`` (None: no item is a delta), once every delta item's
-        reference checksum is what the reference records (every rank read the same save)."""
-        deltas = {i: loc.reference for i, loc in locations.items() if loc.reference is not None}
-        if not deltas:
-            return None
-        assert self.reference is not None  # only a writer with a reference codes deltas
-        self.reference.forget()  # read it again: it must still be the save that was read
-        ref = self.reference.manifest()
-        for index, checksum in deltas.items():
-            found = ref.locations.get(index)
-            if found is None or found.checksum != checksum:
-                raise CorruptCheckpointError(
-                    f"item {index.fqn!r} of {self.checkpoint.url} was coded against bytes that "
-                    f"the reference {self.reference.url} (save {ref.save_id}) does not record: "
-                    "the reference changed during the save; not committed. Save again.",
-                    checkpoint=self.checkpoint.url,
-                    fqn=index.fqn,
-                )
-        return Reference(ref.save_id, self._reference_name())  # type: ignore[arg-type]
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -443,48 +429,19 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         """
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
-                with lock:
-                    data = planner.resolve_data(item)
-                if not isinstance(data, io.BytesIO):
-                    raise UnsupportedStateError(
-                        f"planner returned {type(data).__name__} for bytes item "
-                        f"{item.index.fqn!r}; expected io.BytesIO"
-                    )
-                view = data.getbuffer()
-                _check_loadable(view, item.index.fqn)
-                yield EncodeJob(item, view, None, f"item {item.index.fqn!r} of {path}")
+                record = object_record(planner, item, lock)
+                yield EncodeJob(item, record, None, f"item {item.index.fqn!r} of {path}")
             else:
-                tensor = _tensor_for(item, planner.resolve_data(item))
+                tensor = tensor_of(item, planner.resolve_data(item))
                 view = byte_view(tensor)
                 layout = item_layout(view, tensor.dtype, self._codec, self.compression)
-                source = None if layout is None else self._reference_source(item, streams)
+                source = (
+                    self._delta.stream_of(self.checkpoint, item, streams)
+                    if layout is not None and self._delta is not None
+                    else None
+                )
                 name = f"item {item.index.fqn!r} of {path}"
                 yield EncodeJob(item, view, layout, name, source)
-
-    def _reference_source(self, item: WriteItem, streams: ExitStack) -> ItemStream | None:
-        """The reference's stream of ``item``, when it stores the same chunk alike
-        and this process can read it; else None (the item is stored whole)."""
-        if self.reference is None:
-            return None
-        index, td = item.index, item.tensor_data
-        try:
-            ref = self.reference.manifest()
-        except (DcpMultilevelError, OSError) as e:
-            if not self._warned:
-                logger.warning("not coding deltas against %s: %s", self.reference.url, e)
-                self._warned = True
-            return None
-        loc = delta_base(ref, index, td.properties.dtype, tuple(td.chunk.sizes))
-        if loc is None:
-            return None
-        chain = (self.checkpoint.url, self.reference.url)
-        try:
-            stream = ItemStream.opened(self.reference, index, loc, chain)
-        except BrokenChainError as e:  # e.g. its file is on another node
-            logger.debug("item %r stored whole: %s", index.fqn, e)
-            return None
-        streams.callback(stream.close)
-        return stream
 
     def _pool(self) -> ThreadPoolExecutor | None:
         """The codec pool (None: code inline), reused across saves.
@@ -497,36 +454,3 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
             # Its threads exit with the process.
             self._codec_pool = ThreadPoolExecutor(c.threads - 1, thread_name_prefix="dcp-ml-codec")
         return self._codec_pool
-
-
-def _check_loadable(raw: memoryview, fqn: str) -> None:
-    """Refuse a value the reader would refuse: a checkpoint must load back."""
-    _, refused = load_object(raw)
-    if refused is not None:
-        raise UnsupportedStateError(
-            f"value {fqn!r} cannot be saved: loading it back with weights_only=True would "
-            f"fail ({refused}). Store it as plain Python data (str, int, float, list, dict, "
-            "tensor), or allowlist its type with torch.serialization.add_safe_globals([...]) "
-            "in the saving and the loading process."
-        )
-
-
-def _tensor_for(item: WriteItem, data: Any) -> torch.Tensor:
-    """The contiguous CPU tensor to store for ``item``, checked against the plan."""
-    fqn = item.index.fqn
-    if not isinstance(data, torch.Tensor):
-        raise UnsupportedStateError(
-            f"planner returned {type(data).__name__} for tensor item {fqn!r}; expected a tensor"
-        )
-    td = item.tensor_data
-    t = data.detach()
-    if t.dtype != td.properties.dtype or tuple(t.shape) != tuple(td.chunk.sizes):
-        raise UnsupportedStateError(
-            f"planner returned a {tuple(t.shape)} {t.dtype} tensor for {fqn!r}, but the plan "
-            f"says {tuple(td.chunk.sizes)} {td.properties.dtype}; a planner that changes "
-            "dtype or shape in resolve_data must change its plan to match"
-        )
-    if t.device.type != "cpu":
-        t = t.cpu()
-    # Non-contiguous views are copied (only their projection is stored).
-    return t.contiguous()

@@ -99,7 +99,7 @@ def test_sweep_keeps_what_the_manifest_names_and_drops_the_rest(tmp_path):
     assert ckpt.data_files() == named | {"data/9-0.stale.bin"}
     ckpt.sweep(keep=named)
     assert ckpt.data_files() == named
-    assert sorted(ckpt.store.listdir("")) == ["data", "manifest.json"]
+    assert sorted(ckpt.store.listdir("")) == [".metadata", "data", "manifest.json"]
 
 
 def test_a_manifest_is_decoded_once_for_every_copy_with_the_same_bytes(tmp_path):

@@ -429,9 +429,9 @@ def _stock_failure(exc: CheckpointException) -> str:
 
 
 def test_stock_load_of_our_checkpoint_fails_as_documented(tmp_path):
-    """Stock DCP picks FileSystemReader for a path; it needs the .metadata we never write."""
+    """Stock DCP picks FileSystemReader for a path; with stock_hint=False it finds no .metadata."""
     d = tmp_path / "ours"
-    dcp.save({"w": torch.ones(3)}, storage_writer=MultiLevelWriter(d))
+    dcp.save({"w": torch.ones(3)}, storage_writer=MultiLevelWriter(d, stock_hint=False))
     assert not (d / ".metadata").exists()
     with pytest.raises(CheckpointException) as err:
         dcp.load({"w": torch.zeros(3)}, checkpoint_id=str(d))
@@ -442,11 +442,11 @@ def test_stock_load_of_our_checkpoint_fails_as_documented(tmp_path):
     assert not (tmp_path / "x.pt").exists()
 
 
-def test_opt_in_stock_hint_makes_stock_tools_name_the_reader_and_convert(tmp_path):
-    """With stock_hint=True, stock DCP's failure carries our message (docs/interop.md)."""
+def test_stock_hint_by_default_makes_stock_tools_name_the_reader_and_convert(tmp_path):
+    """By default (stock_hint=True), stock DCP's failure carries our message (docs/interop.md)."""
     d = tmp_path / "ours"
     state = {"w": random_tensor((4, 3), torch.float32), "step": 5}
-    dcp.save(state, storage_writer=MultiLevelWriter(d, stock_hint=True))
+    dcp.save(state, storage_writer=MultiLevelWriter(d))
     assert (d / ".metadata").exists()
     hint = (
         f"file://{d} is a dcp_multilevel checkpoint, not a stock DCP one (its manifest is "

@@ -153,7 +153,7 @@ def _check_layout(ckpt: Path, world_size: int) -> list[str]:
     """
     manifests = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*manifest*"))
     assert manifests == ["manifest.json"], manifests
-    assert sorted(os.listdir(ckpt)) == ["data", "manifest.json"]
+    assert sorted(os.listdir(ckpt)) == [".metadata", "data", "manifest.json"]  # + stock hint
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["world_size"] == world_size
     names = sorted(os.listdir(ckpt / "data"))

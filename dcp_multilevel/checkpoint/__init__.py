@@ -9,6 +9,11 @@
 - ``destinations.py``: where a loaded item's bytes land and how the reader
   hands verified bytes to DCP's ``LoadPlanner`` (non-tensor objects vetted
   with ``weights_only`` loading).
+- ``sources.py``: the writer's side of it: what a saved item's bytes are
+  (``io.BytesIO`` values as their bytes, other values only if they load back
+  with ``weights_only``, tensors checked against the plan).
+- ``save_reference.py``: :class:`SaveReference`: the committed sibling a delta
+  save codes against, as the writer checks, reads and records it.
 - ``verify.py``: :func:`verify_checkpoint`: every item of a checkpoint read
   back verified and decoded, every bad one reported (the CLI's ``verify``).
 - ``chain.py``: reading one checkpoint from a chain of copies (the reader's

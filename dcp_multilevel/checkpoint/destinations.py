@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from ..errors import ManifestError, UnsafeObjectError
 from ..format import ItemLocation
-from ..format.objects import load_object
+from ..format.objects import bytesio_for_planner, bytesio_payload, load_object
 from ..format.tensor_bytes import byte_view
 from .stored import StoredCheckpoint
 
@@ -60,7 +60,9 @@ def destination(
         buf = bytearray(loc.raw_length)
 
         def commit_bytes() -> None:
-            planner.load_bytes(req, vetted_bytes(bytes(buf), fqn, copy.url))
+            payload = bytesio_payload(buf)  # an io.BytesIO value: handed back, not unpickled
+            value = bytesio_for_planner(payload) if payload is not None else None
+            planner.load_bytes(req, value or vetted_bytes(bytes(buf), fqn, copy.url))
 
         return memoryview(buf), commit_bytes
     md = copy.manifest().metadata.state_dict_metadata[fqn]

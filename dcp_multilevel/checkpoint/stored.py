@@ -51,6 +51,7 @@ from ..format import (
     decode_manifest,
     encode_manifest,
 )
+from ..format.stock_hint import STOCK_METADATA_NAME, stock_hint_bytes
 from ..stores import ReadHandle, Store, store_for
 from ..stores.coalescing import CoalescingReader
 from .items import ItemRef, read_item, read_stored
@@ -248,12 +249,14 @@ class StoredCheckpoint:
         world_size: int,
         reference: Reference | None = None,
         extra: Mapping[str, Any] | None = None,
+        stock_hint: bool = True,
     ) -> None:
         """Write the manifest, atomically and last: from now on the checkpoint exists.
 
         Every file ``files`` names must be durable in the store already.
         ``reference``: the sibling checkpoint the delta items are coded against.
         ``extra``: kept with the checkpoint (``Manifest.extra``), plain JSON.
+        ``stock_hint``: see :meth:`commit_manifest`.
 
         Raises:
             UnsupportedStateError: the metadata cannot be stored (see ``encode_manifest``).
@@ -263,12 +266,26 @@ class StoredCheckpoint:
             metadata, locations, files, save_id=save_id, world_size=world_size,
             created_unix=time.time(), reference=reference, extra=extra,
         )  # fmt: skip
-        self.store.write_atomic(MANIFEST_NAME, doc)
-        self.forget()
+        self.commit_manifest(doc, stock_hint=stock_hint)
         logger.info(
             "committed checkpoint %s: %d items, %d bytes in %d files",
             self.url, len(locations), sum(files.values()), len(files),
         )  # fmt: skip
+
+    def commit_manifest(self, manifest: bytes, *, stock_hint: bool = True) -> None:
+        """Write an encoded manifest (a copy's, or :meth:`commit`'s), last.
+
+        ``stock_hint``: then write the ``.metadata`` that stock DCP tools probe
+        for (``format/stock_hint.py``): they see a checkpoint, and loading it with
+        stock's reader fails naming ours. Never read by us.
+        """
+        self.store.write_atomic(MANIFEST_NAME, manifest)
+        self.forget()
+        if stock_hint:
+            # After the manifest: a tool that probes for .metadata (torchtitan's step
+            # discovery) must never take a save that did not commit for a checkpoint.
+            # A crash between the two leaves a committed checkpoint without it.
+            self.store.write_atomic(STOCK_METADATA_NAME, stock_hint_bytes(self.url))
 
     def delete(self) -> None:
         """Remove the checkpoint: the manifest first, so a half-deleted one does not exist."""

@@ -24,7 +24,7 @@ import click
 
 from ..checkpoint import StoredCheckpoint, verify_file
 from ..errors import BrokenChainError, CheckpointExistsError, ConfigError, DcpMultilevelError
-from ..format import MANIFEST_NAME, checkpoint_url, parse_step_dir
+from ..format import checkpoint_url, parse_step_dir
 from ..levels.verbatim import copy_file_verbatim
 from ..stores import store_for
 from ._common import (
@@ -118,8 +118,7 @@ def copy_checkpoint(
             advance(size)
     if result["kept"]:
         result["status"] = "resumed"
-    dest.store.write_atomic(MANIFEST_NAME, manifest_bytes)
-    dest.forget()
+    dest.commit_manifest(manifest_bytes)
     dest.sweep(keep=manifest.files)
     return result
 

@@ -173,7 +173,9 @@ class _ScratchLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         try:
-            obj = torch.load(value, weights_only=True)
+            # io.BytesIO: plain bytes (our reader's record of one, or stock's torch.save).
+            with torch.serialization.safe_globals([io.BytesIO]):
+                obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
             raise UnsafeObjectError(
                 f"value {fqn!r} of {self._location} is refused by torch.load(weights_only="

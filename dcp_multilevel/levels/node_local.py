@@ -43,7 +43,7 @@ from typing import Any
 from .. import _dist
 from ..checkpoint import CheckpointRoot, StoredCheckpoint
 from ..errors import ConfigError, DrainError
-from ..format import MANIFEST_NAME, TMP_MARKER, Manifest, is_rank_file
+from ..format import TMP_MARKER, Manifest, is_rank_file
 from ..stores import Store
 from ..stores.location import parse_location
 from .base import DrainJob, DrainResult, LevelContext, LevelDriver
@@ -165,8 +165,7 @@ class NodeLocalLevel(LevelDriver):
             link.wait_done(list(range(topology.world_size)))
             for name, data in self.sidecars(job, manifest, link).items():
                 target.store.write_atomic(name, data)
-            target.store.write_atomic(MANIFEST_NAME, job.source.manifest_bytes())
-            target.forget()
+            target.commit_manifest(job.source.manifest_bytes())
             target.sweep(manifest.files)
         result.bytes_stored = counts.get("bytes_stored", 0)
         result.details = {"bytes_sent": counts.get("bytes_sent", 0), "bytes_linked": linked}

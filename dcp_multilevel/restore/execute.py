@@ -45,7 +45,7 @@ from typing import Any
 from .. import _dist
 from ..checkpoint import StoredCheckpoint
 from ..errors import CheckpointNotFoundError
-from ..format import DATA_DIR, MANIFEST_NAME, Manifest
+from ..format import DATA_DIR, Manifest
 from ..levels.base import LevelDriver
 from ..levels.erasure_blocks import block_chunks, rebuild, send_block
 from ..levels.node_local import link_or_copy
@@ -198,7 +198,7 @@ def execute(
                     chunks = block_chunks(at(action.level), desc, block)
                     send_block(chunks, desc["stripe"], action.dst, group)
     if parts is not None:
-        parts.store.write_atomic(MANIFEST_NAME, manifest_bytes)  # last: the copy exists
+        parts.commit_manifest(manifest_bytes)  # last: the copy exists
     return bad
 
 

@@ -1,0 +1,96 @@
+"""What a saved item's bytes are: the writer's counterpart of ``destinations.py``.
+
+The writer asks, per write item of a save plan:
+
+- :func:`object_record` for a non-tensor item: an ``io.BytesIO`` value of the
+  state is stored as its bytes (``format/objects.py``: a prefix and the
+  bytes, never unpickled on load); any other value as the ``torch.save``
+  bytes DCP's planner resolved, once they are known to load back with
+  ``weights_only=True`` (a checkpoint must load back).
+- :func:`tensor_of` for a tensor item: the contiguous CPU tensor to store,
+  checked against the plan.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
+
+from ..errors import UnsupportedStateError
+from ..format.objects import bytesio_record, load_object
+
+__all__ = ["object_record", "tensor_of"]
+
+
+def object_record(planner: SavePlanner, item: WriteItem, lock: threading.Lock) -> memoryview:
+    """The bytes to store for the non-tensor item ``item``.
+
+    ``lock`` serializes the planner calls (``torch.save`` in ``resolve_data``
+    is not reentrant-safe for every object).
+
+    Raises:
+        UnsupportedStateError: the planner returned no ``io.BytesIO``, or the
+            value would not load back with ``weights_only=True``.
+    """
+    fqn = item.index.fqn
+    with lock:
+        value = _state_value(planner, item)
+        data = None if isinstance(value, io.BytesIO) else planner.resolve_data(item)
+    if data is None:  # an io.BytesIO value: its bytes as they are (stock's contract)
+        return memoryview(bytesio_record(value))
+    if not isinstance(data, io.BytesIO):
+        raise UnsupportedStateError(
+            f"planner returned {type(data).__name__} for bytes item {fqn!r}; expected io.BytesIO"
+        )
+    view = data.getbuffer()
+    _, refused = load_object(view)
+    if refused is not None:
+        raise UnsupportedStateError(
+            f"value {fqn!r} cannot be saved: loading it back with weights_only=True would "
+            f"fail ({refused}). Store it as plain Python data (str, int, float, list, dict, "
+            "tensor), or allowlist its type with torch.serialization.add_safe_globals([...]) "
+            "in the saving and the loading process."
+        )
+    return view
+
+
+def _state_value(planner: SavePlanner, item: WriteItem) -> Any:
+    """The state's own value of a bytes item, where the planner can say (DCP's
+    ``DefaultSavePlanner.lookup_object``); None where it cannot."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is None:
+        return None
+    try:
+        return lookup(item.index)
+    except (KeyError, ValueError, IndexError):
+        return None
+
+
+def tensor_of(item: WriteItem, data: Any) -> torch.Tensor:
+    """The contiguous CPU tensor to store for ``item`` (``data``: what the planner
+    resolved), checked against the plan.
+
+    Raises:
+        UnsupportedStateError: not a tensor, or not the plan's dtype and shape.
+    """
+    fqn = item.index.fqn
+    if not isinstance(data, torch.Tensor):
+        raise UnsupportedStateError(
+            f"planner returned {type(data).__name__} for tensor item {fqn!r}; expected a tensor"
+        )
+    td = item.tensor_data
+    t = data.detach()
+    if t.dtype != td.properties.dtype or tuple(t.shape) != tuple(td.chunk.sizes):
+        raise UnsupportedStateError(
+            f"planner returned a {tuple(t.shape)} {t.dtype} tensor for {fqn!r}, but the plan "
+            f"says {tuple(td.chunk.sizes)} {td.properties.dtype}; a planner that changes "
+            "dtype or shape in resolve_data must change its plan to match"
+        )
+    if t.device.type != "cpu":
+        t = t.cpu()
+    # Non-contiguous views are copied (only their projection is stored).
+    return t.contiguous()
