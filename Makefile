@@ -24,8 +24,10 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml $(NATIVE_SRC)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install $(TORCH_SPEC)
-	# Repeat the pin so resolving `.[test]` can never upgrade torch either.
-	$(PIP) install -e '.[test]' $(TORCH_SPEC)
+	# Repeat the pin so resolving the extras can never upgrade torch either. The
+	# training-stack extras let the adapters' tests run (they skip without them).
+	$(PIP) install -e '.[test,lightning,accelerate,torchtitan]' $(TORCH_SPEC)
+	$(PIP) install --no-deps torchtitan==0.3.0 $(TORCH_SPEC)
 	touch $@
 
 test: setup
