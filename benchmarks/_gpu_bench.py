@@ -271,31 +271,45 @@ def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
 
 
 def bench_load(size: str, device: torch.device, root: Path, repeats: int) -> dict[str, Any]:
-    """Load the trainer's state into device destinations: ours against stock's reader."""
+    """Synchronous saves from device tensors, then loads into device destinations,
+    ours against stock's writer and reader, alternating."""
     tr = Trainer(size, device)
     state = tr.state()
     nbytes = state_nbytes(state)
-    dcp.save(state, storage_writer=MultiLevelWriter(root / "ours"))
-    dcp.save(state, storage_writer=FileSystemWriter(root / "stock"))
-    times: dict[str, list[float]] = {"ours": [], "stock": []}
+    saves: dict[str, list[float]] = {"ours": [], "stock": []}
+    for r in range(2):  # the last save of each is what the loads read
+        for name in ("ours", "stock") if r == 0 else ("stock", "ours"):
+            path = root / name
+            shutil.rmtree(path, ignore_errors=True)
+            w = MultiLevelWriter(path) if name == "ours" else FileSystemWriter(path)
+            t0 = time.perf_counter()
+            dcp.save(state, storage_writer=w)
+            saves[name].append(time.perf_counter() - t0)
+    readers = {
+        "ours": lambda: MultiLevelReader(root / "ours"),
+        "ours, 4 threads": lambda: MultiLevelReader(root / "ours", thread_count=4),
+        "stock": lambda: FileSystemReader(root / "stock"),
+    }
+    times: dict[str, list[float]] = {k: [] for k in readers}
+    names = list(readers)
     for r in range(repeats):
-        for name in ("ours", "stock") if r % 2 == 0 else ("stock", "ours"):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             dest = tr.state()  # live device tensors: loaded in place
-            reader = (
-                MultiLevelReader(root / "ours")
-                if name == "ours"
-                else FileSystemReader(root / "stock")
-            )
             _sync(device)
             t0 = time.perf_counter()
-            dcp.load(dest, storage_reader=reader)
+            dcp.load(dest, storage_reader=readers[name]())
             _sync(device)
             times[name].append(time.perf_counter() - t0)
     shutil.rmtree(root, ignore_errors=True)
+
+    def table(rows: dict[str, list[float]]) -> dict[str, Any]:
+        return {
+            k: {"s": _med(v), "gbps": nbytes / _med(v) / GB, "all_s": v} for k, v in rows.items()
+        }
+
     return {
         "state_bytes": nbytes,
         "h2d_pinned_gbps": h2d_bandwidth(device),
-        "load": {
-            k: {"s": _med(v), "gbps": nbytes / _med(v) / GB, "all_s": v} for k, v in times.items()
-        },
+        "save": table(saves),
+        "load": table(times),
     }

@@ -94,6 +94,9 @@ def _print_load(ld: dict) -> None:
         print(f"| {k} | {v['s']:.3f} | {v['gbps']:.2f} | {pct} |")
     if h2d:
         print(f"pinned host-to-device copy: {h2d:.1f} GB/s")
+    print("\nSynchronous dcp.save from device tensors\n| writer | s | GB/s |\n|---|---:|---:|")
+    for k, v in ld["save"].items():
+        print(f"| {k} | {v['s']:.3f} | {v['gbps']:.2f} |")
 
 
 def main(argv: list[str] | None = None) -> int:

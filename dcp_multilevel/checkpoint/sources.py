@@ -90,6 +90,13 @@ def tensor_of(item: WriteItem, data: Any) -> torch.Tensor:
             f"says {tuple(td.chunk.sizes)} {td.properties.dtype}; a planner that changes "
             "dtype or shape in resolve_data must change its plan to match"
         )
+    if t.device.type == "cuda":
+        # Through page-locked memory (the caching host allocator reuses it across
+        # items and saves): a DMA copy at full speed, not a pageable one.
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(t.device).synchronize()
+        return host
     if t.device.type != "cpu":
         t = t.cpu()
     # Non-contiguous views are copied (only their projection is stored).
