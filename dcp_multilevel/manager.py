@@ -13,6 +13,14 @@ Call order (every rank, main thread; the same steps on every rank)::
                                           # DrainError if a drain failed
     mgr.close()                           # also run at interpreter exit (errors logged)
 
+With ``CheckpointManager(..., async_save=True)``, :meth:`save` (and :meth:`step`)
+return once the state is staged into the writer's reused host buffers (from
+CUDA: pinned); DCP writes and commits the first level in its background
+thread, over a gloo group of the manager's own. That save's books and drains
+are finished on the main thread by the next save, :meth:`finish_save`,
+:meth:`wait`, a load or :meth:`close` (every rank makes the same calls), which
+also raise its error if it failed.
+
 The manager composes; each part owns its state (``manage/``): the save
 flow onto the first level (``saving.py``), the drains it starts, resumes
 and repeats (``drains.py``, over the lanes of ``levels/drainer.py``), the
@@ -39,6 +47,8 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
@@ -60,6 +70,7 @@ from .restore import Loader
 from .restore.agreement import Restore, Views, gather_views
 from .restore.execute import RestoreReport
 from .schedule import FixedInterval, SavePolicy
+from .staging import StagingConfig
 
 __all__ = ["CheckpointManager", "SaveMetrics"]
 
@@ -111,6 +122,11 @@ class CheckpointManager:
         sweep_older_than_s: at construction, temporary files older than this
             (crash leftovers: the first level's ``*.tmp-*``, remote stores' spool
             files of dead processes) are removed; None: no sweep.
+        async_save: :meth:`save` returns once the state is staged; the first
+            level is written in the background (see the module docstring). The
+            first level must store whole checkpoints (no ``deltas``).
+        staging: the async saves' staging (buffer budget, pinned memory, in-flight
+            policy; :class:`~dcp_multilevel.StagingConfig`, ``docs/async.md``).
     """
 
     def __init__(
@@ -128,8 +144,16 @@ class CheckpointManager:
         sweep_older_than_s: float | None = 3600.0,
         save_on_sigterm: bool = False,
         check_seconds: float = 10.0,
+        async_save: bool = False,
+        staging: StagingConfig | None = None,
     ) -> None:
         ladder = Ladder.build(levels, tiers, topology, drain_timeout_s)  # collective
+        if async_save and ladder.levels[0].deltas:
+            raise ConfigError(
+                f"CheckpointManager(async_save=True): the first level {ladder.levels[0].url} "
+                "stores deltas, which async saves do not code; keep deltas on a higher "
+                "level, or save synchronously"
+            )
         self.levels, self.drivers, self.topology = ladder.levels, ladder.drivers, ladder.topology
         self.schedule = schedule if schedule is not None else FixedInterval()
         self._cadence = Cadence(self.schedule, self.levels, ladder.survives(),
@@ -145,9 +169,14 @@ class CheckpointManager:
         self._holdings.spare(self._drains.drainer)
         self._loader = Loader(self.drivers, ladder.names, self.topology, ladder.restore_group,
                               self._drains.drainer)  # fmt: skip
+        # DCP's background thread saves over a group of its own (collective: made here).
+        group = _dist.new_group(drain_timeout_s) if async_save else None
         self._saves = FirstLevelSaves(self.levels[0], self.drivers[0], self._chains,
                                       planner or BalancedSavePlanner(),
-                                      self._loader.keep_manifest)  # fmt: skip
+                                      self._loader.keep_manifest,
+                                      async_group=group, staging=staging)  # fmt: skip
+        self.async_save = async_save
+        self._pending: _PendingSave | None = None  # an async save not yet finished
         self.metrics: list[SaveMetrics] = []
         if sweep_older_than_s is not None:
             ladder.sweep(sweep_older_than_s)
@@ -177,7 +206,9 @@ class CheckpointManager:
         tick = self._cadence.tick(step, loss, self._drains.costs)
         try:
             if tick.stop:
-                self._cadence.saved(step, [0], self._save(state_dict, step, []).seconds)
+                metrics = self._save(state_dict, step, [])
+                self.finish_save()  # an async save: committed before the exit
+                self._cadence.saved(step, [0], metrics.seconds)
                 self._sink.emit({"kind": "sigterm", "rank": _dist.rank(), "step": step,
                                  "unix": time.time()})  # fmt: skip
                 logger.warning("dcp_multilevel: step %d committed after SIGTERM; exiting", step)
@@ -190,6 +221,8 @@ class CheckpointManager:
                              "unix": time.time()})  # fmt: skip
             higher = sorted(i for i in tick.decision.levels if i > 0)
             metrics = self._save(state_dict, step, higher)
+            if self._pending is not None:  # async: its drains start at finish_save
+                self._pending.from_step = True
             started = [i for i in higher if self.levels[i].url in metrics.drains_started]
             self._cadence.saved(step, [0, *started], metrics.seconds)
             return metrics
@@ -209,28 +242,64 @@ class CheckpointManager:
 
     def _save(self, state_dict: dict[str, Any], step: int, due: list[int]) -> SaveMetrics:
         """The first level's save, then rank 0's decisions for every rank (which drains
-        to skip, what retention removed), then the drains."""
+        to skip, what retention removed), then the drains (for an async save: at
+        :meth:`finish_save`)."""
+        self.finish_save()  # the async save before: committed, its drains started
         t0 = time.perf_counter()
         # Kept in the manifest (rank 0 writes it): a restart goes on with the schedule.
         extra = {SCHEDULE_KEY: self._cadence.state(step, [0, *due])} if _dist.rank() == 0 else None
+        if self.async_save:
+            writer, future = self._saves.save_async(state_dict, step, extra)
+            metrics = SaveMetrics(step, self.levels[0].url, 0, time.perf_counter() - t0)
+            self._pending = _PendingSave(step, due, future, writer, metrics)
+            return metrics
         writer = self._saves.save(state_dict, step, extra)
-        blocked = time.perf_counter() - t0
-        committed = time.time()
-        metrics = SaveMetrics(step, self.levels[0].url, writer.bytes_written, blocked)
+        metrics = SaveMetrics(step, self.levels[0].url, writer.bytes_written,
+                              time.perf_counter() - t0)  # fmt: skip
+        self._committed(step, due, time.time(), metrics)
+        return metrics
+
+    def finish_save(self) -> SaveMetrics | None:
+        """Wait for the async save in flight to commit on the first level, then start
+        its drains and retention; its metrics, or None when none was in flight.
+
+        Collective (every rank calls it at the same point; :meth:`save`,
+        :meth:`wait`, the loads and :meth:`close` call it first). Raises the
+        save's error (DCP's ``CheckpointException``) if it failed.
+        """
+        p, self._pending = self._pending, None
+        if p is None:
+            return None
+        t0 = time.perf_counter()
+        p.future.result()
+        waited = time.perf_counter() - t0  # training waited for the write to end
+        p.metrics.waited_seconds = waited
+        self._saves.committed(p.step)
+        p.metrics.bytes_written = p.writer.bytes_written
+        self._committed(p.step, p.due, time.time(), p.metrics)
+        if p.from_step:  # the schedule learns where the step went, and what it cost
+            started = [i for i in p.due if self.levels[i].url in p.metrics.drains_started]
+            self._cadence.saved(p.step, started, None)
+            self._cadence.waited(p.metrics.seconds - p.metrics.blocked_seconds)
+        return p.metrics
+
+    def _committed(self, step: int, due: list[int], committed: float, metrics: SaveMetrics) -> None:
+        """After the first level committed ``step``: rank 0 decides for every rank which
+        drains run and what retention removes; then the drains start."""
+        t0 = time.perf_counter()
         decision, removed = _dist.rank0_decides(
             lambda: (self._drains.decide(step, due), self._holdings.retain(0))
         )
         self._holdings.removed_on_first(removed)
         self._drains.submit(step, due, decision, committed, metrics)
-        metrics.waited_seconds = time.perf_counter() - t0 - blocked
+        metrics.waited_seconds += time.perf_counter() - t0
         self.metrics.append(metrics)
         logger.info(
             "dcp_multilevel: step %d committed on %s in %.3f s (%.2f GB/s on this rank); "
-            "draining to %s", step, metrics.level, blocked, metrics.gbps,
+            "draining to %s", step, metrics.level, metrics.blocked_seconds, metrics.gbps,
             metrics.drains_started or "no level",
         )  # fmt: skip
         self._sink.emit(metrics.record(_dist.rank()))
-        return metrics
 
     # ------------------------------------------------------------------ load
 
@@ -258,6 +327,7 @@ class CheckpointManager:
         Afterwards, the newest step a higher level is due to hold but does not
         (a drain killed with the previous run) is drained again.
         """
+        self.finish_save()
         views = gather_views(self.drivers)
         for i in range(1, len(self.levels)):
             self._holdings.learned(i, views.everyone[0][i])
@@ -280,6 +350,7 @@ class CheckpointManager:
 
         Collective.
         """
+        self.finish_save()
         views = gather_views(self.drivers)
         plan = self._loader.load_step(state_dict, step, views, planner)
         self._sink.emit(self._loader.record(plan.step))
@@ -303,8 +374,10 @@ class CheckpointManager:
         return list(self._drains.drainer.results)
 
     def wait(self) -> list[DrainResult]:
-        """Wait until the newest step due on each level is there (or its drain failed);
-        DrainError if any drain failed since the last call."""
+        """Finish an async save in flight (:meth:`finish_save`), then wait until the
+        newest step due on each level is there (or its drain failed); DrainError if
+        any drain failed since the last call."""
+        self.finish_save()
         return self._drains.drainer.wait()
 
     def close(self) -> None:
@@ -315,7 +388,20 @@ class CheckpointManager:
         finally:
             self._cadence.close()
             self._drains.drainer.close()
+            self._saves.close()
             self._exit_hook.detach()
+
+
+@dataclass
+class _PendingSave:
+    """An async save staged and being written; finished by ``finish_save``."""
+
+    step: int
+    due: list[int]
+    future: Future
+    writer: Any  # MultiLevelWriter
+    metrics: SaveMetrics
+    from_step: bool = False  # made by step() (the schedule's books follow it)
 
 
 def _check_step(step: object) -> None:

@@ -46,13 +46,16 @@ safetensors export; the saves and loads themselves go through one
   :class:`~dcp_multilevel.MultiLevelReader`), a stock DCP folder or, with
   ``initial_load_in_hf``, HF safetensors (torchtitan's own reader).
 
-``async_mode``: every mode saves the same way today. ``CheckpointManager.save``
-writes the first level on the calling thread (its collectives must run on the
-trainer's thread, see ``dcp_multilevel/_dist.py``) and drains the higher
-levels in the background, so ``"async"`` and ``"async_with_pinned_mem"`` are
-accepted but block for the first level's write like ``"disabled"``; nothing is
-staged into pinned memory, and ``maybe_wait_for_staging`` /
-``maybe_wait_for_saving`` return at once. See ``docs/integrations.md``.
+``async_mode``: ``"disabled"`` saves the first level before ``save`` returns;
+``"async"`` and ``"async_with_pinned_mem"`` are
+``CheckpointManager(async_save=True)``: ``save`` returns once the state is
+staged into reused host buffers (page-locked ones with ``async_with_pinned_mem``,
+and by default whenever CUDA is there), DCP's background thread writes the
+first level, and the next save (or the close) finishes it and starts the
+drains. There is no daemon process (torchtitan's pinned mode uses DCP's
+PROCESS executor; ours stays in a thread of the trainer), and staging is done
+when ``save`` returns, so ``maybe_wait_for_staging`` has nothing to wait for.
+See ``docs/integrations.md``.
 
 Tested with ``torchtitan==0.3.0`` on torch 2.13 CPU
 (``tests/test_integration_torchtitan.py``). Besides its public classes this
@@ -86,6 +89,7 @@ from dcp_multilevel import (
     MultiLevelReader,
     MultiLevelWriter,
     SavePolicy,
+    StagingConfig,
 )
 from dcp_multilevel import (
     CheckpointManager as LevelsManager,
@@ -188,17 +192,16 @@ class MultiLevelCheckpointManager(CheckpointManager):
         self.schedule = config.schedule or self._last_step_due
         self._adaptive = not self.schedule.deterministic
         planner = BalancedSavePlanner() if config.planner == "balanced" else DefaultSavePlanner()
-        if self.async_mode != AsyncMode.DISABLED:
-            logger.info(
-                "dcp_multilevel: checkpoint.async_mode=%s saves like 'disabled' here: the "
-                "first level is written before save() returns, the levels above drain in "
-                "the background",
-                self.async_mode.value,
-            )
+        # async / async_with_pinned_mem: our staging (reused buffers), then DCP's
+        # background thread writes the first level; pinned buffers in the second.
+        # (Page-locked memory needs CUDA: without it, plain buffers, as stock's stager.)
+        pinned = self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM and torch.cuda.is_available()
         # Collective (every rank, as torchtitan builds its checkpointer).
         self.multilevel = LevelsManager(
             self.levels, schedule=self.schedule, planner=planner,
             drain_policy=config.drain_policy,
+            async_save=self.async_mode != AsyncMode.DISABLED,
+            staging=StagingConfig(pin_memory=True) if pinned else None,
         )  # fmt: skip
 
     def _levels(self, config: Config) -> list[Level]:

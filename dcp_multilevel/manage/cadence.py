@@ -279,13 +279,21 @@ class Cadence:
             seconds = self.check_seconds
         return max(1, int(seconds / self.step_seconds))
 
-    def saved(self, step: int, levels: Sequence[int], seconds: float) -> None:
+    def saved(self, step: int, levels: Sequence[int], seconds: float | None) -> None:
         """Record a committed save of ``step`` to ``levels`` (every rank, same arguments)
-        that blocked training ``seconds`` (its metrics' ``blocked_seconds``)."""
+        that blocked training ``seconds`` (its metrics' ``seconds``); None: no new save
+        (an async save's drains, started once it committed)."""
         for index in levels:
             self._last[index] = (step, self.clock)
+        if seconds is not None:
+            self.blocked_seconds += seconds
+            self._save_seconds.append(seconds)
+
+    def waited(self, seconds: float) -> None:
+        """Training also waited ``seconds`` for the last save (an async save's commit)."""
         self.blocked_seconds += seconds
-        self._save_seconds.append(seconds)
+        if self._save_seconds:
+            self._save_seconds[-1] += seconds
 
     def stepped(self) -> None:
         """Mark the end of the manager's work in this step (step times exclude it)."""

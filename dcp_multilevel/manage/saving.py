@@ -9,12 +9,22 @@ Call order (main thread, every rank, collective)::
 
     saves = FirstLevelSaves(level, driver, chains, planner, keep_manifest)
     writer = saves.save(state_dict, step, extra)   returns once the first level committed
+
+With ``async_group`` (``CheckpointManager(async_save=True)``), instead::
+
+    writer, future = saves.save_async(state_dict, step, extra)   returns once staged
+    ... training goes on; DCP writes and commits in its background thread ...
+    future.result(); saves.committed(step)         before the next save (main thread)
+
+One writer serves every async save, so its staging buffers are reused; at
+most one async save is in flight (the manager finishes one before the next).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -24,8 +34,9 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from .. import _dist
 from ..checkpoint import StoredCheckpoint
 from ..config import Level
-from ..errors import BrokenChainError, CorruptCheckpointError, DcpMultilevelError
+from ..errors import BrokenChainError, ConfigError, CorruptCheckpointError, DcpMultilevelError
 from ..levels import LevelDriver
+from ..staging import StagingConfig
 from ..writer import MultiLevelWriter
 from .chains import DeltaChains
 
@@ -43,6 +54,9 @@ class FirstLevelSaves:
         planner: the save planner, reused so that DCP's plan cache works.
         keep_manifest: ``keep_manifest(step, manifest_bytes)`` writes a reference's
             manifest on each node that lacks it (a node-local first level).
+        async_group: for :meth:`save_async`: the gloo group DCP's background
+            thread saves over (never the trainer's, see ``_dist.py``).
+        staging: the async writer's staging (buffer budget, pinning).
     """
 
     def __init__(
@@ -52,12 +66,55 @@ class FirstLevelSaves:
         chains: DeltaChains,
         planner: SavePlanner,
         keep_manifest: Callable[[int, bytes], None],
+        *,
+        async_group: Any = None,
+        staging: StagingConfig | None = None,
     ) -> None:
         self.level = level
         self.driver = driver
         self.chains = chains
         self.planner = planner
         self._keep_manifest = keep_manifest
+        self._async_group = async_group
+        self._staging = staging
+        self._async_writer: MultiLevelWriter | None = None
+
+    def save_async(
+        self, state_dict: dict[str, Any], step: int, extra: dict[str, Any] | None
+    ) -> tuple[MultiLevelWriter, Future]:
+        """Stage ``step`` and start writing it (``dcp.async_save``); the future
+        completes once the first level committed it. Call :meth:`committed` then.
+
+        Raises:
+            ConfigError: the first level stores deltas (async saves store whole).
+        """
+        if self.level.deltas:
+            raise ConfigError(
+                f"level {self.level.url} stores deltas; async saves store whole checkpoints: "
+                "use CheckpointManager(async_save=False), or deltas on a higher level"
+            )
+        url = self.level.checkpoint_url(step)
+        writer = self._async_writer
+        if writer is None:
+            writer = self._async_writer = MultiLevelWriter(
+                url, codec=self.level.codec, storage_options=self.level.storage_options,
+                staging=self._staging,
+            )  # fmt: skip
+        writer.extra = dict(extra or {})  # the save before has committed: not read any more
+        future = dcp.async_save(
+            state_dict, storage_writer=writer, checkpoint_id=url, planner=self.planner,
+            process_group=self._async_group,
+        )  # fmt: skip
+        return writer, future
+
+    def committed(self, step: int) -> None:
+        """An async save of ``step`` committed (a whole checkpoint)."""
+        self.chains.stored(0, step, None)
+
+    def close(self) -> None:
+        """Free the async writer's idle staging buffers."""
+        if self._async_writer is not None:
+            self._async_writer.close()
 
     def save(
         self, state_dict: dict[str, Any], step: int, extra: dict[str, Any] | None
