@@ -2,7 +2,9 @@
 
 One round runs the same training loop once per method, in rotated order:
 ``none`` (no saves), ``ours`` (``dcp.async_save`` with a
-:class:`~dcp_multilevel.MultiLevelWriter`), ``stock`` (``dcp.async_save`` with
+:class:`~dcp_multilevel.MultiLevelWriter`), ``manager``
+(``CheckpointManager(async_save=True)``, one level; a save in flight is
+finished by the next, so at most one is written at a time), ``stock`` (``dcp.async_save`` with
 ``FileSystemWriter``, DCP's default staging) and ``stock-best``
 (``FileSystemWriter`` with ``DefaultStager(StagingOptions(pinned, not shared,
 async staging, non-blocking copies))``, reused across saves; the loop waits
@@ -38,9 +40,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from _gpt import GPT, SHAPES, batch, forward_backward, optimizer
-from dcp_multilevel import MultiLevelReader, MultiLevelWriter
+from dcp_multilevel import CheckpointManager, Level, MultiLevelReader, MultiLevelWriter
 
-METHODS = ("none", "ours", "stock", "stock-best")
+METHODS = ("none", "ours", "manager", "stock", "stock-best")
 GB = 1e9
 
 
@@ -108,6 +110,9 @@ class Method:
         self.name = name
         self.root = root
         self.writer = MultiLevelWriter(root) if name == "ours" else None
+        # CheckpointManager(async_save=True) on one level (its retention keeps 2).
+        level = Level(str(root / "level"), every=1, keep=2)
+        self.manager = CheckpointManager([level], async_save=True) if name == "manager" else None
         # On CPU, stock's best is async staging alone (pinning and non-blocking
         # copies need an accelerator).
         gpu = torch.cuda.is_available()
@@ -115,9 +120,12 @@ class Method:
         self.stager = DefaultStager(opts) if name == "stock-best" else None
         self.n = 0
 
-    def save(self, state: dict[str, Any]) -> tuple[Future | None, Future]:
+    def save(self, state: dict[str, Any]) -> tuple[Future | None, Future | None]:
         self.n += 1
         path = self.root / f"step-{self.n}"
+        if self.manager is not None:  # commits in the background; finished by the next call
+            self.manager.save(state, step=self.n)
+            return None, None
         if self.name == "ours":
             return None, dcp.async_save(state, storage_writer=self.writer, checkpoint_id=path)
         w = FileSystemWriter(path)
@@ -126,9 +134,16 @@ class Method:
         r = dcp.async_save(state, storage_writer=w, async_stager=self.stager)
         return r.staging_completion, r.upload_completion
 
+    def finish(self) -> None:
+        """After a loop (untimed): the manager's last save committed and finished."""
+        if self.manager is not None:
+            self.manager.finish_save()
+
     def close(self) -> None:
         if self.stager is not None:
             self.stager.close()
+        if self.manager is not None:
+            self.manager.close()
 
 
 def run_loop(tr: Trainer, method: Method | None, steps: int, every: int) -> dict[str, Any]:
@@ -142,13 +157,16 @@ def run_loop(tr: Trainer, method: Method | None, steps: int, every: int) -> dict
             t0 = time.perf_counter()
             fence, fut = method.save(tr.state())
             blocked.append(time.perf_counter() - t0)
-            fut.add_done_callback(lambda _, t0=t0: durable.append(time.perf_counter() - t0))
-            pending.append(fut)
+            if fut is not None:
+                fut.add_done_callback(lambda _, t0=t0: durable.append(time.perf_counter() - t0))
+                pending.append(fut)
     if fence is not None:
         fence.result()
     loop_s = time.perf_counter() - t_loop
     for fut in pending:
         fut.result()
+    if method is not None:
+        method.finish()
     time.sleep(0.01)  # the done callbacks ran on the saving threads
     return {
         "loop_s": loop_s,
@@ -181,7 +199,9 @@ def bench_steps(
             fence, fut = m.save(tr.state())
             if fence is not None:
                 fence.result()
-            fut.result()
+            if fut is not None:
+                fut.result()
+            m.finish()
         except (KeyboardInterrupt, SystemExit):
             raise
         # DCP's CheckpointException derives from BaseException.
@@ -204,7 +224,7 @@ def bench_steps(
             except BaseException as e:  # noqa: BLE001 - as above
                 errors[m] = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
-            for p in (root / m).glob("step-*"):
+            for p in (root / m).glob("step-*"):  # the manager's level keeps its own 2
                 shutil.rmtree(p, ignore_errors=True)
         done_rounds += 1
         ran = [m for m in order if m not in errors]
