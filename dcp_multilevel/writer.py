@@ -87,19 +87,12 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
             chunk size and threads. Non-tensor values are stored uncompressed.
         storage_options: options for a remote location's store and fsspec
             backend (``retries``, ``spool_dir``, s3fs ``key``/``endpoint_url``...).
-        staging: how ``dcp.async_save`` stages through this writer: buffer budget,
-            in-flight policy (:class:`~dcp_multilevel.staging.StagingConfig`;
-            default: no budget, wait). See ``docs/async.md``: DCP stages through
-            the writer (an ``AsyncStager``), which hands each call to its
-            :class:`~dcp_multilevel.staging.Stager`.
-        stock_hint: also write a ``.metadata`` for stock DCP tools (on by
-            default): tools that probe for it (torchtitan's step discovery,
-            Lightning's sharded-checkpoint test) see a checkpoint, and
-            ``dcp.load(checkpoint_id=...)`` without a reader fails naming this
-            reader and the ``convert`` command instead of a missing file. The
-            file is a pickle that calls a function when loaded, which pickle
-            scanners flag; ``False`` omits it (``format/stock_hint.py``,
-            ``docs/interop.md``).
+        staging: how ``dcp.async_save`` stages through this writer (an
+            ``AsyncStager``): :class:`~dcp_multilevel.staging.StagingConfig`
+            (default: no budget, wait; ``docs/async.md``).
+        stock_hint: also write a ``.metadata`` (default): tools that probe for it
+            see a checkpoint, and stock DCP's reader fails naming ours; a pickle
+            that scanners flag, ``False`` omits it (``docs/interop.md``).
         reference: store tensor chunks as deltas against this committed
             checkpoint where that is smaller (a path or URL, or a
             :class:`~dcp_multilevel.checkpoint.StoredCheckpoint`). It must be a
