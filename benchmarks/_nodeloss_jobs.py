@@ -34,8 +34,6 @@ from _measure import GB, rounds
 from dcp_multilevel import CheckpointManager, Level
 from dcp_multilevel.format import checksum_of
 from dcp_multilevel.levels.erasure_code import CHUNK, ErasureCode
-from dcp_multilevel.restore import plan as restore_plan
-from dcp_multilevel.restore.plan import PART_SHARE
 
 WORLD = 4
 STATES = ("replicated", "sharded", "fsdp")
@@ -169,8 +167,6 @@ def run_config(
     per_node = WORLD // cfg.nodes
     node = rank // per_node
     os.environ["DCP_ML_NODE"] = str(node)
-    # The library's threshold for copying parts of a file; 0: always whole files.
-    restore_plan.PART_SHARE = 0.0 if cfg.whole_files else PART_SHARE
     base = Path(args["root"]) / f"{cfg.name}-r{rep}"
     remote = f"throttled://{args['remote_dir']}/{cfg.name}-r{rep}"
     levels = levels_for(cfg, base, remote, node, args)
@@ -208,13 +204,16 @@ def run_config(
         # after the saves (hard links: the stores never rewrite a file in place).
         shutil.copytree(base, snap, copy_function=os.link)
         evict_tree(base)
-    record["load"] = timed_load(rank, f"{cfg.name}-r{rep}-load", levels, state, dest, args)
+    whole = cfg.whole_files
+    record["load"] = timed_load(rank, f"{cfg.name}-r{rep}-load", levels, state, dest, args, whole)
     if rank == 0:
         remove_tree(base)
         snap.rename(base)
         remove_tree(base / f"n{args['lose_node']}")  # the node is lost with its disk
         evict_tree(base)  # the survivors' files: read from the disk, not the page cache
-    record["restore"] = timed_load(rank, f"{cfg.name}-r{rep}-restore", levels, state, dest, args)
+    record["restore"] = timed_load(
+        rank, f"{cfg.name}-r{rep}-restore", levels, state, dest, args, whole
+    )
     dist.barrier()
     if rank == 0:
         remove_tree(base)
@@ -233,15 +232,17 @@ def load_phases(records: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def timed_load(
-    rank: int, job: str, levels: list[Level], state: dict, dest: dict, args: dict
+    rank: int, job: str, levels: list[Level], state: dict, dest: dict, args: dict, whole: bool
 ) -> dict[str, Any]:
-    """A new job's ``load_latest`` into zeroed tensors: seconds, where from, bit-exact?"""
+    """A new job's ``load_latest`` into zeroed tensors: seconds, where from, bit-exact?
+    ``whole``: restores bring whole files (``restore_whole_files``)."""
     import torch.distributed as dist
 
     dist.barrier()  # rank 0's file work is done
     new_job(rank, job, args)
     records: list[dict[str, Any]] = []
-    mgr = CheckpointManager(levels, on_metrics=records.append)
+    mgr = CheckpointManager(levels, on_metrics=records.append,
+                            restore_whole_files=whole)  # fmt: skip
     for t in dest.values():
         t.zero_()
     dist.barrier()

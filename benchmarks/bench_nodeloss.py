@@ -94,7 +94,7 @@ saves: a value every rank holds, here AdamW's step count per parameter (a
 planner spreads over the ranks' files. Every rank reads all of them, so
 every node needs a few bytes of every other node's file. The configuration
 ``erasure-4n-whole`` is ``erasure-4n`` with restores that copy such files
-whole (``restore_plan.PART_SHARE = 0`` in its ranks: the restore as it was
+whole (``CheckpointManager(restore_whole_files=True)``: the restore as it was
 before partial copies), to compare in the same run.
 
 Goals (issue 14): blocked time per save unchanged by adding the level

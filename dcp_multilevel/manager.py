@@ -69,6 +69,7 @@ from .planner import BalancedSavePlanner
 from .restore import Loader
 from .restore.agreement import Restore, Views, gather_views
 from .restore.execute import RestoreReport
+from .restore.plan import PART_SHARE
 from .schedule import FixedInterval, SavePolicy
 from .staging import StagingConfig
 
@@ -127,6 +128,9 @@ class CheckpointManager:
             first level must store whole checkpoints (no ``deltas``).
         staging: the async saves' staging (buffer budget, pinned memory, in-flight
             policy; :class:`~dcp_multilevel.StagingConfig`, ``docs/async.md``).
+        restore_whole_files: a restore after a node loss brings whole files onto
+            the node (default: only the byte ranges its ranks read, where that is
+            at most half of a file; ``docs/levels.md``).
     """
 
     def __init__(
@@ -146,6 +150,7 @@ class CheckpointManager:
         check_seconds: float = 10.0,
         async_save: bool = False,
         staging: StagingConfig | None = None,
+        restore_whole_files: bool = False,
     ) -> None:
         ladder = Ladder.build(levels, tiers, topology, drain_timeout_s)  # collective
         if async_save and ladder.levels[0].deltas:
@@ -168,7 +173,8 @@ class CheckpointManager:
                               timeout_s=drain_timeout_s)  # fmt: skip
         self._holdings.spare(self._drains.drainer)
         self._loader = Loader(self.drivers, ladder.names, self.topology, ladder.restore_group,
-                              self._drains.drainer)  # fmt: skip
+                              self._drains.drainer,
+                              part_share=0.0 if restore_whole_files else PART_SHARE)  # fmt: skip
         # DCP's background thread saves over a group of its own (collective: made here).
         group = _dist.new_group(drain_timeout_s) if async_save else None
         self._saves = FirstLevelSaves(self.levels[0], self.drivers[0], self._chains,

@@ -412,9 +412,9 @@ def _fsdp_save_job(rank: int, world: int, root: str) -> None:
     assert results and all(r.committed and r.error is None for r in results), results
 
 
-def _fsdp_load_job(rank: int, world: int, root: str) -> tuple:
+def _fsdp_load_job(rank: int, world: int, root: str, whole: bool = False) -> tuple:
     os.environ["DCP_ML_NODE"] = str(rank)
-    mgr = CheckpointManager(_levels(root, "erasure", _ERASURE))
+    mgr = CheckpointManager(_levels(root, "erasure", _ERASURE), restore_whole_files=whole)
     state = _fsdp_blank(rank)
     step = mgr.load_latest(state)
     mgr.close()
@@ -424,6 +424,17 @@ def _fsdp_load_job(rank: int, world: int, root: str) -> tuple:
 
 def _data_files(directory: Path) -> set[str]:
     return {p.name for p in (directory / "data").iterdir()} if directory.exists() else set()
+
+
+def test_restore_whole_files_brings_the_files_not_the_items(tmp_path):
+    # The same restore with CheckpointManager(restore_whole_files=True): each file a
+    # node reads part of is copied whole (the restore as it was before items).
+    root = str(tmp_path)
+    run_ranks(_fsdp_save_job, 3, root, timeout=240)
+    out = run_ranks(_fsdp_load_job, 3, root, True, timeout=240)
+    assert [(step, exact) for step, exact, _, _ in out] == [(1, True)] * 3
+    received = [key for _, _, got, _ in out for key in got]
+    assert received and not [k for k in received if "items only" in k], received
 
 
 def test_values_every_rank_holds_are_fetched_as_items_not_whole_files(tmp_path):

@@ -25,7 +25,7 @@ from ..checkpoint import decoded_manifest
 from ..format import Manifest
 from ..levels.base import LevelDriver
 from .inventory import gather_inventories, split_needs, take_inventory
-from .plan import Inventory, RestorePlan, plan_restore
+from .plan import PART_SHARE, Inventory, RestorePlan, plan_restore
 
 __all__ = ["Restore", "Views", "gather_views", "restorable"]
 
@@ -109,6 +109,7 @@ def restorable(
     names: Sequence[str] | None = None,
     members: Sequence[int] = (),
     group: Any = None,
+    part_share: float = PART_SHARE,
 ) -> Restore:
     """How every rank can load ``step`` (``Restore.ok``), the same verdict on all. Collective.
 
@@ -119,7 +120,7 @@ def restorable(
     ``names``: the levels as the user wrote them (for messages; default: their URLs);
     ``members`` (the ranks of this rank's node) and ``group`` (the restore's):
     the node's ranks send their needs to its lowest rank, which sends them merged
-    (``restore.gather_inventories``).
+    (``restore.gather_inventories``); ``part_share``: see ``plan_restore``.
     """
     source = _manifest_source(step, drivers, views)
     whole = [
@@ -136,7 +137,7 @@ def restorable(
         return Restore(step, tuple(whole), None, reasons=why)
     manifest = decoded_manifest(raw, drivers[0].checkpoint(step).url)
     inventory = take_inventory(
-        step, drivers, manifest, split_needs(needs(manifest), manifest), node, whole
+        step, drivers, manifest, split_needs(needs(manifest), manifest, part_share), node, whole
     )
     wanted = inventory.needs  # None: every file
     local = [i for i in sorted(inventory.files) if i > 0]
@@ -148,7 +149,8 @@ def restorable(
         return Restore(step, levels, raw, RestorePlan(step), (inventory,))
     everyone = gather_inventories(inventory, members, group)
     urls = list(names) if names is not None else [d.url for d in drivers]
-    plan = plan_restore(step, manifest.files, everyone, urls, transfers=transfers)
+    plan = plan_restore(step, manifest.files, everyone, urls, transfers=transfers,
+                        part_share=part_share)  # fmt: skip
     return Restore(step, levels, raw, plan, tuple(everyone), plan.reasons, inventory)
 
 

@@ -82,11 +82,13 @@ def needed_ranges(
 
 
 def split_needs(
-    ranges: dict[str, list[list[int]]] | None, manifest: Manifest
+    ranges: dict[str, list[list[int]]] | None,
+    manifest: Manifest,
+    part_share: float = restore_plan.PART_SHARE,
 ) -> tuple[list[str] | None, dict[str, list[list[int]]] | None]:
     """What a rank's load reads (``needed_ranges``) as an inventory says it: the files
     (None: every one), and the byte ranges of only those it reads at most
-    ``PART_SHARE`` of (the others are copied whole anyway: a rank that reads
+    ``part_share`` of (the others are copied whole anyway: a rank that reads
     everything sends no ranges at all)."""
     if ranges is None:
         return None, None
@@ -94,7 +96,7 @@ def split_needs(
     partly = {
         f: rs
         for f, rs in ranges.items()
-        if sum(b - a for a, b in rs) <= restore_plan.PART_SHARE * manifest.files[f]
+        if sum(b - a for a, b in rs) <= part_share * manifest.files[f]
     }
     return needs, partly
 

@@ -42,7 +42,7 @@ from .actions import CopyFault, Fault
 from .agreement import Restore, Views, restorable
 from .execute import RestoreReport, execute, parts_copy, set_aside_damaged
 from .inventory import gather_inventories, needed_ranges, take_inventory, whole_files_of
-from .plan import RestorePlan, plan_restore
+from .plan import PART_SHARE, RestorePlan, plan_restore
 
 __all__ = ["Loader"]
 
@@ -61,6 +61,8 @@ class Loader:
         topology: which node each rank is on (None: unknown; nothing is shared).
         restore_group: the gloo group restores move bytes over (None: no transfers).
         drainer: the manager's drainer (a restore first lets running drains end).
+        part_share: a file a node needs at most this share of is brought in parts
+            (``plan_restore``; 0: whole files).
     """
 
     def __init__(
@@ -70,8 +72,10 @@ class Loader:
         topology: Topology | None,
         restore_group: Any,
         drainer: Drainer,
+        part_share: float = PART_SHARE,
     ) -> None:
         self.drivers = list(drivers)
+        self.part_share = part_share
         self._names = list(names)
         self.topology = topology
         self._restore_group = restore_group
@@ -217,6 +221,7 @@ class Loader:
                 at, self.drivers, views, node=self.node(), needs=needs,
                 transfers=self._restore_group is not None, names=self._names,
                 members=self._node_ranks(), group=self._restore_group,
+                part_share=self.part_share,
             )  # fmt: skip
 
         plan = agree(step, whole_files=False)
@@ -432,7 +437,8 @@ class Loader:
         inventory = take_inventory(plan.step, self.drivers, manifest,
                                    (mine.needs, mine.ranges), mine.node, mine.whole)  # fmt: skip
         everyone = gather_inventories(inventory, self._node_ranks(), self._restore_group)
-        steps = plan_restore(plan.step, manifest.files, everyone, self._names, bad)
+        steps = plan_restore(plan.step, manifest.files, everyone, self._names, bad,
+                             part_share=self.part_share)  # fmt: skip
         if not steps.ok:
             raise CheckpointNotFoundError(
                 f"step {plan.step} cannot be restored: " + "; ".join(steps.reasons),

@@ -85,8 +85,12 @@ def plan_restore(
     level_urls: Sequence[str],
     bad: Collection[Fault] = frozenset(),
     transfers: bool = True,
+    part_share: float = PART_SHARE,
 ) -> RestorePlan:
     """How every node gets the files its ranks need (pure; see the module docstring).
+
+    ``part_share``: a file whose needed byte ranges are at most this share of it
+    is brought in parts (0: always whole files).
 
     ``bad`` holds the sources found damaged in earlier rounds:
     :class:`~dcp_multilevel.restore.actions.CopyFault` and
@@ -116,7 +120,7 @@ def plan_restore(
             level = min(i for inv in invs for i, fs in inv.files.items() if file in fs)
             actions.append(Link(file, level, dst))
         missing = sorted(needed - have)
-        parts = {f: _part_of(f, files[f], invs, dst) for f in missing}
+        parts = {f: _part_of(f, files[f], invs, dst, part_share) for f in missing}
         todo.append(_NodeNeeds(node, invs, dst, parts, any(inv.whole for inv in invs)))
     # Files needed whole first: a lost member is then rebuilt on a node that needs
     # it whole, and the nodes that need a few of its items take them from there.
@@ -228,10 +232,10 @@ def merge_node_needs(invs: Sequence[Inventory]) -> Inventory:
     return replace(first, needs=needs, ranges=ranges, merged=False)
 
 
-def _part_of(file: str, size: int, invs: Sequence[Inventory], dst: int
+def _part_of(file: str, size: int, invs: Sequence[Inventory], dst: int, part_share: float
              ) -> tuple[tuple[int, int], ...] | None:  # fmt: skip
     """The byte ranges of ``file`` a node's ranks ``invs`` read, when that is a small
-    part (at most ``PART_SHARE`` of ``size``) and the receiving rank ``dst`` can take
+    part (at most ``part_share`` of ``size``) and the receiving rank ``dst`` can take
     parts; None: copy the whole file."""
     receiver = next(inv for inv in invs if inv.rank == dst)
     if not receiver.parts or any(inv.ranges is None for inv in invs):
@@ -241,7 +245,7 @@ def _part_of(file: str, size: int, invs: Sequence[Inventory], dst: int
     ):
         return None  # a rank of the node reads most of it
     wanted = merge_ranges([r for inv in invs for r in (inv.ranges or {}).get(file, ())])
-    if not wanted or sum(end - start for start, end in wanted) > PART_SHARE * size:
+    if not wanted or sum(end - start for start, end in wanted) > part_share * size:
         return None
     return tuple(wanted)
 
