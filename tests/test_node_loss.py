@@ -228,7 +228,7 @@ def test_losing_more_nodes_than_erasure_tolerates_falls_back_to_the_remote(tmp_p
     out = run_ranks(_load_job, 3, root, 1, "erasure", opts, False, timeout=240)
     message = out[0][3]
     assert out[0][0] is None and isinstance(message, str)
-    assert "step 2" in message and f"erasure:{root}/n{{node}}/erasure: group 0 of step 2" in message
+    assert f"erasure:{root}/n{{node}}/erasure: step 2: group 0: RS(2+1)" in message
     assert "RS(2+1) needs 2 intact blocks, has 1 (blocks of nodes [0, 1] lost" in message
     assert "(lost or replaced): [0, 1]" in message
 

@@ -16,6 +16,7 @@ from dcp_multilevel.levels import driver_for
 from dcp_multilevel.levels.erasure import group_layout
 from dcp_multilevel.levels.erasure_blocks import rechunk
 from dcp_multilevel.levels.erasure_code import ErasureCode
+from dcp_multilevel.levels.erasure_rebuild import ErasureRebuilder
 from dcp_multilevel.levels.topology import Topology
 from dcp_multilevel.restore.actions import CopyFault
 from dcp_multilevel.restore.plan import (
@@ -25,11 +26,18 @@ from dcp_multilevel.restore.plan import (
     Rebuild,
     merge_node_needs,
     merge_ranges,
-    plan_restore,
     simulated_time,
 )
+from dcp_multilevel.restore.plan import plan_restore as _plan_restore
 
 URLS = ["/l1", "partner:/p", "erasure:/e", "s3://remote"]
+#: Level 2 (erasure) rebuilds lost members: its kind's rebuilder, as a job's driver has it.
+REBUILDERS = {2: ErasureRebuilder()}
+
+
+def plan_restore(*args, **kwargs):
+    """The planner as a job with these levels calls it (with level 2's rebuilder)."""
+    return _plan_restore(*args, rebuilders=REBUILDERS, **kwargs)
 
 
 def _files(ranks: int) -> dict[str, int]:
@@ -280,6 +288,8 @@ def test_any_parity_lost_nodes_are_rebuilt_and_one_more_in_a_group_is_not(nodes,
             holds[action.dst] |= {f"data/{members_of[y]}-0.t.bin" for y in action.members}
     assert len(rebuilt_members) == len(set(rebuilt_members))
     assert all(got == set(files) for got in holds.values())
+    # A level whose kind brings no rebuilder is never asked to rebuild.
+    assert not _plan_restore(7, files, invs, URLS).ok
     # One more loss inside a group than its parity: not restorable, the group is named.
     members, keepers = layout[0]
     blocks = members + keepers
@@ -288,7 +298,7 @@ def test_any_parity_lost_nodes_are_rebuilt_and_one_more_in_a_group_is_not(nodes,
     plan = plan_restore(7, files, invs, URLS)
     assert not plan.ok
     if len(members) > 1:  # else every node that knew the group is gone with it
-        assert any("erasure:/e: group 0 of step 7" in r for r in plan.reasons), plan.reasons
+        assert any("erasure:/e: step 7: group 0: RS(" in r for r in plan.reasons), plan.reasons
 
 
 # --------------------------------------------------------------------------- configuration

@@ -49,6 +49,7 @@ from ..errors import ConfigError
 from ..format import Manifest
 from .link import DrainLink
 from .options import Level
+from .rebuild import Rebuilder
 from .topology import Topology
 
 __all__ = ["DrainJob", "DrainResult", "LevelContext", "LevelDriver"]
@@ -133,6 +134,9 @@ class LevelDriver(abc.ABC):
     node_local: bool = False
     #: True for a kind that needs to know which node each rank is on.
     needs_topology: bool = False
+    #: How this kind rebuilds a lost file from blocks in a restore (``rebuild.py``);
+    #: None: its nodes hold whole files, which a restore copies.
+    rebuilder: Rebuilder | None = None
 
     def __init__(self, level: Level, root: CheckpointRoot | None = None) -> None:
         self.level = level

@@ -51,6 +51,7 @@ from .erasure_blocks import (
     send_block,
 )
 from .erasure_code import CHUNK, ErasureCode, stripe_length
+from .erasure_rebuild import ErasureRebuilder
 from .link import DrainLink
 from .node_local import NodeLocalLevel, rank_files
 from .options import Level
@@ -87,6 +88,8 @@ class ErasureLevel(NodeLocalLevel):
 
     kind = "erasure"
     options = ("data", "parity")
+    #: A restore rebuilds a lost member from its group's intact blocks.
+    rebuilder = ErasureRebuilder()
 
     def __init__(self, level: Level) -> None:
         super().__init__(level)

@@ -25,7 +25,7 @@ from ..checkpoint import decoded_manifest
 from ..format import Manifest
 from ..levels.base import LevelDriver
 from .inventory import gather_inventories, split_needs, take_inventory
-from .plan import PART_SHARE, Inventory, RestorePlan, plan_restore
+from .plan import PART_SHARE, Inventory, RestorePlan, plan_restore, rebuilders
 
 __all__ = ["Restore", "Views", "gather_views", "restorable"]
 
@@ -150,7 +150,7 @@ def restorable(
     everyone = gather_inventories(inventory, members, group)
     urls = list(names) if names is not None else [d.url for d in drivers]
     plan = plan_restore(step, manifest.files, everyone, urls, transfers=transfers,
-                        part_share=part_share)  # fmt: skip
+                        part_share=part_share, rebuilders=rebuilders(drivers))  # fmt: skip
     return Restore(step, levels, raw, plan, tuple(everyone), plan.reasons, inventory)
 
 

@@ -47,7 +47,6 @@ from ..checkpoint import StoredCheckpoint
 from ..errors import CheckpointNotFoundError
 from ..format import DATA_DIR, Manifest
 from ..levels.base import LevelDriver
-from ..levels.erasure_blocks import block_chunks, rebuild, send_block
 from ..levels.node_local import link_or_copy
 from ..levels.wire import SOURCE_ERRORS, file_blocks, recv_file, recv_ranges, send_file, send_ranges
 from .actions import BlockFault, Copy, CopyFault, Fault, Inventory, Link, Rebuild
@@ -187,16 +186,20 @@ def execute(
             ):
                 bad.append(CopyFault(nodes[action.src], action.file))
             continue
+        # A rebuild: the level kind's own (levels/rebuild.py).
         desc = descs[action.level][action.group]
+        rebuilder = drivers[action.level].rebuilder
+        assert rebuilder is not None  # the plan asked this level's kind for the rebuild
         if me == action.dst:
             local = {b: at(action.level) for b, r in action.sources if r == me}
-            failed = rebuild(desc, action.members, action.sources, local, into.store, into, group)
+            failed = rebuilder.receive(
+                desc, action.members, action.sources, local, into, into.store, group
+            )
             bad += [BlockFault(action.level, action.group, b, r) for b, r in failed]
         else:
             for block, rank in action.sources:
                 if rank == me:
-                    chunks = block_chunks(at(action.level), desc, block)
-                    send_block(chunks, desc["stripe"], action.dst, group)
+                    rebuilder.send(desc, block, at(action.level), action.dst, group)
     if parts is not None:
         parts.commit_manifest(manifest_bytes)  # last: the copy exists
     return bad

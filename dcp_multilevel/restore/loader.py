@@ -42,7 +42,7 @@ from .actions import CopyFault, Fault
 from .agreement import Restore, Views, restorable
 from .execute import RestoreReport, execute, parts_copy, set_aside_damaged
 from .inventory import gather_inventories, needed_ranges, take_inventory, whole_files_of
-from .plan import PART_SHARE, RestorePlan, plan_restore
+from .plan import PART_SHARE, RestorePlan, plan_restore, rebuilders
 
 __all__ = ["Loader"]
 
@@ -438,7 +438,8 @@ class Loader:
                                    (mine.needs, mine.ranges), mine.node, mine.whole)  # fmt: skip
         everyone = gather_inventories(inventory, self._node_ranks(), self._restore_group)
         steps = plan_restore(plan.step, manifest.files, everyone, self._names, bad,
-                             part_share=self.part_share)  # fmt: skip
+                             part_share=self.part_share,
+                             rebuilders=rebuilders(self.drivers))  # fmt: skip
         if not steps.ok:
             raise CheckpointNotFoundError(
                 f"step {plan.step} cannot be restored: " + "; ".join(steps.reasons),

@@ -15,9 +15,10 @@ ranks need and its first level lacks, in order:
    that rank's own shards) and its first level can take them, only their
    items' byte ranges are copied (``Copy.ranges``), into the step's
    ``.parts`` copy (``execute.py``), never into the first level's files;
-3. a :class:`Rebuild` of the erasure member it belongs to (every member of
-   the group the node lacks, in one pass, from any ``data`` intact blocks),
-   once, on the first node that needs it;
+3. a :class:`Rebuild` of the group member it belongs to, on a level whose
+   kind rebuilds (erasure: every member of the group the node lacks, in one
+   pass, from any ``data`` intact blocks), once, on the first node that needs
+   it; the kind chooses (``levels/rebuild.py``, ``LevelDriver.rebuilder``);
 4. a store level holding the whole step (the reader reads it there);
 5. else the step cannot be restored, and :attr:`RestorePlan.reasons` names
    the nodes, levels and groups.
@@ -28,10 +29,11 @@ no torch.distributed.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..levels.rebuild import RebuildChoice, Rebuilder
 from .actions import (
     BlockFault,
     Copy,
@@ -56,6 +58,7 @@ __all__ = [
     "merge_ranges",
     "participants",
     "plan_restore",
+    "rebuilders",
     "simulated_time",
 ]
 
@@ -86,11 +89,13 @@ def plan_restore(
     bad: Collection[Fault] = frozenset(),
     transfers: bool = True,
     part_share: float = PART_SHARE,
+    rebuilders: Mapping[int, Rebuilder] | None = None,
 ) -> RestorePlan:
     """How every node gets the files its ranks need (pure; see the module docstring).
 
     ``part_share``: a file whose needed byte ranges are at most this share of it
-    is brought in parts (0: always whole files).
+    is brought in parts (0: always whole files). ``rebuilders``: level -> how that
+    level's kind rebuilds a lost file (``LevelDriver.rebuilder``); none: no rebuilds.
 
     ``bad`` holds the sources found damaged in earlier rounds:
     :class:`~dcp_multilevel.restore.actions.CopyFault` and
@@ -140,6 +145,7 @@ def plan_restore(
                         need.node,
                         wanted,
                         groups,
+                        rebuilders or {},
                         inventories,
                         held,
                         bad,
@@ -251,7 +257,8 @@ def _part_of(file: str, size: int, invs: Sequence[Inventory], dst: int, part_sha
 
 
 def group_descriptions(inventories: Sequence[Inventory]) -> dict[int, dict[str, dict[str, Any]]]:
-    """Every erasure group any rank's node described: level -> group -> description
+    """Every group any rank's node described (a rebuilding kind's ``holdings``):
+    level -> group -> description
     (a replaced node holds none: it takes them from the others)."""
     groups: dict[int, dict[str, dict[str, Any]]] = {}
     for inv in inventories:
@@ -259,6 +266,12 @@ def group_descriptions(inventories: Sequence[Inventory]) -> dict[int, dict[str, 
             for g, desc in descs.items():
                 groups.setdefault(level, {}).setdefault(g, desc)
     return groups
+
+
+def rebuilders(drivers: Sequence[Any]) -> dict[int, Rebuilder]:
+    """level -> its kind's rebuilder, for the levels whose kind rebuilds (``drivers``:
+    the job's ``LevelDriver`` s, in level order)."""
+    return {i: d.rebuilder for i, d in enumerate(drivers) if d.rebuilder is not None}
 
 
 def simulated_time(actions: Sequence[Link | Copy | Rebuild], files: dict[str, int]) -> int:
@@ -333,6 +346,7 @@ def _rebuild_for(
     node: int,
     wanted: set[str],
     groups: dict[int, dict[str, dict[str, Any]]],
+    rebuilders: Mapping[int, Rebuilder],
     inventories: Sequence[Inventory],
     held: dict[str, list[tuple[int, int, int]]],
     bad: Collection[Fault],
@@ -340,54 +354,21 @@ def _rebuild_for(
     level_urls: Sequence[str],
     step: int,
 ) -> Rebuild | str | None:
-    """A rebuild that yields ``file`` on ``node``, or why none can (None: no group has it)."""
+    """A rebuild that yields ``file`` on ``node`` (asked of each level kind that
+    rebuilds, ``levels/rebuild.py``), or why none can (None: no group has it)."""
     reason: str | None = None
     for level, descs in sorted(groups.items()):
-        for g, desc in sorted(descs.items()):
-            members = [{f for f, _ in m["files"]} for m in desc["members"]]
-            if not any(file in m for m in members):
-                continue
-            k, m = desc["data"], desc["parity"]
-            # Rebuild the members this node lacks and cannot copy (together: one pass).
-            lost = [
-                y for y in range(k)
-                if any(_copy_source(f, node, held, bad) is None for f in members[y] & wanted)
-            ]  # fmt: skip
-            holders = _block_holders(level, g, desc, members, inventories, bad)
-            usable = [(b, holders[b]) for b in range(k + m) if b not in lost and b in holders]
-            if len(usable) >= k:
-                brings = tuple(sorted(f for y in lost for f in members[y]))
-                return Rebuild(level, g, tuple(lost), tuple(usable[:k]), dst, brings)
-            gone = [
-                desc["members"][b]["node"] if b < k else desc["parity_nodes"][b - k]
-                for b in range(k + m)
-                if b not in holders
-            ]
-            reason = (
-                f"{level_urls[level]}: group {g} of step {step}: RS({k}+{m}) needs {k} intact "
-                f"blocks, has {len(usable)} (blocks of nodes {gone} lost or damaged; tolerates "
-                f"{m})"
-            )
+        rebuilder = rebuilders.get(level)
+        if rebuilder is None:
+            continue
+        choice = rebuilder.plan(
+            level, file, wanted, descs, inventories,
+            copyable=lambda f: _copy_source(f, node, held, bad) is not None,
+            block_damaged=lambda g, b, r, level=level: BlockFault(level, g, b, r) in bad,
+        )  # fmt: skip
+        if isinstance(choice, RebuildChoice):
+            return Rebuild(level, choice.group, choice.members, choice.sources, dst,
+                           choice.brings)  # fmt: skip
+        if choice is not None:
+            reason = f"{level_urls[level]}: step {step}: {choice}"
     return reason
-
-
-def _block_holders(
-    level: int,
-    g: str,
-    desc: dict[str, Any],
-    members: list[set[str]],
-    inventories: Sequence[Inventory],
-    bad: Collection[Fault],
-) -> dict[int, int]:
-    """block -> the lowest rank that can stream it intact."""
-    out: dict[int, int] = {}
-    k = desc["data"]
-    for inv in sorted(inventories, key=lambda i: i.rank):
-        held = set(inv.files.get(level, ()))
-        for y, files in enumerate(members):
-            if y not in out and files <= held and BlockFault(level, g, y, inv.rank) not in bad:
-                out[y] = inv.rank
-        for pg, b in inv.parity.get(level, ()):
-            if pg == g and b >= k and b not in out and BlockFault(level, g, b, inv.rank) not in bad:
-                out[b] = inv.rank
-    return out
