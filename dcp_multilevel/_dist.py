@@ -11,6 +11,7 @@ our own (:func:`new_group`), used by one thread at a time.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -80,8 +81,25 @@ def rank0_decides(decide: Callable[[], T]) -> T:
     return broadcast_object(value, 0) if world_size() > 1 else value  # type: ignore[return-value]
 
 
+_THREAD = threading.local()
+
+
 def _store() -> dist.Store:
-    return dist.distributed_c10d._get_default_store()
+    """The default group's c10d store, through a client of this thread's own.
+
+    A store client serves one request at a time, and ``wait`` holds it until its
+    keys arrive: drains of two levels (two lane threads) sharing one client would
+    block each other's ``set`` on every rank until the timeout (seen with torchrun's
+    TCPStore). A clone is a new connection to the same store.
+    """
+    default = dist.distributed_c10d._get_default_store()
+    if getattr(_THREAD, "base", None) is not default:
+        try:
+            mine = default.clone()
+        except (AttributeError, RuntimeError, NotImplementedError):  # a store that cannot
+            mine = default
+        _THREAD.base, _THREAD.store = default, mine
+    return _THREAD.store
 
 
 def store_set(key: str, value: Any) -> None:

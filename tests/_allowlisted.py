@@ -15,3 +15,6 @@ class RunInfo:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RunInfo) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.seed))
