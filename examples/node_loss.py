@@ -50,11 +50,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from dcp_multilevel import CheckpointManager, DcpMultilevelError, Level
+
 # The bit-for-bit state check, size formatting and exit of the main demo (this
 # directory is the script's own, first on sys.path under torchrun).
-from train_demo import diff_tree, exit_now, human
-
-from dcp_multilevel import CheckpointManager, DcpMultilevelError, Level
+from demo_tools import diff_tree, exit_now, human
 
 D_IN, D_HIDDEN, D_OUT = 32, 384, 8
 BATCH = 32
@@ -327,4 +327,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main())  # without interpreter teardown: see train_demo.exit_now
+    exit_now(main())  # without interpreter teardown: see demo_tools.exit_now
