@@ -48,20 +48,14 @@ changed. Measured on the XOR deltas of MiniLM fine-tuned for real (one step,
 0.79x of zstd's; on a 92 %-zero plane of 256 KiB 0.63x, coded in 0.17
 instead of 0.56 ms (0.05 to build bitmap and values, 0.12 in zstd) and
 decoded in 0.09 instead of 0.16 ms.
-Alternatives measured on the same planes: raw values after a coded bitmap
-(0.128 of the plane against 0.083) and a raw bitmap (0.158) lose where the
-plane is sparsest, so each stream is coded and kept raw only where zstd does
-not shrink it; a raw stream is told by its length (the bitmap's is
-``ceil(n / 8)``, the values' the bitmap's count). The judge considers
-method 4 only instead of zstd, and only on a sample plane of over 3/4 zero
-bytes, not all (an all-zero plane is one zstd RLE block; under 3/4, joining
-the plane back costs more than zstd's decoding: 1.8x at 54 % zeros): both
-are estimated as Huffman codes with the one-bit floor, zstd on the plane's
-bytes, sparse on the bitmap bytes of the sample's groups of 8 values plus
-the non-zero bytes. A checkpoint of float values rarely has such a plane:
-checkpoints of MiniLM + AdamW-like states code to the same bytes as with
-version 3 but for 3 of MiniLM's 88 fp32 chunks (embedding rows whose low
-mantissa bytes are mostly zero), whose ratio moves by under 0.00001.
+Raw values after a coded bitmap (0.128 of the plane against 0.083) and a raw
+bitmap (0.158) lose where the plane is sparsest: each stream is coded, kept raw
+(told by its length) only where zstd does not shrink it. The judge
+weighs method 4 against zstd (both as Huffman codes with the one-bit floor)
+only on a sample plane over 3/4 zero (under it, joining the plane back costs
+more than zstd's decoding: 1.8x at 54 % zeros). Float
+checkpoints rarely have such a plane: MiniLM + AdamW-like states code as in
+version 3 but for 3 of 88 fp32 chunks, whose ratio moves by under 0.00001.
 
 Payload layout: ``width`` u8, then per plane ``method u8 | length u32``, then
 the planes' bytes in order. Method 0 is raw and 1 is one zstd frame. Methods

@@ -5,10 +5,9 @@ listed every level: :meth:`Loader.plan` agrees collectively on how every rank
 can load a step (``agreement.py``, ``inventory.py``, ``plan.py``);
 :meth:`Loader.load` carries out the restore (copies, links, rebuilds over the
 restore's gloo group, in rounds that leave damaged sources out), reads with a
-:class:`~dcp_multilevel.reader.MultiLevelReader` over the levels holding the
-step, and, when that read fails on a first-level file damaged since the save
-(the step's or one of its references'), sets the damaged files aside, fetches
-intact copies from other nodes and reads again.
+``MultiLevelReader`` over the levels holding the step, and, when that read
+fails on a first-level file damaged since the save (the step's or one of its
+references'), sets those files aside, fetches intact copies and reads again.
 
 Call order (every rank, main thread, the same steps)::
 
@@ -61,8 +60,7 @@ class Loader:
         topology: which node each rank is on (None: unknown; nothing is shared).
         restore_group: the gloo group restores move bytes over (None: no transfers).
         drainer: the manager's drainer (a restore first lets running drains end).
-        part_share: a file a node needs at most this share of is brought in parts
-            (``plan_restore``; 0: whole files).
+        part_share: see ``plan_restore`` (0: whole files).
     """
 
     def __init__(
@@ -437,9 +435,9 @@ class Loader:
         inventory = take_inventory(plan.step, self.drivers, manifest,
                                    (mine.needs, mine.ranges), mine.node, mine.whole)  # fmt: skip
         everyone = gather_inventories(inventory, self._node_ranks(), self._restore_group)
+        kinds = rebuilders(self.drivers)
         steps = plan_restore(plan.step, manifest.files, everyone, self._names, bad,
-                             part_share=self.part_share,
-                             rebuilders=rebuilders(self.drivers))  # fmt: skip
+                             part_share=self.part_share, rebuilders=kinds)  # fmt: skip
         if not steps.ok:
             raise CheckpointNotFoundError(
                 f"step {plan.step} cannot be restored: " + "; ".join(steps.reasons),
