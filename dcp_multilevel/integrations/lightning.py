@@ -130,17 +130,8 @@ def _refuse_storage_options(strategy: object, storage_options: Any) -> None:
         )
 
 
-class MultiLevelModelParallelStrategy(ModelParallelStrategy):
-    """Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallel) saving through us.
-
-    Takes every argument of ``ModelParallelStrategy`` plus the three of
-    :class:`MultiLevelStorage` (or a ``storage``). With
-    ``save_distributed_checkpoint=True`` (the default) a checkpoint path is a
-    folder holding our checkpoint and Lightning's ``meta.pt``; with False,
-    Lightning's single-file save is used unchanged.
-
-    Runs wherever ``ModelParallelStrategy`` does, CPU with gloo included.
-    """
+class _OurStorage:
+    """The strategies' shared constructor: the strategy's own arguments, plus ours."""
 
     def __init__(
         self,
@@ -153,6 +144,19 @@ class MultiLevelModelParallelStrategy(ModelParallelStrategy):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.storage = storage or MultiLevelStorage(writer_options, reader_options, planner)
+
+
+class MultiLevelModelParallelStrategy(_OurStorage, ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallel) saving through us.
+
+    Takes every argument of ``ModelParallelStrategy`` plus the three of
+    :class:`MultiLevelStorage` (or a ``storage``). With
+    ``save_distributed_checkpoint=True`` (the default) a checkpoint path is a
+    folder holding our checkpoint and Lightning's ``meta.pt``; with False,
+    Lightning's single-file save is used unchanged.
+
+    Runs wherever ``ModelParallelStrategy`` does, CPU with gloo included.
+    """
 
     def save_checkpoint(
         self,
@@ -202,7 +206,7 @@ class MultiLevelModelParallelStrategy(ModelParallelStrategy):
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
 
-class MultiLevelFSDPStrategy(FSDPStrategy):
+class MultiLevelFSDPStrategy(_OurStorage, FSDPStrategy):
     """Lightning's ``FSDPStrategy`` (FSDP1) saving its sharded checkpoints through us.
 
     Takes every argument of ``FSDPStrategy`` plus the three of
@@ -214,18 +218,6 @@ class MultiLevelFSDPStrategy(FSDPStrategy):
     in torch 2.13 ("FSDP needs a non-CPU accelerator device"). Its test runs
     only where CUDA is available.
     """
-
-    def __init__(
-        self,
-        *args: Any,
-        writer_options: Mapping[str, Any] | None = None,
-        reader_options: Mapping[str, Any] | None = None,
-        planner: SavePlanner | None = None,
-        storage: MultiLevelStorage | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self.storage = storage or MultiLevelStorage(writer_options, reader_options, planner)
 
     def save_checkpoint(
         self,
