@@ -122,8 +122,9 @@ def _fit_stop_resume(rank: int, world: int, kind: str, root: str, stock_first: b
         # FSDP1 needs an accelerator: one rank on the GPU, in the NCCL group
         # Lightning opens itself (run_ranks' gloo group is given up first).
         dist.destroy_process_group()
-        # Bit-exact losses across runs need deterministic kernels on a GPU (the
-        # first lent run failed a check without this; its cause was not kept).
+        # Bit-exact losses across runs need deterministic kernels on a GPU. (The first
+        # lent run failed a check; likely cause: the strategy then defaulted to
+        # Lightning's "full" single-file save, not ours; it defaults to "sharded" now.)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     else:

@@ -210,14 +210,18 @@ class MultiLevelFSDPStrategy(_OurStorage, FSDPStrategy):
     """Lightning's ``FSDPStrategy`` (FSDP1) saving its sharded checkpoints through us.
 
     Takes every argument of ``FSDPStrategy`` plus the three of
-    :class:`MultiLevelStorage` (or a ``storage``). Only
-    ``state_dict_type="sharded"`` (Lightning's default) goes through us;
-    ``"full"`` is Lightning's single-file save, unchanged.
+    :class:`MultiLevelStorage` (or a ``storage``). ``state_dict_type`` defaults
+    to ``"sharded"`` here (Lightning's default is ``"full"``, a single file):
+    only sharded checkpoints go through us; ``"full"`` is Lightning's
+    single-file save, unchanged.
 
     Needs a GPU, as ``FSDPStrategy`` does: FSDP1 refuses CPU-only execution
     in torch 2.13 ("FSDP needs a non-CPU accelerator device"). Its test runs
     only where CUDA is available.
     """
+
+    def __init__(self, *args: Any, state_dict_type: str = "sharded", **kwargs: Any) -> None:
+        super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
 
     def save_checkpoint(
         self,
