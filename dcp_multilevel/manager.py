@@ -47,8 +47,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
@@ -153,12 +151,6 @@ class CheckpointManager:
         restore_whole_files: bool = False,
     ) -> None:
         ladder = Ladder.build(levels, tiers, topology, drain_timeout_s)  # collective
-        if async_save and ladder.levels[0].deltas:
-            raise ConfigError(
-                f"CheckpointManager(async_save=True): the first level {ladder.levels[0].url} "
-                "stores deltas, which async saves do not code; keep deltas on a higher "
-                "level, or save synchronously"
-            )
         self.levels, self.drivers, self.topology = ladder.levels, ladder.drivers, ladder.topology
         self.schedule = schedule if schedule is not None else FixedInterval()
         self._cadence = Cadence(self.schedule, self.levels, ladder.survives(),
@@ -175,14 +167,11 @@ class CheckpointManager:
         self._loader = Loader(self.drivers, ladder.names, self.topology, ladder.restore_group,
                               self._drains.drainer,
                               part_share=0.0 if restore_whole_files else PART_SHARE)  # fmt: skip
-        # DCP's background thread saves over a group of its own (collective: made here).
-        group = _dist.new_group(drain_timeout_s) if async_save else None
         self._saves = FirstLevelSaves(self.levels[0], self.drivers[0], self._chains,
                                       planner or BalancedSavePlanner(),
-                                      self._loader.keep_manifest,
-                                      async_group=group, staging=staging)  # fmt: skip
+                                      self._loader.keep_manifest, async_save=async_save,
+                                      staging=staging, timeout_s=drain_timeout_s)  # fmt: skip
         self.async_save = async_save
-        self._pending: _PendingSave | None = None  # an async save not yet finished
         self.metrics: list[SaveMetrics] = []
         if sweep_older_than_s is not None:
             ladder.sweep(sweep_older_than_s)
@@ -227,8 +216,8 @@ class CheckpointManager:
                              "unix": time.time()})  # fmt: skip
             higher = sorted(i for i in tick.decision.levels if i > 0)
             metrics = self._save(state_dict, step, higher)
-            if self._pending is not None:  # async: its drains start at finish_save
-                self._pending.from_step = True
+            if self._saves.pending is not None:  # async: its drains start at finish_save
+                self._saves.pending.from_step = True
             started = [i for i in higher if self.levels[i].url in metrics.drains_started]
             self._cadence.saved(step, [0, *started], metrics.seconds)
             return metrics
@@ -255,10 +244,7 @@ class CheckpointManager:
         # Kept in the manifest (rank 0 writes it): a restart goes on with the schedule.
         extra = {SCHEDULE_KEY: self._cadence.state(step, [0, *due])} if _dist.rank() == 0 else None
         if self.async_save:
-            writer, future = self._saves.save_async(state_dict, step, extra)
-            metrics = SaveMetrics(step, self.levels[0].url, 0, time.perf_counter() - t0)
-            self._pending = _PendingSave(step, due, future, writer, metrics)
-            return metrics
+            return self._saves.save_async(state_dict, step, extra, due)
         writer = self._saves.save(state_dict, step, extra)
         metrics = SaveMetrics(step, self.levels[0].url, writer.bytes_written,
                               time.perf_counter() - t0)  # fmt: skip
@@ -273,15 +259,9 @@ class CheckpointManager:
         :meth:`wait`, the loads and :meth:`close` call it first). Raises the
         save's error (DCP's ``CheckpointException``) if it failed.
         """
-        p, self._pending = self._pending, None
+        p = self._saves.finish_async()
         if p is None:
             return None
-        t0 = time.perf_counter()
-        p.future.result()
-        waited = time.perf_counter() - t0  # training waited for the write to end
-        p.metrics.waited_seconds = waited
-        self._saves.committed(p.step)
-        p.metrics.bytes_written = p.writer.bytes_written
         self._committed(p.step, p.due, time.time(), p.metrics)
         if p.from_step:  # the schedule learns where the step went, and what it cost
             started = [i for i in p.due if self.levels[i].url in p.metrics.drains_started]
@@ -396,18 +376,6 @@ class CheckpointManager:
             self._drains.drainer.close()
             self._saves.close()
             self._exit_hook.detach()
-
-
-@dataclass
-class _PendingSave:
-    """An async save staged and being written; finished by ``finish_save``."""
-
-    step: int
-    due: list[int]
-    future: Future
-    writer: Any  # MultiLevelWriter
-    metrics: SaveMetrics
-    from_step: bool = False  # made by step() (the schedule's books follow it)
 
 
 def _check_step(step: object) -> None:

@@ -12,9 +12,9 @@ Call order (main thread, every rank, collective)::
 
 With ``async_group`` (``CheckpointManager(async_save=True)``), instead::
 
-    writer, future = saves.save_async(state_dict, step, extra)   returns once staged
+    metrics = saves.save_async(state_dict, step, extra, due)   returns once staged
     ... training goes on; DCP writes and commits in its background thread ...
-    future.result(); saves.committed(step)         before the next save (main thread)
+    pending = saves.finish_async()     before the next save (main thread): committed
 
 One writer serves every async save, so its staging buffers are reused; at
 most one async save is in flight (the manager finishes one before the next).
@@ -23,8 +23,10 @@ most one async save is in flight (the manager finishes one before the next).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -39,10 +41,23 @@ from ..levels import LevelDriver
 from ..staging import StagingConfig
 from ..writer import MultiLevelWriter
 from .chains import DeltaChains
+from .metrics import SaveMetrics
 
-__all__ = ["FirstLevelSaves"]
+__all__ = ["FirstLevelSaves", "PendingSave"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingSave:
+    """An async save staged and being written (``FirstLevelSaves.finish_async``)."""
+
+    step: int
+    due: list[int]  # the higher levels it is due on
+    future: Future
+    writer: MultiLevelWriter
+    metrics: SaveMetrics
+    from_step: bool = False  # made by the manager's step() (its schedule follows it)
 
 
 class FirstLevelSaves:
@@ -54,9 +69,13 @@ class FirstLevelSaves:
         planner: the save planner, reused so that DCP's plan cache works.
         keep_manifest: ``keep_manifest(step, manifest_bytes)`` writes a reference's
             manifest on each node that lacks it (a node-local first level).
-        async_group: for :meth:`save_async`: the gloo group DCP's background
-            thread saves over (never the trainer's, see ``_dist.py``).
+        async_save: saves go through :meth:`save_async`; makes the gloo group DCP's
+            background thread saves over (collective; never the trainer's group,
+            see ``_dist.py``), with ``timeout_s``.
         staging: the async writer's staging (buffer budget, pinning).
+
+    Raises:
+        ConfigError: ``async_save`` with a first level that stores deltas.
     """
 
     def __init__(
@@ -67,32 +86,35 @@ class FirstLevelSaves:
         planner: SavePlanner,
         keep_manifest: Callable[[int, bytes], None],
         *,
-        async_group: Any = None,
+        async_save: bool = False,
         staging: StagingConfig | None = None,
+        timeout_s: float = 3600.0,
     ) -> None:
+        if async_save and level.deltas:
+            raise ConfigError(
+                f"CheckpointManager(async_save=True): the first level {level.url} stores "
+                "deltas, which async saves do not code; keep deltas on a higher level, or "
+                "save synchronously"
+            )
         self.level = level
         self.driver = driver
         self.chains = chains
         self.planner = planner
         self._keep_manifest = keep_manifest
-        self._async_group = async_group
+        self._async_group = _dist.new_group(timeout_s) if async_save else None
         self._staging = staging
         self._async_writer: MultiLevelWriter | None = None
+        #: The async save in flight (at most one), finished by :meth:`finish_async`.
+        self.pending: PendingSave | None = None
 
     def save_async(
-        self, state_dict: dict[str, Any], step: int, extra: dict[str, Any] | None
-    ) -> tuple[MultiLevelWriter, Future]:
-        """Stage ``step`` and start writing it (``dcp.async_save``); the future
-        completes once the first level committed it. Call :meth:`committed` then.
-
-        Raises:
-            ConfigError: the first level stores deltas (async saves store whole).
-        """
-        if self.level.deltas:
-            raise ConfigError(
-                f"level {self.level.url} stores deltas; async saves store whole checkpoints: "
-                "use CheckpointManager(async_save=False), or deltas on a higher level"
-            )
+        self, state_dict: dict[str, Any], step: int, extra: dict[str, Any] | None, due: list[int]
+    ) -> SaveMetrics:
+        """Stage ``step`` and start writing it (``dcp.async_save``); its metrics so far
+        (``blocked_seconds``: the staging). ``due``: the higher levels it is due on.
+        The save before must be finished (:meth:`finish_async`)."""
+        assert self.pending is None
+        t0 = time.perf_counter()
         url = self.level.checkpoint_url(step)
         writer = self._async_writer
         if writer is None:
@@ -105,11 +127,25 @@ class FirstLevelSaves:
             state_dict, storage_writer=writer, checkpoint_id=url, planner=self.planner,
             process_group=self._async_group,
         )  # fmt: skip
-        return writer, future
+        metrics = SaveMetrics(step, self.level.url, 0, time.perf_counter() - t0)
+        self.pending = PendingSave(step, due, future, writer, metrics)
+        return metrics
 
-    def committed(self, step: int) -> None:
-        """An async save of ``step`` committed (a whole checkpoint)."""
-        self.chains.stored(0, step, None)
+    def finish_async(self) -> PendingSave | None:
+        """Wait for the async save in flight to commit; it, or None when none was.
+
+        Its metrics then have the bytes written and, as ``waited_seconds``, the
+        time this waited for the write. Raises the save's error (it is dropped).
+        """
+        p, self.pending = self.pending, None
+        if p is None:
+            return None
+        t0 = time.perf_counter()
+        p.future.result()
+        p.metrics.waited_seconds = time.perf_counter() - t0  # training waited for the write
+        p.metrics.bytes_written = p.writer.bytes_written
+        self.chains.stored(0, p.step, None)  # a whole checkpoint
+        return p
 
     def close(self) -> None:
         """Free the async writer's idle staging buffers."""
