@@ -145,6 +145,17 @@ class _OurStorage:
         super().__init__(*args, **kwargs)
         self.storage = storage or MultiLevelStorage(writer_options, reader_options, planner)
 
+    def _save_ours(
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], model_key: str
+    ) -> None:
+        """Weights and optimizer states with our writer, then ``meta.pt`` (rank 0)."""
+        # Rank 0's path, as Lightning: every rank must write the same checkpoint.
+        path = Path(self.broadcast(filepath))  # type: ignore[attr-defined]
+        _prepare_folder(path)
+        self.storage.save(_sharded_state(checkpoint, model_key), path)
+        if self.global_rank == 0:  # type: ignore[attr-defined]
+            torch.save(checkpoint, path / _METADATA_FILENAME)
+
 
 class MultiLevelModelParallelStrategy(_OurStorage, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallel) saving through us.
@@ -168,13 +179,7 @@ class MultiLevelModelParallelStrategy(_OurStorage, ModelParallelStrategy):
         _refuse_storage_options(self, storage_options)
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath)
-        # Rank 0's path, as Lightning: every rank must write the same checkpoint.
-        path = Path(self.broadcast(filepath))
-        _prepare_folder(path)
-        self.storage.save(_sharded_state(checkpoint, "state_dict"), path)
-        if self.global_rank == 0:
-            torch.save(checkpoint, path / _METADATA_FILENAME)
-        return None
+        return self._save_ours(checkpoint, filepath, "state_dict")
 
     def load_checkpoint(
         self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None
@@ -233,12 +238,7 @@ class MultiLevelFSDPStrategy(_OurStorage, FSDPStrategy):
         _refuse_storage_options(self, storage_options)
         if self._state_dict_type != "sharded":
             return super().save_checkpoint(checkpoint, filepath)
-        path = Path(self.broadcast(filepath))
-        _prepare_folder(path)
-        self.storage.save(_sharded_state(checkpoint, "model"), path)
-        if self.global_rank == 0:
-            torch.save(checkpoint, path / _METADATA_FILENAME)
-        return None
+        return self._save_ours(checkpoint, filepath, "model")
 
     def load_checkpoint(
         self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None
