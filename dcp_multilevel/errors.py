@@ -35,6 +35,7 @@ __all__ = [
     "RemoteStoreError",
     "RemoteTierError",
     "SaveInFlightError",
+    "StagingFenceError",
     "TruncatedDataError",
     "UnsafeObjectError",
     "UnsupportedFormatVersionError",
@@ -220,3 +221,8 @@ class AsyncSaveError(DcpMultilevelError, RuntimeError):
 class SaveInFlightError(DcpMultilevelError, RuntimeError):
     """A new async save found the writer busy, under the ``in_flight="raise"`` policy
     (or the wait for a free buffer set timed out under ``"wait"``)."""
+
+
+class StagingFenceError(DcpMultilevelError, RuntimeError):
+    """The state changed while an overlapped async save was still copying it (before
+    its ``staging_completion``), found by ``StagingConfig(check_fence=True)``."""

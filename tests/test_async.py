@@ -43,7 +43,8 @@ from dcp_multilevel import (
 )
 from dcp_multilevel.format import MANIFEST_NAME
 from dcp_multilevel.format.tensor_bytes import PIECE_BYTES
-from dcp_multilevel.staging.buffers import ALIGN, HostBufferPool, copy_into, select_wave
+from dcp_multilevel.staging.buffers import ALIGN, HostBufferPool, select_wave
+from dcp_multilevel.staging.copies import copy_into
 
 pytestmark = pytest.mark.multiprocess
 

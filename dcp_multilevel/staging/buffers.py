@@ -8,16 +8,15 @@ a page fault per page on top.
 Call order, all on the training thread, in ``Stager.stage``:
 ``staged_nbytes`` (and ``select_wave`` over a budget) ->
 ``HostBufferPool.try_acquire`` (under the stager's lock, as is ``close``) ->
-``copy_into`` (which may use a pool of copy threads) -> the set's ``owner``
+``copies.copy_into`` (or its two halves, ``plan_copies`` then ``run_copies`` on a
+background thread; ``copies.py``) -> the set's ``owner``
 becomes the save's ticket. A set is busy until that owner is done; background
 threads finish owners and never call into this module.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
-from concurrent.futures import Executor
 from typing import Any, Protocol
 
 import torch
@@ -27,7 +26,6 @@ __all__ = [
     "COPY_PIECE",
     "HostBufferPool",
     "Owner",
-    "copy_into",
     "iter_tensors",
     "select_wave",
     "staged_nbytes",
@@ -171,74 +169,3 @@ def select_wave(state: Any, capacity: int) -> tuple[set[int], int]:
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def copy_into(
-    state: Any,
-    flat: torch.Tensor | None,
-    pool: Executor | None = None,
-    only: set[int] | None = None,
-) -> Any:
-    """A snapshot of ``state``: tensors copied into views of ``flat`` (None: kept live).
-
-    ``only``: ids of the poolable tensors to copy (see :func:`select_wave`);
-    the others are kept live. Contiguous CPU tensors are copied as byte pieces
-    of at most ``COPY_PIECE``, on ``pool``'s threads when given; everything
-    else with one ``copy_``.
-    """
-    offset = 0
-    non_blocking = flat is not None and flat.is_pinned()
-    jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def snap(v: Any) -> Any:
-        nonlocal offset
-        if isinstance(v, torch.Tensor):
-            if not _poolable(v):
-                # DTensor, sparse, quantized...: not pooled, staged the stock way.
-                return v.detach().to("cpu", copy=True)
-            if flat is None or (only is not None and id(v) not in only):
-                return v
-            n = v.numel() * v.element_size()
-            offset = _aligned(offset)
-            dst = flat[offset : offset + n].view(v.dtype).view(v.shape)
-            offset += n
-            src = v.detach()
-            if (
-                src.device.type == "cpu"
-                and src.is_contiguous()
-                and not (src.is_conj() or src.is_neg())
-            ):
-                if n:
-                    jobs.append((flat[offset - n : offset], src.reshape(-1).view(torch.uint8)))
-            else:  # strided, conjugate or device tensors: copy_ resolves them
-                dst.copy_(src, non_blocking=non_blocking)
-            return dst
-        if isinstance(v, dict):
-            return {k: snap(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [snap(x) for x in v]
-        if isinstance(v, tuple) and not hasattr(v, "_fields"):
-            return tuple(snap(x) for x in v)
-        # Plain values (step counters, RNG state, configs) are part of the snapshot.
-        return copy.deepcopy(v)
-
-    out = snap(state)
-    pieces = [
-        (d[i : i + COPY_PIECE], s[i : i + COPY_PIECE])
-        for d, s in jobs
-        for i in range(0, d.numel(), COPY_PIECE)
-    ]
-    # copy_ into memory touched by an earlier save: no page faults.
-    if pool is not None and len(pieces) > 1:
-        for _ in pool.map(_copy_piece, pieces):
-            pass
-    else:
-        for piece in pieces:
-            _copy_piece(piece)
-    if non_blocking and torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return out
-
-
-def _copy_piece(piece: tuple[torch.Tensor, torch.Tensor]) -> None:
-    piece[0].copy_(piece[1])

@@ -37,6 +37,15 @@ class StagingConfig:
         background_nice: nice value (Linux) of the thread writing an async
             save, and of the threads it starts, so that on busy cores the
             training loop runs first; 0: leave priorities alone.
+        overlap: copy into the buffers on a background thread: ``async_save``
+            returns before the copies are done, with DCP's ``AsyncSaveResponse``;
+            the state may change only once its ``staging_completion`` is done
+            (the fence: wait for it before the next optimizer step). Off: the
+            copies are done when ``async_save`` returns.
+        check_fence: with ``overlap``, hash every tensor when ``async_save`` is
+            called and its copy once made; a difference (the state changed before
+            the fence) fails the save with ``StagingFenceError``. For debugging:
+            it reads the state twice more.
     """
 
     budget_bytes: int | None = None
@@ -46,6 +55,8 @@ class StagingConfig:
     shared_memory: bool = False
     copy_threads: int = 2
     background_nice: int = 10
+    overlap: bool = False
+    check_fence: bool = False
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and (

@@ -53,7 +53,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -64,8 +64,9 @@ from ..errors import AsyncSaveError, ConfigError, SaveInFlightError
 from ._failures import FailureRecord
 from ._priority import lower_thread_priority
 from ._tickets import POLL_S, StagedDict, Ticket, uncopied_storages
-from .buffers import HostBufferPool, copy_into, select_wave, staged_nbytes
+from .buffers import HostBufferPool, select_wave, staged_nbytes
 from .config import StagingConfig
+from .copies import plan_copies, run_copies
 from .live import LiveCountdown, live_items
 
 __all__ = ["BackgroundSave", "Stager"]
@@ -118,6 +119,10 @@ class _Staging:
             if config.copy_threads > 1
             else None
         )
+        # overlap: one thread runs each save's copies, in order, behind its fence.
+        self.overlapper = (
+            ThreadPoolExecutor(1, thread_name_prefix="dcp-ml-overlap") if config.overlap else None
+        )
 
 
 class Stager:
@@ -141,8 +146,13 @@ class Stager:
 
     # -- training thread
 
-    def stage(self, state_dict: dict[str, Any], *, checkpoint_id: str) -> dict[str, Any]:
-        """Copy ``state_dict`` into a free buffer set and return the copy.
+    def stage(
+        self, state_dict: dict[str, Any], *, checkpoint_id: str
+    ) -> dict[str, Any] | Future[dict[str, Any]]:
+        """Copy ``state_dict`` into a free buffer set and return the copy; with
+        ``overlap`` (and the state within the budget), a future of it: the copies
+        run on a background thread, and DCP answers ``async_save`` with an
+        ``AsyncSaveResponse`` whose ``staging_completion`` is the fence.
 
         ``checkpoint_id``: the writer's location, for messages.
 
@@ -188,17 +198,35 @@ class Stager:
             if (oldest is None or not oldest.wait_done(deadline)) and time.monotonic() > deadline:
                 raise SaveInFlightError(self._busy_message(checkpoint_id, "did not finish in time"))
         flat = buffers.flat if buffers is not None else None
-        copied = copy_into(state_dict, flat, st.copier, only=wave)
+        copied, todo = plan_copies(state_dict, flat, only=wave, check_fence=cfg.check_fence)
         live = uncopied_storages(state_dict, copied) if wave is not None else frozenset()
         st.seq += 1
         ticket = Ticket(st.seq, checkpoint_id, write_through=wave is not None, live=live)
-        staged = StagedDict(copied, ticket, self._claim_sent)
         if buffers is not None:
             buffers.owner = ticket
-        weakref.finalize(staged, _mark_dropped, ticket)
         with st.lock:
             st.tickets.append(ticket)
         self._last = ticket
+        if st.overlapper is None or wave is not None:
+            run_copies(todo, st.copier)
+            return self._staged(copied, ticket)
+        done: Future[dict[str, Any]] = Future()
+
+        def copy_behind_the_fence() -> None:
+            try:
+                run_copies(todo, st.copier)
+            except BaseException as e:  # noqa: BLE001 - handed to the future, as DCP's would
+                ticket.dropped = True  # never claimed: its buffers are free again
+                done.set_exception(e)
+            else:
+                done.set_result(self._staged(copied, ticket))
+
+        st.overlapper.submit(copy_behind_the_fence)
+        return done
+
+    def _staged(self, copied: dict[str, Any], ticket: Ticket) -> StagedDict:
+        staged = StagedDict(copied, ticket, self._claim_sent)
+        weakref.finalize(staged, _mark_dropped, ticket)
         return staged
 
     def synchronize(self) -> None:

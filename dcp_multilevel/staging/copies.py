@@ -1,0 +1,148 @@
+"""The copy of a state into a buffer set: now, or on a background thread behind a fence.
+
+:func:`plan_copies` walks the state on the training thread: it takes the
+snapshot's structure, copies the plain values (step counters, configs) and
+lays every poolable tensor out in the buffer set as a view, recording each
+copy to make. :func:`run_copies` then moves the bytes, on the training
+thread (:func:`copy_into`: both at once) or on a background thread while
+training goes on (``StagingConfig(overlap=True)``): then the state may change
+only after the copies are done, the *fence* (DCP's ``staging_completion``).
+
+A fence check (``StagingConfig(check_fence=True)``, for debugging) hashes every
+source when the copy is planned and every copy when it is made: a tensor
+changed in between was changed before the fence, and the save fails with
+:class:`~dcp_multilevel.errors.StagingFenceError` naming it, instead of
+silently storing a state no step had.
+"""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from ..errors import StagingFenceError
+from .buffers import COPY_PIECE, _aligned, _poolable
+
+__all__ = ["Copies", "copy_into", "plan_copies", "run_copies"]
+
+
+@dataclass
+class Copies:
+    """The copies a snapshot still needs (``plan_copies``); ``run_copies`` makes them."""
+
+    #: (destination, source) byte pieces of contiguous CPU tensors, any thread may copy.
+    pieces: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: (destination, source, name) copied with one ``copy_`` (strided, device tensors).
+    whole: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)
+    #: (destination, name, hash of the source when planned): the fence check's.
+    checks: list[tuple[torch.Tensor, str, str]] = field(default_factory=list)
+    non_blocking: bool = False
+
+
+def _digest(t: torch.Tensor) -> str:
+    t = t.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.contiguous().cpu()
+    return xxhash.xxh3_64_hexdigest(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def plan_copies(
+    state: Any,
+    flat: torch.Tensor | None,
+    only: set[int] | None = None,
+    check_fence: bool = False,
+) -> tuple[Any, Copies]:
+    """The snapshot of ``state`` (tensors as views of ``flat``; None: kept live) and
+    the copies that fill it. ``only``: ids of the poolable tensors to copy (see
+    ``buffers.select_wave``); the others are kept live."""
+    offset = 0
+    todo = Copies(non_blocking=flat is not None and flat.is_pinned())
+
+    def snap(v: Any, name: str) -> Any:
+        nonlocal offset
+        if isinstance(v, torch.Tensor):
+            if not _poolable(v):
+                # DTensor, sparse, quantized...: not pooled, staged the stock way, now.
+                return v.detach().to("cpu", copy=True)
+            if flat is None or (only is not None and id(v) not in only):
+                return v
+            n = v.numel() * v.element_size()
+            offset = _aligned(offset)
+            dst = flat[offset : offset + n].view(v.dtype).view(v.shape)
+            offset += n
+            src = v.detach()
+            if check_fence:
+                todo.checks.append((dst, name, _digest(src)))
+            if (
+                src.device.type == "cpu"
+                and src.is_contiguous()
+                and not (src.is_conj() or src.is_neg())
+            ):
+                if n:
+                    whole_src = src.reshape(-1).view(torch.uint8)
+                    whole_dst = flat[offset - n : offset]
+                    todo.pieces += [
+                        (whole_dst[i : i + COPY_PIECE], whole_src[i : i + COPY_PIECE])
+                        for i in range(0, n, COPY_PIECE)
+                    ]
+            else:  # strided, conjugate or device tensors: copy_ resolves them
+                todo.whole.append((dst, src, name))
+            return dst
+        if isinstance(v, dict):
+            return {k: snap(x, f"{name}/{k}") for k, x in v.items()}
+        if isinstance(v, list):
+            return [snap(x, f"{name}/{i}") for i, x in enumerate(v)]
+        if isinstance(v, tuple) and not hasattr(v, "_fields"):
+            return tuple(snap(x, f"{name}/{i}") for i, x in enumerate(v))
+        # Plain values (step counters, RNG state, configs) are part of the snapshot.
+        return copy.deepcopy(v)
+
+    return snap(state, ""), todo
+
+
+def run_copies(todo: Copies, pool: Executor | None = None) -> None:
+    """Make the copies ``plan_copies`` recorded (``pool``: threads for the pieces).
+
+    Raises:
+        StagingFenceError: with the fence check, a source changed after it was planned.
+    """
+    for dst, src, _ in todo.whole:
+        dst.copy_(src, non_blocking=todo.non_blocking)
+    # copy_ into memory touched by an earlier save: no page faults.
+    if pool is not None and len(todo.pieces) > 1:
+        for _ in pool.map(_copy_piece, todo.pieces):
+            pass
+    else:
+        for piece in todo.pieces:
+            _copy_piece(piece)
+    if todo.non_blocking and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    changed = [name for dst, name, before in todo.checks if _digest(dst) != before]
+    if changed:
+        raise StagingFenceError(
+            f"{len(changed)} tensor(s) of the state changed while the async save copied them "
+            f"(e.g. {changed[0]!r}): with StagingConfig(overlap=True), wait for the save's "
+            "staging_completion before the next optimizer step (or any in-place change); "
+            "this save is not committed"
+        )
+
+
+def copy_into(
+    state: Any,
+    flat: torch.Tensor | None,
+    pool: Executor | None = None,
+    only: set[int] | None = None,
+) -> Any:
+    """A snapshot of ``state``, copied now: :func:`plan_copies` then :func:`run_copies`."""
+    out, todo = plan_copies(state, flat, only)
+    run_copies(todo, pool)
+    return out
+
+
+def _copy_piece(piece: tuple[torch.Tensor, torch.Tensor]) -> None:
+    piece[0].copy_(piece[1])
