@@ -7,7 +7,9 @@ and calls its :class:`Stager` explicitly. Order of calls for one
 
     training thread    W.stage(sd)          -> stage(sd, checkpoint_id=)  raise an earlier
                                                failure once; wait for the save before to
-                                               begin and for a free buffer set; copy
+                                               begin and for a free buffer set; copy (with
+                                               overlap: lay the copy out, return a future;
+                                               the copy runs behind the fence)
                        DCP starts a thread for this save and hands it the staged copy
                        W.synchronize_staging -> synchronize()  over budget: block until the
                                                live tensors are written
@@ -208,7 +210,11 @@ class Stager:
             st.tickets.append(ticket)
         self._last = ticket
         if st.overlapper is None or wave is not None:
-            run_copies(todo, st.copier)
+            try:
+                run_copies(todo, st.copier)
+            except BaseException:
+                ticket.dropped = True  # no save follows: its buffers are free again
+                raise
             return self._staged(copied, ticket)
         done: Future[dict[str, Any]] = Future()
 
