@@ -50,6 +50,10 @@ def _save_job(rank: int, world: int, root: str) -> dict[str, Any]:
     mgr.wait()
     assert [m.step for m in mgr.metrics] == [1, 2, 3, 4]
     assert all(m.bytes_written > 0 for m in mgr.metrics)
+    # The staging buffers are reused: host memory flat after the second save.
+    held = [m.staging_bytes for m in mgr.metrics]
+    assert held[1] > 0 and held[1:] == [held[1]] * 3, held
+    assert mgr.metrics[-1].staging_peak_bytes <= 2 * held[1], held
     held = {0: mgr.steps(0), 1: mgr.steps(1)}
     mgr.close()
     loaded = {}

@@ -7,7 +7,8 @@ record, a flat JSON-able dict::
     {"kind": "save", "rank": 0, "step": 100, "level": "file:///nvme/run1",
      "bytes": 1634000000, "seconds": 0.84, "gbps": 1.95, "blocked_seconds": 0.86,
      "waited_seconds": 0.0, "drains_started": ["s3://b/run1"], "drains_skipped": [],
-     "drains_queued": [], "unix": 1763712000.1}
+     "drains_queued": [], "staging_bytes": 0, "staging_peak_bytes": 0,
+     "unix": 1763712000.1}
     {"kind": "drain", "rank": 0, "step": 100, "level": "s3://b/run1",
      "bytes": 612000000, "seconds": 7.9, "gbps": 0.077, "lag_seconds": 8.1,
      "queued_seconds": 0.0, "committed": true, "skipped": false, "superseded_by": null,
@@ -70,6 +71,10 @@ class SaveMetrics:
     drains_skipped: list[str] = field(default_factory=list)
     drains_queued: list[str] = field(default_factory=list)
     waited_seconds: float = 0.0
+    #: Async saves: host bytes the staging buffers hold (pinned with CUDA), and the
+    #: most they ever held, on this rank (flat over saves: the buffers are reused).
+    staging_bytes: int = 0
+    staging_peak_bytes: int = 0
 
     @property
     def seconds(self) -> float:
@@ -97,6 +102,8 @@ class SaveMetrics:
             "drains_started": list(self.drains_started),
             "drains_skipped": list(self.drains_skipped),
             "drains_queued": list(self.drains_queued),
+            "staging_bytes": self.staging_bytes,
+            "staging_peak_bytes": self.staging_peak_bytes,
             "unix": time.time(),
         }
 

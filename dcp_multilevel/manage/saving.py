@@ -128,6 +128,9 @@ class FirstLevelSaves:
             process_group=self._async_group,
         )  # fmt: skip
         metrics = SaveMetrics(step, self.level.url, 0, time.perf_counter() - t0)
+        pool = writer.staging_pool
+        if pool is not None:
+            metrics.staging_bytes, metrics.staging_peak_bytes = pool.held_bytes, pool.peak_bytes
         self.pending = PendingSave(step, due, future, writer, metrics)
         return metrics
 
