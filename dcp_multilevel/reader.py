@@ -10,22 +10,17 @@ Load path::
                   copy, in order, that has a valid one -> set_up_storage_reader
                   -> prepare_local_plan
     coordinator   prepare_global_plan (unchanged: DCP's planner reshards)
-    all ranks     read_data: from that copy, per file, items sorted by offset;
-                  bytes land straight in the destination tensor when it is a
-                  whole, contiguous CPU chunk of the stored dtype, otherwise in a
-                  scratch buffer that is narrowed and copied
-                  (``checkpoint/destinations.py``). Every item is
+    all ranks     read_data: from that copy, per file (or runs of a file's items,
+                  one per thread), items sorted by offset, into the destination
+                  tensors or scratch (``checkpoint/destinations.py``); every item
                   verified against its checksum before it is committed (fail
-                  closed). Items that are missing, truncated or corrupt are read
-                  again from the next copy (its manifest loaded and checked
-                  then), and so on down the chain.
+                  closed). Items missing, truncated or corrupt are read again from
+                  the next copy (its manifest loaded and checked then), and so on.
 
 Each rank chooses copies on its own: the reader runs no collective. Which
 checkpoint every rank loads is the caller's (the manager's) agreement.
-
-Non-tensor objects are checked with ``torch.load(weights_only=True)`` before
-DCP's planner sees them, because ``DefaultLoadPlanner.load_bytes`` itself
-unpickles with ``weights_only=False`` (``checkpoint/destinations.py``).
+Non-tensor objects are vetted with ``torch.load(weights_only=True)`` before
+DCP's planner sees them (its ``load_bytes`` unpickles with ``weights_only=False``).
 """
 
 from __future__ import annotations
@@ -365,6 +360,7 @@ class MultiLevelReader(StorageReader):
                 continue
             per_file[loc.file].append((i, req, loc))
         jobs = [(f, sorted(reqs, key=lambda r: r[2].offset)) for f, reqs in per_file.items()]
+        jobs = _split_runs(jobs, self.thread_count)
         if self.thread_count == 1 or len(jobs) <= 1:
             results = [self._read_file(copy, *job, planner) for job in jobs]
         else:
@@ -427,3 +423,26 @@ class MultiLevelReader(StorageReader):
                 self.thread_count, thread_name_prefix="dcp-ml-decode"
             )
         return self._decode_pool
+
+
+def _split_runs(
+    jobs: list[tuple[str, list[tuple[int, ReadItem, ItemLocation]]]], threads: int
+) -> list[tuple[str, list[tuple[int, ReadItem, ItemLocation]]]]:
+    """``jobs`` (per file, items in offset order) cut into more runs of adjacent items
+    while there are fewer than ``threads``: the largest run is halved by bytes. A
+    checkpoint written as one file per rank is then read by several threads."""
+    jobs = list(jobs)
+    while len(jobs) < threads:
+        splittable = [j for j in range(len(jobs)) if len(jobs[j][1]) > 1]
+        if not splittable:
+            break
+        k = max(splittable, key=lambda j: sum(loc.length for _, _, loc in jobs[j][1]))
+        file, reqs = jobs.pop(k)
+        half, seen, cut = sum(loc.length for _, _, loc in reqs) / 2, 0, 1
+        for n, (_, _, loc) in enumerate(reqs[:-1], start=1):
+            seen += loc.length
+            cut = n
+            if seen >= half:
+                break
+        jobs += [(file, reqs[:cut]), (file, reqs[cut:])]
+    return jobs
