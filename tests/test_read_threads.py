@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,6 +25,9 @@ class _Recording(DefaultLoadPlanner):
     def commit_tensor(self, read_item, tensor) -> None:  # type: ignore[override]
         with self._lock:
             self.threads.add(threading.current_thread().name)
+        # Each item takes a while: no run ends before the reader has handed out every
+        # run, so the pool cannot serve two runs with one thread.
+        time.sleep(0.02)
         super().commit_tensor(read_item, tensor)
 
 
