@@ -131,7 +131,9 @@ def _refuse_storage_options(strategy: object, storage_options: Any) -> None:
 
 
 class _OurStorage:
-    """The strategies' shared constructor: the strategy's own arguments, plus ours."""
+    """What both strategies share: the constructor (the strategy's own arguments, plus
+    ours), the save through our writer and the load through our reader (each
+    strategy's ``_load_ours`` puts the state into its model and optimizers)."""
 
     def __init__(
         self,
@@ -155,6 +157,22 @@ class _OurStorage:
         self.storage.save(_sharded_state(checkpoint, model_key), path)
         if self.global_rank == 0:  # type: ignore[attr-defined]
             torch.save(checkpoint, path / _METADATA_FILENAME)
+
+    def load_checkpoint(
+        self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load our checkpoint into the model and optimizers (``_load_ours``); return
+        ``meta.pt``. A path that holds no dcp_multilevel checkpoint goes to Lightning's
+        loader."""
+        path = Path(self.broadcast(checkpoint_path))  # type: ignore[attr-defined]
+        if not self.storage.holds(path):
+            return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
+        assert self.model is not None and self.lightning_module is not None  # type: ignore[attr-defined]
+        self._load_ours(path)
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+    def _load_ours(self, path: Path) -> None:
+        raise NotImplementedError
 
 
 class MultiLevelModelParallelStrategy(_OurStorage, ModelParallelStrategy):
@@ -181,18 +199,9 @@ class MultiLevelModelParallelStrategy(_OurStorage, ModelParallelStrategy):
             return super().save_checkpoint(checkpoint, filepath)
         return self._save_ours(checkpoint, filepath, "state_dict")
 
-    def load_checkpoint(
-        self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        """Load our checkpoint into the model and optimizers; return ``meta.pt``.
-
-        A path that holds no dcp_multilevel checkpoint goes to Lightning's loader.
-        """
-        path = Path(self.broadcast(checkpoint_path))
-        if not self.storage.holds(path):
-            return super().load_checkpoint(path, weights_only=weights_only)
-        assert self.model is not None and self.lightning_module is not None
-        # The same steps as Lightning's own sharded load (fabric's _load_checkpoint).
+    def _load_ours(self, path: Path) -> None:
+        """Our checkpoint into the model and optimizers: the same steps as Lightning's
+        own sharded load (fabric's _load_checkpoint)."""
         module_state = {"state_dict": get_model_state_dict(self.model)}
         self.storage.load(module_state, path)
         self.model.load_state_dict(
@@ -208,7 +217,6 @@ class MultiLevelModelParallelStrategy(_OurStorage, ModelParallelStrategy):
                 optim_state_dict=optim_state[key],
                 options=StateDictOptions(cpu_offload=True),
             )
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
 
 class MultiLevelFSDPStrategy(_OurStorage, FSDPStrategy):
@@ -240,18 +248,9 @@ class MultiLevelFSDPStrategy(_OurStorage, FSDPStrategy):
             return super().save_checkpoint(checkpoint, filepath)
         return self._save_ours(checkpoint, filepath, "model")
 
-    def load_checkpoint(
-        self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        """Load our checkpoint into the model and optimizers; return ``meta.pt``.
-
-        A path that holds no dcp_multilevel checkpoint goes to Lightning's loader.
-        """
-        path = Path(self.broadcast(checkpoint_path))
-        if not self.storage.holds(path):
-            return super().load_checkpoint(path, weights_only=weights_only)
-        assert self.model is not None and self.lightning_module is not None
-        # The same steps as FSDPStrategy.load_checkpoint's sharded branch.
+    def _load_ours(self, path: Path) -> None:
+        """Our checkpoint into the model and optimizers: the same steps as
+        FSDPStrategy.load_checkpoint's sharded branch."""
         with _get_sharded_state_dict_context(self.model):
             module_state = {"model": self.model.state_dict()}
             self.storage.load(module_state, path)
@@ -270,4 +269,3 @@ class MultiLevelFSDPStrategy(_OurStorage, FSDPStrategy):
                         optim_state_dict=optim_state[key], model=self.model, optim=optimizer
                     )
                     optimizer.load_state_dict(flattened)
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
