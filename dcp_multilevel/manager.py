@@ -21,15 +21,9 @@ are finished on the main thread by the next save, :meth:`finish_save`,
 :meth:`wait`, a load or :meth:`close` (every rank makes the same calls), which
 also raise its error if it failed.
 
-The manager composes; each part owns its state (``manage/``): the save
-flow onto the first level (``saving.py``), the drains it starts, resumes
-and repeats (``drains.py``, over the lanes of ``levels/drainer.py``), the
-books of what each level holds and the retention that follows
-(``holdings.py``, the rules in ``retention.py``), the delta chains
-(``chains.py``), when :meth:`step` saves (``cadence.py``, asking
-``schedule/``), metrics (``metrics.py``); the levels and their drivers
-(``levels/``, checked and bound by ``manage/ladder.py``); the load path
-(``loading.py``).
+The manager is a facade: each part it composes owns one thing (``manage/``,
+whose docstring maps them), the levels are ``levels/``, the load after a loss
+``restore/``.
 
 A checkpoint exists on a level iff its manifest there exists. The first
 level may be node-local: then only rank 0's node has the manifest, and
@@ -83,52 +77,30 @@ logger = logging.getLogger(__name__)
 class CheckpointManager:
     """Saves to several levels with their own intervals and retention; loads the newest.
 
-    Args:
+    Args (details: ``docs/levels.md``, ``docs/schedule.md``, ``docs/async.md``):
         levels: fastest first. The first takes every :meth:`save` (its ``every``
-            paces :meth:`step`) and must be a store level (``save`` writes there). It may be
-            node-local (each node sees only its own ranks' files; only rank
-            0's node has the manifest): drains and loads work, provided a
-            higher level holds what a node cannot see.
+            paces :meth:`step`), must be a store level, and may be node-local.
         tiers: deprecated name of ``levels`` (warns; removed in 0.3).
-        topology: which node each rank is on (``levels/topology.py``); default:
-            from each rank's environment (``DCP_ML_NODE``, torchrun's
-            ``GROUP_RANK``, ...), gathered when a level's path holds
-            ``{node}``, which is then replaced by this rank's node index
-            (``Level("/nvme/{node}/run")``: one directory per simulated node).
-        schedule: which levels take each save (default
-            :class:`~dcp_multilevel.schedule.FixedInterval`: each level's ``every``;
-            ``Schedule.auto(mtbf_hours=...)``: measured, failure- and
-            convergence-aware intervals, for :meth:`step`).
-        planner: save planner (default: one :class:`BalancedSavePlanner`, reused
-            so DCP's plan cache works across saves).
-        drain_policy: what a save due on a level whose previous drain is still
-            running does there (``levels/drainer.py``): ``"latest"`` (default) waits
-            in that level's one slot, where a newer due step replaces it, so the
-            newest due step always reaches the level and :meth:`wait` covers it;
-            ``"skip"`` is not sent there; ``"wait"`` blocks :meth:`save` until the
-            level is free.
+        topology: which node each rank is on (default: each rank's environment,
+            ``levels/topology.py``); ``{node}`` in a level's path is this rank's node.
+        schedule: which levels take each save (default :class:`FixedInterval`:
+            each level's ``every``; ``Schedule.auto(mtbf_hours=...)`` for :meth:`step`).
+        planner: save planner (default: one reused :class:`BalancedSavePlanner`).
+        drain_policy: a save due on a level whose drain is still running:
+            ``"latest"`` (default) waits in the level's one slot, replaced by a
+            newer due step, and :meth:`wait` covers it; ``"skip"`` is not sent
+            there; ``"wait"`` blocks :meth:`save` until the level is free.
         drain_timeout_s: how long a drain's ranks wait for each other.
-        metrics_path: append every save's and drain's metrics record to this
-            JSON-lines file (see ``manage/metrics.py``; ``{rank}`` in the path gives
-            each rank its own file, otherwise only rank 0 writes).
-        on_metrics: called with every metrics record (a dict) on every rank;
-            drain records arrive from the drain's background thread.
-        save_on_sigterm: on SIGTERM, :meth:`step` saves the current step to the
-            first level on every rank, then exits (``manage/cadence.py``); the
-            handler is restored by :meth:`close`.
-        check_seconds: at most this much training time between two of
-            :meth:`step`'s agreements across ranks (adaptive schedules, SIGTERM).
-        sweep_older_than_s: at construction, temporary files older than this
-            (crash leftovers: the first level's ``*.tmp-*``, remote stores' spool
-            files of dead processes) are removed; None: no sweep.
-        async_save: :meth:`save` returns once the state is staged; the first
-            level is written in the background (see the module docstring). The
-            first level must store whole checkpoints (no ``deltas``).
-        staging: the async saves' staging (buffer budget, pinned memory, in-flight
-            policy; :class:`~dcp_multilevel.StagingConfig`, ``docs/async.md``).
-        restore_whole_files: a restore after a node loss brings whole files onto
-            the node (default: only the byte ranges its ranks read, where that is
-            at most half of a file; ``docs/levels.md``).
+        metrics_path: JSON-lines file for every save's and drain's record
+            (``{rank}`` in the path: one file per rank; else rank 0's only).
+        on_metrics: called with every record on every rank (drains: from their thread).
+        save_on_sigterm: after a SIGTERM, :meth:`step` saves to the first level and exits.
+        check_seconds: at most this much training between :meth:`step`'s agreements.
+        sweep_older_than_s: remove crash leftovers older than this at construction.
+        async_save: :meth:`save` returns once the state is staged (module docstring).
+        staging: the async saves' staging (:class:`~dcp_multilevel.StagingConfig`).
+        restore_whole_files: a restore after a node loss brings whole files, not
+            only the byte ranges the node's ranks read.
     """
 
     def __init__(
