@@ -1,101 +1,160 @@
-"""Issue 14: how long planning a restore takes at scale, and how good the plan is.
+"""Issues 14 and 33: how long planning a restore takes at scale, and how good the plan is.
 
-Pure planning (``restore_plan.plan_restore``), no processes, no files: the
-inventories every rank would send. Scenarios, each ``NODES x RANKS``:
+Pure planning (``restore.plan.plan_restore``), no processes, no files: the
+inventories every rank would send, for ``NODES x RANKS`` (one file per rank,
+1 MiB each) and these layouts:
 
-- ``replicated``: a node-local first level, replicated state (DDP), every
-  rank's one file on its own node, and every node needs every file (a load
-  with no loss: ``nodes x ranks x (nodes - 1)`` copies);
-- ``partner``: the same after losing node 1 (replaced, empty), with a partner
-  level (``replicas=2``) holding each node's files on the next node too.
+- state: ``replicated`` (data parallel: every rank reads every file, so with
+  a node-local first level every node needs every other node's files, loss
+  or not) or ``sharded`` (FSDP-like: each rank reads its own file);
+- level that survives a node: ``partner`` (``replicas=2``: each node's files
+  also on the next node) or ``erasure`` (RS(4+2) groups of nodes);
+- ``lost``: the nodes replaced by empty ones: one, or 1 % of them.
 
-Per scenario: planning seconds (median of ``--repeat``, spread), the number
-of actions, the simulated time to carry the plan out (a byte a time unit,
-each rank one transfer at a time, in the plan's order) against a lower bound
-(the bytes the neediest node receives, over its ranks; the bytes all copies
-keep ranks busy, sender and receiver, over all ranks), and a hash of the plan
-(equal hashes: identical plans, to compare two versions of the planner).
+Planners, alternating in one run: ``ring`` (today's: files every node of
+many needs travel around a ring, ``restore/ring.py``) and ``copies`` (the
+point-to-point planner before issue 33, ``ring_nodes`` above the node count;
+kept as the reference, run up to ``--copies-max-nodes``). Per row: planning
+seconds (median of ``--repeat``, spread), actions listed, and up to
+``--simulate-max-nodes`` the bytes the neediest node receives and the
+simulated time to carry the plan out (a byte a time unit, each rank one
+transfer at a time, in the plan's order) over a lower bound (the neediest
+node's bytes over its ranks; twice all bytes moved over all ranks).
 
-    python benchmarks/bench_restore_plan.py [--shapes 16x8,64x8] [--repeat 3]
+    python benchmarks/bench_restore_plan.py                         # the issue 33 table
+    python benchmarks/bench_restore_plan.py --nodes 16,64 --repeat 3   # quick look
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 from _cli import parser
 from _measure import median, spread
 from _report import fmt, markdown_table
-from dcp_multilevel.restore.plan import Inventory, plan_restore, simulated_time
+from dcp_multilevel.levels.erasure import group_layout
+from dcp_multilevel.levels.erasure_rebuild import ErasureRebuilder
+from dcp_multilevel.restore.plan import (
+    Copy,
+    Inventory,
+    Rebuild,
+    expand_rings,
+    plan_restore,
+    simulated_time,
+)
 
-URLS = ["/l1", "partner:/p"]
+URLS = ["/l1", "partner:/p", "erasure:/e"]
 SIZE = 1 << 20  # bytes per file, plus the rank: files differ a little, as real ones do
+DATA, PARITY = 4, 2
 
 
-def scenario(kind: str, nodes: int, ranks: int) -> tuple[dict[str, int], list[Inventory]]:
-    files = {
-        f"data/{n * ranks + r}-0.t.bin": SIZE + n * ranks + r
-        for n in range(nodes)
-        for r in range(ranks)
-    }
+def lost_nodes(nodes: int, share: str) -> set[int]:
+    """One node, or 1 % of them, spread out (a partner's pair is never lost together)."""
+    count = 1 if share == "1" else max(1, nodes // 100)
+    return {1 + i * (nodes // count) for i in range(count)}
+
+
+def scenario(state: str, level: str, nodes: int, ranks: int, lost: set[int]
+             ) -> tuple[dict[str, int], list[Inventory]]:  # fmt: skip
+    files = {f"data/{r}-0.t.bin": SIZE + r for r in range(nodes * ranks)}
     own = {n: [f"data/{n * ranks + r}-0.t.bin" for r in range(ranks)] for n in range(nodes)}
+    descs: dict[str, dict] = {}
+    if level == "erasure":
+        for g, (members, keepers) in enumerate(group_layout(list(range(nodes)), DATA, PARITY)):
+            descs[str(g)] = {
+                "group": str(g), "data": len(members), "parity": PARITY, "chunk": 1 << 16,
+                "stripe": 1 << 17, "parity_nodes": keepers,
+                "members": [{"node": n, "files": [[f, files[f]] for f in own[n]]}
+                            for n in members],
+            }  # fmt: skip
+    of_node: dict[int, tuple[list, dict, dict]] = {}
+    for g, d in descs.items():
+        for n in [m["node"] for m in d["members"]] + d["parity_nodes"]:
+            of_node.setdefault(n, ([], {}, {}))[1][g] = d
+        for j, n in enumerate(d["parity_nodes"]):
+            of_node[n][0].append([g, d["data"] + j])
     invs = []
     for n in range(nodes):
         for r in range(ranks):
             rank = n * ranks + r
-            if kind == "replicated":
-                held = {0: own[n]}
-            elif n == 1:  # replaced: an empty disk
-                held = {}
-            else:  # partner copies of the node before
+            needs = None if state == "replicated" else [own[n][r]]
+            if n in lost:
+                invs.append(Inventory(rank, n, needs))
+            elif level == "partner":
                 held = {0: own[n], 1: sorted(own[n] + own[(n - 1) % nodes])}
-            invs.append(Inventory(rank, n, None, files=held))
+                invs.append(Inventory(rank, n, needs, files=held))
+            else:
+                parity, mine, _ = of_node.get(n, ([], {}, {}))
+                invs.append(Inventory(rank, n, needs, files={0: own[n], 2: own[n]},
+                                      parity={2: parity}, groups={2: mine},
+                                      placement=list(range(nodes))))  # fmt: skip
     return files, invs
 
 
-def bound(files: dict[str, int], invs: list[Inventory], ranks: int) -> int:
-    """A lower bound: the node missing the most bytes receives them over its ranks, and
-    every copy keeps two ranks busy (a sender and a receiver) for its bytes."""
-    nodes = {inv.node for inv in invs}
-    worst, moved = 0, 0
-    for n in nodes:
-        held = {f for inv in invs if inv.node == n for fs in inv.files.values() for f in fs}
-        missing = sum(size for f, size in files.items() if f not in held)
-        moved += missing
-        worst = max(worst, -(-missing // ranks))
-    return max(worst, -(-2 * moved // len(invs)))
+def received(actions, files: dict[str, int], node_of: dict[int, int]) -> int:
+    """Bytes the neediest node receives."""
+    got: dict[int, int] = {}
+    for a in actions:
+        if isinstance(a, Copy):
+            got[node_of[a.dst]] = got.get(node_of[a.dst], 0) + files[a.file]
+        elif isinstance(a, Rebuild):
+            got[node_of[a.dst]] = got.get(node_of[a.dst], 0) + sum(files[f] for f in a.brings)
+    return max(got.values(), default=0)
 
 
-def digest(actions) -> str:
-    return hashlib.sha256(repr(list(actions)).encode()).hexdigest()[:12]
+def bound(actions, files: dict[str, int], node_of: dict[int, int], ranks: int) -> int:
+    """A lower bound: the neediest node receives its bytes over its ranks, and every
+    byte moved keeps two ranks busy (a sender and a receiver)."""
+    moved = sum(files[a.file] for a in actions if isinstance(a, Copy))
+    return max(-(-received(actions, files, node_of) // ranks), -(-2 * moved // len(node_of)), 1)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
-    p.add_argument("--shapes", default="16x8,32x8,64x8", help="NODESxRANKS, comma-separated")
-    p.add_argument("--kinds", default="replicated,partner")
+    p.add_argument("--nodes", default="16,64,250,1000,2000", help="node counts, comma-separated")
+    p.add_argument("--ranks", type=int, default=8, help="ranks per node")
+    p.add_argument("--layouts", default="replicated/partner,sharded/partner,"
+                   "replicated/erasure,sharded/erasure")  # fmt: skip
+    p.add_argument("--lost", default="1,1%", help="one node, and/or 1 %% of the nodes")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--copies-max-nodes", type=int, default=64)
+    p.add_argument("--simulate-max-nodes", type=int, default=64)
     args = p.parse_args(argv)
+    rebuilders = {2: ErasureRebuilder()}
     rows = []
-    for shape in args.shapes.split(","):
-        nodes, ranks = (int(x) for x in shape.split("x"))
-        for kind in args.kinds.split(","):
-            files, invs = scenario(kind, nodes, ranks)
-            seconds, plan = [], None
-            for _ in range(args.repeat):
-                t0 = time.perf_counter()
-                plan = plan_restore(7, files, invs, URLS)
-                seconds.append(time.perf_counter() - t0)
-            assert plan is not None and plan.ok, plan.reasons if plan else None
-            span, low = simulated_time(plan.actions, files), bound(files, invs, ranks)
-            rows.append([f"{nodes} x {ranks}", kind, len(plan.actions),
-                         f"{fmt(median(seconds), 3)} ({spread(seconds, 3)})",
-                         fmt(span / low, 2), digest(plan.actions)])  # fmt: skip
-            print(rows[-1], flush=True)
+    for nodes in (int(x) for x in args.nodes.split(",")):
+        for layout in args.layouts.split(","):
+            state, level = layout.split("/")
+            for share in args.lost.split(","):
+                lost = lost_nodes(nodes, share)
+                files, invs = scenario(state, level, nodes, args.ranks, lost)
+                node_of = {inv.rank: inv.node for inv in invs}
+                planners = {"ring": None}
+                if nodes <= args.copies_max_nodes:
+                    planners["copies"] = nodes + 1
+                seconds: dict[str, list[float]] = {k: [] for k in planners}
+                plans = {}
+                for _ in range(args.repeat):  # alternating
+                    for name, ring_nodes in planners.items():
+                        t0 = time.perf_counter()
+                        plans[name] = plan_restore(7, files, invs, URLS, rebuilders=rebuilders,
+                                                   ring_nodes=ring_nodes)  # fmt: skip
+                        seconds[name].append(time.perf_counter() - t0)
+                        assert plans[name].ok, plans[name].reasons
+                for name, plan in plans.items():
+                    quality = ["", ""]
+                    if nodes <= args.simulate_max_nodes:
+                        flat = expand_rings(plan.actions)
+                        span = simulated_time(flat, files)
+                        quality = [fmt(received(flat, files, node_of) / 2**20, 1),
+                                   fmt(span / bound(flat, files, node_of, args.ranks), 2)]  # fmt: skip
+                    rows.append([f"{nodes} x {args.ranks}", layout, share, name,
+                                 f"{fmt(median(seconds[name]), 3)} ({spread(seconds[name], 3)})",
+                                 len(plan.actions), *quality])  # fmt: skip
+                    print(rows[-1], flush=True)
     print()
-    print(markdown_table(["nodes x ranks", "scenario", "actions", "planning s (spread)",
-                          "simulated time / bound", "plan hash"], rows))  # fmt: skip
+    print(markdown_table(["nodes x ranks", "state/level", "lost", "planner", "planning s (spread)",
+                          "actions", "neediest node MiB", "simulated / bound"], rows))  # fmt: skip
     return 0
 
 

@@ -140,6 +140,35 @@ def test_partner_level_restores_a_replaced_node_and_a_shrunk_world(tmp_path):
     assert [o[:2] for o in out] == [(3, True), (3, True)]
 
 
+def _ring_load_job(rank: int, world: int, root: str, per_node: int, kind: str, options: dict):
+    os.environ["DCP_ML_RING_NODES"] = "0"  # rings from 2 nodes on (default: where faster)
+    return _load_job(rank, world, root, per_node, kind, options)
+
+
+@pytest.mark.parametrize(
+    ("kind", "opts", "nodes", "per_node"),
+    [("partner", {"replicas": 2}, 3, 2), ("erasure", {"data": 2, "parity": 1}, 4, 1)],
+)
+def test_replicated_state_goes_around_a_ring_onto_every_node(tmp_path, kind, opts, nodes, per_node):
+    # Replicated state spread over every rank: every node needs every node's files.
+    # Node 1 replaced; the files go around a ring (restore/ring.py), node to node, the
+    # replaced node's own ones entering it first (copied from its partner, or rebuilt).
+    root, world = str(tmp_path), nodes * per_node
+    run_ranks(_save_job, world, root, per_node, kind, opts, [1, 2], timeout=240)
+    shutil.rmtree(tmp_path / "n1")
+    out = run_ranks(_ring_load_job, world, root, per_node, kind, opts, timeout=240)
+    assert [o[:2] for o in out] == [(2, True)] * world, out
+    ring = f"{root}/n{{node}}/l1 (around a ring of {nodes} nodes)"
+    by_node = [out[n * per_node][2] for n in range(nodes)]
+    assert all(got.get(ring, 0) > 0 for got in by_node), by_node
+    # No point-to-point copies besides the replaced node's entries.
+    assert all(
+        all("(node " not in source for source in got) for n, got in enumerate(by_node) if n != 1
+    ), by_node
+    files = sorted(p.name for p in (tmp_path / "n0/l1/step-2/data").iterdir())
+    assert sorted(p.name for p in (tmp_path / "n1/l1/step-2/data").iterdir()) == files
+
+
 def test_a_restore_onto_a_replaced_node_protects_the_step_again(tmp_path):
     # After node 1 is replaced and restored, the partner copies it held for node
     # 0 are made again in the background (mgr.close() waits for them): losing

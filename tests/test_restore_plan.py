@@ -24,6 +24,7 @@ from dcp_multilevel.restore.plan import (
     Inventory,
     Link,
     Rebuild,
+    expand_rings,
     merge_node_needs,
     merge_ranges,
     simulated_time,
@@ -36,8 +37,10 @@ REBUILDERS = {2: ErasureRebuilder()}
 
 
 def plan_restore(*args, **kwargs):
-    """The planner as a job with these levels calls it (with level 2's rebuilder)."""
-    return _plan_restore(*args, rebuilders=REBUILDERS, **kwargs)
+    """The planner as a job with these levels calls it (with level 2's rebuilder), its
+    rings as the copies of their hops (``test_restore_ring.py`` checks rings as such)."""
+    plan = _plan_restore(*args, rebuilders=REBUILDERS, **kwargs)
+    return dataclasses.replace(plan, actions=tuple(expand_rings(plan.actions)))
 
 
 def _files(ranks: int) -> dict[str, int]:

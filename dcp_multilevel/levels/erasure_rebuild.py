@@ -85,7 +85,10 @@ def _block_holders(
     """block -> the lowest rank that can stream it intact."""
     out: dict[int, int] = {}
     k = desc["data"]
-    for inv in sorted(inventories, key=lambda i: i.rank):
+    # Only the group's nodes hold its blocks: a restore at scale asks about a few
+    # groups among thousands of nodes.
+    nodes = {m["node"] for m in desc["members"]} | set(desc["parity_nodes"])
+    for inv in sorted((i for i in inventories if i.node in nodes), key=lambda i: i.rank):
         held = set(inv.files.get(level, ()))
         for y, files in enumerate(members):
             if y not in out and files <= held and not block_damaged(g, y, inv.rank):

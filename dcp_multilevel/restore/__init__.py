@@ -6,10 +6,13 @@ In the order a load runs them:
   :class:`Restore` (how every rank can load a step), agreed collectively;
 - ``inventory.py``: what each rank needs and its node holds, exchanged;
 - ``actions.py``: the inventories and a plan's actions, as values
-  (:class:`Link`, :class:`Copy`, :class:`Rebuild`);
+  (:class:`Link`, :class:`Copy`, :class:`Rebuild`, :class:`Ring`);
 - ``plan.py``: the pure plan: per missing file, a link, a copy, a rebuild,
-  a store level, or the reasons it cannot be restored;
+  a store level, or the reasons it cannot be restored; files that every
+  node of many needs go around a ring instead (``ring.py``: O(files), not
+  O(nodes x files));
 - ``order.py``: :class:`TransferOrder`, the order that keeps every rank busy;
+- ``simulate.py``: a plan's cost on paper (tests, benchmarks, the choice of a ring);
 - ``execute.py``: carrying a plan out over the restore's gloo group;
 - ``loader.py``: :class:`Loader`, the manager's load path (the newest
   restorable step or a given one; re-plans around damaged sources).

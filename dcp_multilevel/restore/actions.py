@@ -7,7 +7,9 @@ them out): a :class:`Link` (a file another level of the node holds), a
 :class:`Copy` (from another node), a :class:`Rebuild` (erasure members from
 their group's intact blocks). A source found damaged while a plan is
 carried out is a *fault* (:class:`CopyFault`, :class:`BlockFault`): the next
-plan leaves it out. Pure: no I/O, no torch.distributed.
+plan leaves it out. Files that every node of many needs travel around a
+:class:`Ring` (``ring.py``): one action for all of them, not one copy per node
+and file. Pure: no I/O, no torch.distributed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ __all__ = [
     "Inventory",
     "Link",
     "Rebuild",
+    "Ring",
+    "RingFile",
     "participants",
 ]
 
@@ -86,8 +90,39 @@ class Rebuild:
     brings: tuple[str, ...] = ()
 
 
-def participants(action: Link | Copy | Rebuild) -> set[int]:
+@dataclass(frozen=True)
+class RingFile:
+    """One file of a :class:`Ring`: the node at position ``origin`` sends it first (its
+    copy on level ``level``), on lane ``lane``; ``holders``: the other ring positions
+    holding it already, as ``(position, level)`` (no hop into them; they send their own
+    copy on); ``hops``: how far it travels (past the last position that lacks it);
+    ``sender``: the origin's rank that sends it, where an earlier action brought it
+    there onto another rank than the lane's (None: the lane's)."""
+
+    file: str
+    origin: int
+    lane: int
+    level: int
+    hops: int
+    holders: tuple[tuple[int, int], ...] = ()
+    sender: int | None = None
+
+
+@dataclass(frozen=True)
+class Ring:
+    """Every node of ``nodes`` (in ring order) that lacks a file of ``files`` receives
+    it from the node before it, and passes it on: lane ``j`` of a node is its rank
+    ``ranks[position][j % len(ranks[position])]``. ``ring.py`` lists the hops."""
+
+    nodes: tuple[int, ...]
+    ranks: tuple[tuple[int, ...], ...]
+    files: tuple[RingFile, ...]
+
+
+def participants(action: Link | Copy | Rebuild | Ring) -> set[int]:
     """The ranks that take part in ``action``."""
+    if isinstance(action, Ring):
+        return {r for ranks in action.ranks for r in ranks}  # senders are among them
     if isinstance(action, Copy):
         return {action.src, action.dst}
     if isinstance(action, Rebuild):

@@ -49,8 +49,9 @@ from ..format import DATA_DIR, Manifest
 from ..levels.base import LevelDriver
 from ..levels.node_local import link_or_copy
 from ..levels.wire import SOURCE_ERRORS, file_blocks, recv_file, recv_ranges, send_file, send_ranges
-from .actions import BlockFault, Copy, CopyFault, Fault, Inventory, Link, Rebuild
+from .actions import BlockFault, Copy, CopyFault, Fault, Inventory, Link, Rebuild, Ring
 from .plan import RestorePlan, group_descriptions
+from .ring import my_hops, received_around
 
 __all__ = ["PARTS_DIR", "RestoreReport", "execute", "parts_copy", "set_aside_damaged"]
 
@@ -85,6 +86,13 @@ class RestoreReport:
         (``names``: each level as the user wrote it; ``bad``: the sources that failed)."""
         nodes = {inv.rank: inv.node for inv in inventories}
         for action in plan.actions:
+            if isinstance(action, Ring):
+                files = [f for f in received_around(action, node)
+                         if not any(CopyFault(n, f) in bad for n in action.nodes)]  # fmt: skip
+                if files:
+                    key = f"{names[0]} (around a ring of {len(action.nodes)} nodes)"
+                    self.received[key] = self.received.get(key, 0) + len(files)
+                continue
             if nodes.get(action.dst) != node or _failed(action, nodes, bad):
                 continue
             name = names[action.level]
@@ -163,6 +171,14 @@ def execute(
     bad: list[Fault] = []
     descs = group_descriptions(inventories)
     for action in plan.actions:
+        if isinstance(action, Ring):  # this rank's hops, in the ring's order (ring.py)
+            for hop in my_hops(action, me):
+                file = action.files[hop.index].file
+                if hop.src == me:
+                    send_file(at(hop.level), file, hop.dst, group)
+                elif not recv_file(into.store, file, files[file], hop.src, group):
+                    bad.append(CopyFault(nodes[hop.src], file))
+            continue
         if isinstance(action, Link):
             if me == action.dst:
                 link_or_copy(drivers[action.level].checkpoint(step).store, into.store, action.file)

@@ -23,6 +23,11 @@ ranks need and its first level lacks, in order:
 5. else the step cannot be restored, and :attr:`RestorePlan.reasons` names
    the nodes, levels and groups.
 
+Nodes whose ranks read every file whole (replicated state) lack most of
+them when a node-local first level spread them over the nodes: from
+:data:`RING_NODES` such nodes on, they get them around a :class:`Ring`
+(``ring.py``), one entry per file, after the actions that bring the files no
+ring node holds (or would send more than its share) onto one (steps 2-5).
 Sources found damaged in an earlier round are left out (``bad``). No I/O,
 no torch.distributed.
 """
@@ -42,17 +47,24 @@ from .actions import (
     Inventory,
     Link,
     Rebuild,
+    Ring,
     participants,
 )
 from .order import TransferOrder
+from .ring import build_ring, ring_nodes_from_env, ring_origins
+from .simulate import expand_rings, simulated_time
 
 __all__ = [
     "PART_SHARE",
+    "RING_NODES",
+    "RING_SURE",
     "Copy",
     "Inventory",
     "Link",
     "Rebuild",
     "RestorePlan",
+    "Ring",
+    "expand_rings",
     "group_descriptions",
     "merge_node_needs",
     "merge_ranges",
@@ -66,13 +78,19 @@ __all__ = [
 #: A node that needs at most this share of a file's bytes gets only those byte ranges.
 PART_SHARE = 0.5
 
+#: At least this many nodes that need every file may receive them around a ring
+#: (``ring.py``); from ``RING_SURE`` nodes on, they do (measured: its simulated time is
+#: lower than the copies' from 32 nodes of 8 ranks on, ``bench_restore_plan.py``).
+RING_NODES = 3
+RING_SURE = 32
+
 
 @dataclass(frozen=True)
 class RestorePlan:
     """Every rank's part of a restore (the same on every rank); a re-plan is a new one."""
 
     step: int
-    actions: tuple[Link | Copy | Rebuild, ...] = ()
+    actions: tuple[Link | Copy | Rebuild | Ring, ...] = ()
     reasons: tuple[str, ...] = ()  # why it cannot work; empty: it can
 
     @property
@@ -90,6 +108,7 @@ def plan_restore(
     transfers: bool = True,
     part_share: float = PART_SHARE,
     rebuilders: Mapping[int, Rebuilder] | None = None,
+    ring_nodes: int | None = None,
 ) -> RestorePlan:
     """How every node gets the files its ranks need (pure; see the module docstring).
 
@@ -101,32 +120,66 @@ def plan_restore(
     :class:`~dcp_multilevel.restore.actions.CopyFault` and
     :class:`~dcp_multilevel.restore.actions.BlockFault` (``actions.py``).
     With ``transfers=False`` (no group to move bytes over) only store levels help.
+    ``ring_nodes``: at least this many nodes that need every file receive them
+    around a :class:`~.actions.Ring` (``ring.py``). Default: from
+    :data:`RING_NODES` nodes on; below :data:`RING_SURE` nodes, only where its
+    simulated time beats the copies' (small rings pay more for their entries).
+    The environment variable ``DCP_ML_RING_NODES`` sets it for a job (every rank
+    must see the same value; ``0``: rings from 2 nodes on; a large one: no ring).
     """
+    if ring_nodes is None:
+        ring_nodes = ring_nodes_from_env()
+    if ring_nodes is None:
+        args = (step, files, inventories, level_urls, bad, transfers, part_share, rebuilders)
+        plan = plan_restore(*args, ring_nodes=RING_NODES)
+        if len(plan.actions) == 0 or not isinstance(plan.actions[-1], Ring):
+            return plan
+        if len(plan.actions[-1].nodes) >= RING_SURE:
+            return plan
+        copies = plan_restore(*args, ring_nodes=len(inventories) + 1)
+        faster = simulated_time(plan.actions, files) < simulated_time(copies.actions, files)
+        return plan if faster else copies
     actions: list[Link | Copy | Rebuild] = []
     reasons: list[str] = []
     nodes: dict[int, list[Inventory]] = {}
     for inv in inventories:
         nodes.setdefault(inv.node, []).append(inv)
+    ring = {n for n, invs in nodes.items() if _needs_everything(invs, files, part_share)}
+    if len(ring) < ring_nodes or not transfers:
+        ring = set()
     groups = group_descriptions(inventories)
-    held = _holders(inventories, bad)
     lacking: list[str] = []  # one line per node that lacks files (first in the reasons)
     arrived: dict[int, tuple[int, set[str]]] = {}  # node -> (receiving rank, rebuilt files)
     todo: list[_NodeNeeds] = []
+    ring_held: dict[int, dict[str, int]] = {}  # ring node -> file -> lowest level there
+    wanted: set[str] = set()  # the files some node outside the ring lacks
     for node, invs in sorted(nodes.items()):
         dst = min(inv.rank for inv in invs)
         # Copies on this node found damaged (and what a restore linked to them).
         spoiled = {f.file for f in bad if isinstance(f, CopyFault) and f.node == node}
-        have = {f for inv in invs for fs in inv.files.values() for f in fs} - spoiled
-        needed = set(files)
-        if all(inv.needs is not None for inv in invs):
-            needed = {f for inv in invs for f in inv.needs or ()}
-        mine = {f for inv in invs for f in inv.files.get(0, ())} - spoiled
-        for file in sorted(needed & (have - mine)):  # on another level of this very node
-            level = min(i for inv in invs for i, fs in inv.files.items() if file in fs)
-            actions.append(Link(file, level, dst))
-        missing = sorted(needed - have)
+        lowest: dict[str, int] = {}
+        for inv in invs:
+            for level, fs in inv.files.items():
+                for f in fs:
+                    if f not in spoiled and lowest.get(f, level) >= level:
+                        lowest[f] = level
+        needed = lowest.keys() if node in ring else _needed(invs, files)
+        for file in sorted(f for f in needed if lowest.get(f, 0) > 0):  # another level here
+            actions.append(Link(file, lowest[file], dst))
+        if node in ring:  # the ring brings the rest (below)
+            ring_held[node] = lowest
+            continue
+        missing = sorted(f for f in needed if f not in lowest)
+        wanted.update(missing)
         parts = {f: _part_of(f, files[f], invs, dst, part_share) for f in missing}
         todo.append(_NodeNeeds(node, invs, dst, parts, any(inv.whole for inv in invs)))
+    origins, entering = ring_origins(ring_held, files) if ring else ({}, {})
+    for node, enter in sorted(entering.items()):  # onto a ring node first (ring.py)
+        wanted.update(enter)
+        todo.append(_NodeNeeds(node, nodes[node], min(inv.rank for inv in nodes[node]),
+                               dict.fromkeys(enter),
+                               all(inv.whole for n in ring for inv in nodes[n])))  # fmt: skip
+    held = _holders(inventories, bad, wanted)
     # Files needed whole first: a lost member is then rebuilt on a node that needs
     # it whole, and the nodes that need a few of its items take them from there.
     for partly in (False, True):
@@ -183,7 +236,24 @@ def plan_restore(
                 f"nodes that held step {step} and hold none of it now (lost or replaced): {lost}"
             )
         return RestorePlan(step, (), tuple(dict.fromkeys(reasons)))
-    return RestorePlan(step, tuple(TransferOrder(files, inventories, held, bad).order(actions)))
+    ordered: list[Link | Copy | Rebuild | Ring] = []
+    ordered += TransferOrder(files, inventories, held, bad).order(actions)
+    if ring:
+        # Where each entering file landed: the rank that sends it around first.
+        enter = {(node, f) for node, fs in entering.items() for f in fs}
+        node_of = {inv.rank: inv.node for inv in inventories}
+        landed = {
+            f: a.dst
+            for a in ordered
+            if isinstance(a, (Copy, Rebuild))
+            for f in ((a.file,) if isinstance(a, Copy) else a.brings)
+            if (node_of[a.dst], f) in enter
+        }
+        built = build_ring({n: [inv.rank for inv in nodes[n]] for n in ring}, ring_held, files,
+                           origins, landed)  # fmt: skip
+        if built.files:
+            ordered.append(built)
+    return RestorePlan(step, tuple(ordered))
 
 
 @dataclass
@@ -198,6 +268,22 @@ class _NodeNeeds:
     covered: bool  # a store level holding the whole step serves what no node has
     rebuilt: set[str] = field(default_factory=set)
     unmet: list[str] = field(default_factory=list)
+
+
+def _needed(invs: Sequence[Inventory], files: Collection[str]) -> Collection[str]:
+    """The files a node's ranks ``invs`` read (all of them, unless every rank says)."""
+    if all(inv.needs is not None for inv in invs):
+        return {f for inv in invs for f in inv.needs or ()}
+    return files
+
+
+def _needs_everything(invs: Sequence[Inventory], files: dict[str, int], part_share: float) -> bool:
+    """Whether a node's ranks read every file whole (a ring may bring them)."""
+    if len(_needed(invs, files)) != len(files):
+        return False
+    dst = min(inv.rank for inv in invs)
+    partly = {f for inv in invs for f in inv.ranges or {}}  # only these may come in parts
+    return all(_part_of(f, files[f], invs, dst, part_share) is None for f in partly)
 
 
 def merge_ranges(ranges: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
@@ -274,28 +360,6 @@ def rebuilders(drivers: Sequence[Any]) -> dict[int, Rebuilder]:
     return {i: d.rebuilder for i, d in enumerate(drivers) if d.rebuilder is not None}
 
 
-def simulated_time(actions: Sequence[Link | Copy | Rebuild], files: dict[str, int]) -> int:
-    """How long carrying ``actions`` out takes, a byte a time unit: each rank takes its
-    own in list order, each action once all its ranks are free (blocking transfers).
-    A copy moves its whole file; a rebuild reads its largest file from each source.
-    For tests and benchmarks (to compare plans), not used by the planner."""
-    free: dict[int, int] = {}
-    end = 0
-    for action in actions:
-        if isinstance(action, Copy):
-            length = files[action.file]
-        elif isinstance(action, Rebuild):
-            length = max(files[f] for f in action.brings) * len(action.sources)
-        else:
-            length = 0
-        ranks = participants(action)
-        start = max((free.get(r, 0) for r in ranks), default=0)
-        for r in ranks:
-            free[r] = start + length
-        end = max(end, start + length)
-    return end
-
-
 def _lost_nodes(inventories: Sequence[Inventory]) -> list[int]:
     """Nodes of the saving job (its placement) on which no rank holds the step now."""
     placement = next((inv.placement for inv in inventories if inv.placement), None)
@@ -306,15 +370,18 @@ def _lost_nodes(inventories: Sequence[Inventory]) -> list[int]:
 
 
 def _holders(
-    inventories: Sequence[Inventory], bad: Collection[Fault]
+    inventories: Sequence[Inventory], bad: Collection[Fault], only: Collection[str]
 ) -> dict[str, list[tuple[int, int, int]]]:
     """file -> the intact copies the nodes hold before the restore, as sorted
-    ``(level, rank, node)`` (every rank of a node lists the node's files)."""
+    ``(level, rank, node)`` (every rank of a node lists the node's files), for the
+    files ``only`` (those some node receives by a copy)."""
     held: dict[str, list[tuple[int, int, int]]] = {}
+    if not only:
+        return held
     for inv in inventories:
         for level, fs in inv.files.items():
             for f in fs:
-                if CopyFault(inv.node, f) not in bad:
+                if f in only and CopyFault(inv.node, f) not in bad:
                     held.setdefault(f, []).append((level, inv.rank, inv.node))
     for copies in held.values():
         copies.sort()
