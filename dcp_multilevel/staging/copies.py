@@ -111,8 +111,7 @@ def run_copies(todo: Copies, pool: Executor | None = None) -> None:
     Raises:
         StagingFenceError: with the fence check, a source changed after it was planned.
     """
-    for dst, src, _ in todo.whole:
-        dst.copy_(src, non_blocking=todo.non_blocking)
+    _device_copies(todo)
     # copy_ into memory touched by an earlier save: no page faults.
     if pool is not None and len(todo.pieces) > 1:
         for _ in pool.map(_copy_piece, todo.pieces):
@@ -120,8 +119,6 @@ def run_copies(todo: Copies, pool: Executor | None = None) -> None:
     else:
         for piece in todo.pieces:
             _copy_piece(piece)
-    if todo.non_blocking and torch.cuda.is_available():
-        torch.cuda.synchronize()
     changed = [name for dst, name, before in todo.checks if _digest(dst) != before]
     if changed:
         raise StagingFenceError(
@@ -142,6 +139,37 @@ def copy_into(
     out, todo = plan_copies(state, flat, only)
     run_copies(todo, pool)
     return out
+
+
+#: One side stream per CUDA device for the staging copies (made on first use).
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+
+
+def _device_copies(todo: Copies) -> None:
+    """The ``whole`` copies; from a CUDA device, on a stream of their own: they wait
+    for the work already queued on the device's current stream (which wrote the
+    state), and the training's next kernels on that stream do not queue behind
+    them. Returns once every copy is done (the buffers then hold the state)."""
+    on_cuda = [(d, s) for d, s, _ in todo.whole if s.device.type == "cuda"]
+    for dst, src, _ in todo.whole:
+        if src.device.type != "cuda":
+            dst.copy_(src)
+    if not on_cuda:
+        return
+    sides = []
+    for device in {src.device for _, src in on_cuda}:
+        side = _SIDE_STREAMS.get(device)
+        if side is None:
+            side = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        sides.append(side)
+    for dst, src in on_cuda:
+        side = _SIDE_STREAMS[src.device]
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=todo.non_blocking)
+        src.record_stream(side)  # its memory is not reused before the copy ran
+    for side in sides:
+        side.synchronize()
 
 
 def _copy_piece(piece: tuple[torch.Tensor, torch.Tensor]) -> None:
