@@ -10,6 +10,7 @@ our own (:func:`new_group`), used by one thread at a time.
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 from collections.abc import Callable
@@ -21,9 +22,12 @@ import torch.distributed as dist
 
 __all__ = [
     "all_gather_object",
+    "broadcast_bytes",
     "broadcast_object",
+    "gather_bytes",
     "is_active",
     "new_group",
+    "pickled_size",
     "rank",
     "rank0_decides",
     "recv_bytes",
@@ -136,3 +140,68 @@ def recv_bytes(buf: memoryview | bytearray, src: int, group: Any) -> None:
     """Receive exactly ``len(buf)`` bytes from rank ``src`` over ``group`` into ``buf``."""
     if len(buf):
         dist.recv(torch.frombuffer(buf, dtype=torch.uint8), src, group=group)
+
+
+# Why these two beside the object collectives: ``all_gather_object`` (and
+# ``gather_object``) pad every rank's pickle to the largest one's, so a receiver
+# gets ranks x the largest object even where most ranks send next to nothing
+# (a node's lowest rank carrying the node's files, the others none). These move
+# exactly the bytes sent: a receiver gets the sum, not ranks x the maximum.
+
+
+def gather_bytes(payload: bytes, dst: int, group: Any) -> list[bytes] | None:
+    """Every rank's ``payload`` at rank ``dst``, in rank order; None on the others.
+
+    Collective over ``group`` (one of :func:`new_group`'s, every rank; main thread).
+    The lengths first (one gather, 8 bytes a rank), then each non-empty payload
+    point to point, so ``dst`` receives ``8 * ranks`` plus the payloads' sum.
+    """
+    if not is_active():
+        return [bytes(payload)]
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank()
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in ranks] if me == dst else None
+    dist.gather(size, sizes, dst=dst, group=group)
+    if me != dst:
+        send_bytes(bytearray(payload), dst, group)
+        return None
+    assert sizes is not None
+    out: list[bytes] = []
+    for r, n in zip(ranks, sizes, strict=True):
+        if r == dst:
+            out.append(bytes(payload))
+            continue
+        buf = bytearray(int(n.item()))
+        recv_bytes(buf, r, group)
+        out.append(bytes(buf))
+    return out
+
+
+def broadcast_bytes(payload: bytes | None, src: int, group: Any) -> bytes:
+    """Rank ``src``'s ``payload`` on every rank (the others pass None). Collective over
+    ``group`` (one of :func:`new_group`'s; main thread): the length (8 bytes), then
+    the bytes, unpadded."""
+    if not is_active():
+        return bytes(payload or b"")
+    mine = dist.get_rank() == src
+    size = torch.tensor([len(payload or b"") if mine else 0], dtype=torch.int64)
+    dist.broadcast(size, src, group=group)
+    n = int(size.item())
+    if n == 0:
+        return b""
+    if mine:
+        buf = torch.frombuffer(bytearray(payload or b""), dtype=torch.uint8)
+    else:
+        buf = torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(buf, src, group=group)
+    return bytes(payload or b"") if mine else buf.numpy().tobytes()
+
+
+def pickled_size(obj: Any) -> int:
+    """The bytes the object collectives (:func:`all_gather_object`,
+    :func:`broadcast_object`) send for ``obj``: its pickle, as torch makes it
+    (for counting what a collective moves; no process group needed)."""
+    f = io.BytesIO()
+    dist.distributed_c10d._pickler(f).dump(obj)
+    return f.tell()

@@ -15,8 +15,10 @@ Call order for one drain (``link = DrainLink(drain_id, timeout_s)``)::
     rank 0        link.gather()               every other rank's value, in rank order
     rank 0        link.announce_commit()      after its commit on the level
     rank != 0     link.wait_commit()          returns once rank 0 committed
-    any rank      link.put(name, value)       a named value for any rank (e.g. "this
-                  link.get(names)             rank's part is done", parity checksums)
+    any rank      link.put(name, value)       a named value for any rank (e.g.
+                  link.get(names)             parity checksums)
+    every rank    link.done()                 this rank's part is done
+    node's lowest link.wait_all_done(nodes)   every rank's is (by node: R + 2N gets)
     any rank      link.fail(error)            on any failure: no rank waits out
                                               the timeout for a peer that failed
 
@@ -26,7 +28,7 @@ With one rank (or no process group) nothing is exchanged.
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import _dist
@@ -134,6 +136,30 @@ class DrainLink:
         """Block until every rank in ``ranks`` called :meth:`done` (or raise its failure)."""
         self.get([f"done/{r}" for r in ranks if r != self.rank])
 
+    def wait_all_done(self, nodes: Sequence[int]) -> None:
+        """Block until every rank called :meth:`done` (or raise the first failure seen);
+        called by each node's lowest rank (``nodes``: each rank's node).
+
+        By node, so the store serves ``R + 2N`` gets, not ``N x R`` (every node's
+        lowest rank waiting on every rank's key): each waits on its node's ranks
+        and publishes ``node-done/<rank>``; rank 0 (the lowest of its node) waits
+        on those and publishes ``all-done``, which the others wait on. A failure
+        travels the same way (:meth:`fail` publishes it under all three names).
+        """
+        if self.world_size == 1:
+            return
+        mine = nodes[self.rank]
+        self.wait_done([r for r, n in enumerate(nodes) if n == mine])
+        self.put(f"node-done/{self.rank}", True)
+        if self.rank != 0:
+            self.get(["all-done"])
+            return
+        leaders: dict[int, int] = {}
+        for r, n in enumerate(nodes):
+            leaders.setdefault(n, r)
+        self.get([f"node-done/{r}" for r in sorted(leaders.values()) if r != 0])
+        self.put("all-done", True)
+
     def fail(self, error: BaseException) -> None:
         """Tell the other ranks this rank's part of the drain failed with ``error``."""
         if self.world_size > 1:
@@ -141,3 +167,7 @@ class DrainLink:
             _dist.store_set(self._key("commit" if self.rank == 0 else self.rank), {"error": why})
             done = {"error": f"rank {self.rank} failed: {why}"}
             _dist.store_set(self._key(f"named/done/{self.rank}"), done)
+            # (Only a node's lowest rank's is waited on; rank 0's all-done, by all of those.)
+            _dist.store_set(self._key(f"named/node-done/{self.rank}"), done)
+            if self.rank == 0:
+                _dist.store_set(self._key("named/all-done"), done)

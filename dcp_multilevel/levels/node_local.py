@@ -162,7 +162,7 @@ class NodeLocalLevel(LevelDriver):
         if topology.leads(rank):
             # The node commits only once every rank's part is done (all of them: a
             # level holds a step on every node or is not asked for it).
-            link.wait_done(list(range(topology.world_size)))
+            link.wait_all_done(topology.nodes)
             for name, data in self.sidecars(job, manifest, link).items():
                 target.store.write_atomic(name, data)
             target.commit_manifest(job.source.manifest_bytes())

@@ -93,7 +93,10 @@ class Restore:
 
 
 def gather_views(drivers: Sequence[LevelDriver]) -> Views:
-    """Every rank's view of every level. Collective."""
+    """Every rank's view of every level. Collective.
+
+    Every rank receives ``8 R + R x`` the largest view's pickle (``L`` levels of
+    ``S`` steps each): no files in it, so it stays per rank (``docs/scale.md``)."""
     mine = {i: d.steps() for i, d in enumerate(drivers)}
     return Views(mine, _dist.all_gather_object(mine))
 
@@ -119,8 +122,9 @@ def restorable(
     each node sees, and store levels, count;
     ``names``: the levels as the user wrote them (for messages; default: their URLs);
     ``members`` (the ranks of this rank's node) and ``group`` (the restore's):
-    the node's ranks send their needs to its lowest rank, which sends them merged
-    (``restore.gather_inventories``); ``part_share``: see ``plan_restore``.
+    the inventories are exchanged by node, the node's lowest rank sending what the
+    node holds and needs (``restore.gather_inventories``; bytes per rank in
+    ``docs/scale.md``); ``part_share``: see ``plan_restore``.
     """
     source = _manifest_source(step, drivers, views)
     whole = [
