@@ -84,8 +84,9 @@ bench: setup
 # (about 2.5 minutes on an H200); without one, the tiny CPU mode CI also runs.
 gpu-check: setup
 	$(VENV)/bin/python benchmarks/gpu_check.py
-	# The adapters' GPU-only paths (Lightning's FSDP1 strategy); they skip without CUDA.
-	$(VENV)/bin/python -m pytest -q -rs tests/test_integration_lightning.py -k fsdp1
+	# The GPU-only tests (pinned scratch given back, side-stream staging, Lightning's
+	# FSDP1 strategy); they skip without CUDA.
+	$(VENV)/bin/python -m pytest -q -rs tests/test_cuda.py tests/test_integration_lightning.py -k "cuda or fsdp1"
 
 # The summary's plots (docs/img/*.png) from the benchmarks' JSON in benchmarks/results/
 # (each file holds the command that wrote it; a missing one skips its plot).

@@ -27,11 +27,12 @@ node's bytes over its ranks; twice all bytes moved over all ranks).
 
 from __future__ import annotations
 
+import json
 import time
 
-from _cli import parser
+from _cli import add_json, parser
 from _measure import median, spread
-from _report import fmt, markdown_table
+from _report import command, fmt, markdown_table
 from dcp_multilevel.levels.erasure import group_layout
 from dcp_multilevel.levels.erasure_rebuild import ErasureRebuilder
 from dcp_multilevel.restore.plan import (
@@ -119,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--copies-max-nodes", type=int, default=64)
     p.add_argument("--simulate-max-nodes", type=int, default=64)
+    add_json(p)
     args = p.parse_args(argv)
+    records = []
     rebuilders = {2: ErasureRebuilder()}
     rows = []
     for nodes in (int(x) for x in args.nodes.split(",")):
@@ -145,9 +148,12 @@ def main(argv: list[str] | None = None) -> int:
                     quality = ["", ""]
                     if nodes <= args.simulate_max_nodes:
                         flat = expand_rings(plan.actions)
-                        span = simulated_time(flat, files)
-                        quality = [fmt(received(flat, files, node_of) / 2**20, 1),
-                                   fmt(span / bound(flat, files, node_of, args.ranks), 2)]  # fmt: skip
+                        span = simulated_time(flat, files) / bound(flat, files, node_of, args.ranks)
+                        quality = [fmt(received(flat, files, node_of) / 2**20, 1), fmt(span, 2)]
+                    records.append({"nodes": nodes, "ranks": args.ranks, "layout": layout,
+                                    "lost": share, "planner": name, "seconds": seconds[name],
+                                    "actions": len(plan.actions),
+                                    "simulated_over_bound": quality[1] or None})  # fmt: skip
                     rows.append([f"{nodes} x {args.ranks}", layout, share, name,
                                  f"{fmt(median(seconds[name]), 3)} ({spread(seconds[name], 3)})",
                                  len(plan.actions), *quality])  # fmt: skip
@@ -155,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(markdown_table(["nodes x ranks", "state/level", "lost", "planner", "planning s (spread)",
                           "actions", "neediest node MiB", "simulated / bound"], rows))  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"command": command(__file__), "rows": records}, indent=1))
     return 0
 
 

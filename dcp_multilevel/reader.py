@@ -40,7 +40,7 @@ from torch.futures import Future
 
 from .checkpoint import StoredCheckpoint, new_save_id
 from .checkpoint.chain import Failure, Trail, item_name, unusable_copy
-from .checkpoint.destinations import destination
+from .checkpoint.destinations import destination, release_pinned
 from .checkpoint.reference_files import ReferenceFiles
 from .errors import (
     ConfigError,
@@ -287,6 +287,7 @@ class MultiLevelReader(StorageReader):
                 self.last_load_sources[copy.url] = served
             self._trail.failed(copy.url, failures, after)
             pending = [(f.index, f.req) for f in sorted(failures + absent, key=lambda f: f.index)]
+        release_pinned()  # CUDA destinations' pinned scratch
         if pending:
             raise self._trail.unreadable(pending)
         if len(self.last_load_sources) > 1:

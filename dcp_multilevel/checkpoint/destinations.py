@@ -8,7 +8,9 @@ matched their checksum (fail closed: unverified bytes never reach the
 - Tensors land straight in the destination tensor when it is a whole,
   contiguous CPU chunk of the stored dtype (no copy); otherwise in a scratch
   buffer that ``commit`` narrows to the requested region and copies (for a
-  CUDA destination: pinned, copied without waiting, in stream order).
+  CUDA destination: pinned, copied without waiting, in stream order; the
+  pinned blocks are reused item after item, and handed back to the driver
+  once a load is done, :func:`release_pinned`).
 - Non-tensor objects are loaded with ``torch.load(weights_only=True)`` and
   re-serialized before DCP's planner sees them (:func:`vetted_bytes`),
   because ``DefaultLoadPlanner.load_bytes`` itself unpickles with
@@ -31,7 +33,22 @@ from ..format.objects import bytesio_for_planner, bytesio_payload, load_object
 from ..format.tensor_bytes import byte_view
 from .stored import StoredCheckpoint
 
-__all__ = ["destination", "vetted_bytes"]
+__all__ = ["destination", "release_pinned", "vetted_bytes"]
+
+#: Pinned scratch bytes taken since the last :func:`release_pinned` (one per process).
+_pinned = [0]
+
+
+def release_pinned() -> int:
+    """After a load: give the page-locked blocks its CUDA destinations' scratch used
+    back to the driver (torch's caching host allocator keeps every block it ever
+    made otherwise: pinned memory is what users run out of). Only cached blocks go:
+    those still in use elsewhere (a DataLoader's) stay. Returns the bytes taken."""
+    taken, _pinned[0] = _pinned[0], 0
+    empty = getattr(torch.accelerator, "empty_host_cache", None)  # torch >= 2.9
+    if taken and empty is not None:
+        empty()
+    return taken
 
 
 def destination(
@@ -96,6 +113,7 @@ def destination(
     # The stream orders the copy before any later use of the destination.
     on_cuda = target.device.type == "cuda"
     scratch = torch.empty(loc.raw_length, dtype=torch.uint8, pin_memory=on_cuda)
+    _pinned[0] += loc.raw_length if on_cuda else 0
 
     def commit_tensor() -> None:
         src = scratch.view(dtype).reshape(chunk_sizes)

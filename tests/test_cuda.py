@@ -1,0 +1,55 @@
+"""CUDA state through the writer, the reader and the staging (issue 32).
+
+They skip without a GPU (``make gpu-check`` runs them where one is lent);
+``benchmarks/gpu_check.py`` covers the rest (FSDP2, the manager, the CLI).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_multilevel import MultiLevelReader, MultiLevelWriter, StagingConfig
+from dcp_multilevel.checkpoint.destinations import release_pinned
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _state(device: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"w{i}": torch.randn(1024, 1024, generator=g).to(device) for i in range(8)}
+
+
+def test_release_pinned_is_a_no_op_without_cuda_destinations():
+    assert release_pinned() == 0  # nothing pinned: nothing given back, no error
+
+
+@cuda
+def test_a_load_into_cuda_hands_its_pinned_scratch_back(tmp_path):
+    state = _state("cuda")
+    dcp.save(state, storage_writer=MultiLevelWriter(tmp_path / "c"))
+    # Destinations of another dtype than stored: every item goes through pinned scratch.
+    out = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in state.items()}
+    torch.cuda.synchronize()
+    before = torch.cuda.host_memory_stats().get("reserved_bytes.current", 0)
+    dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c"))
+    torch.cuda.synchronize()
+    assert all(torch.equal(out[k], v.double()) for k, v in state.items())
+    after = torch.cuda.host_memory_stats().get("reserved_bytes.current", 0)
+    assert after <= before  # 32 MB went through pinned blocks; none is kept
+
+
+@cuda
+def test_an_async_save_from_cuda_holds_the_state_at_staging_completion(tmp_path):
+    state = _state("cuda")
+    expected = {k: v.cpu() for k, v in state.items()}
+    writer = MultiLevelWriter(tmp_path / "c", staging=StagingConfig(overlap=True))
+    response = dcp.async_save(state, storage_writer=writer)
+    response.staging_completion.result()  # the fence: copies done on the side stream
+    for v in state.values():
+        v.add_(1)  # the next optimizer step
+    response.upload_completion.result()
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c"))
+    assert all(torch.equal(out[k].cpu(), expected[k]) for k in expected)
