@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "ALIGN",
@@ -27,6 +28,7 @@ __all__ = [
     "HostBufferPool",
     "Owner",
     "iter_tensors",
+    "pool_source",
     "select_wave",
     "staged_nbytes",
 ]
@@ -120,8 +122,33 @@ class HostBufferPool:
         self.sets = [s for s in self.sets if s.busy()]
 
 
+def pool_source(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor whose bytes a buffer set takes for ``t``: ``t`` itself (a plain
+    strided tensor), or a DTensor's local shard (FSDP2's parameters and optimizer
+    state: the snapshot is a DTensor around the buffer's view); None for what is
+    staged the stock way (sparse, quantized, other subclasses)."""
+    if type(t) is not torch.Tensor:
+        local = getattr(t, "_local_tensor", None)
+        if local is None or not _is_dtensor(t):
+            return None
+        t = local
+    if type(t) is torch.Tensor and t.layout == torch.strided and not t.is_quantized:
+        return t
+    return None
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t) is DTensor
+
+
 def _poolable(t: torch.Tensor) -> bool:
-    return type(t) is torch.Tensor and t.layout == torch.strided and not t.is_quantized
+    return pool_source(t) is not None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """The bytes ``t`` takes in a buffer set (a DTensor: its local shard's)."""
+    src = pool_source(t)
+    return 0 if src is None else src.numel() * src.element_size()
 
 
 def iter_tensors(state: Any) -> Iterator[torch.Tensor]:
@@ -144,7 +171,7 @@ def staged_nbytes(state: Any) -> int:
     """Bytes a buffer set needs for every poolable tensor of ``state``."""
     total = 0
     for t in _poolable_tensors(state):
-        total = _aligned(total) + t.numel() * t.element_size()
+        total = _aligned(total) + _nbytes(t)
     return _aligned(total)
 
 
@@ -157,9 +184,9 @@ def select_wave(state: Any, capacity: int) -> tuple[set[int], int]:
     """
     chosen: set[int] = set()
     total = 0
-    tensors = sorted(_poolable_tensors(state), key=lambda t: -t.numel() * t.element_size())
+    tensors = sorted(_poolable_tensors(state), key=lambda t: -_nbytes(t))
     for t in tensors:
-        n = t.numel() * t.element_size()
+        n = _nbytes(t)
         # Each staged tensor may cost up to ALIGN - 1 bytes of padding before it.
         if n and total + n + ALIGN <= capacity:
             chosen.add(id(t))

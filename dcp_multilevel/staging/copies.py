@@ -26,7 +26,7 @@ import torch
 import xxhash
 
 from ..errors import StagingFenceError
-from .buffers import COPY_PIECE, _aligned, _poolable
+from .buffers import COPY_PIECE, _aligned, pool_source
 
 __all__ = ["Copies", "copy_into", "plan_copies", "run_copies"]
 
@@ -66,16 +66,17 @@ def plan_copies(
     def snap(v: Any, name: str) -> Any:
         nonlocal offset
         if isinstance(v, torch.Tensor):
-            if not _poolable(v):
-                # DTensor, sparse, quantized...: not pooled, staged the stock way, now.
+            local = pool_source(v)
+            if local is None:
+                # Sparse, quantized, other subclasses: staged the stock way, now.
                 return v.detach().to("cpu", copy=True)
             if flat is None or (only is not None and id(v) not in only):
                 return v
-            n = v.numel() * v.element_size()
+            n = local.numel() * local.element_size()
             offset = _aligned(offset)
-            dst = flat[offset : offset + n].view(v.dtype).view(v.shape)
+            dst = flat[offset : offset + n].view(local.dtype).view(local.shape)
             offset += n
-            src = v.detach()
+            src = local.detach()
             if check_fence:
                 todo.checks.append((dst, name, _digest(src)))
             if (
@@ -92,6 +93,8 @@ def plan_copies(
                     ]
             else:  # strided, conjugate or device tensors: copy_ resolves them
                 todo.whole.append((dst, src, name))
+            if local is not v:  # a DTensor: its shard in the buffer, its layout kept
+                return type(v)(dst, v._spec, requires_grad=False)  # as DCP's own staging does
             return dst
         if isinstance(v, dict):
             return {k: snap(x, f"{name}/{k}") for k, x in v.items()}
