@@ -102,7 +102,7 @@ def _print_load(ld: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--size", choices=("tiny", "small", "medium"), default=None)
+    ap.add_argument("--size", choices=("tiny", "small", "gpt2", "medium"), default=None)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20, help="steps per loop")
     ap.add_argument("--every", type=int, default=10, help="save every N steps")
@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     from _gpu_bench import bench_load, bench_steps
     from _gpu_roundtrips import run_all
 
-    root = _scratch(args.dir, need=40 << 30 if size == "medium" else 1 << 30)
+    need = {"medium": 40 << 30, "gpt2": 12 << 30}.get(size, 1 << 30)
+    root = _scratch(args.dir, need=need)
     info = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,

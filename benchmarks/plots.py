@@ -132,12 +132,44 @@ def async_blocked(doc: dict, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def restore_scale(doc: dict, out: Path) -> None:
+    """Restore planning seconds against nodes, log-log, per layout: rings (today)
+    and the point-to-point copies planner before issue 33 (bench_restore_plan.py)."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    colors = {"replicated/partner": OURS, "replicated/erasure": "#17becf",
+              "sharded/partner": "#2ca02c", "sharded/erasure": "#9467bd"}  # fmt: skip
+    for planner, style in (("ring", "o-"), ("copies", "s--")):
+        for layout, color in colors.items():
+            rows = [
+                r
+                for r in doc["rows"]
+                if (r["planner"], r["layout"], r["lost"]) == (planner, layout, "1")
+            ]
+            if not rows:
+                continue
+            nodes = [r["nodes"] for r in rows]
+            med = [statistics.median(r["seconds"]) for r in rows]
+            label = f"{layout}, {'today' if planner == 'ring' else 'copies (before)'}"
+            alpha = 1 if planner == "ring" else 0.6
+            ax.plot(nodes, med, style, color=color, label=label, alpha=alpha)
+    ax.axhline(1.0, color="k", lw=0.8, ls=":", label="goal at 2,000 nodes: 1 s")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"nodes (x {doc['rows'][0]['ranks']} ranks), one node lost")
+    ax.set_ylabel("seconds to plan the restore (every rank)")
+    ax.set_title("Restore planning against job size")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 #: results file -> (plot, PNG name, the benchmark and options that write the results file).
 PLOTS: dict[str, tuple[Callable[[dict, Path], None], str, str]] = {
     "save_load.json": (save_load, "save_load.png", "bench_save_load.py"),
     "planner.json": (planner, "planner_balance.png", "bench_planner.py --skip-e2e"),
     "codecs.json": (codecs, "codecs.png", "bench_codecs.py --savers ''"),
     "async.json": (async_blocked, "async_blocked.png", "bench_async.py"),
+    "restore_plan.json": (restore_scale, "scale_restore.png", "bench_restore_plan.py"),
 }
 
 
