@@ -5,21 +5,36 @@ checkpoints below one root (``format/layout.py`` names them). A
 :class:`CheckpointRoot` answers what a process sees there: which steps are
 committed, and which step directories hold no manifest (abandoned by a save
 or a drain that died). On a node-local root each node sees only its own view.
+
+Finding the steps never lists inside a step (:meth:`CheckpointRoot.scan`):
+one listing of the root names the ``step-<N>`` directories, and one lookup
+per step asks whether its manifest exists (a ``stat`` on a local disk, a
+HEAD on S3, sent concurrently there): the cost grows with the steps, never
+with their files.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..format import MANIFEST_NAME, checkpoint_url, parse_step_dir
 from ..stores import Store, store_for
 from .stored import StoredCheckpoint
 
-__all__ = ["CheckpointRoot"]
+__all__ = ["CheckpointRoot", "StepDirs"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepDirs:
+    """The ``step-<N>`` directories below a root, as one scan saw them (each ascending)."""
+
+    committed: tuple[int, ...]  # a manifest is there: the checkpoint exists
+    uncommitted: tuple[int, ...]  # no manifest: a save or drain that did not finish
 
 
 class CheckpointRoot:
@@ -50,20 +65,28 @@ class CheckpointRoot:
 
     def steps(self) -> list[int]:
         """Steps with a committed checkpoint in this view of the root, ascending."""
-        return [step for step, committed in self._step_dirs() if committed]
+        return list(self.scan().committed)
 
     def uncommitted(self) -> list[int]:
         """Steps whose directory holds no manifest (a save or drain that did not finish)."""
-        return [step for step, committed in self._step_dirs() if not committed]
+        return list(self.scan().uncommitted)
 
-    def _step_dirs(self) -> list[tuple[int, bool]]:
-        """``(step, has a manifest)`` for every step directory below the root, ascending."""
-        out = []
+    def scan(self) -> StepDirs:
+        """Every step directory below the root and whether it is committed, in one pass.
+
+        One listing of the root, then one lookup per step directory for its
+        manifest, all asked at once (``Store.existing``); nothing inside a step
+        is listed, so the cost grows with the steps, not with their files.
+        """
+        manifests = []
         for name in self.store.listdir(""):
             step = parse_step_dir(name)
             if step is not None:
-                out.append((step, self.store.exists(f"{name}/{MANIFEST_NAME}")))
-        return sorted(out)
+                manifests.append((step, f"{name}/{MANIFEST_NAME}"))
+        present = self.store.existing(path for _, path in manifests)
+        committed = sorted(step for step, path in manifests if path in present)
+        uncommitted = sorted(step for step, path in manifests if path not in present)
+        return StepDirs(tuple(committed), tuple(uncommitted))
 
     def delete(self, step: int) -> None:
         """Remove the checkpoint of ``step``, committed or not (manifest first)."""

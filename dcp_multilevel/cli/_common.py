@@ -174,7 +174,8 @@ def resolve(url: str, storage_options: Mapping[str, Any]) -> Target:
             ``step-<N>`` directories is there.
     """
     target = Target(url, storage_options)
-    if not target.is_checkpoint and not (target.root.steps() or target.root.uncommitted()):
+    found = None if target.is_checkpoint else target.root.scan()  # one listing of the root
+    if found is not None and not (found.committed or found.uncommitted):
         raise CheckpointNotFoundError(
             f"no checkpoint at {target.root.store.url}: it has no {MANIFEST_NAME} and no "
             "step-<N> directories (check the path, or the storage options for a remote URL)",

@@ -16,7 +16,9 @@ Call order (the manager makes every call; every rank unless said)::
                                           level order): the topology; a kind that moves
                                           bytes between nodes makes its process group here
     driver.sweep(older_than_s)            construction: crash leftovers
-    driver.steps()                        main thread: discovery; rank 0 also for retention
+    driver.steps()                        main thread: discovery
+    driver.scan()                         retention (rank 0, or a node's lowest rank): the
+                                          committed and the unfinished steps, in one pass
     driver.checkpoint(step)               main thread: the copy a load reads from
     driver.drain(job, manifest, link)     a background drain thread, on every rank at
                                           once: bring ``job.source`` onto this level;
@@ -26,7 +28,7 @@ Call order (the manager makes every call; every rank unless said)::
                                           for every level, and every other rank too for
                                           the first level (each node its own view)
 
-``steps``/``uncommitted``/``checkpoint``/``delete``/``sweep`` default to
+``steps``/``uncommitted``/``scan``/``checkpoint``/``delete``/``sweep`` default to
 checkpoints below the level's ``url`` (``<url>/step-<N>/``); a kind that
 keeps them elsewhere overrides them.
 
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint import CheckpointRoot, StoredCheckpoint
+from ..checkpoint.root import StepDirs
 from ..errors import ConfigError
 from ..format import Manifest
 from .link import DrainLink
@@ -171,6 +174,11 @@ class LevelDriver(abc.ABC):
     def uncommitted(self) -> list[int]:
         """Steps begun here but never committed (their leftovers are swept by retention)."""
         return self.root.uncommitted()
+
+    def scan(self) -> StepDirs:
+        """:meth:`steps` and :meth:`uncommitted` from one look at the level (retention
+        needs both; see ``CheckpointRoot.scan`` for what that look costs)."""
+        return self.root.scan()
 
     def checkpoint(self, step: int, *, manifest_bytes: bytes | None = None) -> StoredCheckpoint:
         """This level's copy of ``step`` (``manifest_bytes``: as another rank read it)."""

@@ -10,7 +10,9 @@ reference step codes tensor items against that checkpoint on this level,
 reading its bytes from the first level's copy of the same save when that
 one is still there; a reference that is missing here, or another save than
 expected, makes the drain store the step whole (a keyframe). A failed
-drain leaves objects that no manifest names; retention sweeps them.
+drain leaves objects that no manifest names; retention sweeps them, or the
+next drain of the same step, which removes what its manifest does not name
+right after its commit.
 """
 
 from __future__ import annotations
@@ -87,6 +89,10 @@ class StoreLevel(LevelDriver):
             "dcp_multilevel: step %d committed on %s (%d bytes, lag %.2f s)",
             job.step, self.url, result.details["level_bytes"], result.lag_seconds,
         )  # fmt: skip
+        # As a save's commit does: what an earlier attempt at this drain left (it died)
+        # goes now (after the announcement: no peer waits for it). The sweep of a
+        # local level then passes over this step's data/ (``LocalStore.sweep``).
+        target.sweep(files)
         return result
 
     def _delta_target(self, job: DrainJob) -> DeltaTarget | None:

@@ -135,14 +135,15 @@ class Holdings:
         """Apply retention on level ``index`` (rank 0, or a node's lowest rank for a
         node-local level); return the steps removed."""
         driver, level = self.drivers[index], self.levels[index]
-        complete = driver.steps()
+        found = driver.scan()  # one look at the level: both lists from the same moment
+        complete = list(found.committed)
         protected = set()
         if self._drainer is not None:  # the first level: every lane's; else the level's own
             protected = self._drainer.inflight_steps(None if index == 0 else driver)
         if index == 0:
             protected |= self._first_level_protected(complete)
         refs = self.chains.refs(index, complete)
-        doomed = self._rules[index].doomed(complete, driver.uncommitted(), protected, refs)
+        doomed = self._rules[index].doomed(complete, found.uncommitted, protected, refs)
         for step in doomed:
             driver.delete(step)
             logger.info("dcp_multilevel: retention removed step %d from %s", step, level.url)

@@ -10,6 +10,7 @@ Call order for one checkpoint (any rank may be a writer; one rank commits)::
                           without error; on error nothing appears)
     committing rank:     store.write_atomic("manifest.json", bytes)  # last: the commit
                          store.remove_tree(<old data>)             # only after the commit
+    discovery (a root):  store.listdir(""), then store.existing(["step-<N>/manifest.json", ...])
     every reading rank:  store.read_bytes("manifest.json")
                          with store.open_read(path) as r: r.read_into(offset, buffer)
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
@@ -148,6 +150,16 @@ class Store(abc.ABC):
         """Remove file or directory ``path`` and everything below it; missing is fine."""
 
     # Conveniences built on the primitives above; backends may override for speed.
+
+    def existing(self, paths: Iterable[str]) -> set[str]:
+        """Those of ``paths`` where :meth:`exists` is true, asked all at once.
+
+        Discovery asks this for the manifest of every step below a root. The
+        default asks one path at a time; a store where every lookup is a round
+        trip sends them concurrently (still one request per path), so that
+        10,000 steps cost the latency of a few lookups, not 10,000 of them.
+        """
+        return {path for path in paths if self.exists(path)}
 
     def write_atomic(self, path: str, data: bytes) -> None:
         """Publish ``data`` at ``path`` in one step (used for manifests)."""

@@ -12,12 +12,12 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..format.layout import TMP_MARKER
+from ..format.layout import MANIFEST_NAME, TMP_MARKER
 from .base import FdWriteHandle, Store
 
 __all__ = ["LocalStore"]
@@ -113,6 +113,12 @@ class LocalStore(Store):
         """Whether ``path`` exists: a file there is committed, as files appear only by rename."""
         return self._abs(path).exists()
 
+    def existing(self, paths: Iterable[str]) -> set[str]:
+        """Those of ``paths`` that exist: one ``stat`` each (on strings: a ``Path`` per
+        lookup costs as much as the lookup, and discovery makes one per step)."""
+        root = os.fspath(self.root)
+        return {p for p in paths if os.path.exists(os.path.join(root, p))}
+
     def local_path(self, path: str) -> str:
         """The file's path on this machine's file system (always known here)."""
         return str(self._abs(path))
@@ -122,22 +128,21 @@ class LocalStore(Store):
         (with ``dry_run``: only list them).
 
         A live writer's temporary file is recent (its modification time moves
-        with every write), so only files older than ``older_than_s`` go.
+        with every write), so only files older than ``older_than_s`` go. The
+        settled directories of committed checkpoints are not walked (see
+        :func:`_temporaries`): a root of 10,000 checkpoints of 1,000 files each
+        is swept by listing each checkpoint's own directory, not 10 million names.
         """
         removed: list[str] = []
         cutoff = time.time() - older_than_s
-        for directory, _, names in os.walk(self.root):
-            for name in names:
-                if TMP_MARKER not in name:
-                    continue
-                path = os.path.join(directory, name)
-                try:
-                    if os.lstat(path).st_mtime < cutoff:
-                        if not dry_run:
-                            os.unlink(path)
-                        removed.append(os.path.relpath(path, self.root))
-                except FileNotFoundError:
-                    continue  # another rank swept it first
+        for path in _temporaries(str(self.root)):
+            try:
+                if os.lstat(path).st_mtime < cutoff:
+                    if not dry_run:
+                        os.unlink(path)
+                    removed.append(os.path.relpath(path, self.root))
+            except FileNotFoundError:
+                continue  # another rank swept it first
         if removed and not dry_run:
             logger.info("swept %d abandoned temporary file(s) below %s", len(removed), self.url)
         return removed
@@ -166,6 +171,66 @@ class LocalStore(Store):
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _temporaries(top: str) -> Iterator[str]:
+    """Paths of the temporary files (``*.tmp-*``) below ``top``, except in settled
+    directories of committed checkpoints.
+
+    A directory holding a manifest is a committed checkpoint, and its commit
+    removed its temporaries (``StoredCheckpoint.sweep`` runs right after the
+    manifest is written). A subdirectory of it (``data/``) whose modification
+    time is older than the manifest's has had no entry created, renamed or
+    removed since then (each of those moves it), so it holds no temporary
+    file and is not listed. One written to after the commit (a save of the
+    same step again that crashed) is newer and walked as before; so is one
+    whose time equals the manifest's (a coarse clock cannot tell the order).
+    What this misses: temporaries left when a writer crashed between a
+    manifest and its sweep; they go when retention removes the checkpoint.
+
+    Like ``os.walk``: directories that cannot be listed are passed over, and
+    links to directories are not followed.
+    """
+    stack = [top]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                entries = list(it)
+        except OSError:
+            continue  # removed while we looked, or not readable: os.walk's default
+        committed_ns = _manifest_mtime_ns(entries)
+        for entry in entries:
+            try:
+                is_dir = entry.is_dir()
+            except OSError:
+                is_dir = False
+            if not is_dir:
+                if TMP_MARKER in entry.name:
+                    yield entry.path
+            elif not entry.is_symlink() and not _settled(entry, committed_ns):
+                stack.append(entry.path)
+
+
+def _manifest_mtime_ns(entries: list[os.DirEntry[str]]) -> int | None:
+    """The modification time of the manifest among ``entries``; None: there is none."""
+    for entry in entries:
+        if entry.name == MANIFEST_NAME:
+            try:
+                return entry.stat(follow_symlinks=False).st_mtime_ns
+            except OSError:
+                return None  # removed while we looked: not a committed checkpoint now
+    return None
+
+
+def _settled(entry: os.DirEntry[str], committed_ns: int | None) -> bool:
+    """Whether the directory ``entry`` of a committed checkpoint (its manifest written at
+    ``committed_ns``) is unchanged since the commit (see :func:`_temporaries`)."""
+    if committed_ns is None:
+        return False
+    try:
+        return entry.stat(follow_symlinks=False).st_mtime_ns < committed_ns
+    except OSError:
+        return True  # removed while we looked: nothing to sweep there
 
 
 def _gone_is_fine(function: object, path: str, exc_info: tuple) -> None:
