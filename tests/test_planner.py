@@ -7,6 +7,17 @@ import dataclasses
 import pytest
 import torch
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 
 from dcp_multilevel import BalancedSavePlanner, CostModel, PlanningError
 
@@ -148,27 +159,137 @@ def test_one_fqn_saved_as_two_whole_tensors_is_refused():
     )
 
 
+def _shard(fqn, offsets, sizes, size, dtype=torch.float32):
+    """A DTensor-like SHARD item: box (offsets, sizes) of tensor ``fqn`` of ``size``."""
+    offsets, sizes = torch.Size(offsets), torch.Size(sizes)
+    return WriteItem(
+        index=MetadataIndex(fqn, offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+            properties=TensorProperties(dtype=dtype),
+            size=torch.Size(size),
+        ),
+    )
+
+
+def _sharded_plans(boxes, size=(8, 4)):
+    """One local plan per rank, each saving one box ((offsets), (sizes)) of tensor "w"."""
+    return [SavePlan([_shard("w", offsets, sizes, size)]) for offsets, sizes in boxes]
+
+
+def _fsdp_plans(world, rows=(3, 8, 40), dtype_of=lambda rank: torch.float32):
+    """Every rank's plan as fully_shard leaves it: row shards of tensors with ``rows``
+    rows (DTensor's empty shard at offset ``rows`` past the last one) and a scalar."""
+    plans = []
+    for rank in range(world):
+        items = []
+        for n in rows:
+            full = -(-n // world)
+            start, size = full * rank, max(0, min(full, n - full * rank))
+            box = ((start, 0), (size, 4)) if size else ((n, 0), (0, 4))
+            items.append(_shard(f"w{n}", *box, (n, 4), dtype_of(rank)))
+        scalar = torch.zeros(())
+        items += _local_plans([{"step": scalar}])[0].items
+        plans.append(SavePlan(items))
+    return plans
+
+
+def test_fsdp_shards_stay_on_their_rank_and_shared_items_are_saved_once():
+    world = 16
+    plans = _fsdp_plans(world)
+    global_plan, metadata = BalancedSavePlanner().create_global_plan(plans)
+
+    def rows(plan):
+        return [
+            (w.index.fqn, w.index.offset)
+            for w in plan.items
+            if w.index.fqn != "step" and w.tensor_data.chunk.sizes.numel()
+        ]
+
+    for local, final in zip(plans, global_plan, strict=True):
+        assert rows(final) == rows(local)  # every non-empty shard where it is, nothing else
+    saved = [(w.index.fqn, tuple(w.index.offset)) for p in global_plan for w in p.items]
+    assert len(saved) == len(set(saved))  # empty shards and the scalar: once each
+    assert {"step", "w3", "w8", "w40"} <= {fqn for fqn, _ in saved}
+    chunks = metadata.state_dict_metadata["w40"].chunks
+    assert sum(c.sizes.numel() for c in chunks) == 40 * 4
+
+
+def test_a_replica_mismatch_among_mostly_equal_sharded_plans_is_named():
+    # Ranks 3.. hold only empty shards of w3 and w8, equal to the previous rank's;
+    # rank 9's w8 is float64: it must be compared, not taken as the previous one.
+    plans = _fsdp_plans(12, dtype_of=lambda rank: torch.float64 if rank == 9 else torch.float32)
+    with pytest.raises(PlanningError) as info:
+        BalancedSavePlanner().create_global_plan(plans)
+    assert str(info.value) == (
+        "item 'w3' is a (0, 4) torch.float32 shard on rank 3 but a (0, 4) torch.float64 "
+        "shard on rank 9; every rank must hold the same structure for a replicated item"
+    )
+
+
+def test_row_shards_from_every_rank_stay_there_and_pass_validation():
+    boxes = [((2 * r, 0), (2, 4)) for r in range(4)]
+    global_plan, metadata = BalancedSavePlanner().create_global_plan(_sharded_plans(boxes))
+    assert [[tuple(w.index.offset) for w in p.items] for p in global_plan] == [
+        [(0, 0)],
+        [(2, 0)],
+        [(4, 0)],
+        [(6, 0)],
+    ]
+    assert [w.index.index for p in global_plan for w in p.items] == [0, 1, 2, 3]
+    assert len(metadata.state_dict_metadata["w"].chunks) == 4
+
+
 @pytest.mark.parametrize(
-    ("validation", "error"),
+    ("boxes", "problems"),
     [
-        # torch 2.13 returns the list of errors; torch < 2.13 a bool (True: valid).
-        ([], None),
-        (True, None),
-        (["key:w has out of bounds chunk"], "key:w has out of bounds chunk"),
-        (False, "see DCP's warnings in the log"),
+        (
+            [((0, 0), (4, 4)), ((2, 0), (4, 4))],
+            "1 found: 'w': chunks offsets (0, 0) sizes (4, 4) and offsets (2, 0) sizes (4, 4) "
+            "overlap",
+        ),
+        (
+            [((0, 0), (4, 4)), ((6, 0), (4, 4))],
+            "1 found: 'w': chunk offsets (6, 0) sizes (4, 4) lies outside the tensor of size "
+            "(8, 4)",
+        ),
+        (
+            [((0, 0), (4, 4)), ((2, 0), (2, 4))],
+            "2 found: 'w': chunks offsets (0, 0) sizes (4, 4) and offsets (2, 0) sizes (2, 4) "
+            "overlap; 'w': chunks hold 24 elements but the tensor has 32: some would not be "
+            "saved",
+        ),
+        (
+            [((0, 0), (4, 4)), ((4, 0), (4, 4)), ((3, 0), (2, 4))],
+            "3 found: 'w': chunks offsets (0, 0) sizes (4, 4) and offsets (3, 0) sizes (2, 4) "
+            "overlap; 'w': chunks offsets (3, 0) sizes (2, 4) and offsets (4, 0) sizes (4, 4) "
+            "overlap; 'w': chunks hold 40 elements but the tensor has 32: some are saved twice",
+        ),
     ],
 )
-def test_dcps_plan_validation_is_read_in_either_form(monkeypatch, validation, error):
-    import dcp_multilevel.planner as planner_module
+def test_chunks_that_do_not_tile_their_tensor_are_refused(boxes, problems):
+    with pytest.raises(PlanningError) as info:
+        BalancedSavePlanner().create_global_plan(_sharded_plans(boxes))
+    assert str(info.value) == (
+        "the ranks' chunks do not tile their tensors; every rank must shard a tensor the "
+        f"same way. {problems}"
+    )
 
-    # DCP's own validation of a correct plan returns "valid" in one form only; the
-    # other forms are what other torch releases (or an invalid plan) return.
-    monkeypatch.setattr(planner_module, "_validate_global_plan", lambda plan, md: validation)
-    plans = _local_plans([{"w": torch.zeros(8, 8)}] * 2)
-    if error is None:
-        global_plan, _ = BalancedSavePlanner().create_global_plan(plans)
-        assert sorted(i.index.fqn for p in global_plan for i in p.items) == ["w"]
-    else:
-        with pytest.raises(PlanningError) as info:
-            BalancedSavePlanner().create_global_plan(plans)
-        assert str(info.value) == f"balanced plan failed DCP's validation: {error}"
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_planning_leaves_the_garbage_collector_as_it_found_it(enabled):
+    import gc
+
+    good = _local_plans([{"w": torch.zeros(64, 64)}] * 2)
+    bad = _local_plans([{"w": torch.zeros(4)}, {"w": torch.zeros(5)}])
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        BalancedSavePlanner().create_global_plan(good)
+        assert gc.isenabled() is enabled
+        with pytest.raises(PlanningError):
+            BalancedSavePlanner().create_global_plan(bad)
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()

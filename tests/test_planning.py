@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -44,7 +45,7 @@ def problems(draw, all_replicated: bool = False):
     cost = CostModel(bandwidth=1e6, per_item_overhead=draw(st.sampled_from([0, 1e-4, 1e-3])))
     options = PartitionOptions(
         epsilon=draw(st.sampled_from([0.01, 0.05, 0.2])),
-        min_chunk_bytes=draw(st.sampled_from([1, 16, 256, 4096])),
+        min_chunk_bytes=draw(st.sampled_from([None, 1, 16, 256, 4096])),
         split=draw(st.booleans()),
         group=draw(st.booleans()),
     )
@@ -101,9 +102,12 @@ def test_owned_items_stay_and_unsplittable_items_stay_whole(problem):
 @given(problems())
 def test_no_split_piece_is_smaller_than_the_minimum(problem):
     items, world, cost, options = problem
-    for p in partition(items, world, cost, options).pieces:
+    result = partition(items, world, cost, options)
+    if options.min_chunk_bytes is not None:
+        assert result.min_chunk == options.min_chunk_bytes
+    for p in result.pieces:
         if p.is_split:
-            assert p.nbytes >= options.min_chunk_bytes
+            assert p.nbytes >= result.min_chunk
 
 
 @settings(max_examples=100, deadline=None)
@@ -124,7 +128,7 @@ def test_plan_is_deterministic_and_independent_of_input_order(problem, rnd):
 @settings(max_examples=300, deadline=None)
 @given(problems(all_replicated=True))
 def test_balance_bound_of_the_module_docstring(problem):
-    """max load <= max(O, M + max(s, U)), with O = 0 when everything is replicated."""
+    """max load <= max(O, M + max(s, U, V)), with O = 0 when everything is replicated."""
     items, world, cost, options = problem
     result = partition(items, world, cost, options)
     h = cost.overhead_bytes
@@ -133,15 +137,17 @@ def test_balance_bound_of_the_module_docstring(problem):
         for i in items
         if world > 1 and (i.shape is None or not options.split or max(i.shape, default=0) < 2)
     ]
-    # Items too coarse to cut (a slab above the granularity) count as unsplittable too.
-    granularity = result.slack - options.min_chunk_bytes - h
+    # Items too coarse to cut within the granularity are cut at their finest slab:
+    # V, one slab and the overhead, not the whole item.
+    granularity = result.slack - result.min_chunk - h
+    coarse = [0]
     for i in items:
         if i.shape is not None and options.split and world > 1:
             slabs = [math.prod(i.shape) * i.itemsize // s for s in i.shape if s >= 2]
             if slabs and min(slabs) > granularity:
-                unsplittable.append(cost.cost(i.nbytes))
+                coarse.append(min(slabs) + h)
     mean_ceil = -(-sum(result.loads) // world)
-    bound = mean_ceil + max(result.slack, max(unsplittable, default=0))
+    bound = mean_ceil + max(result.slack, *unsplittable, *coarse)
     assert max(result.loads, default=0) <= bound
     assert sum(result.loads) == sum(
         cost.cost(p.nbytes) for p in result.pieces
@@ -227,3 +233,100 @@ def test_balance_is_lpt_over_whole_items(sizes, bins):
     assert all(groups) and len(groups) <= bins
     if bins > 1 and len(sizes) > 1:
         assert groups == _lpt_reference(sizes, bins)
+
+
+# ------------------------------------------------------------------ chunk tiling
+
+
+@st.composite
+def tilings(draw):
+    """A tensor shape and boxes near it: mostly a tiling by rows, sometimes broken."""
+    dims = draw(st.integers(1, 3))
+    size = tuple(draw(st.integers(1, 6)) for _ in range(dims))
+    boxes = []
+    for _ in range(draw(st.integers(0, 8))):
+        offsets = tuple(draw(st.integers(-1, n + 1)) for n in size)
+        sizes = tuple(draw(st.integers(0, n)) for n in size)
+        boxes.append((offsets, sizes))
+    if draw(st.booleans()):  # a proper row tiling, maybe with an empty shard at the end
+        cuts = sorted(draw(st.sets(st.integers(1, size[0] - 1), max_size=3))) if size[0] > 1 else []
+        edges = [0, *cuts, size[0]]
+        rest = tuple(0 for _ in size[1:])
+        boxes = [((a, *rest), (b - a, *size[1:])) for a, b in itertools.pairwise(edges)]
+        if draw(st.booleans()):
+            boxes.append(((size[0], *rest), (0, *size[1:])))
+    return size, boxes
+
+
+def _dcp_verdicts(size, boxes, world):
+    """(out-of-bounds, overlapping pairs, fill) counts from DCP's own validation."""
+    import torch
+    from torch.distributed.checkpoint.default_planner import _validate_global_plan
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]
+    md = TensorStorageMetadata(TensorProperties(), torch.Size(size), chunks)
+    errors = _validate_global_plan([None] * world, Metadata({"w": md}))
+    return tuple(sum(kind in e for e in errors) for kind in ("out of bounds", "overlap", "fill"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(tilings(), st.sampled_from([1, 2]))
+def test_chunk_errors_give_dcps_verdicts(tiling, world):
+    from dcp_multilevel.planning import chunk_errors
+
+    size, boxes = tiling
+    errors = chunk_errors(size, boxes, must_cover=world > 1)
+    ours = tuple(
+        sum(kind in e for e in errors) for kind in ("lies outside", "overlap", "elements but")
+    )
+    assert ours == _dcp_verdicts(size, boxes, world)
+
+
+def test_row_shards_of_many_ranks_are_checked_without_comparing_every_pair(monkeypatch):
+    # A (1024, 4096) weight in 1-row shards: DCP sweeps along dim 1 and compares all
+    # 523,776 pairs; sweeping along the cut dimension compares none.
+    from dcp_multilevel.planning import chunks as chunks_module
+
+    calls = []
+    real = chunks_module._overlap
+    monkeypatch.setattr(chunks_module, "_overlap", lambda a, b: calls.append(1) or real(a, b))
+    boxes = [((r, 0), (1, 4096)) for r in range(1024)]
+    boxes.append(((1024, 0), (0, 4096)))  # DTensor's empty shard past the end
+    assert chunks_module.chunk_errors((1024, 4096), boxes, must_cover=True) == []
+    assert len(calls) == 0
+    assert chunks_module.chunk_errors((), [], must_cover=True) == []  # 0-dim: never checked
+
+
+def _bert_large_adamw() -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of BertForPreTraining-large's parameters, each with AdamW's two moments."""
+    h, i, v = 1024, 4096, 30522
+    params = [("emb.word", (v, h)), ("emb.pos", (512, h)), ("emb.type", (2, h))]
+    params += [("emb.ln.w", (h,)), ("emb.ln.b", (h,))]
+    for n in range(24):
+        for name, shape in [
+            *((f"q{k}", (h, h)) for k in "qkvo"),
+            *((f"q{k}.b", (h,)) for k in "qkvo"),
+            ("in", (i, h)), ("in.b", (i,)), ("out", (h, i)), ("out.b", (h,)),
+            ("ln1.w", (h,)), ("ln1.b", (h,)), ("ln2.w", (h,)), ("ln2.b", (h,)),
+        ]:  # fmt: skip
+            params.append((f"layer.{n}.{name}", shape))
+    params += [("pool", (h, h)), ("pool.b", (h,)), ("cls.bias", (v,)), ("cls.dec", (v, h))]
+    return [(f"{kind}.{name}", s) for kind in ("model", "m1", "m2") for name, s in params]
+
+
+@pytest.mark.parametrize("world", [2048, 4096, 16384])
+def test_replicated_bert_large_adamw_stays_within_2_percent_at_thousands_of_ranks(world):
+    everyone = tuple(range(world))
+    items = [
+        Item(k, 4 * math.prod(shape), everyone, name, name.rsplit(".", 1)[0], shape, 4)
+        for k, (name, shape) in enumerate(_bert_large_adamw())
+    ]
+    per_rank = partition(items, world, check=False).bytes_per_rank()
+    assert sum(per_rank) == sum(i.nbytes for i in items)
+    assert max(per_rank) / (sum(per_rank) / world) <= 1.02

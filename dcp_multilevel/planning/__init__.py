@@ -1,16 +1,20 @@
-"""Save planning as pure functions: cost model, partitioning, splitting, grouping.
+"""Save planning as pure functions: cost model, partitioning, splitting, grouping,
+and checking that a tensor's chunks tile it.
 
 Nothing here touches torch.distributed, files or DCP plans; ``planner.py``
 translates between DCP and these types.
 """
 
 from .balance import balance
+from .chunks import Chunk, chunk_errors
 from .cost import CostModel
 from .items import Item, Piece
-from .partition import Partition, PartitionOptions, partition
+from .partition import DEFAULT_MIN_CHUNK_BYTES, Partition, PartitionOptions, partition
 from .split import choose_split_dim, slab_bytes
 
 __all__ = [
+    "DEFAULT_MIN_CHUNK_BYTES",
+    "Chunk",
     "CostModel",
     "Item",
     "Partition",
@@ -18,6 +22,7 @@ __all__ = [
     "Piece",
     "balance",
     "choose_split_dim",
+    "chunk_errors",
     "partition",
     "slab_bytes",
 ]

@@ -24,9 +24,10 @@ class Item(NamedTuple):
         nbytes: bytes to store.
         owners: ranks that hold this item, sorted. One owner: it stays there.
             Several: any of them may write it (replicated data).
-        sort_key: total order for deterministic tie-breaking (e.g. "fqn@offsets").
+        sort_key: total order for deterministic tie-breaking (e.g. "fqn@offsets")
+            among replicated items; never read for an item with one owner.
         group: sub-collection name; items of one group stay on one rank when
-            balance allows. ``""`` means no group.
+            balance allows. ``""`` means no group. Replicated items only.
         shape: element shape if the item may be split into sub-boxes (plain
             replicated tensors); ``None`` if it must be written whole.
         itemsize: bytes per element (with ``shape``).

@@ -5,7 +5,11 @@ The algorithm, in cost units (byte-equivalents, see ``cost.py``):
 1. Items with one owner stay there; their costs start the per-rank loads.
 2. ``T = ceil(total cost / n)`` is the target load, and the slack is
    ``s = max(ceil(epsilon * T), 2 * m + h)`` where ``m`` is the minimum chunk
-   size in bytes and ``h`` the per-item overhead.
+   size in bytes and ``h`` the per-item overhead. Unless given, ``m`` is 16 KiB
+   or, where that would widen the slack past ``epsilon * T``, ``(ceil(epsilon *
+   T) - h) // 2``, but at least ``h`` (a piece is worth its overhead) and 1:
+   BERT-large + AdamW at 16k ranks gives each rank 268 KB, and a fixed 16 KiB
+   would leave 13% slack.
 3. Replicated *units* are processed largest first (ties broken by
    ``sort_key``): a unit is a group (several items of one sub-collection with
    the same owners) or a single item, or the unplaced remainder of a split item.
@@ -15,29 +19,34 @@ The algorithm, in cost units (byte-equivalents, see ``cost.py``):
    * a group that does not fit is dissolved into its items (re-queued);
    * a splittable item that does not fit is cut: a slab of ``k`` indices along
      one dimension (``split.py``) sized to fill ``r`` up to ``T``, but at least
-     ``m`` bytes and leaving at least ``m`` bytes; the remainder is re-queued;
-   * anything else (bytes objects, sharded chunks, remainders under ``2m``
-     bytes) goes whole to ``r``.
+     ``m`` bytes and leaving at least ``m`` bytes; the remainder is re-queued.
+     The dimension is one whose slabs are at most ``g = s - m - h`` bytes, or,
+     if none is that fine, the finest one (a *coarse* cut: at least one slab);
+   * anything else (bytes objects, sharded chunks, tensors with no dimension
+     of extent 2 or more, remainders under ``2m`` bytes) goes whole to ``r``.
 
 **Bound.** Let ``M = ceil(final total cost / n)`` be the mean load rounded up
 (the final total exceeds the initial one by ``h`` per extra piece, so ``M >=
-T``), ``O`` the largest load of owned items alone and ``U`` the largest cost
-of a replicated item that could not be split. If every replicated item is
-held by all ranks (data parallelism), then::
+T``), ``O`` the largest load of owned items alone, ``U`` the largest cost of
+a replicated item that could not be cut and ``V`` the largest ``slab + h``
+of an item cut coarsely. If every replicated item is held by all ranks (data
+parallelism), then::
 
-    max_r L_r <= max(O, M + max(s, U))
+    max_r L_r <= max(O, M + max(s, U, V))
 
-so ``max/mean <= 1 + max(epsilon*T, 2m + h, U) / mean`` whenever ``O <= M``.
+so ``max/mean <= 1 + max(epsilon*T, 2m + h, U, V) / mean`` whenever ``O <= M``.
 
 *Proof.* Loads only grow, so when a unit is placed the least-loaded rank has
 ``L_r <= current mean <= M``. A whole placement is made only if ``L_r + c <=
 T + s``, or for an unsplittable item (``L_r + c <= M + U``), or for a
 remainder under ``2m`` bytes (``c < 2m + h <= s``). A cut piece has ``k``
-slabs of at most ``g = s - m - h`` bytes each, where ``k`` is the largest
-count with ``k*slab + h <= T - L_r``, raised to at least ``ceil(m/slab)``
-slabs: so ``c <= max(T - L_r, m + slab + h)`` and ``L_r + c <= max(T, L_r) +
-s <= M + s``. Every placement keeps its rank within the bound, and a rank's
-final load is its load after its last placement. ∎
+slabs, where ``k`` is the largest count with ``k*slab + h <= T - L_r``,
+raised to at least ``ceil(m/slab)`` slabs: so ``c <= max(T - L_r, m + slab +
+h)``. With ``slab <= g`` that gives ``L_r + c <= max(T, L_r) + s <= M + s``;
+a coarse cut has ``slab > g >= m``, so at least one slab is ``ceil(m/slab) =
+1`` and ``L_r + c <= max(T, L_r + slab + h) <= M + V``. Every placement keeps
+its rank within the bound, and a rank's final load is its load after its last
+placement. ∎
 
 Complexity: ``O((I + P) log(I + n))`` for ``I`` items, ``P`` pieces and ``n``
 ranks, using a heap of loads (lazy deletion) for units held by all ranks;
@@ -57,7 +66,10 @@ from .cost import CostModel
 from .items import Item, Piece
 from .split import choose_split_dim, slab_bytes
 
-__all__ = ["Partition", "PartitionOptions", "partition"]
+__all__ = ["DEFAULT_MIN_CHUNK_BYTES", "Partition", "PartitionOptions", "partition"]
+
+#: The minimum chunk when none is given, unless the ranks' share is too small for it.
+DEFAULT_MIN_CHUNK_BYTES = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -66,31 +78,35 @@ class PartitionOptions:
 
     Attributes:
         epsilon: relative balance slack (see the module's bound).
-        min_chunk_bytes: no piece of a split item is smaller than this.
+        min_chunk_bytes: no piece of a split item is smaller than this. ``None``:
+            16 KiB, less where each rank's share is small (see the module
+            docstring); :attr:`Partition.min_chunk` says what was used.
         split: allow splitting replicated tensors.
         group: keep items of one sub-collection together when balance allows.
     """
 
     epsilon: float = 0.01
-    min_chunk_bytes: int = 16 << 10
+    min_chunk_bytes: int | None = None
     split: bool = True
     group: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.epsilon < 1:
             raise PlanningError(f"epsilon must be in (0, 1), got {self.epsilon!r}")
-        if self.min_chunk_bytes < 1:
+        if self.min_chunk_bytes is not None and self.min_chunk_bytes < 1:
             raise PlanningError(f"min_chunk_bytes must be >= 1, got {self.min_chunk_bytes!r}")
 
 
 @dataclass(frozen=True)
 class Partition:
-    """The result: every piece placed, and per-rank loads in cost units."""
+    """The result: every piece placed, per-rank loads in cost units, and the
+    target, slack and minimum chunk (bytes) the placement used."""
 
     pieces: tuple[Piece, ...]
     loads: tuple[int, ...]
     target: int
     slack: int
+    min_chunk: int
 
     def bytes_per_rank(self) -> list[int]:
         """Bytes each rank writes (the sum of its pieces' sizes), indexed by rank."""
@@ -112,18 +128,21 @@ class _Loads:
 
     def __init__(self, loads: list[int]) -> None:
         self.loads = loads
-        self.all_ranks = tuple(range(len(loads)))
         self._heap = [(load, r) for r, load in enumerate(loads)]
         heapq.heapify(self._heap)
 
     def argmin(self, owners: tuple[int, ...]) -> int:
-        if owners == self.all_ranks:
+        # Owners are sorted, unique and in range, so n of them are all ranks (no
+        # element-wise comparison of two n-tuples per unit).
+        if len(owners) == len(self.loads):
             while True:
                 load, r = self._heap[0]
                 if load == self.loads[r]:
                     return r
                 heapq.heappop(self._heap)  # stale entry
-        return min(owners, key=lambda r: (self.loads[r], r))
+        # min keeps the first of equal loads, and owners are sorted: ties go to the
+        # lowest rank. A C-level key: FSDP's empty shards have thousands of owners.
+        return min(owners, key=self.loads.__getitem__)
 
     def add(self, rank: int, cost: int) -> None:
         self.loads[rank] += cost
@@ -171,7 +190,6 @@ def partition(
     elif world_size < 1:
         raise PlanningError(f"world_size must be >= 1, got {world_size}")
     h = cost.overhead_bytes
-    m = options.min_chunk_bytes
 
     loads = [0] * world_size
     pieces: list[Piece] = []
@@ -186,7 +204,11 @@ def partition(
 
     total = sum(loads) + sum(i.nbytes for i in replicated) + h * len(replicated)
     target = -(-total // world_size)
-    slack = max(math.ceil(options.epsilon * target), 2 * m + h)
+    tolerance = math.ceil(options.epsilon * target)
+    m = options.min_chunk_bytes
+    if m is None:
+        m = min(DEFAULT_MIN_CHUNK_BYTES, max(1, h, (tolerance - h) // 2))
+    slack = max(tolerance, 2 * m + h)
     limit = target + slack
     granularity = slack - m - h
     state = _Loads(loads)
@@ -254,7 +276,7 @@ def partition(
         slab = slab_bytes(shape, item.itemsize, dim)
         k_min = -(-m // slab) if slab else 1
         remaining = hi - lo
-        if fits or slab == 0 or slab > granularity or remaining < 2 * k_min:
+        if fits or slab == 0 or remaining < 2 * k_min:
             k = remaining
         else:
             budget = target - state.loads[r] - h
@@ -271,4 +293,4 @@ def partition(
             rest = (hi - lo - k) * slab + h
             heapq.heappush(queue, (-rest, sort_key, next(seq), unit, lo + k, hi, dim))
 
-    return Partition(tuple(pieces), tuple(state.loads), target, slack)
+    return Partition(tuple(pieces), tuple(state.loads), target, slack, m)
