@@ -163,6 +163,29 @@ def restore_scale(doc: dict, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def save_plan_scale(doc: dict, out: Path) -> None:
+    """Coordinator planning seconds against ranks, log-log, ours against stock's
+    DefaultSavePlanner, per state (bench_plan_scale.py)."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    for state, marker in (("replicated", "o"), ("fsdp", "s")):
+        rows = sorted((r for r in doc["rows"] if r["state"] == state), key=lambda r: r["ranks"])
+        if not rows:
+            continue
+        ranks = [r["ranks"] for r in rows]
+        for name, color, label in (("stock", STOCK, "stock DefaultSavePlanner"),
+                                   ("ours", OURS, "BalancedSavePlanner")):  # fmt: skip
+            ax.plot(ranks, [r[name]["plan_s"] for r in rows], f"{marker}-", color=color,
+                    label=f"{label}, {state}")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks (BERT-large + AdamW; replicated, or FSDP row shards)")
+    ax.set_ylabel("seconds to plan a save (the coordinator)")
+    ax.set_title("Save planning against job size")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 #: results file -> (plot, PNG name, the benchmark and options that write the results file).
 PLOTS: dict[str, tuple[Callable[[dict, Path], None], str, str]] = {
     "save_load.json": (save_load, "save_load.png", "bench_save_load.py"),
@@ -170,6 +193,7 @@ PLOTS: dict[str, tuple[Callable[[dict, Path], None], str, str]] = {
     "codecs.json": (codecs, "codecs.png", "bench_codecs.py --savers ''"),
     "async.json": (async_blocked, "async_blocked.png", "bench_async.py"),
     "restore_plan.json": (restore_scale, "scale_restore.png", "bench_restore_plan.py"),
+    "plan_scale.json": (save_plan_scale, "scale_save_plan.png", "bench_plan_scale.py"),
 }
 
 
