@@ -166,33 +166,10 @@ def run_op(version: Path, op: str, root: str, keep: int, options: dict, count_ur
 
 def manifest_bytes(step: int, files: list[str]) -> bytes:
     """A real manifest of one small tensor per file in ``files`` (16 bytes each)."""
-    import torch
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    from dcp_multilevel.testing.manifests import tiny_manifest
 
-    from dcp_multilevel.format import ItemLocation, encode_manifest
-
-    state, locations = {}, {}
-    for i, name in enumerate(files):
-        fqn = f"layer{i}.weight"
-        state[fqn] = TensorStorageMetadata(
-            TensorProperties(dtype=torch.float32),
-            torch.Size([4]),
-            [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))],
-        )
-        locations[MetadataIndex(fqn, [0])] = ItemLocation(name, 0, 16, 16, f"xxh3_64:{i:016x}")
-    return encode_manifest(
-        Metadata(state),
-        locations,
-        dict.fromkeys(files, 16),
-        save_id=f"bench-{step}",
-        world_size=len(files),
-        created_unix=1.7e9 + step,
+    return tiny_manifest(
+        files, save_id=f"bench-{step}", world_size=len(files), created_unix=1.7e9 + step
     )
 
 

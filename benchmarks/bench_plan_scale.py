@@ -79,7 +79,7 @@ from _measure import cpu_snapshot, median, other_cpu_fraction, rotated
 from _report import command, markdown_table, verdict
 from bench_planner import _per_rank, _ratio
 from dcp_multilevel import BalancedSavePlanner
-from dcp_multilevel.planner import write_item_nbytes
+from dcp_multilevel.planner import drop_cached_plans, write_item_nbytes
 
 PLANNERS = {"stock": DefaultSavePlanner, "ours": BalancedSavePlanner}
 MB = 1e6
@@ -216,16 +216,8 @@ def gathered_mb(plans: list[SavePlan]) -> float:
 
 
 def _drop_cache(planner: SavePlanner) -> None:
-    """Forget DCP's class-level plan cache entries of ``planner`` (stock's: its class name)."""
-    key = planner._cached_plans_key
-    for cache in (
-        SavePlanner._cached_save_plan,
-        SavePlanner._cached_all_plans,
-        SavePlanner._cached_global_plan,
-        SavePlanner._cached_metadata,
-        SavePlanner._cached_final_save_plan,
-    ):
-        cache.pop(key, None)
+    """Forget DCP's class-level plan cache entries of ``planner``."""
+    drop_cached_plans(planner._cached_plans_key)
 
 
 def _planner(name: str, state: dict) -> SavePlanner:

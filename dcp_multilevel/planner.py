@@ -126,7 +126,7 @@ class BalancedSavePlanner(DefaultSavePlanner):
         # plans, storage_data included. Scope it to this instance, and drop the
         # entries when the instance goes away so per-save planners do not leak.
         self._cached_plans_key = f"{type(self).__name__}:{uuid.uuid4().hex}"
-        weakref.finalize(self, _drop_cached_plans, self._cached_plans_key)
+        weakref.finalize(self, drop_cached_plans, self._cached_plans_key)
         #: The last partition's loads (cost units), for reports and tests.
         self.last_loads: tuple[int, ...] = ()
 
@@ -291,7 +291,9 @@ def _collector_paused() -> Iterator[None]:
         gc.enable()
 
 
-def _drop_cached_plans(key: str) -> None:
+def drop_cached_plans(key: str) -> None:
+    """Forget DCP's class-level plan cache entries under ``key`` (a planner's
+    ``_cached_plans_key``; stock's is its class name)."""
     for cache in (
         SavePlanner._cached_save_plan,
         SavePlanner._cached_all_plans,

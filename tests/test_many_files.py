@@ -28,20 +28,13 @@ import pytest
 import torch
 from _s3 import S3Server, free_port
 from click.testing import CliRunner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from dcp_multilevel import CheckpointManager, Level
 from dcp_multilevel.checkpoint import CheckpointRoot
 from dcp_multilevel.cli import main
-from dcp_multilevel.format import ItemLocation, encode_manifest
 from dcp_multilevel.levels import driver_for
 from dcp_multilevel.stores import store_for
+from dcp_multilevel.testing.manifests import tiny_manifest
 
 STEPS = 12
 FILES = (2, 24)  # per step: every count below must be the same for both
@@ -53,19 +46,7 @@ def data_names(files: int) -> list[str]:
 
 def manifest(step: int, files: list[str]) -> bytes:
     """A real manifest: one 16-byte tensor in each of ``files``."""
-    state, locations = {}, {}
-    for i, name in enumerate(files):
-        fqn = f"w{i}"
-        state[fqn] = TensorStorageMetadata(
-            TensorProperties(dtype=torch.float32),
-            torch.Size([4]),
-            [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))],
-        )
-        locations[MetadataIndex(fqn, [0])] = ItemLocation(name, 0, 16, 16, f"xxh3_64:{i:016x}")
-    return encode_manifest(
-        Metadata(state), locations, dict.fromkeys(files, 16), save_id=f"s{step}",
-        world_size=1, created_unix=1.7e9 + step,
-    )  # fmt: skip
+    return tiny_manifest(files, save_id=f"s{step}", world_size=1, created_unix=1.7e9 + step)
 
 
 def cli(*argv: str, options: dict | None = None) -> Any:
