@@ -247,7 +247,7 @@ def check_replicas(digests: list[dict[MetadataIndex, str]]) -> None:
     if differing:
         index, groups = differing[0]
         variants = "; ".join(
-            f"ranks {ranks} hold xxh3 {digest}"
+            f"ranks {ranks} hold {digest if digest.startswith('fp64x2:') else 'xxh3 ' + digest}"
             for digest, ranks in sorted(groups.items(), key=lambda g: g[1])
         )
         more = f" ({len(differing) - 1} more items differ)" if len(differing) > 1 else ""

@@ -46,6 +46,7 @@ from ._plans import (
 from .errors import PlanningError
 from .format.tensor_bytes import byte_view
 from .planning import CostModel, Item, PartitionOptions, Piece, partition
+from .planning.fingerprint import fingerprint
 
 __all__ = ["BalancedSavePlanner", "parent_group", "write_item_nbytes"]
 
@@ -87,6 +88,10 @@ class BalancedSavePlanner(DefaultSavePlanner):
         verify_replicas: before deduplicating, check that every replicated
             item has the same bytes on every rank that holds it (hashes only
             travel); raise PlanningError naming the FQN and ranks otherwise.
+            CPU tensors are hashed with xxh3, device tensors fingerprinted on
+            their device (``planning/fingerprint.py``: 16 bytes come back, not
+            the tensor): a replica must live on the same kind of device on
+            every rank.
         enable_plan_caching: reuse the global plan while local plans do not
             change (DCP's mechanism), per planner instance: reuse one planner
             across saves to benefit. Turned off by ``verify_replicas``, whose
@@ -151,8 +156,9 @@ class BalancedSavePlanner(DefaultSavePlanner):
         if isinstance(data, io.BytesIO):
             return xxhash.xxh3_64_hexdigest(data.getbuffer())
         t = data.detach()
-        t = (t.cpu() if t.device.type != "cpu" else t).contiguous()
-        return xxhash.xxh3_64_hexdigest(byte_view(t))
+        if t.device.type != "cpu":  # on the device: no whole copy to the host
+            return fingerprint(t)
+        return xxhash.xxh3_64_hexdigest(byte_view(t.contiguous()))
 
     # ------------------------------------------------------------------ global
 

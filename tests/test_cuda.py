@@ -53,3 +53,18 @@ def test_an_async_save_from_cuda_holds_the_state_at_staging_completion(tmp_path)
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c"))
     assert all(torch.equal(out[k].cpu(), expected[k]) for k in expected)
+
+
+@cuda
+def test_replica_digests_of_cuda_state_are_computed_on_the_device(tmp_path):
+    from dcp_multilevel import BalancedSavePlanner
+    from dcp_multilevel.planning.fingerprint import fingerprint
+
+    state = _state("cuda")
+    # The same bytes give the same fingerprint on the device and on the host.
+    assert all(fingerprint(v) == fingerprint(v.cpu()) for v in state.values())
+    planner = BalancedSavePlanner(verify_replicas=True)
+    dcp.save(state, storage_writer=MultiLevelWriter(tmp_path / "c"), planner=planner)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c"))
+    assert all(torch.equal(out[k], v) for k, v in state.items())

@@ -6,6 +6,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -20,6 +22,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from dcp_multilevel import BalancedSavePlanner, CostModel, PlanningError
+from dcp_multilevel.planning.fingerprint import fingerprint
 
 
 def _local_plans(states):
@@ -293,3 +296,24 @@ def test_planning_leaves_the_garbage_collector_as_it_found_it(enabled):
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+# --------------------------------------------------------------------------- fingerprint
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.float64]),
+    st.integers(1, 5000),
+    st.integers(0, 2**31),
+)
+def test_a_fingerprint_changes_with_any_bit_and_not_with_chunking(dtype, numel, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randn(numel, generator=g) * 100).to(dtype)
+    same = fingerprint(t)
+    assert fingerprint(t.clone()) == same == fingerprint(t, chunk_words=7)  # any chunking
+    raw = t.view(torch.uint8).clone()
+    byte = int(torch.randint(raw.numel(), (1,), generator=g))
+    raw[byte] ^= 1 << int(torch.randint(8, (1,), generator=g))
+    assert fingerprint(raw.view(dtype)) != same  # one flipped bit anywhere
+    assert fingerprint(t[:-1]) != same or numel == 1  # a shorter tensor

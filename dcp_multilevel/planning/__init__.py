@@ -1,5 +1,6 @@
 """Save planning as pure functions: cost model, partitioning, splitting, grouping,
-and checking that a tensor's chunks tile it.
+checking that a tensor's chunks tile it, and a device tensor's fingerprint
+(``fingerprint.py``, for replica checks).
 
 Nothing here touches torch.distributed, files or DCP plans; ``planner.py``
 translates between DCP and these types.
