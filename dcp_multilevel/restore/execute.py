@@ -87,8 +87,11 @@ class RestoreReport:
         nodes = {inv.rank: inv.node for inv in inventories}
         for action in plan.actions:
             if isinstance(action, Ring):
-                files = [f for f in received_around(action, node)
-                         if not any(CopyFault(n, f) in bad for n in action.nodes)]  # fmt: skip
+                # A file whose copy failed on a ring node (one set, not a lookup per
+                # file and node: 2,000 nodes x 16,000 files at scale).
+                ring_nodes = set(action.nodes)
+                failed = {f.file for f in bad if isinstance(f, CopyFault) and f.node in ring_nodes}
+                files = [f for f in received_around(action, node) if f not in failed]
                 if files:
                     key = f"{names[0]} (around a ring of {len(action.nodes)} nodes)"
                     self.received[key] = self.received.get(key, 0) + len(files)
