@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import mmap
 import os
 import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_multilevel.stores import Store, _writeback, coalescing
+from dcp_multilevel.errors import ConfigError
+from dcp_multilevel.stores import Store, _direct, _writeback, coalescing, store_for
 from dcp_multilevel.stores.local import LocalStore
 from dcp_multilevel.testing import StoreTests
 
@@ -25,6 +29,14 @@ class TestLocalStore(StoreTests):
     def test_url_and_file_scheme(self, tmp_path):
         assert LocalStore(f"file://{tmp_path}").url == f"file://{tmp_path}"
         assert LocalStore(tmp_path).supports_atomic_rename
+
+
+class TestLocalStoreThroughThePageCache(StoreTests):
+    """The same suite with ordinary writes (``direct_io=False``)."""
+
+    @pytest.fixture
+    def tier(self, tmp_path) -> Store:
+        return LocalStore(tmp_path / "root", direct_io=False)
 
 
 # ------------------------------------------------------------- early writeback
@@ -61,7 +73,7 @@ def test_local_files_ask_for_writeback_stride_by_stride_when_they_are_fsynced(
 
     monkeypatch.setattr(_writeback, "start_writeback", spy)
     monkeypatch.setattr(_writeback, "WRITEBACK_STRIDE", 1 << 16)
-    tier = LocalStore(tmp_path, sync=sync)
+    tier = LocalStore(tmp_path, sync=sync, direct_io=False)  # direct writes skip the cache
     block = bytes(range(256)) * 100  # 25,600 B: strides end mid-write
     with tier.open_write("data.bin") as f:
         for _ in range(20):
@@ -75,6 +87,103 @@ def test_local_files_ask_for_writeback_stride_by_stride_when_they_are_fsynced(
     assert [offset for offset, _ in asked] == [0, *ends[:-1]]
     assert all(n >= 1 << 16 for _, n in asked)
     assert sum(n for _, n in asked) <= len(block) * 20 < sum(n for _, n in asked) + (1 << 16)
+
+
+# ------------------------------------------------------------------- direct I/O
+
+needs_direct = pytest.mark.skipif(not _direct.available(), reason="no O_DIRECT here")
+
+
+def _resident_pages(path) -> tuple[int, int]:
+    """(pages of ``path`` in the page cache, pages in all), from mincore(2)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path)
+    page = mmap.PAGESIZE
+    pages = (size + page - 1) // page
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
+        vec = (ctypes.c_ubyte * pages)()
+        addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
+        assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+        return sum(v & 1 for v in vec), pages
+
+
+@needs_direct
+def test_synced_local_files_bypass_the_page_cache_unless_turned_off(tmp_path):
+    data = np.random.default_rng(0).integers(0, 256, (8 << 20) + 1234, dtype=np.uint8).tobytes()
+    for direct_io in (None, False):
+        tier = LocalStore(tmp_path / str(direct_io), direct_io=direct_io)
+        with tier.open_write("data.bin") as f:
+            for i in range(0, len(data), 3 << 20):  # pieces that straddle the bounce buffer
+                f.write(data[i : i + (3 << 20)])
+        path = tmp_path / str(direct_io) / "data.bin"
+        resident, pages = _resident_pages(path)
+        if direct_io is None:  # the default: only the last, partial block went through it
+            assert resident <= 2, (resident, pages)
+        else:
+            assert resident > pages // 2, (resident, pages)
+        assert path.read_bytes() == data
+
+
+@needs_direct
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 5 * 4096 + 17), max_size=12),
+    pages=st.integers(1, 3),
+    direct=st.booleans(),
+)
+def test_direct_handle_writes_exactly_the_bytes_given(tmp_path_factory, sizes, pages, direct):
+    path = tmp_path_factory.mktemp("direct") / "f.bin"
+    rng = np.random.default_rng(len(sizes))
+    pieces = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    bounce = mmap.mmap(-1, pages * _direct.ALIGN)  # small: most writes cross it
+    view = memoryview(bounce)
+    h = _direct.DirectWriteHandle(fd, _direct.open_direct(path) if direct else None, bounce=view)
+    try:
+        for i, piece in enumerate(pieces):
+            h.write(memoryview(piece) if i % 2 else piece)
+            assert h.tell() == sum(map(len, pieces[: i + 1]))
+        h.finish()
+    finally:
+        h.close()
+        os.close(fd)
+        view.release()
+        bounce.close()
+    assert path.read_bytes() == b"".join(pieces)
+
+
+@needs_direct
+def test_a_refused_direct_write_falls_back_to_ordinary_writes(tmp_path):
+    # A bounce buffer one byte past a page boundary: the kernel refuses O_DIRECT
+    # writes from it (EINVAL), as some file systems refuse them all.
+    raw = mmap.mmap(-1, 3 * _direct.ALIGN)
+    bounce = memoryview(raw)[1 : 1 + 2 * _direct.ALIGN]
+    path = tmp_path / "f.bin"
+    data = bytes(range(256)) * 100
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    h = _direct.DirectWriteHandle(fd, _direct.open_direct(path), bounce=bounce)
+    try:
+        assert h.direct
+        h.write(data)
+        assert not h.direct  # the first full buffer was refused, and written ordinarily
+        h.finish()
+    finally:
+        h.close()
+        os.close(fd)
+    bounce.release()
+    raw.close()
+    assert path.read_bytes() == data
+
+
+def test_direct_io_is_a_local_storage_option_checked_at_construction(tmp_path):
+    assert LocalStore(tmp_path).direct_io == _direct.available()
+    assert not LocalStore(tmp_path, sync=False).direct_io  # scratch data stays cached
+    assert not store_for(str(tmp_path), direct_io=False).direct_io
+    with pytest.raises(ConfigError, match=r"direct_io .* must be True, False or None, got 'yes'"):
+        LocalStore(tmp_path, direct_io="yes")
+    with pytest.raises(ValueError, match="not a multiple of 4096"):
+        _direct.DirectWriteHandle(0, None, bounce=memoryview(bytearray(100)))
 
 
 # --------------------------------------------------------------------------- coalescing

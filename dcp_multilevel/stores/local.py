@@ -18,7 +18,9 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..format.layout import MANIFEST_NAME, TMP_MARKER
-from .base import FdWriteHandle, Store
+from . import _direct
+from ._direct import DirectWriteHandle
+from .base import FdWriteHandle, Store, WriteHandle
 
 __all__ = ["LocalStore"]
 
@@ -51,11 +53,24 @@ class LocalStore(Store):
         sync: fsync files and directories before publishing them. Turn off only
             for scratch data (e.g. tests on tmpfs): without it a power loss can
             leave a published file empty.
+        direct_io: write whole blocks with ``O_DIRECT``, past the page cache
+            (see ``_direct.py``: a fraction of the CPU an ordinary write takes,
+            which matters while training runs beside an async save). Default:
+            on for synced stores where the file system takes it, off for
+            ``sync=False`` (scratch data is read back soon, from the cache).
+            The storage option ``direct_io=False`` turns it off.
     """
 
     supports_atomic_rename = True
 
-    def __init__(self, root: str | os.PathLike[str], *, sync: bool = True, **options: object):
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        sync: bool = True,
+        direct_io: bool | None = None,
+        **options: object,
+    ):
         if options:
             raise ConfigError(
                 f"options {sorted(options)} do not apply to the local directory store at "
@@ -66,6 +81,12 @@ class LocalStore(Store):
             root = root[len("file://") :]
         self.root = Path(root)
         self.sync = sync
+        if direct_io is not None and not isinstance(direct_io, bool):
+            raise ConfigError(
+                f"direct_io for the local store at {root!r} must be True, False or None, "
+                f"got {direct_io!r}"
+            )
+        self.direct_io = (sync if direct_io is None else direct_io) and _direct.available()
 
     @property
     def url(self) -> str:
@@ -76,7 +97,7 @@ class LocalStore(Store):
         return self.root / path if path else self.root
 
     @contextmanager
-    def open_write(self, path: str) -> Iterator[FdWriteHandle]:
+    def open_write(self, path: str) -> Iterator[WriteHandle]:
         """Write a temporary file beside ``path``, then rename it into place (atomic).
 
         With ``sync``, the file is fsynced before the rename and its directory
@@ -86,15 +107,26 @@ class LocalStore(Store):
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f"{final.name}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        direct: DirectWriteHandle | None = None
         try:
-            # Early writeback only where the file is fsynced at the end.
-            yield FdWriteHandle(fd, early_writeback=self.sync)
+            dfd = _direct.open_direct(tmp) if self.direct_io else None
+            if dfd is not None:
+                direct = DirectWriteHandle(fd, dfd)
+                yield direct
+                direct.finish()
+            else:
+                # Early writeback only where the file is fsynced at the end.
+                yield FdWriteHandle(fd, early_writeback=self.sync)
             if self.sync:
                 os.fsync(fd)
         except BaseException:
+            if direct is not None:
+                direct.close()
             os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
+        if direct is not None:
+            direct.close()
         os.close(fd)
         os.replace(tmp, final)
         if self.sync:

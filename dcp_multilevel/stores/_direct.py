@@ -1,0 +1,189 @@
+"""Write local files with ``O_DIRECT``: the bytes go to the disk, not the page cache.
+
+Why: an ordinary write copies every byte into the page cache, allocates and
+later reclaims those pages, and the kernel's writeback walks them again. For
+a checkpoint that is CPU time taken from training while an async save runs.
+Measured on this project's 2-core VM (``benchmarks/bench_direct_io.py``: a
+synchronous ``dcp.save`` of 1.48 GB, fsynced, 5 alternating rounds, medians):
+0.27 s of CPU and 0.71 s of wall time with ``O_DIRECT``, against 1.33 s of
+CPU and 1.31 s through the page cache (stock ``FileSystemWriter``: 1.12 s,
+1.50 s). Nearly all of the difference is kernel time.
+
+How: :class:`DirectWriteHandle` gathers the caller's bytes in a page-aligned
+bounce buffer (reused across files) and writes each full buffer with one
+``pwrite`` on a second descriptor of the same file, opened with ``O_DIRECT``.
+The end of the file that is not a whole block goes through the ordinary
+descriptor, and the caller's ``fsync`` on that descriptor covers both (the
+file's data and the device's cache): ``O_DIRECT`` alone is not durable.
+
+Where the file system refuses ``O_DIRECT`` (at open, or ``EINVAL`` on a
+write: some network and FUSE file systems), the handle writes the rest of
+the file the ordinary way; the file's bytes are the same either way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import threading
+
+import numpy as np
+
+__all__ = ["ALIGN", "BOUNCE_BYTES", "DirectWriteHandle", "available", "open_direct"]
+
+#: Alignment of the buffer's address, the file offsets and the lengths of
+#: direct writes: 4 KiB covers 512-byte and 4K-sector devices alike.
+ALIGN = 4096
+
+#: Bytes gathered per direct write. Large enough that the device sees big
+#: requests (the kernel splits them, so several are in flight), small enough
+#: to be no memory to speak of.
+BOUNCE_BYTES = 16 << 20
+
+#: Idle bounce buffers kept for the next files (each BOUNCE_BYTES).
+_KEEP = 2
+_idle: list[mmap.mmap] = []
+_idle_lock = threading.Lock()
+
+
+def available() -> bool:
+    """Whether this platform has ``O_DIRECT`` at all (Linux, some BSDs)."""
+    return hasattr(os, "O_DIRECT")
+
+
+def open_direct(path: str | os.PathLike[str]) -> int | None:
+    """A second, ``O_DIRECT`` descriptor on the existing file ``path``; None where refused."""
+    if not available():
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            return None
+        raise
+
+
+def _take() -> mmap.mmap:
+    with _idle_lock:
+        if _idle:
+            return _idle.pop()
+    return mmap.mmap(-1, BOUNCE_BYTES)  # anonymous: page-aligned
+
+
+def _give(buf: mmap.mmap) -> None:
+    with _idle_lock:
+        if len(_idle) < _KEEP:
+            _idle.append(buf)
+            return
+    buf.close()
+
+
+def _address(view: memoryview) -> int:
+    # numpy reads the address of read-only buffers too (bytes, read-only tensors).
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data
+
+
+class DirectWriteHandle:
+    """A :class:`~.base.WriteHandle` that writes whole blocks with ``O_DIRECT``.
+
+    Call order::
+
+        h = DirectWriteHandle(fd, direct_fd)   # fd: the ordinary descriptor
+        h.write(...)                           # repeatedly
+        h.finish()                             # the rest of the bytes; then fsync(fd)
+        h.close()                              # always (also on error): direct_fd, buffer
+
+    Neither descriptor's file position is used: every write is a ``pwrite``.
+    """
+
+    __slots__ = ("_buf", "_cap", "_direct", "_fd", "_fill", "_mv", "_pos", "_written")
+
+    def __init__(self, fd: int, direct_fd: int | None, *, bounce: memoryview | None = None) -> None:
+        """``bounce``: the caller's buffer (a multiple of ALIGN, at an aligned
+        address); by default one from the shared pool, handed back at ``close``."""
+        self._fd = fd
+        self._direct = direct_fd
+        self._buf = _take() if bounce is None else None
+        self._mv = memoryview(self._buf) if bounce is None else bounce.cast("B")
+        if len(self._mv) % ALIGN or not self._mv:
+            raise ValueError(f"bounce buffer of {len(self._mv)} bytes: not a multiple of {ALIGN}")
+        self._cap = len(self._mv)
+        self._fill = 0  # bytes gathered in the buffer
+        self._written = 0  # bytes of the file already written (a multiple of ALIGN while direct)
+        self._pos = 0
+
+    @property
+    def direct(self) -> bool:
+        """Whether whole blocks still go out with ``O_DIRECT`` (False after a fallback)."""
+        return self._direct is not None
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append all of ``data`` (copied into the bounce buffer; not kept)."""
+        mv = memoryview(data).cast("B")
+        if not mv:
+            return
+        src = _address(mv)
+        done, n = 0, len(mv)
+        dst = _address(self._mv)
+        while done < n:
+            take = min(n - done, self._cap - self._fill)
+            # ctypes releases the GIL for the copy: training threads keep running.
+            ctypes.memmove(dst + self._fill, src + done, take)
+            self._fill += take
+            done += take
+            if self._fill == self._cap:
+                self._flush(self._cap)
+        self._pos += n
+
+    def tell(self) -> int:
+        """Bytes written through this handle so far."""
+        return self._pos
+
+    def finish(self) -> None:
+        """Write what is gathered: whole blocks directly, the last partial block ordinarily."""
+        whole = self._fill - self._fill % ALIGN
+        if whole:
+            self._flush(whole)
+        if self._fill:
+            self._pwrite(self._fd, self._mv[: self._fill], self._written)
+            self._written += self._fill
+            self._fill = 0
+
+    def close(self) -> None:
+        """Close the direct descriptor and hand the bounce buffer back (idempotent)."""
+        if self._direct is not None:
+            os.close(self._direct)
+            self._direct = None
+        self._mv.release()  # idempotent; the caller's own bounce view stays theirs
+        if self._buf is not None:
+            _give(self._buf)
+            self._buf = None
+
+    def _flush(self, nbytes: int) -> None:
+        """Write the first ``nbytes`` gathered (a multiple of ALIGN) and keep the rest."""
+        chunk = self._mv[:nbytes]
+        if self._direct is not None:
+            try:
+                self._pwrite(self._direct, chunk, self._written)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                # The file system takes O_DIRECT at open but not these writes.
+                os.close(self._direct)
+                self._direct = None
+        if self._direct is None:
+            self._pwrite(self._fd, chunk, self._written)
+        self._written += nbytes
+        rest = self._fill - nbytes
+        if rest:
+            self._mv[:rest] = self._mv[nbytes : self._fill]
+        self._fill = rest
+
+    @staticmethod
+    def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+        while data:
+            n = os.pwrite(fd, data, offset)  # releases the GIL; may write less
+            data = data[n:]
+            offset += n
