@@ -19,7 +19,11 @@ A step is forward, backward and the optimizer step of the model in
 time includes the ``async_save`` call of a step that saves. Saves at steps 1, 1 +
 N, ...: each has steps after it to slow down. Inflation per save = (the
 loop's time - the ``none`` loop's time in the same round) / saves; as a
-percentage, of the N steps between saves.
+percentage, of the N steps between saves. CPU per save = (the machine's
+busy CPU seconds over the loop and until its saves are durable - the same
+for the ``none`` loop) / saves: what the saves cost the cores, kernel
+included; on a machine whose cores training keeps busy, inflation cannot
+be much below it.
 After each loop, untimed: wait for the saves to be durable, note memory,
 delete the checkpoints.
 """
@@ -66,6 +70,18 @@ def rss() -> int:
 
 def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds this machine's cores spent busy since boot (Linux ``/proc/stat``:
+    user, nice, system, irq and softirq; not idle, iowait or time stolen by the
+    hypervisor). None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            t = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    return (t[0] + t[1] + t[2] + t[5] + t[6]) / os.sysconf("SC_CLK_TCK")
 
 
 def pinned_bytes() -> int | None:
@@ -162,6 +178,7 @@ class Method:
 def run_loop(tr: Trainer, method: Method | None, steps: int, every: int) -> dict[str, Any]:
     blocked, durable, pending = [], [], []
     fence: Future | None = None
+    busy0 = machine_busy_s()
     t_loop = time.perf_counter()
     for i in range(1, steps + 1):
         tr.step(fence)
@@ -180,9 +197,12 @@ def run_loop(tr: Trainer, method: Method | None, steps: int, every: int) -> dict
         fut.result()
     if method is not None:
         method.finish()
+    busy1 = machine_busy_s()
     time.sleep(0.01)  # the done callbacks ran on the saving threads
     return {
         "loop_s": loop_s,
+        # The loop's and its saves' CPU, until the last save is durable.
+        "busy_s": None if busy0 is None or busy1 is None else busy1 - busy0,
         "saves": len(blocked),
         "blocked": blocked,
         "durable": list(durable),
@@ -199,13 +219,16 @@ def bench_steps(
     steps: int,
     every: int,
     deadline: float,
+    only: tuple[str, ...] = METHODS,
 ) -> dict[str, Any]:
+    """``only``: the methods to run (``none``, the baseline, always runs)."""
+    names = tuple(m for m in METHODS if m == "none" or m in only)
     tr = Trainer(size, device)
     nbytes = state_nbytes(tr.state())
     print(f"  state: {nbytes / GB:.2f} GB ({size}); warm-up", flush=True)
     for _ in range(3):
         tr.step(None)
-    methods = {m: Method(m, root / m) for m in METHODS if m != "none"}
+    methods = {m: Method(m, root / m) for m in names if m != "none"}
     errors: dict[str, str] = {}
     for name, m in methods.items():  # first saves pay one-time costs (pools, threads): untimed
         try:
@@ -220,13 +243,13 @@ def bench_steps(
         # DCP's CheckpointException derives from BaseException.
         except BaseException as e:  # noqa: BLE001 - a failing method is reported, the others run
             errors[name] = f"{type(e).__name__}: {e}"
-    rows: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
+    rows: dict[str, list[dict[str, Any]]] = {m: [] for m in names}
     done_rounds = 0
     for r in range(rounds):
         if time.monotonic() > deadline:
             print(f"  time budget reached after {r} rounds", flush=True)
             break
-        order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for m in order:
             if m in errors:
                 continue
@@ -265,7 +288,7 @@ def _table(rows: dict[str, list[dict[str, Any]]], steps: int) -> dict[str, Any]:
     step_s = _med([b["loop_s"] / steps for b in base])
     out: dict[str, Any] = {"step_s": step_s, "methods": {}}
     for m in METHODS[1:]:
-        got = rows[m]
+        got = rows.get(m, [])
         infl = [
             (g["loop_s"] - b["loop_s"]) / g["saves"]
             for g, b in zip(got, base, strict=False)
@@ -273,7 +296,13 @@ def _table(rows: dict[str, list[dict[str, Any]]], steps: int) -> dict[str, Any]:
         ]
         if not got:
             continue
+        cpu = [
+            (g["busy_s"] - b["busy_s"]) / g["saves"]
+            for g, b in zip(got, base, strict=False)
+            if g["saves"] and g.get("busy_s") is not None and b.get("busy_s") is not None
+        ]
         out["methods"][m] = {
+            "cpu_per_save_s": _med(cpu) if cpu else None,
             "inflation_s": _med(infl),
             "inflation_spread": [min(infl), max(infl)] if infl else None,
             "inflation_pct": 100 * _med(infl) / (step_s * (steps / max(got[0]["saves"], 1)))

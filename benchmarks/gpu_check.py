@@ -70,18 +70,19 @@ def _print_bench(b: dict) -> None:
         f"state {b['state_bytes'] / 1e9:.2f} GB, step {b['step_s'] * 1e3:.1f} ms (no saves)"
     )
     print(
-        "| method | inflation per save s (spread) | % of training time | blocked s | durable s "
-        "| RSS GB | pinned GB |\n|---|---:|---:|---:|---:|---:|---:|"
+        "| method | inflation per save s (spread) | % of training time | CPU per save s "
+        "| blocked s | durable s | RSS GB | pinned GB |\n|---|---:|---:|---:|---:|---:|---:|---:|"
     )
     for m, r in b["methods"].items():
         spread = r["inflation_spread"] or [float("nan")] * 2
         pct = r["inflation_pct"]
+        cpu = r.get("cpu_per_save_s")
         print(
             f"| {m} | {r['inflation_s']:.3f} ({spread[0]:.3f}..{spread[1]:.3f}) | "
-            f"{pct:.2f} | {r['blocked_s']:.3f} | {r['durable_s']:.2f} | {r['rss_gb']:.2f} | "
-            f"{r['pinned_gb']:.2f} |"
+            f"{pct:.2f} | {'-' if cpu is None else f'{cpu:.2f}'} | {r['blocked_s']:.3f} | "
+            f"{r['durable_s']:.2f} | {r['rss_gb']:.2f} | {r['pinned_gb']:.2f} |"
             if pct is not None
-            else f"| {m} | - | - | - | - | - | - |"
+            else f"| {m} | - | - | - | - | - | - | - |"
         )
 
 
@@ -100,6 +101,9 @@ def _print_load(ld: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from _gpu_bench import METHODS, bench_load, bench_steps
+    from _gpu_roundtrips import run_all
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--size", choices=("tiny", "small", "gpt2", "medium"), default=None)
@@ -107,19 +111,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="steps per loop")
     ap.add_argument("--every", type=int, default=10, help="save every N steps")
     ap.add_argument("--budget-s", type=float, default=330, help="stop starting rounds after this")
+    ap.add_argument(
+        "--methods",
+        default=",".join(METHODS[1:]),
+        help="comma-separated methods to compare with no saves (default: all)",
+    )
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    only = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    if unknown := sorted(set(only) - set(METHODS)):
+        ap.error(f"--methods: unknown {unknown}; known: {', '.join(METHODS[1:])}")
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     size = args.size or ("medium" if device.type == "cuda" else "tiny")
     t_start = time.monotonic()
     deadline = t_start + args.budget_s
-
-    from _gpu_bench import bench_load, bench_steps
-    from _gpu_roundtrips import run_all
 
     need = {"medium": 40 << 30, "gpt2": 12 << 30}.get(size, 1 << 30)
     root = _scratch(args.dir, need=need)
@@ -139,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_bench:
             print("\nTraining loop with saves:", flush=True)
             report["bench"] = bench_steps(
-                size, device, root / "bench", args.rounds, args.steps, args.every, deadline
+                size, device, root / "bench", args.rounds, args.steps, args.every, deadline, only
             )
             _print_bench(report["bench"])
             report["load"] = bench_load(size, device, root / "load", repeats=4)

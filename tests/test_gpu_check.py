@@ -38,6 +38,21 @@ def test_cpu_mode_round_trips_and_benchmark(tmp_path: Path) -> None:
     assert set(bench["methods"]) == {"ours", "ours-overlap", "manager", "stock", "stock-best"}
     assert report["load"]["load"]["ours"]["s"] > 0
     assert "| ours |" in log  # the table people paste
+    if sys.platform.startswith("linux"):  # the machine's busy time comes from /proc/stat
+        assert all(m["cpu_per_save_s"] is not None for m in bench["methods"].values())
+
+
+def test_methods_can_be_chosen_and_unknown_ones_are_named(tmp_path: Path) -> None:
+    rc, report, log = _run(
+        tmp_path, "--rounds", "1", "--steps", "2", "--every", "2", "--methods", "ours,stock-best"
+    )
+    assert rc == 0, log[-3000:]
+    assert set(report["bench"]["methods"]) == {"ours", "stock-best"}
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--methods", "ours,fastest"],
+        check=False, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "--methods: unknown ['fastest']" in r.stderr
 
 
 def test_a_failed_round_trip_fails_the_check(tmp_path: Path) -> None:
