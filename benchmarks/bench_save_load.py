@@ -7,7 +7,7 @@ disk is faster for compressible data than for random bytes, which are measured
 too for reference), then for each configuration:
 
 * save into a fresh directory (timed: the ``dcp.save`` call, fsync included),
-* load from the page cache right after the save (warm),
+* load from the page cache right after the save (warm: every file read once first),
 * load after ``os.sync()`` + ``posix_fadvise(DONTNEED)`` on every file (cold),
   starting ``--settle`` seconds after the save ended (the raw read likewise
   after the raw write: this VM's host caches recent writes, so a read's speed
@@ -52,6 +52,7 @@ from _disk import (
     resident_fraction,
     state_bytes,
     tree_nbytes,
+    warm_tree,
 )
 from _measure import PhaseTimer, gbps, median, rounds, timed
 from _report import command, fmt, goal_line, markdown_table, measured, print_header, samples
@@ -193,6 +194,8 @@ def measure(
         for t in dest.values():
             t.zero_()
         not_before = None
+        if not cold:
+            warm_tree(path)  # ours wrote past the page cache (O_DIRECT); stock through it
         if cold:
             evict_tree(path)
             out.resident.append(resident_fraction(path))
