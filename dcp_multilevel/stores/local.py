@@ -55,10 +55,12 @@ class LocalStore(Store):
             leave a published file empty.
         direct_io: write whole blocks with ``O_DIRECT``, past the page cache
             (see ``_direct.py``: a fraction of the CPU an ordinary write takes,
-            which matters while training runs beside an async save). Default:
-            on for synced stores where the file system takes it, off for
-            ``sync=False`` (scratch data is read back soon, from the cache).
-            The storage option ``direct_io=False`` turns it off.
+            which matters while training runs beside an async save). Default
+            (None): on for synced stores where the file system takes it,
+            except file systems in memory (tmpfs, ``/dev/shm``: nothing to
+            skip); off for ``sync=False`` (scratch data is read back soon,
+            from the cache). ``True`` uses it wherever it is taken; the
+            storage option ``direct_io=False`` turns it off.
     """
 
     supports_atomic_rename = True
@@ -87,6 +89,8 @@ class LocalStore(Store):
                 f"got {direct_io!r}"
             )
         self.direct_io = (sync if direct_io is None else direct_io) and _direct.available()
+        # Auto: a root in memory is found at the first write (it may not exist yet).
+        self._check_memory_fs = direct_io is None
 
     @property
     def url(self) -> str:
@@ -109,6 +113,9 @@ class LocalStore(Store):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         direct: DirectWriteHandle | None = None
         try:
+            if self._check_memory_fs:
+                self._check_memory_fs = False  # a benign race: every thread finds the same
+                self.direct_io = self.direct_io and not _direct.memory_backed(final.parent)
             dfd = _direct.open_direct(tmp) if self.direct_io else None
             if dfd is not None:
                 direct = DirectWriteHandle(fd, dfd)
