@@ -2,6 +2,8 @@
 
     python benchmarks/gpu_check.py                  # CUDA, GPT-2-medium-sized model
     python benchmarks/gpu_check.py --device cpu     # tiny model, what CI runs
+    python benchmarks/gpu_check.py --device cpu --size gpt2 --methods ours,stock-best
+                                                    # issue 32's CPU goal, fewer methods
 
 Part 1 (``_gpu_roundtrips.py``): plain device tensors of several dtypes,
 ``dcp.save``/``dcp.load`` with our writer and reader (and the balanced
@@ -15,7 +17,8 @@ Part 2 (``_gpu_bench.py``): a GPT-2-shaped model (AdamW, bf16 autocast on
 CUDA) trained with a save every ``--every`` steps, ours against stock DCP's
 default staging and its best (pinned, async, non-blocking), alternating, and
 the load of that state into device destinations against stock's reader and
-the pinned host-to-device bandwidth.
+the pinned host-to-device bandwidth. Each method's row also gives its CPU
+per save (the machine's busy seconds, less the loop without saves).
 
 Exit status: 1 if a round trip failed. ``--json`` writes every figure.
 Checkpoints go under ``--dir`` (default /dev/shm when it has room: the

@@ -113,9 +113,9 @@ class LocalStore(Store):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         direct: DirectWriteHandle | None = None
         try:
-            if self._check_memory_fs:
-                self._check_memory_fs = False  # a benign race: every thread finds the same
+            if self._check_memory_fs:  # threads racing here all find the same answer
                 self.direct_io = self.direct_io and not _direct.memory_backed(final.parent)
+                self._check_memory_fs = False
             dfd = _direct.open_direct(tmp) if self.direct_io else None
             if dfd is not None:
                 direct = DirectWriteHandle(fd, dfd)
