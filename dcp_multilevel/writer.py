@@ -389,7 +389,10 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
             buffers=self._payload_buffers,
         )  # fmt: skip
         with self.store.open_write(path) as out, streams, closing(coded):
+            pad_for = getattr(out, "pad_for", None)  # a direct-I/O file (stores/_direct.py)
             for job, parts in coded:
+                if pad_for is not None and job.layout is None:
+                    pad_for(job.view)  # a staged tensor then goes to the disk uncopied
                 start = out.tell()
                 hasher = Hasher()
                 for piece in parts:

@@ -18,6 +18,7 @@ needs a process group, and RSS figures need a process of their own.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import resource
@@ -41,10 +42,12 @@ from dcp_multilevel import (
     SaveInFlightError,
     StagingConfig,
 )
+from dcp_multilevel.checkpoint import StoredCheckpoint
 from dcp_multilevel.format import MANIFEST_NAME
 from dcp_multilevel.format.tensor_bytes import PIECE_BYTES
-from dcp_multilevel.staging.buffers import ALIGN, HostBufferPool, select_wave
+from dcp_multilevel.staging.buffers import ALIGN, PAGE, HostBufferPool, select_wave, staged_nbytes
 from dcp_multilevel.staging.copies import copy_into
+from dcp_multilevel.stores import _direct
 
 pytestmark = pytest.mark.multiprocess
 
@@ -291,6 +294,45 @@ def test_over_budget_wave_stages_the_largest_tensors_that_fit():
     assert staged["a"].eq(1).all() and staged["b"]["c"].eq(1).all()
     assert staged["a"].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
     assert select_wave(sd, ALIGN) == (set(), 0)  # nothing fits: all live
+
+
+def test_big_tensors_are_staged_at_pages_and_written_from_there(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        "small": torch.ones(3),
+        "big": torch.randn(300_001, generator=g),  # 1.2 MB: at a page in the buffer
+        "odd": torch.ones(7, dtype=torch.uint8),
+        "big2": torch.randint(0, 9, (270_000,), generator=g),  # 2.16 MB of int64
+    }
+    pool = HostBufferPool(None, pin=False, shared=False)
+    flat = pool.try_acquire(staged_nbytes(sd)).flat
+    staged = copy_into(sd, flat)
+    assert flat.data_ptr() % PAGE == 0
+    assert staged["big"].data_ptr() % PAGE == 0 and staged["big2"].data_ptr() % PAGE == 0
+    assert staged["small"].data_ptr() % ALIGN == 0 and staged["odd"].data_ptr() % ALIGN == 0
+    assert all(torch.equal(staged[k], sd[k]) for k in sd)
+
+    # An async save writes the staged big tensors at block boundaries of its
+    # data file (O_DIRECT takes them from the buffer as they are); a
+    # synchronous save pads only before a live tensor that is itself at a page.
+    def offsets(path):
+        locs = StoredCheckpoint.at(str(path)).manifest().locations
+        return {i.fqn: (loc.offset, loc.length) for i, loc in locs.items()}
+
+    writer = MultiLevelWriter(tmp_path / "a")
+    dcp.async_save(sd, storage_writer=writer, checkpoint_id=tmp_path / "a").result()
+    dcp.save(sd, storage_writer=MultiLevelWriter(tmp_path / "s"))
+    staged_at, live_at = offsets(tmp_path / "a"), offsets(tmp_path / "s")
+    if _direct.available() and not _direct.memory_backed(tmp_path):
+        assert staged_at["big"][0] % PAGE == 0 and staged_at["big2"][0] % PAGE == 0
+    order = sorted(live_at, key=lambda k: live_at[k])
+    for before, k in itertools.pairwise(order):
+        gap = live_at[k][0] - sum(live_at[before])
+        assert gap == 0 or sd[k].data_ptr() % PAGE == 0, (k, gap)
+    for path in (tmp_path / "a", tmp_path / "s"):
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        dcp.load(out, storage_reader=MultiLevelReader(path))
+        assert all(torch.equal(out[k], sd[k]) for k in sd)
 
 
 def test_budget_and_policy_are_validated():

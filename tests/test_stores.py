@@ -157,6 +157,37 @@ def test_direct_handle_writes_exactly_the_bytes_given(tmp_path_factory, sizes, p
 
 
 @needs_direct
+def test_big_aligned_pieces_go_to_the_disk_without_the_bounce_buffer(tmp_path):
+    path = tmp_path / "f.bin"
+    head, tail = b"\x01" * 100, b"\x02" * 50
+    big_raw = mmap.mmap(-1, 2 * _direct.DIRECT_MIN)  # page-aligned, like a staging buffer
+    big = memoryview(big_raw)[: _direct.DIRECT_MIN + 100]
+    big[:] = b"\xab" * len(big)
+    bounce_raw = mmap.mmap(-1, _direct.ALIGN)
+    bounce = memoryview(bounce_raw)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    h = _direct.DirectWriteHandle(fd, _direct.open_direct(path), bounce=bounce)
+    try:
+        h.write(head)
+        assert h.pad_for(head) == 0  # small, and bytes at no aligned address: no padding
+        gap = h.pad_for(big)
+        assert gap == _direct.ALIGN - len(head) and h.tell() % _direct.ALIGN == 0
+        h.write(big)
+        # Only the last 100 bytes (past the last whole block) went through the buffer.
+        assert bytes(bounce[:100]) == b"\xab" * 100 and b"\xab" not in bytes(bounce[100:])
+        h.write(tail)
+        h.finish()
+    finally:
+        h.close()
+        os.close(fd)
+        big.release()
+        bounce.release()
+        big_raw.close()
+        bounce_raw.close()
+    assert path.read_bytes() == head + bytes(gap) + b"\xab" * (_direct.DIRECT_MIN + 100) + tail
+
+
+@needs_direct
 def test_a_refused_direct_write_falls_back_to_ordinary_writes(tmp_path):
     # A bounce buffer one byte past a page boundary: the kernel refuses O_DIRECT
     # writes from it (EINVAL), as some file systems refuse them all.

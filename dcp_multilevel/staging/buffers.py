@@ -1,7 +1,9 @@
 """Host buffers for async-save staging: a pool of at most two flat buffers, and the copy.
 
 A buffer set is one flat ``uint8`` host tensor; a staged state is a structure
-of views into it (each tensor at a 64-byte aligned offset). Filling memory that
+of views into it (each tensor at a 64-byte aligned offset, and tensors of
+``PAGE_FROM`` bytes or more at a page boundary, so that a direct-I/O file
+takes them without a copy: ``stores/_direct.py``). Filling memory that
 an earlier save touched runs at memcpy speed; fresh memory (``clone()``) pays
 a page fault per page on top.
 
@@ -35,6 +37,10 @@ __all__ = [
 
 #: Byte alignment of each tensor in a buffer set (cache line; every dtype fits).
 ALIGN = 64
+#: Tensors this large start at a page boundary (``PAGE``) in a buffer set:
+#: they are then written to disk straight from the buffer (``O_DIRECT``).
+PAGE_FROM = 1 << 20
+PAGE = 4096
 #: Largest piece one copy job moves (pieces of big tensors go to different threads).
 COPY_PIECE = 16 << 20
 
@@ -110,9 +116,12 @@ class HostBufferPool:
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         # Shared memory wins over pinning: DCP's daemon process needs it shared.
-        flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin and not self.shared)
+        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=self.pin and not self.shared)
         if self.shared:
-            flat.share_memory_()
+            raw.share_memory_()
+        # Starts at a page, so that its page-aligned offsets are pages in memory too.
+        start = -raw.data_ptr() % PAGE
+        flat = raw[start : start + nbytes]
         self.allocated_total += nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes + nbytes)
         return flat
@@ -171,7 +180,8 @@ def staged_nbytes(state: Any) -> int:
     """Bytes a buffer set needs for every poolable tensor of ``state``."""
     total = 0
     for t in _poolable_tensors(state):
-        total = _aligned(total) + _nbytes(t)
+        n = _nbytes(t)
+        total = _aligned(total, _alignment(n)) + n
     return _aligned(total)
 
 
@@ -187,12 +197,17 @@ def select_wave(state: Any, capacity: int) -> tuple[set[int], int]:
     tensors = sorted(_poolable_tensors(state), key=lambda t: -_nbytes(t))
     for t in tensors:
         n = _nbytes(t)
-        # Each staged tensor may cost up to ALIGN - 1 bytes of padding before it.
-        if n and total + n + ALIGN <= capacity:
+        # Each staged tensor may cost up to its alignment - 1 bytes of padding before it.
+        if n and total + n + _alignment(n) <= capacity:
             chosen.add(id(t))
-            total += n + ALIGN
+            total += n + _alignment(n)
     return chosen, _aligned(total) if chosen else 0
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def _alignment(nbytes: int) -> int:
+    """Where a tensor of ``nbytes`` starts in a buffer set: a multiple of this."""
+    return PAGE if nbytes >= PAGE_FROM else ALIGN
+
+
+def _aligned(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to

@@ -26,7 +26,7 @@ import torch
 import xxhash
 
 from ..errors import StagingFenceError
-from .buffers import COPY_PIECE, _aligned, pool_source
+from .buffers import COPY_PIECE, _aligned, _alignment, pool_source
 
 __all__ = ["Copies", "copy_into", "plan_copies", "run_copies"]
 
@@ -73,7 +73,7 @@ def plan_copies(
             if flat is None or (only is not None and id(v) not in only):
                 return v
             n = local.numel() * local.element_size()
-            offset = _aligned(offset)
+            offset = _aligned(offset, _alignment(n))
             dst = flat[offset : offset + n].view(local.dtype).view(local.shape)
             offset += n
             src = local.detach()

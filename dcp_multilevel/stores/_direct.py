@@ -12,6 +12,9 @@ CPU and 1.31 s through the page cache (stock ``FileSystemWriter``: 1.12 s,
 How: :class:`DirectWriteHandle` gathers the caller's bytes in a page-aligned
 bounce buffer (reused across files) and writes each full buffer with one
 ``pwrite`` on a second descriptor of the same file, opened with ``O_DIRECT``.
+Big pieces that already sit at an aligned address, where the file is at a
+block boundary, go to the disk as they are (``pad_for`` puts the file there):
+an async save's staged tensors, so its bytes are copied once, into staging.
 The end of the file that is not a whole block goes through the ordinary
 descriptor, and the caller's ``fsync`` on that descriptor covers both (the
 file's data and the device's cache): ``O_DIRECT`` alone is not durable.
@@ -40,6 +43,7 @@ import numpy as np
 __all__ = [
     "ALIGN",
     "BOUNCE_BYTES",
+    "DIRECT_MIN",
     "DirectWriteHandle",
     "available",
     "memory_backed",
@@ -54,6 +58,11 @@ ALIGN = 4096
 #: requests (the kernel splits them, so several are in flight), small enough
 #: to be no memory to speak of.
 BOUNCE_BYTES = 16 << 20
+
+#: Pieces at least this large, at an aligned address and file offset, are
+#: written straight from the caller's memory (no bounce copy): the staging
+#: buffers of an async save place big tensors so (``staging/buffers.py``).
+DIRECT_MIN = 1 << 20
 
 #: Idle bounce buffers kept for the next files (each BOUNCE_BYTES).
 _KEEP = 2
@@ -163,6 +172,18 @@ class DirectWriteHandle:
             return
         src = _address(mv)
         done, n = 0, len(mv)
+        if self._direct is not None and self._aligned(src, n):
+            # The caller's bytes are aligned where the file is: write them as they are.
+            if self._fill:
+                self._flush(self._fill)
+            whole = n - n % ALIGN
+            try:
+                self._pwrite(self._direct, mv[:whole], self._written)
+                self._written += whole
+                done = whole
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
         dst = _address(self._mv)
         while done < n:
             take = min(n - done, self._cap - self._fill)
@@ -177,6 +198,20 @@ class DirectWriteHandle:
     def tell(self) -> int:
         """Bytes written through this handle so far."""
         return self._pos
+
+    def pad_for(self, data: bytes | bytearray | memoryview) -> int:
+        """Before ``data`` is written: zeros up to the next block boundary, if that
+        lets ``data`` go to the disk without a copy; the number of zeros written.
+
+        Only where ``data`` is big and sits at an aligned address; the zeros
+        belong to no item (readers go by offsets, copies keep them).
+        """
+        gap = -self._pos % ALIGN
+        mv = memoryview(data).cast("B")
+        if gap and self._direct is not None and len(mv) >= DIRECT_MIN and _address(mv) % ALIGN == 0:
+            self.write(bytes(gap))
+            return gap
+        return 0
 
     def finish(self) -> None:
         """Write what is gathered: whole blocks directly, the last partial block ordinarily."""
@@ -197,6 +232,10 @@ class DirectWriteHandle:
         if self._buf is not None:
             _give(self._buf)
             self._buf = None
+
+    def _aligned(self, address: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` at ``address``, written next, can skip the bounce buffer."""
+        return nbytes >= DIRECT_MIN and address % ALIGN == 0 and self._fill % ALIGN == 0
 
     def _flush(self, nbytes: int) -> None:
         """Write the first ``nbytes`` gathered (a multiple of ALIGN) and keep the rest."""
