@@ -307,7 +307,9 @@ def test_big_tensors_are_staged_at_pages_and_written_from_there(tmp_path):
     pool = HostBufferPool(None, pin=False, shared=False)
     flat = pool.try_acquire(staged_nbytes(sd)).flat
     staged = copy_into(sd, flat)
-    assert flat.data_ptr() % PAGE == 0
+    assert flat.data_ptr() % PAGE == 0 and flat.numel() == staged_nbytes(sd)
+    shared = HostBufferPool(None, pin=False, shared=True).try_acquire(3 << 20).flat
+    assert shared.data_ptr() % PAGE == 0 and shared.is_shared() and shared.numel() == 3 << 20
     assert staged["big"].data_ptr() % PAGE == 0 and staged["big2"].data_ptr() % PAGE == 0
     assert staged["small"].data_ptr() % ALIGN == 0 and staged["odd"].data_ptr() % ALIGN == 0
     assert all(torch.equal(staged[k], sd[k]) for k in sd)

@@ -115,16 +115,27 @@ class HostBufferPool:
         return new
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        # Shared memory wins over pinning: DCP's daemon process needs it shared.
-        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=self.pin and not self.shared)
-        if self.shared:
-            raw.share_memory_()
-        # Starts at a page, so that its page-aligned offsets are pages in memory too.
-        start = -raw.data_ptr() % PAGE
-        flat = raw[start : start + nbytes]
+        # The set starts at a page, so that its page-aligned offsets are pages in
+        # memory too. Pinned and shared memory come page-aligned (and CUDA's host
+        # allocator rounds sizes up to a power of two: no page more than asked);
+        # the CPU allocator aligns to 64 bytes, so it gets a page more. Untouched
+        # memory costs nothing, so trying first is cheap.
+        flat = self._raw(nbytes)
+        if flat.data_ptr() % PAGE:
+            del flat
+            raw = self._raw(nbytes + PAGE)
+            start = -raw.data_ptr() % PAGE
+            flat = raw[start : start + nbytes]
         self.allocated_total += nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes + nbytes)
         return flat
+
+    def _raw(self, nbytes: int) -> torch.Tensor:
+        # Shared memory wins over pinning: DCP's daemon process needs it shared.
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin and not self.shared)
+        if self.shared:
+            raw.share_memory_()
+        return raw
 
     def close(self) -> None:
         """Free every set no save is using (busy ones stay until their save is done)."""
