@@ -46,6 +46,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from _gpt import GPT, SHAPES, batch, forward_backward, optimizer
+from _measure import machine_busy_s
 from dcp_multilevel import (
     CheckpointManager,
     Level,
@@ -70,18 +71,6 @@ def rss() -> int:
 
 def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def machine_busy_s() -> float | None:
-    """CPU seconds this machine's cores spent busy since boot (Linux ``/proc/stat``:
-    user, nice, system, irq and softirq; not idle, iowait or time stolen by the
-    hypervisor). None elsewhere."""
-    try:
-        with open("/proc/stat") as f:
-            t = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return None
-    return (t[0] + t[1] + t[2] + t[5] + t[6]) / os.sysconf("SC_CLK_TCK")
 
 
 def pinned_bytes() -> int | None:

@@ -105,6 +105,18 @@ def cpu_snapshot() -> CpuSnapshot:
     return CpuSnapshot(time.perf_counter(), user, own.user, own.system)
 
 
+def machine_busy_s() -> float | None:
+    """CPU seconds this machine's cores spent busy since boot (Linux ``/proc/stat``:
+    user, nice, system, irq and softirq; not idle, iowait or time stolen by the
+    hypervisor). The kernel's writeback for our saves counts; None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            t = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (t[0] + t[1] + t[2] + t[5] + t[6]) / os.sysconf("SC_CLK_TCK")
+
+
 def other_cpu_fraction(before: CpuSnapshot, after: CpuSnapshot) -> float:
     """Share of the machine's CPU capacity other processes used (in user mode) in between.
 

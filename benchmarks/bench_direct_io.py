@@ -37,7 +37,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from _cli import add_json, add_root, args_record, parser, quiet_dcp_warnings
-from _measure import GB, median, rounds, spread
+from _measure import GB, machine_busy_s, median, rounds, spread
 from dcp_multilevel import MultiLevelWriter
 
 WRITERS = (
@@ -48,14 +48,6 @@ WRITERS = (
     "async: ours, direct_io=False",
     "async: stock best",
 )
-
-
-def _machine_busy_s() -> float:
-    """CPU seconds all cores spent busy since boot (``/proc/stat``)."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:]]
-    idle = ticks[3] + ticks[4]  # idle, iowait
-    return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _process_cpu() -> tuple[float, float]:
@@ -124,12 +116,13 @@ def main() -> None:
         os.sync()
         time.sleep(0.5)
         u0, s0 = _process_cpu()
-        m0, t0 = _machine_busy_s(), time.perf_counter()
+        m0, t0 = machine_busy_s(), time.perf_counter()
         savers[name].save(state, path)
         wall = time.perf_counter() - t0
-        m1 = _machine_busy_s()
+        m1 = machine_busy_s()
         u1, s1 = _process_cpu()
-        samples[name].append({"wall": wall, "user": u1 - u0, "sys": s1 - s0, "machine": m1 - m0})
+        machine = float("nan") if m0 is None or m1 is None else m1 - m0
+        samples[name].append({"wall": wall, "user": u1 - u0, "sys": s1 - s0, "machine": machine})
         shutil.rmtree(path)
     for saver in savers.values():
         saver.close()
