@@ -98,6 +98,10 @@ def _print_load(ld: dict) -> None:
         print(f"| {k} | {v['s']:.3f} | {v['gbps']:.2f} | {pct} |")
     if h2d:
         print(f"pinned host-to-device copy: {h2d:.1f} GB/s")
+    if ld.get("profile"):
+        lines = [x for x in ld["profile"].splitlines() if x.strip()]
+        print("\nOurs' load, one more under cProfile (by own time; the JSON has it all):")
+        print("\n".join(lines[:30]))
     print("\nSynchronous dcp.save from device tensors\n| writer | s | GB/s |\n|---|---:|---:|")
     for k, v in ld["save"].items():
         print(f"| {k} | {v['s']:.3f} | {v['gbps']:.2f} |")

@@ -37,6 +37,7 @@ def test_cpu_mode_round_trips_and_benchmark(tmp_path: Path) -> None:
     assert bench["rounds"] == 1 and not bench["errors"]
     assert set(bench["methods"]) == {"ours", "ours-overlap", "manager", "stock", "stock-best"}
     assert report["load"]["load"]["ours"]["s"] > 0
+    assert "function calls" in report["load"]["profile"]  # where the load's time went
     assert "| ours |" in log  # the table people paste
     if sys.platform.startswith("linux"):  # the machine's busy time comes from /proc/stat
         assert all(m["cpu_per_save_s"] is not None for m in bench["methods"].values())
