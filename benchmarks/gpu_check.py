@@ -58,6 +58,21 @@ def _scratch(arg: str | None, need: int) -> Path:
     return Path(tempfile.mkdtemp(prefix="dcp-ml-gpu-"))
 
 
+def _on_disk(root: Path) -> Path:
+    """Where the round trips write: ``root`` unless it is in memory (/dev/shm), then
+    a directory on a disk, so that they go through the ``O_DIRECT`` writes (from
+    pinned staging buffers on a GPU) that a file system in memory never takes."""
+    from dcp_multilevel.stores import _direct
+
+    if not _direct.memory_backed(root):
+        return root / "rt"
+    for parent in (Path(tempfile.gettempdir()), Path.cwd() / "bench_out"):
+        parent.mkdir(parents=True, exist_ok=True)
+        if not _direct.memory_backed(parent):
+            return Path(tempfile.mkdtemp(prefix="dcp-ml-gpu-rt-", dir=parent))
+    return root / "rt"
+
+
 def _init(device: torch.device) -> None:
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -148,10 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     print("gpu_check:", ", ".join(f"{k}={v}" for k, v in info.items()), flush=True)
     _init(device)
+    rt = _on_disk(root)
+    info["roundtrip_dir"] = str(rt)
     report: dict = {"info": info}
     try:
-        print("\nRound trips (bit-exact, loaded into device destinations):", flush=True)
-        report["roundtrips"] = run_all(root / "rt", device)
+        print(f"\nRound trips (bit-exact, loaded into device destinations) in {rt}:", flush=True)
+        report["roundtrips"] = run_all(rt, device)
         if not args.skip_bench:
             print("\nTraining loop with saves:", flush=True)
             report["bench"] = bench_steps(
@@ -165,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1, default=str))
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(rt, ignore_errors=True)
         dist.destroy_process_group()
     failed = [r["check"] for r in report["roundtrips"] if not r["ok"]]
     print(
