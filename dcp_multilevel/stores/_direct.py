@@ -177,13 +177,9 @@ class DirectWriteHandle:
             if self._fill:
                 self._flush(self._fill)
             whole = n - n % ALIGN
-            try:
-                self._pwrite(self._direct, mv[:whole], self._written)
+            if self._write_direct(mv[:whole]):
                 self._written += whole
                 done = whole
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
         dst = _address(self._mv)
         while done < n:
             take = min(n - done, self._cap - self._fill)
@@ -240,22 +236,29 @@ class DirectWriteHandle:
     def _flush(self, nbytes: int) -> None:
         """Write the first ``nbytes`` gathered (a multiple of ALIGN) and keep the rest."""
         chunk = self._mv[:nbytes]
-        if self._direct is not None:
-            try:
-                self._pwrite(self._direct, chunk, self._written)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                # The file system takes O_DIRECT at open but not these writes.
-                os.close(self._direct)
-                self._direct = None
-        if self._direct is None:
+        if not self._write_direct(chunk):
             self._pwrite(self._fd, chunk, self._written)
         self._written += nbytes
         rest = self._fill - nbytes
         if rest:
             self._mv[:rest] = self._mv[nbytes : self._fill]
         self._fill = rest
+
+    def _write_direct(self, data: memoryview) -> bool:
+        """Write ``data`` at the end of what is written, with ``O_DIRECT``; False
+        (and ordinary writes from then on) where direct writes are off or refused."""
+        if self._direct is None:
+            return False
+        try:
+            self._pwrite(self._direct, data, self._written)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            # The file system takes O_DIRECT at open but not these writes.
+            os.close(self._direct)
+            self._direct = None
+            return False
+        return True
 
     @staticmethod
     def _pwrite(fd: int, data: memoryview, offset: int) -> None:
