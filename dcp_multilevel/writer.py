@@ -392,7 +392,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
             pad_for = getattr(out, "pad_for", None)  # a direct-I/O file (stores/_direct.py)
             for job, parts in coded:
                 if pad_for is not None and job.layout is None:
-                    pad_for(job.view)  # a staged tensor then goes to the disk uncopied
+                    pad_for(job.view)  # a big tensor then goes to the disk uncopied
                 start = out.tell()
                 hasher = Hasher()
                 for piece in parts:

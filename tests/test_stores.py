@@ -133,52 +133,87 @@ def test_synced_local_files_bypass_the_page_cache_unless_turned_off(tmp_path):
 @needs_direct
 @settings(max_examples=60, deadline=None)
 @given(
-    sizes=st.lists(st.integers(0, 5 * 4096 + 17), max_size=12),
+    pieces=st.lists(
+        st.tuples(
+            st.integers(0, 5 * 4096 + 17), st.booleans(), st.integers(0, 4095), st.booleans()
+        ),
+        max_size=12,
+    ),
     pages=st.integers(1, 3),
     direct=st.booleans(),
 )
-def test_direct_handle_writes_exactly_the_bytes_given(tmp_path_factory, sizes, pages, direct):
+def test_direct_handle_writes_exactly_the_bytes_given(tmp_path_factory, pieces, pages, direct):
+    # Each piece: (size, big: DIRECT_MIN more bytes, its address past a page, pad before it).
     path = tmp_path_factory.mktemp("direct") / "f.bin"
-    rng = np.random.default_rng(len(sizes))
-    pieces = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    rng = np.random.default_rng(len(pieces))
+    source = mmap.mmap(-1, 2 * _direct.DIRECT_MIN + 8 * 4096)
+    src = np.frombuffer(source, dtype=np.uint8)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     bounce = mmap.mmap(-1, pages * _direct.ALIGN)  # small: most writes cross it
     view = memoryview(bounce)
     h = _direct.DirectWriteHandle(fd, _direct.open_direct(path) if direct else None, bounce=view)
+    expected = []
     try:
-        for i, piece in enumerate(pieces):
-            h.write(memoryview(piece) if i % 2 else piece)
-            assert h.tell() == sum(map(len, pieces[: i + 1]))
+        for i, (size, big, offset, pad) in enumerate(pieces):
+            n = size + (_direct.DIRECT_MIN if big else 0)
+            src[offset : offset + n] = rng.integers(0, 256, n, dtype=np.uint8)
+            piece = (
+                memoryview(source)[offset : offset + n]
+                if i % 2
+                else bytes(src[offset : offset + n])
+            )
+            if pad:
+                gap = h.pad_for(piece)
+                assert gap < _direct.ALIGN and (gap == 0 or direct)
+                expected.append(bytes(gap))
+            expected.append(bytes(piece))
+            h.write(piece)
+            if isinstance(piece, memoryview):
+                piece.release()
+            assert h.tell() == sum(map(len, expected))
         h.finish()
     finally:
         h.close()
         os.close(fd)
         view.release()
         bounce.close()
-    assert path.read_bytes() == b"".join(pieces)
+        del src
+        source.close()
+    assert path.read_bytes() == b"".join(expected)
 
 
 @needs_direct
-def test_big_aligned_pieces_go_to_the_disk_without_the_bounce_buffer(tmp_path):
+@pytest.mark.parametrize("past_page", [0, 1000])
+def test_big_pieces_go_to_the_disk_without_the_bounce_buffer_once_padded(tmp_path, past_page):
+    # Staged tensors sit at pages (past_page 0); live ones anywhere: after pad_for,
+    # only the bytes before the piece's first page and after its last go through
+    # the bounce buffer.
     path = tmp_path / "f.bin"
     head, tail = b"\x01" * 100, b"\x02" * 50
-    big_raw = mmap.mmap(-1, 2 * _direct.DIRECT_MIN)  # page-aligned, like a staging buffer
-    big = memoryview(big_raw)[: _direct.DIRECT_MIN + 100]
-    big[:] = b"\xab" * len(big)
+    n = _direct.DIRECT_MIN + 100
+    big_raw = mmap.mmap(-1, 2 * _direct.DIRECT_MIN)
+    big = memoryview(big_raw)[past_page : past_page + n]
+    first_page = -past_page % _direct.ALIGN
+    last_page_end = n - (n - first_page) % _direct.ALIGN
+    big[:] = b"\xab" * n
+    big[first_page:last_page_end] = b"\xcd" * (last_page_end - first_page)
     bounce_raw = mmap.mmap(-1, _direct.ALIGN)
     bounce = memoryview(bounce_raw)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     h = _direct.DirectWriteHandle(fd, _direct.open_direct(path), bounce=bounce)
     try:
         h.write(head)
-        assert h.pad_for(head) == 0  # small, and bytes at no aligned address: no padding
+        assert h.pad_for(head) == 0  # small: never padded
         gap = h.pad_for(big)
-        assert gap == _direct.ALIGN - len(head) and h.tell() % _direct.ALIGN == 0
+        assert gap == (past_page - len(head)) % _direct.ALIGN
+        assert h.tell() % _direct.ALIGN == past_page
         h.write(big)
-        # Only the last 100 bytes (past the last whole block) went through the buffer.
-        assert bytes(bounce[:100]) == b"\xab" * 100 and b"\xab" not in bytes(bounce[100:])
+        # Its whole pages never went through the buffer; its last bytes did.
+        assert b"\xcd" not in bytes(bounce)
+        assert bytes(bounce[: n - last_page_end]) == b"\xab" * (n - last_page_end)
         h.write(tail)
         h.finish()
+        expected = head + bytes(gap) + bytes(big) + tail
     finally:
         h.close()
         os.close(fd)
@@ -186,7 +221,7 @@ def test_big_aligned_pieces_go_to_the_disk_without_the_bounce_buffer(tmp_path):
         bounce.release()
         big_raw.close()
         bounce_raw.close()
-    assert path.read_bytes() == head + bytes(gap) + b"\xab" * (_direct.DIRECT_MIN + 100) + tail
+    assert path.read_bytes() == expected
 
 
 @needs_direct

@@ -12,9 +12,15 @@ CPU and 1.31 s through the page cache (stock ``FileSystemWriter``: 1.12 s,
 How: :class:`DirectWriteHandle` gathers the caller's bytes in a page-aligned
 bounce buffer (reused across files) and writes each full buffer with one
 ``pwrite`` on a second descriptor of the same file, opened with ``O_DIRECT``.
-Big pieces that already sit at an aligned address, where the file is at a
-block boundary, go to the disk as they are (``pad_for`` puts the file there):
-an async save's staged tensors, so its bytes are copied once, into staging.
+Big pieces go to the disk as they are, without the bounce copy, where the
+file's end and the piece's address are the same distance past a block
+boundary (``pad_for`` puts the file there): the few bytes before the piece's
+first whole page complete the gathered block, then its whole pages are
+written from the caller's memory. So a synchronous save, or an async save
+written from the live state, copies none of its big tensors, and an async
+save's staged tensors (at pages in the staging buffer) are copied once,
+into staging. Measured for 1.49 GB on the 2-core VM: an ``O_DIRECT`` write
+costs 0.04 s of CPU, the bounce copy 0.19-0.24 s, the checksum 0.05-0.09 s.
 The end of the file that is not a whole block goes through the ordinary
 descriptor, and the caller's ``fsync`` on that descriptor covers both (the
 file's data and the device's cache): ``O_DIRECT`` alone is not durable.
@@ -59,9 +65,10 @@ ALIGN = 4096
 #: to be no memory to speak of.
 BOUNCE_BYTES = 16 << 20
 
-#: Pieces at least this large, at an aligned address and file offset, are
-#: written straight from the caller's memory (no bounce copy): the staging
-#: buffers of an async save place big tensors so (``staging/buffers.py``).
+#: Pieces at least this large, at an address as far past a page as the file's
+#: end is past a block (``DirectWriteHandle.pad_for``), are written straight
+#: from the caller's memory (no bounce copy) but for the bytes before their
+#: first page. Smaller ones are not worth up to ALIGN - 1 zeros in the file.
 DIRECT_MIN = 1 << 20
 
 #: Idle bounce buffers kept for the next files (each BOUNCE_BYTES).
@@ -137,7 +144,8 @@ class DirectWriteHandle:
     Call order::
 
         h = DirectWriteHandle(fd, direct_fd)   # fd: the ordinary descriptor
-        h.write(...)                           # repeatedly
+        h.pad_for(data)                        # optional, before a big piece: zeros
+        h.write(data)                          #   that let it go uncopied; repeatedly
         h.finish()                             # the rest of the bytes; then fsync(fd)
         h.close()                              # always (also on error): direct_fd, buffer
 
@@ -166,21 +174,32 @@ class DirectWriteHandle:
         return self._direct is not None
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Append all of ``data`` (copied into the bounce buffer; not kept)."""
+        """Append all of ``data`` (not kept: what is not written at once is copied)."""
         mv = memoryview(data).cast("B")
-        if not mv:
+        n = len(mv)
+        if not n:
             return
         src = _address(mv)
-        done, n = 0, len(mv)
-        if self._direct is not None and self._aligned(src, n):
-            # The caller's bytes are aligned where the file is: write them as they are.
+        done = 0
+        if self._direct is not None and n >= DIRECT_MIN and (src - self._pos) % ALIGN == 0:
+            # The caller's bytes sit as far past a page as the file's end is past a
+            # block: the bytes before their first page complete the gathered block,
+            # and their whole pages go to the disk as they are.
+            done = -src % ALIGN
+            self._gather(src, done)
             if self._fill:
-                self._flush(self._fill)
-            whole = n - n % ALIGN
-            if self._write_direct(mv[:whole]):
+                self._flush(self._fill)  # a whole number of blocks now
+            whole = (n - done) - (n - done) % ALIGN
+            if self._write_direct(mv[done : done + whole]):
                 self._written += whole
-                done = whole
+                done += whole
+        self._gather(src + done, n - done)
+        self._pos += n
+
+    def _gather(self, src: int, n: int) -> None:
+        """Copy ``n`` bytes at address ``src`` into the bounce buffer, writing it out when full."""
         dst = _address(self._mv)
+        done = 0
         while done < n:
             take = min(n - done, self._cap - self._fill)
             # ctypes releases the GIL for the copy: training threads keep running.
@@ -189,25 +208,26 @@ class DirectWriteHandle:
             done += take
             if self._fill == self._cap:
                 self._flush(self._cap)
-        self._pos += n
 
     def tell(self) -> int:
         """Bytes written through this handle so far."""
         return self._pos
 
     def pad_for(self, data: bytes | bytearray | memoryview) -> int:
-        """Before ``data`` is written: zeros up to the next block boundary, if that
-        lets ``data`` go to the disk without a copy; the number of zeros written.
+        """Before ``data`` is written: zeros until the file's end is as far past a
+        block boundary as ``data``'s address is past a page, if that lets ``data``
+        go to the disk without a copy; the number of zeros written (< ALIGN).
 
-        Only where ``data`` is big and sits at an aligned address; the zeros
-        belong to no item (readers go by offsets, copies keep them).
+        Only for big ``data`` while direct writes are on; the zeros belong to no
+        item (readers go by offsets, copies keep them).
         """
-        gap = -self._pos % ALIGN
         mv = memoryview(data).cast("B")
-        if gap and self._direct is not None and len(mv) >= DIRECT_MIN and _address(mv) % ALIGN == 0:
+        if self._direct is None or len(mv) < DIRECT_MIN:
+            return 0
+        gap = (_address(mv) - self._pos) % ALIGN
+        if gap:
             self.write(bytes(gap))
-            return gap
-        return 0
+        return gap
 
     def finish(self) -> None:
         """Write what is gathered: whole blocks directly, the last partial block ordinarily."""
@@ -228,10 +248,6 @@ class DirectWriteHandle:
         if self._buf is not None:
             _give(self._buf)
             self._buf = None
-
-    def _aligned(self, address: int, nbytes: int) -> bool:
-        """Whether ``nbytes`` at ``address``, written next, can skip the bounce buffer."""
-        return nbytes >= DIRECT_MIN and address % ALIGN == 0 and self._fill % ALIGN == 0
 
     def _flush(self, nbytes: int) -> None:
         """Write the first ``nbytes`` gathered (a multiple of ALIGN) and keep the rest."""
