@@ -57,6 +57,9 @@ class Ticket:
         #: The save no longer reads the live tensors: every one is written, or
         #: its write_data ended (released training either way).
         self.released = threading.Event()
+        #: With the fence check: raises StagingFenceError once the live tensors are
+        #: written if one changed since it was staged (``copies.check_live``).
+        self.check_live: Callable[[], None] | None = None
 
     @property
     def claimed(self) -> bool:

@@ -9,8 +9,9 @@ training goes on (``StagingConfig(overlap=True)``): then the state may change
 only after the copies are done, the *fence* (DCP's ``staging_completion``).
 
 A fence check (``StagingConfig(check_fence=True)``, for debugging) hashes every
-source when the copy is planned and every copy when it is made: a tensor
-changed in between was changed before the fence, and the save fails with
+source when the copy is planned and every copy when it is made (a tensor
+left live, over the budget: once the save wrote it, :func:`check_live`): a
+tensor changed in between was changed before the fence, and the save fails with
 :class:`~dcp_multilevel.errors.StagingFenceError` naming it, instead of
 silently storing a state no step had.
 """
@@ -28,7 +29,7 @@ import xxhash
 from ..errors import StagingFenceError
 from .buffers import COPY_PIECE, _aligned, _alignment, pool_source
 
-__all__ = ["Copies", "copy_into", "plan_copies", "run_copies"]
+__all__ = ["Copies", "check_live", "copy_into", "plan_copies", "run_copies"]
 
 
 @dataclass
@@ -41,6 +42,9 @@ class Copies:
     whole: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)
     #: (destination, name, hash of the source when planned): the fence check's.
     checks: list[tuple[torch.Tensor, str, str]] = field(default_factory=list)
+    #: (live tensor, name, its hash when planned): the fence check's, for the
+    #: tensors a save over budget writes from the live state (:func:`check_live`).
+    live_checks: list[tuple[torch.Tensor, str, str]] = field(default_factory=list)
     non_blocking: bool = False
 
 
@@ -71,6 +75,8 @@ def plan_copies(
                 # Sparse, quantized, other subclasses: staged the stock way, now.
                 return v.detach().to("cpu", copy=True)
             if flat is None or (only is not None and id(v) not in only):
+                if check_fence:
+                    todo.live_checks.append((local.detach(), name, _digest(local)))
                 return v
             n = local.numel() * local.element_size()
             offset = _aligned(offset, _alignment(n))
@@ -122,10 +128,23 @@ def run_copies(todo: Copies, pool: Executor | None = None) -> None:
     else:
         for piece in todo.pieces:
             _copy_piece(piece)
-    changed = [name for dst, name, before in todo.checks if _digest(dst) != before]
+    _fail_changed(todo.checks, "copied them")
+
+
+def check_live(todo: Copies) -> None:
+    """With the fence check: once the live tensors are written, whether they changed.
+
+    Raises:
+        StagingFenceError: a live tensor changed after the save was planned.
+    """
+    _fail_changed(todo.live_checks, "wrote them from the live state")
+
+
+def _fail_changed(checks: list[tuple[torch.Tensor, str, str]], doing: str) -> None:
+    changed = [name for t, name, before in checks if _digest(t) != before]
     if changed:
         raise StagingFenceError(
-            f"{len(changed)} tensor(s) of the state changed while the async save copied them "
+            f"{len(changed)} tensor(s) of the state changed while the async save {doing} "
             f"(e.g. {changed[0]!r}): with StagingConfig(overlap=True), wait for the save's "
             "staging_completion before the next optimizer step (or any in-place change); "
             "this save is not committed"

@@ -4,20 +4,24 @@ they are all written.
 An async save over its staging budget leaves some tensors live (not copied):
 the writer writes those first, straight from the training state, and
 ``async_save`` returns once they are all in their data files (see
-``stager.py``). The writer asks its :class:`~.stager.BackgroundSave` which of
-its plan's items are live, and counts them down as it writes them.
+``stager.py``); with ``StagingConfig(overlap=True)`` it returns at once, and
+its :class:`LiveFence` (DCP's ``staging_completion``) completes then. The
+writer asks its :class:`~.stager.BackgroundSave` which of its plan's items
+are live, and counts them down as it writes them.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
-__all__ = ["LiveCountdown", "live_items"]
+__all__ = ["LiveCountdown", "LiveFence", "live_items"]
 
 
 def live_items(
@@ -66,3 +70,45 @@ class LiveCountdown:
             last = not self._pending
         if last:
             self._done()
+
+
+class LiveFence(Future):
+    """What ``stage`` returns for an overlapped save over budget: the fence
+    completes once the live tensors are written, yet the save's own thread
+    needs the staged dict before it can write them.
+
+    DCP (torch 2.13) uses one future for both: its save thread calls
+    ``result()`` first, and ``async_save`` turns the same future's completion
+    into ``staging_completion``. So :meth:`result` answers with the staged
+    dict as soon as the copies are made (:meth:`hand_over`), while the future
+    completes (``set_result``, or :meth:`fail`) only when the stager sees the
+    live tensors released.
+
+    Call order: stager's copy thread ``hand_over`` (or ``fail``) -> DCP's save
+    thread ``result()`` -> stager's copy thread ``set_result(None)`` once
+    released (or ``set_exception``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._staged: Future[Any] = Future()
+        #: The first thread to ask for the staged dict: DCP's thread for this save.
+        self.reader: threading.Thread | None = None
+
+    def hand_over(self, staged: Any) -> None:
+        """The copies are made: the save's thread may take ``staged`` and write."""
+        self._staged.set_result(staged)
+
+    def fail(self, error: BaseException) -> None:
+        """The copies failed: the save's thread and the fence both raise ``error``."""
+        self._staged.set_exception(error)
+        self.set_exception(error)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The staged dict, once the copies are made (not once the fence is done);
+        raises the fence's error once it failed."""
+        if self.reader is None:
+            self.reader = threading.current_thread()
+        if self.done() and (error := self.exception(0)) is not None:
+            raise error
+        return self._staged.result(timeout)

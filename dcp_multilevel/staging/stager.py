@@ -12,7 +12,9 @@ and calls its :class:`Stager` explicitly. Order of calls for one
                                                the copy runs behind the fence)
                        DCP starts a thread for this save and hands it the staged copy
                        W.synchronize_staging -> synchronize()  over budget: block until the
-                                               live tensors are written
+                                               live tensors are written (with overlap
+                                               DCP does not call it: the fence, a
+                                               LiveFence, completes then)
     background thread  W.reset(id) if DCP got a checkpoint_id, W.storage_meta() always
       (THREAD)                              -> claim(checkpoint_id=)  take this save, wait
                                                for the earlier ones (before any collective)
@@ -43,7 +45,9 @@ most ``wait_timeout_s``, then raises :class:`SaveInFlightError` saying so
 
 Buffers (:mod:`.buffers`): at most two sets, reused (double buffering). Budget:
 a state larger than ``budget_bytes`` is saved in two waves, the tensors left
-out written first from the live state while ``async_save`` waits. Failures
+out written first from the live state while ``async_save`` waits (with
+``overlap``: while training goes on, until the fence; ``budget_bytes=0``
+copies nothing). Failures
 (:mod:`._failures`): raised from DCP's future, and once more, as
 :class:`AsyncSaveError`, from the next ``async_save`` with this writer.
 """
@@ -68,8 +72,8 @@ from ._priority import lower_thread_priority
 from ._tickets import POLL_S, StagedDict, Ticket, uncopied_storages
 from .buffers import HostBufferPool, select_wave, staged_nbytes
 from .config import StagingConfig
-from .copies import plan_copies, run_copies
-from .live import LiveCountdown, live_items
+from .copies import check_live, plan_copies, run_copies
+from .live import LiveCountdown, LiveFence, live_items
 
 __all__ = ["BackgroundSave", "Stager"]
 
@@ -90,8 +94,15 @@ class BackgroundSave:
         return self._ticket.live if self._ticket is not None else frozenset()
 
     def live_written(self) -> None:
-        """Every live tensor is in its data file: ``async_save`` may return (any thread)."""
+        """Every live tensor is in its data file: ``async_save`` may return (any thread).
+
+        Raises:
+            StagingFenceError: with the fence check, a live tensor changed
+                before it was written (the save then fails).
+        """
         if self._ticket is not None:
+            if self._ticket.check_live is not None:
+                self._ticket.check_live()
             self._ticket.released.set()
 
     def live_items(self, items: Iterable[WriteItem], planner: SavePlanner) -> set[MetadataIndex]:
@@ -152,9 +163,10 @@ class Stager:
         self, state_dict: dict[str, Any], *, checkpoint_id: str
     ) -> dict[str, Any] | Future[dict[str, Any]]:
         """Copy ``state_dict`` into a free buffer set and return the copy; with
-        ``overlap`` (and the state within the budget), a future of it: the copies
-        run on a background thread, and DCP answers ``async_save`` with an
-        ``AsyncSaveResponse`` whose ``staging_completion`` is the fence.
+        ``overlap``, a future of it: the copies run on a background thread, and
+        DCP answers ``async_save`` with an ``AsyncSaveResponse`` whose
+        ``staging_completion`` is the fence (over budget, a :class:`LiveFence`:
+        it also waits until the live tensors are written).
 
         ``checkpoint_id``: the writer's location, for messages.
 
@@ -183,7 +195,8 @@ class Stager:
         wave: set[int] | None = None  # None: stage every tensor
         if not st.pool.fits(nbytes):
             # Two waves: what the budget holds is staged; the rest is written
-            # first, straight from the live tensors, while this thread waits.
+            # first, straight from the live tensors, while this thread waits
+            # (with overlap: behind the fence).
             wave, nbytes = select_wave(state_dict, st.pool.budget_bytes or 0)
         buffers = None
         while nbytes:
@@ -206,10 +219,14 @@ class Stager:
         ticket = Ticket(st.seq, checkpoint_id, write_through=wave is not None, live=live)
         if buffers is not None:
             buffers.owner = ticket
+        if todo.live_checks:
+            ticket.check_live = lambda: check_live(todo)
         with st.lock:
             st.tickets.append(ticket)
         self._last = ticket
-        if st.overlapper is None or wave is not None:
+        if wave is not None and st.overlapper is not None:
+            return self._overlap_live(todo, copied, ticket, deadline)
+        if st.overlapper is None:
             try:
                 run_copies(todo, st.copier)
             except BaseException:
@@ -229,6 +246,42 @@ class Stager:
 
         st.overlapper.submit(copy_behind_the_fence)
         return done
+
+    def _overlap_live(
+        self, todo: Any, copied: dict[str, Any], ticket: Ticket, deadline: float
+    ) -> LiveFence:
+        """Overlap over budget: copy the staged wave behind the fence, hand the save
+        its dict, and complete the fence once the live tensors are written.
+
+        One thread does all three, in order, for each such save (the stager's
+        overlap thread): the next save's copies wait for this save's fence.
+        """
+        st = self._staging
+        fence = LiveFence()
+
+        def copy_then_watch() -> None:
+            try:
+                run_copies(todo, st.copier)
+            except BaseException as e:  # noqa: BLE001 - handed to the future, as DCP's would
+                ticket.dropped = True  # never claimed: its buffers are free again
+                fence.fail(e)
+                return
+            fence.hand_over(self._staged(copied, ticket))
+            # Released: every live tensor written, or write_data ended. A save whose
+            # thread ended without either (it failed first) reads nothing any more.
+            while not ticket.released.wait(0.05):
+                reader = fence.reader
+                if ticket.done() or (reader is not None and not reader.is_alive()):
+                    break
+                if not ticket.claimed and time.monotonic() > deadline:
+                    fence.set_exception(
+                        SaveInFlightError(self._never_began_message(ticket.checkpoint_id))
+                    )
+                    return
+            fence.set_result(None)
+
+        st.overlapper.submit(copy_then_watch)
+        return fence
 
     def _staged(self, copied: dict[str, Any], ticket: Ticket) -> StagedDict:
         staged = StagedDict(copied, ticket, self._claim_sent)
@@ -295,6 +348,7 @@ class Stager:
                 ticket.thread = threading.current_thread()
         self._wait_for_earlier(ticket, ticket.checkpoint_id)
         if ticket.write_through:
+            ticket.dropped = True  # no save follows: async_save and its fence return
             raise ConfigError(
                 "this state does not fit the staging budget and is written through from "
                 "the live tensors, which needs AsyncCheckpointerType.THREAD; with PROCESS the "
