@@ -4,7 +4,10 @@ One round runs the same training loop once per method, in rotated order:
 ``none`` (no saves), ``ours`` (``dcp.async_save`` with a
 :class:`~dcp_multilevel.MultiLevelWriter`), ``ours-overlap`` (the same with
 ``StagingConfig(overlap=True)``: copies on a background thread; the loop
-waits for ``staging_completion`` before the next optimizer step), ``manager``
+waits for ``staging_completion`` before the next optimizer step),
+``ours-nocopy`` (``StagingConfig(overlap=True, budget_bytes=0)``: no copy;
+the tensors are written from the live state while forward and backward
+run, and ``staging_completion`` is done once they are written), ``manager``
 (``CheckpointManager(async_save=True)``, one level; a save in flight is
 finished by the next, so at most one is written at a time), ``stock`` (``dcp.async_save`` with
 ``FileSystemWriter``, DCP's default staging) and ``stock-best``
@@ -58,7 +61,7 @@ from dcp_multilevel import (
     StagingConfig,
 )
 
-METHODS = ("none", "ours", "ours-overlap", "manager", "stock", "stock-best")
+METHODS = ("none", "ours", "ours-overlap", "ours-nocopy", "manager", "stock", "stock-best")
 GB = 1e9
 
 
@@ -128,6 +131,9 @@ class Method:
         self.writer = MultiLevelWriter(root) if name == "ours" else None
         if name == "ours-overlap":  # copies behind the fence, as stock's best
             self.writer = MultiLevelWriter(root, staging=StagingConfig(overlap=True))
+        if name == "ours-nocopy":  # writes from the live state behind the fence
+            staging = StagingConfig(overlap=True, budget_bytes=0)
+            self.writer = MultiLevelWriter(root, staging=staging)
         # CheckpointManager(async_save=True) on one level (its retention keeps 2).
         level = Level(str(root / "level"), every=1, keep=2)
         self.manager = CheckpointManager([level], async_save=True) if name == "manager" else None
@@ -146,7 +152,7 @@ class Method:
             return None, None
         if self.name == "ours":
             return None, dcp.async_save(state, storage_writer=self.writer, checkpoint_id=path)
-        if self.name == "ours-overlap":
+        if self.name in ("ours-overlap", "ours-nocopy"):
             r = dcp.async_save(state, storage_writer=self.writer, checkpoint_id=path)
             return r.staging_completion, r.upload_completion
         w = FileSystemWriter(path)

@@ -11,7 +11,10 @@ fsynced, in alternating rounds, by:
 * ``async: ...`` -- the same three with ``dcp.async_save``, until the save is
   durable, writers reused across rounds (the staging pool warm): ours stages
   into its pool and writes big tensors to disk straight from it; stock with
-  its best staging on CPU (``DefaultStager`` with async staging).
+  its best staging on CPU (``DefaultStager`` with async staging);
+* ``async: ours, no copy`` -- ``StagingConfig(overlap=True, budget_bytes=0)``:
+  nothing is staged, the tensors are written from the live state behind the
+  fence (``staging_completion``), as a synchronous save writes them.
 
 For each: wall time, and the CPU the save used -- this process's user and
 system time (all threads), and the whole machine's busy time over the save
@@ -38,7 +41,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from _cli import add_json, add_root, args_record, parser, quiet_dcp_warnings
 from _measure import GB, machine_busy_s, median, rounds, spread
-from dcp_multilevel import MultiLevelWriter
+from dcp_multilevel import MultiLevelWriter, StagingConfig
 
 WRITERS = (
     "ours",
@@ -46,6 +49,7 @@ WRITERS = (
     "stock",
     "async: ours",
     "async: ours, direct_io=False",
+    "async: ours, no copy",
     "async: stock best",
 )
 
@@ -60,6 +64,8 @@ def _writer(name: str, path: str):
         return FileSystemWriter(path)
     if name.endswith("direct_io=False"):
         return MultiLevelWriter(path, storage_options={"direct_io": False})
+    if name.endswith("no copy"):
+        return MultiLevelWriter(path, staging=StagingConfig(overlap=True, budget_bytes=0))
     return MultiLevelWriter(path)
 
 
@@ -81,6 +87,9 @@ class _Saver:
             dcp.async_save(
                 state, storage_writer=w, async_stager=self.stager
             ).upload_completion.result()
+        elif self.name.endswith("no copy"):
+            r = dcp.async_save(state, storage_writer=self.writer, checkpoint_id=path)
+            r.upload_completion.result()
         else:
             dcp.async_save(state, storage_writer=self.writer, checkpoint_id=path).result()
 
