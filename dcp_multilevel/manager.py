@@ -19,7 +19,9 @@ CUDA: pinned); DCP writes and commits the first level in its background
 thread, over a gloo group of the manager's own. That save's books and drains
 are finished on the main thread by the next save, :meth:`finish_save`,
 :meth:`wait`, a load or :meth:`close` (every rank makes the same calls), which
-also raise its error if it failed.
+also raise its error if it failed. With ``staging=StagingConfig(overlap=True)``
+they return before the state is copied: call :meth:`wait_for_staging` before
+it next changes (the optimizer step).
 
 The manager is a facade: each part it composes owns one thing (``manage/``,
 whose docstring maps them), the levels are ``levels/``, the load after a loss
@@ -97,7 +99,9 @@ class CheckpointManager:
         save_on_sigterm: after a SIGTERM, :meth:`step` saves to the first level and exits.
         check_seconds: at most this much training between :meth:`step`'s agreements.
         sweep_older_than_s: remove crash leftovers older than this at construction.
-        async_save: :meth:`save` returns once the state is staged (module docstring).
+        async_save: :meth:`save` returns once the state is staged (module docstring);
+            with ``StagingConfig(overlap=True)`` at once: call
+            :meth:`wait_for_staging` before the state next changes.
         staging: the async saves' staging (:class:`~dcp_multilevel.StagingConfig`).
         restore_whole_files: a restore after a node loss brings whole files, not
             only the byte ranges the node's ranks read.
@@ -222,6 +226,17 @@ class CheckpointManager:
                               time.perf_counter() - t0)  # fmt: skip
         self._committed(step, due, time.time(), metrics)
         return metrics
+
+    def wait_for_staging(self) -> None:
+        """Wait until the async save in flight no longer reads the state.
+
+        Only ``staging=StagingConfig(overlap=True)`` needs it: :meth:`save`
+        then returns before the state is copied (or, over the staging budget,
+        written), and training must call this before the optimizer step, as
+        torchtitan's ``maybe_wait_for_staging``. Returns at once otherwise.
+        Not collective. Raises the staging's error.
+        """
+        self._saves.wait_for_staging()
 
     def finish_save(self) -> SaveMetrics | None:
         """Wait for the async save in flight to commit on the first level, then start

@@ -35,7 +35,14 @@ def test_cpu_mode_round_trips_and_benchmark(tmp_path: Path) -> None:
     assert len(checks) == 7 and all(checks.values()), checks
     bench = report["bench"]
     assert bench["rounds"] == 1 and not bench["errors"]
-    assert set(bench["methods"]) == {"ours", "ours-overlap", "ours-nocopy", "manager", "stock", "stock-best"}
+    assert set(bench["methods"]) == {
+        "ours",
+        "ours-overlap",
+        "ours-nocopy",
+        "manager",
+        "stock",
+        "stock-best",
+    }
     assert report["load"]["load"]["ours"]["s"] > 0
     assert "function calls" in report["load"]["profile"]  # where the load's time went
     assert "| ours |" in log  # the table people paste

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from dcp_multilevel import CheckpointManager, ConfigError, FixedInterval, Level
+from dcp_multilevel import CheckpointManager, ConfigError, FixedInterval, Level, StagingConfig
 from dcp_multilevel.testing import run_ranks
 from dcp_multilevel.testing.levels import bit_equal
 
@@ -118,3 +118,28 @@ def test_async_saves_refuse_a_first_level_that_stores_deltas(tmp_path: Path) -> 
         CheckpointManager(
             [Level(str(tmp_path / "l1"), codec="bytegroup", keyframe_every=4)], async_save=True
         )
+
+
+def test_overlapped_staging_saves_behind_the_fence_the_manager_keeps(tmp_path: Path) -> None:
+    """StagingConfig(overlap=True): save() returns before the copy, as dcp.async_save
+    does; wait_for_staging() is the fence before the optimizer step. Budget 0: no copy."""
+    for budget in (None, 0):
+        root = tmp_path / str(budget)
+        staging = StagingConfig(overlap=True, budget_bytes=budget, check_fence=True)
+        mgr = CheckpointManager([Level(str(root / "l1"), every=1, keep=3)], async_save=True,
+                                staging=staging)  # fmt: skip
+        sd = {"w": torch.randn(256, 1024), "b": torch.zeros(7)}
+        expected = {}
+        for step in range(1, 4):
+            mgr.save(sd, step=step)
+            expected[step] = {k: v.clone() for k, v in sd.items()}
+            mgr.wait_for_staging()
+            for v in sd.values():  # the optimizer step, after the fence
+                v.add_(1.0)
+        mgr.wait()
+        assert mgr.steps(0) == [1, 2, 3]
+        for step, want in expected.items():
+            back = {k: torch.empty_like(v) for k, v in sd.items()}
+            mgr.load(back, step)
+            assert all(torch.equal(back[k], want[k]) for k in want), (budget, step)
+        mgr.close()

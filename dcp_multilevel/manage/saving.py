@@ -13,7 +13,9 @@ Call order (main thread, every rank, collective)::
 With ``async_group`` (``CheckpointManager(async_save=True)``), instead::
 
     metrics = saves.save_async(state_dict, step, extra, due)   returns once staged
+                                       (with StagingConfig(overlap=True): at once)
     ... training goes on; DCP writes and commits in its background thread ...
+    saves.wait_for_staging()           overlap: before the state changes
     pending = saves.finish_async()     before the next save (main thread): committed
 
 One writer serves every async save, so its staging buffers are reused; at
@@ -32,6 +34,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from .. import _dist
 from ..checkpoint import StoredCheckpoint
@@ -58,6 +61,8 @@ class PendingSave:
     writer: MultiLevelWriter
     metrics: SaveMetrics
     from_step: bool = False  # made by the manager's step() (its schedule follows it)
+    #: With ``StagingConfig(overlap=True)``: done once the save no longer reads the state.
+    fence: Future | None = None
 
 
 class FirstLevelSaves:
@@ -127,12 +132,22 @@ class FirstLevelSaves:
             state_dict, storage_writer=writer, checkpoint_id=url, planner=self.planner,
             process_group=self._async_group,
         )  # fmt: skip
+        fence = None
+        if isinstance(future, AsyncSaveResponse):  # overlap: the copies run behind a fence
+            fence, future = future.staging_completion, future.upload_completion
         metrics = SaveMetrics(step, self.level.url, 0, time.perf_counter() - t0)
         pool = writer.staging_pool
         if pool is not None:
             metrics.staging_bytes, metrics.staging_peak_bytes = pool.held_bytes, pool.peak_bytes
-        self.pending = PendingSave(step, due, future, writer, metrics)
+        self.pending = PendingSave(step, due, future, writer, metrics, fence=fence)
         return metrics
+
+    def wait_for_staging(self) -> None:
+        """Wait until the async save in flight no longer reads the state (the fence of
+        ``StagingConfig(overlap=True)``); at once without one. Raises its error."""
+        p = self.pending
+        if p is not None and p.fence is not None:
+            p.fence.result()
 
     def finish_async(self) -> PendingSave | None:
         """Wait for the async save in flight to commit; it, or None when none was.
