@@ -193,7 +193,11 @@ def _job(
             for p in model.parameters():  # data parallel: average the gradients
                 dist.all_reduce(p.grad)
                 p.grad /= world
+            pending = checkpointer.multilevel._saves.pending  # the last save, if in flight
             checkpointer.maybe_wait_for_staging()
+            if pending is not None and pending.fence is not None:  # async_with_pinned_mem
+                assert pending.fence.done()  # the fence held before the optimizer step
+                out["fenced"] = out.get("fenced", 0) + 1
             optimizers.step()
             lr_schedulers.step()
             optimizers.zero_grad()
@@ -338,6 +342,7 @@ def test_lost_node_resumes_from_the_partner_level(tmp_path):
                "drain_policy": "wait"}  # fmt: skip
     first = _run(tmp_path, options, run_to=4, total=8, snapshot_at=[4])  # killed after step 4
     assert first[0]["saved"] == [2, 4]
+    assert first[0].get("fenced"), "async_with_pinned_mem saved without overlapped copies"
     shutil.rmtree(tmp_path / "n1")  # node 1 is lost with its disk
     restart = _run(tmp_path, options, run_to=4, total=8)
     for rank in range(WORLD):

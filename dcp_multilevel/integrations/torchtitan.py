@@ -49,13 +49,15 @@ safetensors export; the saves and loads themselves go through one
 ``async_mode``: ``"disabled"`` saves the first level before ``save`` returns;
 ``"async"`` and ``"async_with_pinned_mem"`` are
 ``CheckpointManager(async_save=True)``: ``save`` returns once the state is
-staged into reused host buffers (page-locked ones with ``async_with_pinned_mem``,
-and by default whenever CUDA is there), DCP's background thread writes the
-first level, and the next save (or the close) finishes it and starts the
-drains. There is no daemon process (torchtitan's pinned mode uses DCP's
-PROCESS executor; ours stays in a thread of the trainer), and staging is done
-when ``save`` returns, so ``maybe_wait_for_staging`` has nothing to wait for.
-See ``docs/integrations.md``.
+staged into reused host buffers (page-locked whenever CUDA is there), DCP's
+background thread writes the first level, and the next save (or the close)
+finishes it and starts the drains. With ``"async_with_pinned_mem"``, as with
+torchtitan's own, the copies overlap the next forward and backward
+(``StagingConfig(overlap=True)``): ``save`` returns before they are made, and
+``maybe_wait_for_staging``, which torchtitan's trainer calls before the
+optimizer step, waits for them (``CheckpointManager.wait_for_staging``). There
+is no daemon process (torchtitan's pinned mode uses DCP's PROCESS executor;
+ours stays in a thread of the trainer). See ``docs/integrations.md``.
 
 Tested with ``torchtitan==0.3.0`` on torch 2.13 CPU
 (``tests/test_integration_torchtitan.py``). Besides its public classes this
@@ -192,16 +194,16 @@ class MultiLevelCheckpointManager(CheckpointManager):
         self.schedule = config.schedule or self._last_step_due
         self._adaptive = not self.schedule.deterministic
         planner = BalancedSavePlanner() if config.planner == "balanced" else DefaultSavePlanner()
-        # async / async_with_pinned_mem: our staging (reused buffers), then DCP's
-        # background thread writes the first level; pinned buffers in the second.
-        # (Page-locked memory needs CUDA: without it, plain buffers, as stock's stager.)
-        pinned = self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM and torch.cuda.is_available()
+        # async / async_with_pinned_mem: our staging (reused buffers, page-locked
+        # where CUDA is), then DCP's background thread writes the first level. The
+        # pinned mode's copies overlap training until maybe_wait_for_staging.
+        overlap = self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
         # Collective (every rank, as torchtitan builds its checkpointer).
         self.multilevel = LevelsManager(
             self.levels, schedule=self.schedule, planner=planner,
             drain_policy=config.drain_policy,
             async_save=self.async_mode != AsyncMode.DISABLED,
-            staging=StagingConfig(pin_memory=True) if pinned else None,
+            staging=StagingConfig(overlap=True) if overlap else None,
         )  # fmt: skip
 
     def _levels(self, config: Config) -> list[Level]:
@@ -371,6 +373,15 @@ class MultiLevelCheckpointManager(CheckpointManager):
 
     def _purge_stale_checkpoints(self) -> None:
         """Nothing: each level applies its own retention (``keep``)."""
+
+    def _maybe_wait_for_staging(self) -> None:
+        """The fence of ``async_with_pinned_mem``: the last save's copies are made.
+
+        torchtitan's trainer calls it before the optimizer step.
+        """
+        super()._maybe_wait_for_staging()
+        if self.multilevel is not None:
+            self.multilevel.wait_for_staging()
 
     def _close(self) -> None:
         """Wait for the drains (raising their errors), then torchtitan's own close."""
