@@ -128,7 +128,10 @@ def test_overlapped_staging_saves_behind_the_fence_the_manager_keeps(tmp_path: P
         staging = StagingConfig(overlap=True, budget_bytes=budget, check_fence=True)
         mgr = CheckpointManager([Level(str(root / "l1"), every=1, keep=3)], async_save=True,
                                 staging=staging)  # fmt: skip
-        sd = {"w": torch.randn(256, 1024), "b": torch.zeros(7)}
+        # 256 MiB: its copy or write is still running when save() returns, so a
+        # wait_for_staging that did not wait would let the change below into the
+        # save (the fence check fails it).
+        sd = {"w": torch.randn(64, 1 << 20), "b": torch.zeros(7)}
         expected = {}
         for step in range(1, 4):
             mgr.save(sd, step=step)

@@ -3,7 +3,8 @@
 A buffer set is one flat ``uint8`` host tensor; a staged state is a structure
 of views into it (each tensor at a 64-byte aligned offset, and tensors of
 ``PAGE_FROM`` bytes or more at a page boundary, so that a direct-I/O file
-takes them without a copy: ``stores/_direct.py``). Filling memory that
+takes every byte of them from the buffer, with no partial first page through
+its bounce buffer: ``stores/_direct.py``). Filling memory that
 an earlier save touched runs at memcpy speed; fresh memory (``clone()``) pays
 a page fault per page on top.
 
@@ -38,7 +39,8 @@ __all__ = [
 #: Byte alignment of each tensor in a buffer set (cache line; every dtype fits).
 ALIGN = 64
 #: Tensors this large start at a page boundary (``PAGE``) in a buffer set:
-#: they are then written to disk straight from the buffer (``O_DIRECT``).
+#: all of their whole blocks are then written to disk straight from the
+#: buffer (``O_DIRECT``; ``stores/_direct.DIRECT_MIN``).
 PAGE_FROM = 1 << 20
 PAGE = 4096
 #: Largest piece one copy job moves (pieces of big tensors go to different threads).

@@ -22,7 +22,9 @@ class StagingConfig:
     Args:
         budget_bytes: most host memory the buffer pool may hold (both sets
             together); ``None``: no limit (two sets of the state's size). A state
-            larger than this is saved in two waves (see ``docs/async.md``).
+            larger than this is saved in two waves (see ``docs/async.md``); with
+            ``overlap``, ``0`` copies nothing: the tensors are written from the
+            live state behind the fence.
         in_flight: what a save does when both buffer sets are taken by earlier
             saves: ``"wait"`` until one is free, or ``"raise"``
             :class:`~dcp_multilevel.errors.SaveInFlightError`.
@@ -40,8 +42,9 @@ class StagingConfig:
         overlap: copy into the buffers on a background thread: ``async_save``
             returns before the copies are done, with DCP's ``AsyncSaveResponse``;
             the state may change only once its ``staging_completion`` is done
-            (the fence: wait for it before the next optimizer step). Off: the
-            copies are done when ``async_save`` returns.
+            (the fence: wait for it before the next optimizer step; over the
+            budget it also waits until the tensors left live are written). Off:
+            the copies are done when ``async_save`` returns.
         check_fence: with ``overlap``, hash every tensor when ``async_save`` is
             called and its copy once made; a difference (the state changed before
             the fence) fails the save with ``StagingFenceError``. For debugging:
