@@ -73,16 +73,16 @@ class LiveCountdown:
 
 
 class LiveFence(Future):
-    """What ``stage`` returns for an overlapped save over budget: the fence
-    completes once the live tensors are written, yet the save's own thread
-    needs the staged dict before it can write them.
+    """What ``stage`` returns with ``overlap``: the fence completes once the copies
+    are made and, over budget, once the live tensors are written too, yet the
+    save's own thread needs the staged dict before it can write them.
 
     DCP (torch 2.13) uses one future for both: its save thread calls
     ``result()`` first, and ``async_save`` turns the same future's completion
     into ``staging_completion``. So :meth:`result` answers with the staged
     dict as soon as the copies are made (:meth:`hand_over`), while the future
-    completes (``set_result``, or :meth:`fail`) only when the stager sees the
-    live tensors released.
+    completes (``set_result``, or :meth:`fail`) then, or, over budget, only
+    when the stager sees the live tensors released.
 
     Call order: stager's copy thread ``hand_over`` (or ``fail``) -> DCP's save
     thread ``result()`` -> stager's copy thread ``set_result(None)`` once

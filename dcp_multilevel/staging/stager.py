@@ -163,10 +163,10 @@ class Stager:
         self, state_dict: dict[str, Any], *, checkpoint_id: str
     ) -> dict[str, Any] | Future[dict[str, Any]]:
         """Copy ``state_dict`` into a free buffer set and return the copy; with
-        ``overlap``, a future of it: the copies run on a background thread, and
-        DCP answers ``async_save`` with an ``AsyncSaveResponse`` whose
-        ``staging_completion`` is the fence (over budget, a :class:`LiveFence`:
-        it also waits until the live tensors are written).
+        ``overlap``, a :class:`LiveFence` of it: the copies run on a background
+        thread, and DCP answers ``async_save`` with an ``AsyncSaveResponse``
+        whose ``staging_completion`` is the fence (over budget, it also waits
+        until the live tensors are written).
 
         ``checkpoint_id``: the writer's location, for messages.
 
@@ -224,37 +224,23 @@ class Stager:
         with st.lock:
             st.tickets.append(ticket)
         self._last = ticket
-        if wave is not None and st.overlapper is not None:
-            return self._overlap_live(todo, copied, ticket, deadline)
-        if st.overlapper is None:
-            try:
-                run_copies(todo, st.copier)
-            except BaseException:
-                ticket.dropped = True  # no save follows: its buffers are free again
-                raise
-            return self._staged(copied, ticket)
-        done: Future[dict[str, Any]] = Future()
+        if st.overlapper is not None:
+            return self._behind_the_fence(todo, copied, ticket, deadline)
+        try:
+            run_copies(todo, st.copier)
+        except BaseException:
+            ticket.dropped = True  # no save follows: its buffers are free again
+            raise
+        return self._staged(copied, ticket)
 
-        def copy_behind_the_fence() -> None:
-            try:
-                run_copies(todo, st.copier)
-            except BaseException as e:  # noqa: BLE001 - handed to the future, as DCP's would
-                ticket.dropped = True  # never claimed: its buffers are free again
-                done.set_exception(e)
-            else:
-                done.set_result(self._staged(copied, ticket))
-
-        st.overlapper.submit(copy_behind_the_fence)
-        return done
-
-    def _overlap_live(
+    def _behind_the_fence(
         self, todo: Any, copied: dict[str, Any], ticket: Ticket, deadline: float
     ) -> LiveFence:
-        """Overlap over budget: copy the staged wave behind the fence, hand the save
-        its dict, and complete the fence once the live tensors are written.
+        """Overlap: make the copies on the overlap thread, hand the save its dict, and
+        complete the fence; over budget, once the live tensors are written too.
 
-        One thread does all three, in order, for each such save (the stager's
-        overlap thread): the next save's copies wait for this save's fence.
+        One thread does this, in order, for each save: over budget, the next
+        save's copies wait for this save's fence.
         """
         st = self._staging
         fence = LiveFence()
@@ -269,7 +255,7 @@ class Stager:
             fence.hand_over(self._staged(copied, ticket))
             # Released: every live tensor written, or write_data ended. A save whose
             # thread ended without either (it failed first) reads nothing any more.
-            while not ticket.released.wait(0.05):
+            while ticket.write_through and not ticket.released.wait(0.05):
                 reader = fence.reader
                 if ticket.done() or (reader is not None and not reader.is_alive()):
                     break
