@@ -59,14 +59,9 @@ WRITERS = (
 def _state(args) -> tuple[dict, int]:
     """The state to save, and its number of tensors."""
     if args.state == "gpt2":
-        from _gpt import GPT, SHAPES, batch, forward_backward, optimizer
+        from _gpu_bench import Trainer  # gpu_check's model, after one training step
 
-        torch.manual_seed(0)
-        model = GPT(SHAPES["gpt2"])
-        opt = optimizer(model)
-        forward_backward(model, batch(SHAPES["gpt2"], 0, torch.device("cpu")))
-        opt.step()
-        state = {"model": dict(model.state_dict()), "optim": opt.state_dict()}
+        state = Trainer("gpt2", torch.device("cpu")).state()
         return state, sum(1 for _ in iter_tensors(state))
     n = max(1, round(args.gb * GB / (64 << 20)))
     gen = torch.Generator().manual_seed(0)
