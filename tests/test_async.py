@@ -45,7 +45,14 @@ from dcp_multilevel import (
 from dcp_multilevel.checkpoint import StoredCheckpoint
 from dcp_multilevel.format import MANIFEST_NAME
 from dcp_multilevel.format.tensor_bytes import PIECE_BYTES
-from dcp_multilevel.staging.buffers import ALIGN, PAGE, HostBufferPool, select_wave, staged_nbytes
+from dcp_multilevel.staging.buffers import (
+    ALIGN,
+    PAGE,
+    HostBufferPool,
+    iter_tensors,
+    select_wave,
+    staged_nbytes,
+)
 from dcp_multilevel.staging.copies import copy_into
 from dcp_multilevel.stores import _direct
 
@@ -283,7 +290,7 @@ def test_pool_reuses_two_sets_within_its_budget():
 def test_over_budget_wave_stages_the_largest_tensors_that_fit():
     sd = {"a": torch.ones(100), "b": {"c": torch.ones(300), "d": [torch.ones(50)]}, "n": 3}
     a, c, d = sd["a"], sd["b"]["c"], sd["b"]["d"][0]
-    ids, nbytes = select_wave(sd, 1200 + 400 + 2 * ALIGN)  # c (1200 B) and a (400 B)
+    ids, nbytes = select_wave(iter_tensors(sd), 1200 + 400 + 2 * ALIGN)  # c (1200 B) and a (400 B)
     assert ids == {id(c), id(a)} and nbytes <= 1200 + 400 + 2 * ALIGN
     flat = torch.zeros(nbytes, dtype=torch.uint8)
     staged = copy_into(sd, flat, only=ids)
@@ -293,7 +300,7 @@ def test_over_budget_wave_stages_the_largest_tensors_that_fit():
     c.add_(1)
     assert staged["a"].eq(1).all() and staged["b"]["c"].eq(1).all()
     assert staged["a"].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
-    assert select_wave(sd, ALIGN) == (set(), 0)  # nothing fits: all live
+    assert select_wave(iter_tensors(sd), ALIGN) == (set(), 0)  # nothing fits: all live
 
 
 def test_big_tensors_are_staged_at_pages_and_written_from_there(tmp_path):
@@ -305,9 +312,9 @@ def test_big_tensors_are_staged_at_pages_and_written_from_there(tmp_path):
         "big2": torch.randint(0, 9, (270_000,), generator=g),  # 2.16 MB of int64
     }
     pool = HostBufferPool(None, pin=False, shared=False)
-    flat = pool.try_acquire(staged_nbytes(sd)).flat
+    flat = pool.try_acquire(staged_nbytes(iter_tensors(sd))).flat
     staged = copy_into(sd, flat)
-    assert flat.data_ptr() % PAGE == 0 and flat.numel() == staged_nbytes(sd)
+    assert flat.data_ptr() % PAGE == 0 and flat.numel() == staged_nbytes(iter_tensors(sd))
     shared = HostBufferPool(None, pin=False, shared=True).try_acquire(3 << 20).flat
     assert shared.data_ptr() % PAGE == 0 and shared.is_shared() and shared.numel() == 3 << 20
     assert staged["big"].data_ptr() % PAGE == 0 and staged["big2"].data_ptr() % PAGE == 0

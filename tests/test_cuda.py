@@ -41,10 +41,14 @@ def test_a_load_into_cuda_hands_its_pinned_scratch_back(tmp_path):
 
 
 @cuda
-def test_an_async_save_from_cuda_holds_the_state_at_staging_completion(tmp_path):
+# All staged, half staged (the rest written from the live tensors behind the fence),
+# none staged; the fence check hashes the device tensors at return and again after.
+@pytest.mark.parametrize("budget", [None, 12 << 20, 0])
+def test_an_async_save_from_cuda_holds_the_state_at_staging_completion(tmp_path, budget):
     state = _state("cuda")
     expected = {k: v.cpu() for k, v in state.items()}
-    writer = MultiLevelWriter(tmp_path / "c", staging=StagingConfig(overlap=True))
+    staging = StagingConfig(overlap=True, budget_bytes=budget, check_fence=True)
+    writer = MultiLevelWriter(tmp_path / "c", staging=staging)
     response = dcp.async_save(state, storage_writer=writer)
     response.staging_completion.result()  # the fence: copies done on the side stream
     for v in state.values():
@@ -53,6 +57,31 @@ def test_an_async_save_from_cuda_holds_the_state_at_staging_completion(tmp_path)
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c"))
     assert all(torch.equal(out[k].cpu(), expected[k]) for k in expected)
+
+
+@cuda
+def test_overlapped_copies_wait_for_the_stream_that_wrote_the_state(tmp_path):
+    # Training on a stream of its own: the copies, made on another thread, must
+    # wait for that stream's work (queued behind a 50 ms spin), not that thread's
+    # default stream, or they read the state before it was written.
+    state = _state("cuda")
+    writer = MultiLevelWriter(tmp_path / "c", staging=StagingConfig(overlap=True))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)
+        for i, v in enumerate(state.values()):
+            v.fill_(i + 1)
+        response = dcp.async_save(state, storage_writer=writer)
+        response.staging_completion.result()
+        for v in state.values():
+            v.zero_()  # the next optimizer step
+    response.upload_completion.result()
+    torch.cuda.synchronize()
+    out = {k: torch.zeros(1024, 1024) for k in state}
+    dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c"))
+    assert [out[k].unique().tolist() for k in state] == [[i + 1.0] for i in range(len(state))]
+    writer.close()
 
 
 @cuda

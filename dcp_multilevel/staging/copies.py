@@ -29,7 +29,7 @@ import xxhash
 from ..errors import StagingFenceError
 from .buffers import COPY_PIECE, _aligned, _alignment, pool_source
 
-__all__ = ["Copies", "check_live", "copy_into", "plan_copies", "run_copies"]
+__all__ = ["Copies", "check_live", "copy_into", "plan_copies", "run_copies", "stream_marks"]
 
 
 @dataclass
@@ -114,13 +114,33 @@ def plan_copies(
     return snap(state, ""), todo
 
 
-def run_copies(todo: Copies, pool: Executor | None = None) -> None:
+def stream_marks(tensors: list[torch.Tensor]) -> dict[torch.device, Any]:
+    """An event on the calling thread's current stream of each CUDA device holding
+    one of a state's ``tensors`` (``buffers.iter_tensors``). Recorded on the
+    training thread when ``async_save`` is called, it lets copies made on another
+    thread start once the work that wrote the state is done, instead of after
+    whatever training queued since (that thread's own current stream would be the
+    wrong one, too, for a training loop on a stream of its own)."""
+    marks = {}
+    for device in {t.device for t in tensors if t.is_cuda}:
+        marks[device] = torch.cuda.Event()
+        marks[device].record(torch.cuda.current_stream(device))
+    return marks
+
+
+def run_copies(
+    todo: Copies, pool: Executor | None = None, marks: dict[torch.device, Any] | None = None
+) -> None:
     """Make the copies ``plan_copies`` recorded (``pool``: threads for the pieces).
+
+    ``marks``: :func:`stream_marks` taken on the training thread; without them the
+    device copies wait for this thread's current streams (this must then be the
+    training thread).
 
     Raises:
         StagingFenceError: with the fence check, a source changed after it was planned.
     """
-    _device_copies(todo)
+    _device_copies(todo, marks or {})
     # copy_ into memory touched by an earlier save: no page faults.
     if pool is not None and len(todo.pieces) > 1:
         for _ in pool.map(_copy_piece, todo.pieces):
@@ -167,11 +187,11 @@ def copy_into(
 _SIDE_STREAMS: dict[torch.device, Any] = {}
 
 
-def _device_copies(todo: Copies) -> None:
+def _device_copies(todo: Copies, marks: dict[torch.device, Any]) -> None:
     """The ``whole`` copies; from a CUDA device, on a stream of their own: they wait
-    for the work already queued on the device's current stream (which wrote the
-    state), and the training's next kernels on that stream do not queue behind
-    them. Returns once every copy is done (the buffers then hold the state)."""
+    for the work that wrote the state (``marks``, else what is already queued on
+    the device's current stream), and the training's next kernels do not queue
+    behind them. Returns once every copy is done (the buffers then hold the state)."""
     on_cuda = [(d, s) for d, s, _ in todo.whole if s.device.type == "cuda"]
     for dst, src, _ in todo.whole:
         if src.device.type != "cuda":
@@ -183,7 +203,10 @@ def _device_copies(todo: Copies) -> None:
         side = _SIDE_STREAMS.get(device)
         if side is None:
             side = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))
+        if device in marks:
+            side.wait_event(marks[device])
+        else:
+            side.wait_stream(torch.cuda.current_stream(device))
         sides.append(side)
     for dst, src in on_cuda:
         side = _SIDE_STREAMS[src.device]
