@@ -5,6 +5,9 @@ One round runs the same training loop once per method, in rotated order:
 :class:`~dcp_multilevel.MultiLevelWriter`), ``ours-overlap`` (the same with
 ``StagingConfig(overlap=True)``: copies on a background thread; the loop
 waits for ``staging_completion`` before the next optimizer step),
+``ours-process`` (the same, written by DCP's daemon process,
+``AsyncCheckpointerType.PROCESS``, from buffers in shared memory: no
+background thread in the training process but the copies'),
 ``ours-nocopy`` (``StagingConfig(overlap=True, budget_bytes=0)``: no copy;
 the tensors are written from the live state while forward and backward
 run, and ``staging_completion`` is done once they are written), ``manager``
@@ -12,10 +15,14 @@ run, and ``staging_completion`` is done once they are written), ``manager``
 finished by the next, so at most one is written at a time), ``stock`` (``dcp.async_save`` with
 ``FileSystemWriter``, DCP's default staging) and ``stock-best``
 (``FileSystemWriter`` with ``DefaultStager(StagingOptions(pinned, not shared,
-async staging, non-blocking copies))``, reused across saves; the loop waits
-for its ``staging_completion`` before the next optimizer step, the fence
+async staging, non-blocking copies))``, reused across saves, a fresh one per
+save on torch 2.11 and 2.12, pytorch/pytorch#183413; the loop waits for its
+``staging_completion`` before the next optimizer step, the fence
 torchtitan's ``maybe_wait_for_staging`` keeps). Both writers use one thread
-and fsync, as their defaults do.
+and fsync, as their defaults do. Ours saves with ``BalancedSavePlanner`` (it
+caches its plan), stock's best with ``DefaultSavePlanner(enable_plan_caching=True)``,
+stock's default with DCP's default planner: the plan is Python that runs on
+the save's background thread, beside the training thread.
 
 A step is forward, backward and the optimizer step of the model in
 ``_gpt.py``, then a device synchronize (as a loss printout would do). Its
@@ -48,12 +55,15 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from _gpt import GPT, SHAPES, batch, forward_backward, optimizer
 from _measure import machine_busy_s
 from dcp_multilevel import (
+    BalancedSavePlanner,
     CheckpointManager,
     Level,
     MultiLevelReader,
@@ -61,7 +71,23 @@ from dcp_multilevel import (
     StagingConfig,
 )
 
-METHODS = ("none", "ours", "ours-overlap", "ours-nocopy", "manager", "stock", "stock-best")
+METHODS = (
+    "none",
+    "ours",
+    "ours-overlap",
+    "ours-process",
+    "ours-nocopy",
+    "manager",
+    "stock",
+    "stock-best",
+)
+# Left out unless named: on CUDA the no-copy mode writes device tensors item by
+# item behind its fence; on CPU the daemon process's start-up is most of a tiny run.
+NOT_BY_DEFAULT = {"cuda": ("ours-nocopy",), "cpu": ("ours-process",)}
+# torch 2.11 and 2.12 close a DefaultStager at the end of each staging, so a reused
+# one fails from its second save on (pytorch/pytorch#183413): stock's best then
+# gets a fresh stager per save, which is what those versions keep anyway.
+_STAGER_REUSABLE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
 GB = 1e9
 
 
@@ -131,6 +157,9 @@ class Method:
         self.writer = MultiLevelWriter(root) if name == "ours" else None
         if name == "ours-overlap":  # copies behind the fence, as stock's best
             self.writer = MultiLevelWriter(root, staging=StagingConfig(overlap=True))
+        if name == "ours-process":
+            staging = StagingConfig(overlap=True, shared_memory=True)
+            self.writer = MultiLevelWriter(root, staging=staging)
         if name == "ours-nocopy":  # writes from the live state behind the fence
             staging = StagingConfig(overlap=True, budget_bytes=0)
             self.writer = MultiLevelWriter(root, staging=staging)
@@ -140,8 +169,16 @@ class Method:
         # On CPU, stock's best is async staging alone (pinning and non-blocking
         # copies need an accelerator).
         gpu = torch.cuda.is_available()
-        opts = StagingOptions(gpu, False, True, gpu)
-        self.stager = DefaultStager(opts) if name == "stock-best" else None
+        self.opts = StagingOptions(gpu, False, True, gpu)
+        self.stager = DefaultStager(self.opts) if name == "stock-best" else None
+        # Each side's planner as its users are told to save: ours the balanced one
+        # (it caches its plan), stock's best with DCP's plan caching, stock's
+        # default with its default planner.
+        self.planner: SavePlanner | None = None
+        if name.startswith("ours"):
+            self.planner = BalancedSavePlanner()
+        elif name == "stock-best":
+            self.planner = DefaultSavePlanner(enable_plan_caching=True)
         self.n = 0
 
     def save(self, state: dict[str, Any]) -> tuple[Future | None, Future | None]:
@@ -151,14 +188,26 @@ class Method:
             self.manager.save(state, step=self.n)
             return None, None
         if self.name == "ours":
-            return None, dcp.async_save(state, storage_writer=self.writer, checkpoint_id=path)
-        if self.name in ("ours-overlap", "ours-nocopy"):
-            r = dcp.async_save(state, storage_writer=self.writer, checkpoint_id=path)
+            fut = dcp.async_save(
+                state, storage_writer=self.writer, checkpoint_id=path, planner=self.planner
+            )
+            return None, fut
+        if self.name in ("ours-overlap", "ours-nocopy", "ours-process"):
+            kind = AsyncCheckpointerType.PROCESS if self.name == "ours-process" else None
+            r = dcp.async_save(
+                state,
+                storage_writer=self.writer,
+                checkpoint_id=path,
+                planner=self.planner,
+                **({"async_checkpointer_type": kind} if kind else {}),
+            )
             return r.staging_completion, r.upload_completion
         w = FileSystemWriter(path)
         if self.name == "stock":
             return None, dcp.async_save(state, storage_writer=w)
-        r = dcp.async_save(state, storage_writer=w, async_stager=self.stager)
+        if not _STAGER_REUSABLE and self.n > 1:
+            self.stager = DefaultStager(self.opts)
+        r = dcp.async_save(state, storage_writer=w, async_stager=self.stager, planner=self.planner)
         return r.staging_completion, r.upload_completion
 
     def finish(self) -> None:
@@ -174,13 +223,16 @@ class Method:
 
 
 def run_loop(tr: Trainer, method: Method | None, steps: int, every: int) -> dict[str, Any]:
-    blocked, durable, pending = [], [], []
+    blocked, durable, pending, step_s = [], [], [], []
     fence: Future | None = None
     busy0 = machine_busy_s()
-    t_loop = time.perf_counter()
+    t_loop = t_step = time.perf_counter()
     for i in range(1, steps + 1):
         tr.step(fence)
         fence = None
+        now = time.perf_counter()
+        step_s.append(now - t_step)  # this step, and the save after its last one's
+        t_step = now
         if method is not None and (i - 1) % every == 0:  # each save has steps after it
             t0 = time.perf_counter()
             fence, fut = method.save(tr.state())
@@ -202,6 +254,7 @@ def run_loop(tr: Trainer, method: Method | None, steps: int, every: int) -> dict
         # The loop's and its saves' CPU, until the last save is durable.
         "busy_s": None if busy0 is None or busy1 is None else busy1 - busy0,
         "saves": len(blocked),
+        "step_s": step_s,
         "blocked": blocked,
         "durable": list(durable),
         "rss": rss(),
@@ -273,7 +326,8 @@ def bench_steps(
         "rounds": done_rounds,
         "steps": steps,
         "every": every,
-        **_table(rows, steps),
+        "loops": rows,  # every loop's step times, for a look at where a save's cost lands
+        **_table(rows, steps, every),
     }
 
 
@@ -281,7 +335,20 @@ def _med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def _table(rows: dict[str, list[dict[str, Any]]], steps: int) -> dict[str, Any]:
+def _after_save(got: list[dict[str, Any]], base: list[dict[str, Any]], every: int) -> list[float]:
+    """Median extra seconds of the k-th step after a save (k = 1..every), against
+    the same step of the same round's loop without saves: where a save's cost
+    lands (its own call at k = 1, the fence, the background write after)."""
+    extra: list[list[float]] = [[] for _ in range(every)]
+    for g, b in zip(got, base, strict=False):
+        for s in range(0, len(g["step_s"]), every):  # saves after steps 1, 1 + every, ...
+            for k in range(1, every + 1):
+                if s + k < len(g["step_s"]):
+                    extra[k - 1].append(g["step_s"][s + k] - b["step_s"][s + k])
+    return [_med(x) for x in extra]
+
+
+def _table(rows: dict[str, list[dict[str, Any]]], steps: int, every: int) -> dict[str, Any]:
     base = rows["none"]
     step_s = _med([b["loop_s"] / steps for b in base])
     out: dict[str, Any] = {"step_s": step_s, "methods": {}}
@@ -306,12 +373,42 @@ def _table(rows: dict[str, list[dict[str, Any]]], steps: int) -> dict[str, Any]:
             "inflation_pct": 100 * _med(infl) / (step_s * (steps / max(got[0]["saves"], 1)))
             if got and infl
             else None,
+            "after_save_s": _after_save(got, base, every),
             "blocked_s": _med([x for g in got for x in g["blocked"]]),
             "durable_s": _med([x for g in got for x in g["durable"]]),
             "rss_gb": max(g["rss"] for g in got) / GB if got else None,
             "pinned_gb": (max(g["pinned"] or 0 for g in got) / GB) if got else None,
         }
     return out
+
+
+def file_read_gbps(root: Path, threads: int, pinned: bool, piece: int = 64 << 20) -> float:
+    """GB/s of reading every file under ``root`` into one host buffer (page-locked
+    when ``pinned``) with ``threads`` threads, 64 MiB a read: no checksum and no
+    copy to the device, so the most a load from these files could reach here."""
+    files = [p for p in sorted(root.rglob("*")) if p.is_file()]
+    total = sum(p.stat().st_size for p in files)
+    buf = torch.empty(total, dtype=torch.uint8, pin_memory=pinned).numpy()
+    jobs, at = [], 0
+    for p in files:
+        size = p.stat().st_size
+        jobs += [(p, off, at + off, min(piece, size - off)) for off in range(0, size, piece)]
+        at += size
+
+    def read(job: tuple[Path, int, int, int]) -> None:
+        path, off, dst, n = job
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.preadv(fd, [memoryview(buf[dst : dst + n])], off)
+        finally:
+            os.close(fd)
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(read, jobs))
+    return total / (time.perf_counter() - t0) / GB
 
 
 def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
@@ -361,11 +458,10 @@ def bench_load(size: str, device: torch.device, root: Path, repeats: int) -> dic
             t0 = time.perf_counter()
             dcp.save(state, storage_writer=w)
             saves[name].append(time.perf_counter() - t0)
-    readers = {
-        "ours": lambda: MultiLevelReader(root / "ours"),
-        "ours, 4 threads": lambda: MultiLevelReader(root / "ours", thread_count=4),
-        "stock": lambda: FileSystemReader(root / "stock"),
-    }
+    readers: dict[str, Any] = {"ours": lambda: MultiLevelReader(root / "ours")}
+    for n in sorted({4, min(16, os.cpu_count() or 1)} - {1}):
+        readers[f"ours, {n} threads"] = lambda n=n: MultiLevelReader(root / "ours", thread_count=n)
+    readers["stock"] = lambda: FileSystemReader(root / "stock")
     times: dict[str, list[float]] = {k: [] for k in readers}
     names = list(readers)
     for r in range(repeats):
@@ -377,6 +473,9 @@ def bench_load(size: str, device: torch.device, root: Path, repeats: int) -> dic
             _sync(device)
             times[name].append(time.perf_counter() - t0)
     profile = _profile_load(tr, device, lambda: MultiLevelReader(root / "ours"))
+    ceiling = {
+        n: file_read_gbps(root / "ours", n, pinned=device.type == "cuda") for n in (1, 4, 16)
+    }
     shutil.rmtree(root, ignore_errors=True)
 
     def table(rows: dict[str, list[float]]) -> dict[str, Any]:
@@ -388,6 +487,7 @@ def bench_load(size: str, device: torch.device, root: Path, repeats: int) -> dic
         "state_bytes": nbytes,
         "profile": profile,
         "h2d_pinned_gbps": h2d_bandwidth(device),
+        "file_read_gbps": ceiling,
         "save": table(saves),
         "load": table(times),
     }

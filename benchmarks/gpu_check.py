@@ -102,6 +102,9 @@ def _print_bench(b: dict) -> None:
             if pct is not None
             else f"| {m} | - | - | - | - | - | - | - |"
         )
+    print("\nExtra ms of the k-th step after a save (k = 1, 2, ...; against the loop without)")
+    for m, r in b["methods"].items():
+        print(f"  {m}: " + " ".join(f"{1e3 * x:+.0f}" for x in r.get("after_save_s") or []))
 
 
 def _print_load(ld: dict) -> None:
@@ -113,6 +116,10 @@ def _print_load(ld: dict) -> None:
         print(f"| {k} | {v['s']:.3f} | {v['gbps']:.2f} | {pct} |")
     if h2d:
         print(f"pinned host-to-device copy: {h2d:.1f} GB/s")
+    for n, gbps in (ld.get("file_read_gbps") or {}).items():
+        print(
+            f"the same files read by {n} thread(s) into host memory, nothing else: {gbps:.2f} GB/s"
+        )
     if ld.get("profile"):
         lines = [x for x in ld["profile"].splitlines() if x.strip()]
         print("\nOurs' load, one more under cProfile (by own time; the JSON has it all):")
@@ -123,7 +130,7 @@ def _print_load(ld: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from _gpu_bench import METHODS, bench_load, bench_steps
+    from _gpu_bench import METHODS, NOT_BY_DEFAULT, bench_load, bench_steps
     from _gpu_roundtrips import run_all
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -136,16 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--methods",
         default=None,
-        help="comma-separated methods to compare with no saves (default: all; on CUDA all "
-        "but ours-nocopy, which writes device tensors item by item behind its fence)",
+        help="comma-separated methods to compare with no saves (default: all but "
+        "ours-nocopy on CUDA, which writes device tensors item by item behind its fence, "
+        "and ours-process on CPU, whose daemon's start is most of a tiny run)",
     )
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--skip-roundtrips", action="store_true", help="only the benchmark")
+    ap.add_argument("--skip-load", action="store_true", help="no load benchmark")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.methods is None:
-        on_cuda = args.device.startswith("cuda")
-        args.methods = ",".join(m for m in METHODS[1:] if not (on_cuda and m == "ours-nocopy"))
+        skip = NOT_BY_DEFAULT["cuda" if args.device.startswith("cuda") else "cpu"]
+        args.methods = ",".join(m for m in METHODS[1:] if m not in skip)
     only = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     if unknown := sorted(set(only) - set(METHODS)):
         ap.error(f"--methods: unknown {unknown}; known: {', '.join(METHODS[1:])}")
@@ -171,16 +181,21 @@ def main(argv: list[str] | None = None) -> int:
     info["roundtrip_dir"] = str(rt)
     report: dict = {"info": info}
     try:
-        print(f"\nRound trips (bit-exact, loaded into device destinations) in {rt}:", flush=True)
-        report["roundtrips"] = run_all(rt, device)
+        report["roundtrips"] = []
+        if not args.skip_roundtrips:
+            print(
+                f"\nRound trips (bit-exact, loaded into device destinations) in {rt}:", flush=True
+            )
+            report["roundtrips"] = run_all(rt, device)
         if not args.skip_bench:
             print("\nTraining loop with saves:", flush=True)
             report["bench"] = bench_steps(
                 size, device, root / "bench", args.rounds, args.steps, args.every, deadline, only
             )
             _print_bench(report["bench"])
-            report["load"] = bench_load(size, device, root / "load", repeats=4)
-            _print_load(report["load"])
+            if not args.skip_load:
+                report["load"] = bench_load(size, device, root / "load", repeats=4)
+                _print_load(report["load"])
     finally:
         report["seconds"] = round(time.monotonic() - t_start, 1)
         if args.json:
