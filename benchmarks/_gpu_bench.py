@@ -447,6 +447,53 @@ def _profile_load(tr: Trainer, device: torch.device, reader: Any, top: int = 25)
     return out.getvalue()
 
 
+def bench_flat(size: str, device: torch.device, root: Path, saves: int, deadline: float) -> dict:
+    """Issue 32's memory check: ``saves`` async saves with ``overlap=True``, one after
+    each training step, at most two in flight (each waits for the one before the
+    last to be durable), and after each the process's RSS, the CUDA host
+    allocator's pinned bytes and the staging pool's. Flat: none of them higher
+    after the last save than after the second (both buffer sets taken); and the
+    pool holds nothing after ``close()``. Stops early at ``deadline``."""
+    tr = Trainer(size, device)
+    writer = MultiLevelWriter(root, staging=StagingConfig(overlap=True))
+    planner = BalancedSavePlanner()
+    rows: list[dict[str, Any]] = []
+    pending: list[tuple[int, Future]] = []
+    fence: Future | None = None
+    for i in range(saves):
+        if i > 2 and time.monotonic() > deadline:
+            break
+        tr.step(fence)
+        r = dcp.async_save(
+            tr.state(), storage_writer=writer, checkpoint_id=root / f"step-{i}", planner=planner
+        )
+        fence = r.staging_completion
+        pending.append((i, r.upload_completion))
+        if len(pending) > 1:
+            j, fut = pending.pop(0)
+            fut.result()
+            shutil.rmtree(root / f"step-{j}", ignore_errors=True)
+        pool = writer.staging_pool
+        rows.append({"rss": rss(), "pinned": pinned_bytes(), "pool": pool.held_bytes})
+    if fence is not None:
+        fence.result()
+    for _, fut in pending:
+        fut.result()
+    pool = writer.staging_pool
+    allocated = pool.allocated_total
+    writer.close()
+    closed = {"rss": rss(), "pinned": pinned_bytes(), "pool": pool.held_bytes}
+    shutil.rmtree(root, ignore_errors=True)
+    flat = (
+        len(rows) > 2
+        and all(
+            (rows[-1][k] or 0) <= (rows[1][k] or 0) * 1.01 + (64 << 20) for k in ("rss", "pinned")
+        )
+        and rows[-1]["pool"] == rows[1]["pool"]
+    )
+    return {"saves": rows, "closed": closed, "allocated": allocated, "flat": flat}
+
+
 def bench_load(size: str, device: torch.device, root: Path, repeats: int) -> dict[str, Any]:
     """Synchronous saves from device tensors, then loads into device destinations,
     ours against stock's writer and reader, alternating."""

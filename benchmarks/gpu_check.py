@@ -107,6 +107,25 @@ def _print_bench(b: dict) -> None:
         print(f"  {m}: " + " ".join(f"{1e3 * x:+.0f}" for x in r.get("after_save_s") or []))
 
 
+def _print_flat(fl: dict) -> None:
+    rows, gb = fl["saves"], 1e9
+
+    def row(name: str, r: dict) -> str:
+        pinned = "-" if r["pinned"] is None else f"{r['pinned'] / gb:.3f}"
+        return f"| {name} | {r['rss'] / gb:.3f} | {pinned} | {r['pool'] / gb:.3f} |"
+
+    print("| after | RSS GB | pinned GB (CUDA host allocator) | staging pool GB |")
+    print("|---|---:|---:|---:|")
+    for i in sorted({0, 1, len(rows) // 2, len(rows) - 1}):
+        print(row(f"save {i + 1}", rows[i]))
+    print(row("close()", fl["closed"]))
+    verdict = "PASS" if fl["flat"] else "MISS"
+    print(
+        f"{verdict}: flat from the second save to the last ({len(rows)} saves; RSS and pinned "
+        f"within 1 % + 64 MB, the pool equal); {fl['allocated'] / gb:.3f} GB ever allocated"
+    )
+
+
 def _print_load(ld: dict) -> None:
     h2d = ld["h2d_pinned_gbps"]
     print(f"\nLoad {ld['state_bytes'] / 1e9:.2f} GB into device destinations")
@@ -130,7 +149,7 @@ def _print_load(ld: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from _gpu_bench import METHODS, NOT_BY_DEFAULT, bench_load, bench_steps
+    from _gpu_bench import METHODS, NOT_BY_DEFAULT, bench_flat, bench_load, bench_steps
     from _gpu_roundtrips import run_all
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -139,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20, help="steps per loop")
     ap.add_argument("--every", type=int, default=10, help="save every N steps")
-    ap.add_argument("--budget-s", type=float, default=330, help="stop starting rounds after this")
+    ap.add_argument("--budget-s", type=float, default=200, help="stop starting rounds after this")
     ap.add_argument(
         "--methods",
         default=None,
@@ -150,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--skip-roundtrips", action="store_true", help="only the benchmark")
     ap.add_argument("--skip-load", action="store_true", help="no load benchmark")
+    ap.add_argument(
+        "--flat-saves",
+        type=int,
+        default=20,
+        help="saves in the memory check (RSS, pinned and pool bytes flat); 0: none",
+    )
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -196,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
             if not args.skip_load:
                 report["load"] = bench_load(size, device, root / "load", repeats=4)
                 _print_load(report["load"])
+            if args.flat_saves:
+                print(f"\nMemory over {args.flat_saves} async saves (overlap):", flush=True)
+                report["flat"] = bench_flat(
+                    size, device, root / "flat", args.flat_saves, deadline + 120
+                )
+                _print_flat(report["flat"])
     finally:
         report["seconds"] = round(time.monotonic() - t_start, 1)
         if args.json:

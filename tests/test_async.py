@@ -598,3 +598,17 @@ def test_dtensor_shards_are_staged_in_the_reused_pool(tmp_path):
         assert res["exact"]
         assert res["local"] <= res["allocated"][0] <= res["local"] + 4 * 64  # the shards
         assert res["allocated"] == [res["allocated"][0]] * 3  # reused, not reallocated
+
+
+# --------------------------------------------------------------------------- close()
+
+
+def test_close_right_after_the_save_returns_frees_its_buffers(tmp_path):
+    # DCP completes the future before its thread ends; the buffers must be free by
+    # then (the writer's finish was its last read), not once the thread is gone.
+    sd = {f"p{i}": torch.randn(1 << 18) for i in range(8)}
+    writer = MultiLevelWriter(tmp_path / "c", sync_files=False)
+    for step in range(10):
+        dcp.async_save(sd, storage_writer=writer, checkpoint_id=tmp_path / f"s{step}").result()
+        writer.close()
+        assert writer.staging_pool.held_bytes == 0, f"save {step}: close() kept a buffer set"
