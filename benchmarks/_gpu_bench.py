@@ -70,6 +70,7 @@ from dcp_multilevel import (
     MultiLevelWriter,
     StagingConfig,
 )
+from dcp_multilevel.staging import registered_bytes
 
 METHODS = (
     "none",
@@ -106,11 +107,13 @@ def peak_rss() -> int:
 
 
 def pinned_bytes() -> int | None:
-    """Bytes the CUDA caching host allocator holds (pinned), None without CUDA."""
+    """Pinned bytes: the CUDA caching host allocator's and our staging sets' (page-locked
+    outside it, ``staging/_pinned.py``); None without CUDA."""
     if not torch.cuda.is_available():
         return None
     stats = torch.cuda.host_memory_stats()
-    return int(stats.get("reserved_bytes.current", stats.get("allocated_bytes.current", 0)))
+    held = int(stats.get("reserved_bytes.current", stats.get("allocated_bytes.current", 0)))
+    return held + registered_bytes()
 
 
 def state_nbytes(state: Any) -> int:

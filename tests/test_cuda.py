@@ -85,6 +85,31 @@ def test_overlapped_copies_wait_for_the_stream_that_wrote_the_state(tmp_path):
 
 
 @cuda
+def test_the_staging_pool_pins_exactly_its_size_and_unpins_on_close(tmp_path):
+    import gc
+
+    from dcp_multilevel.staging import registered_bytes
+
+    # 33 MiB: CUDA's caching host allocator would pin 64 MiB for it.
+    state = {"w": torch.randn((33 << 20) // 4, device="cuda")}
+    torch.cuda.synchronize()
+    cached = torch.cuda.host_memory_stats().get("reserved_bytes.current", 0)
+    writer = MultiLevelWriter(tmp_path / "c")
+    dcp.async_save(state, storage_writer=writer).result()
+    (buffers,) = writer.staging_pool.sets
+    assert buffers.flat.is_pinned()
+    assert buffers.capacity < 34 << 20 and registered_bytes() == buffers.capacity
+    assert torch.cuda.host_memory_stats().get("reserved_bytes.current", 0) == cached
+    out = {"w": torch.zeros_like(state["w"])}
+    dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c"))
+    assert torch.equal(out["w"], state["w"])
+    del buffers
+    writer.close()
+    gc.collect()
+    assert registered_bytes() == 0
+
+
+@cuda
 def test_replica_digests_of_cuda_state_are_computed_on_the_device(tmp_path):
     from dcp_multilevel import BalancedSavePlanner
     from dcp_multilevel.planning.fingerprint import fingerprint

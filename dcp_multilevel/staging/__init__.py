@@ -11,11 +11,14 @@ explicitly (order of calls and threads: :mod:`.stager`)::
 
 Modules: :mod:`.config` (:class:`StagingConfig`), :mod:`.stager` (the
 stager: tickets, in-flight policy, budget waves, failure reporting),
-:mod:`.buffers` (the host buffer pool and the copy into it), and the private
-``_tickets``, ``_failures`` and ``_priority`` it uses.
+:mod:`.buffers` (the host buffer pool), :mod:`.copies` (the copy into it, now or
+behind the fence), :mod:`.live` (the over-budget handshake), and the private
+``_tickets``, ``_failures``, ``_priority`` and ``_pinned`` (page-locked sets
+of their exact size; :func:`registered_bytes` counts them) it uses.
 """
 
+from ._pinned import registered_bytes
 from .config import StagingConfig
 from .stager import BackgroundSave, Stager
 
-__all__ = ["BackgroundSave", "Stager", "StagingConfig"]
+__all__ = ["BackgroundSave", "Stager", "StagingConfig", "registered_bytes"]

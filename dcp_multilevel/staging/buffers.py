@@ -6,7 +6,8 @@ of views into it (each tensor at a 64-byte aligned offset, and tensors of
 takes every byte of them from the buffer, with no partial first page through
 its bounce buffer: ``stores/_direct.py``). Filling memory that
 an earlier save touched runs at memcpy speed; fresh memory (``clone()``) pays
-a page fault per page on top.
+a page fault per page on top. Pinned sets are page-locked at exactly their
+size (``_pinned.py``), not at the power of two CUDA's host allocator rounds to.
 
 Call order in ``Stager.stage``, on the training thread: ``iter_tensors`` (the
 walk, once) -> ``staged_nbytes`` (and ``select_wave`` over a budget) ->
@@ -24,6 +25,8 @@ from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from ._pinned import pinned_empty, unpin_when_collected
 
 __all__ = [
     "ALIGN",
@@ -58,7 +61,7 @@ class Owner(Protocol):
 class _BufferSet:
     """One flat host buffer; ``owner`` is the save it is lent to (None: free)."""
 
-    __slots__ = ("flat", "owner")
+    __slots__ = ("__weakref__", "flat", "owner")
 
     def __init__(self, flat: torch.Tensor) -> None:
         self.flat = flat
@@ -112,29 +115,34 @@ class HostBufferPool:
             self.sets = [s for s in self.sets if s.busy()]
         elif len(self.sets) >= self.MAX_SETS:
             return None
-        new = _BufferSet(self._allocate(nbytes))
+        flat, registered = self._allocate(nbytes)
+        new = _BufferSet(flat)
+        unpin_when_collected(new, registered, nbytes)
         self.sets.append(new)
         return new
 
-    def _allocate(self, nbytes: int) -> torch.Tensor:
+    def _allocate(self, nbytes: int) -> tuple[torch.Tensor, int]:
+        """A page-aligned buffer of ``nbytes`` and its CUDA registration (0: none)."""
         # The set starts at a page, so that its page-aligned offsets are pages in
-        # memory too. Pinned and shared memory come page-aligned (and CUDA's host
-        # allocator rounds sizes up to a power of two: no page more than asked);
-        # the CPU allocator aligns to 64 bytes, so it gets a page more. Untouched
+        # memory too. Pinned (``_pinned``) and shared memory come page-aligned; the
+        # CPU allocator aligns to 64 bytes, so it gets a page more. Untouched
         # memory costs nothing, so trying first is cheap.
-        flat = self._raw(nbytes)
-        if flat.data_ptr() % PAGE:
-            del flat
-            raw = self._raw(nbytes + PAGE)
-            start = -raw.data_ptr() % PAGE
-            flat = raw[start : start + nbytes]
+        registered = 0
+        if self.pin and not self.shared:  # shared wins: DCP's daemon process needs it
+            flat, registered = pinned_empty(nbytes)
+        else:
+            flat = self._raw(nbytes)
+            if flat.data_ptr() % PAGE:
+                del flat
+                raw = self._raw(nbytes + PAGE)
+                start = -raw.data_ptr() % PAGE
+                flat = raw[start : start + nbytes]
         self.allocated_total += nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes + nbytes)
-        return flat
+        return flat, registered
 
     def _raw(self, nbytes: int) -> torch.Tensor:
-        # Shared memory wins over pinning: DCP's daemon process needs it shared.
-        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin and not self.shared)
+        raw = torch.empty(nbytes, dtype=torch.uint8)
         if self.shared:
             raw.share_memory_()
         return raw
