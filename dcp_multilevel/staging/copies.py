@@ -1,12 +1,15 @@
 """The copy of a state into a buffer set: now, or on a background thread behind a fence.
 
-:func:`plan_copies` walks the state on the training thread: it takes the
-snapshot's structure, copies the plain values (step counters, configs) and
-lays every poolable tensor out in the buffer set as a view, recording each
-copy to make. :func:`run_copies` then moves the bytes, on the training
-thread (:func:`copy_into`: both at once) or on a background thread while
-training goes on (``StagingConfig(overlap=True)``): then the state may change
-only after the copies are done, the *fence* (DCP's ``staging_completion``).
+:func:`plan_copies` walks the state: it takes the snapshot's structure,
+copies the plain values (step counters, configs) and lays every poolable
+tensor out in the buffer set as a view, issuing the copies from CUDA devices
+(:class:`DeviceCopies`, on a side stream) and recording the others.
+:func:`run_copies` then moves the host bytes and waits for the device ones.
+Both run on the training thread (:func:`copy_into`: both at once), or on a
+background thread while training goes on (``StagingConfig(overlap=True)``;
+:func:`stream_marks`, taken on the training thread, tells the side streams
+what to wait for): then the state may change only after the copies are done,
+the *fence* (DCP's ``staging_completion``).
 
 A fence check (``StagingConfig(check_fence=True)``, for debugging) hashes every
 source when the copy is planned and every copy when it is made (a tensor
@@ -38,8 +41,10 @@ class Copies:
 
     #: (destination, source) byte pieces of contiguous CPU tensors, any thread may copy.
     pieces: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    #: (destination, source, name) copied with one ``copy_`` (strided, device tensors).
+    #: (destination, source, name) copied with one ``copy_`` (strided CPU tensors).
     whole: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)
+    #: The copies from CUDA devices, already issued while the snapshot was laid out.
+    device: DeviceCopies | None = None
     #: (destination, name, hash of the source when planned): the fence check's.
     checks: list[tuple[torch.Tensor, str, str]] = field(default_factory=list)
     #: (live tensor, name, its hash when planned): the fence check's, for the
@@ -60,12 +65,19 @@ def plan_copies(
     flat: torch.Tensor | None,
     only: set[int] | None = None,
     check_fence: bool = False,
+    marks: dict[torch.device, Any] | None = None,
 ) -> tuple[Any, Copies]:
     """The snapshot of ``state`` (tensors as views of ``flat``; None: kept live) and
     the copies that fill it. ``only``: ids of the poolable tensors to copy (see
-    ``buffers.select_wave``); the others are kept live."""
+    ``buffers.select_wave``); the others are kept live.
+
+    Copies from a CUDA device are issued here, as each view is laid out, so the
+    bus is busy from the first tensor on (:class:`DeviceCopies`; ``marks``: see
+    :func:`stream_marks`, needed when this is not the training thread);
+    :func:`run_copies` makes the rest and waits for all."""
     offset = 0
-    todo = Copies(non_blocking=flat is not None and flat.is_pinned())
+    non_blocking = flat is not None and flat.is_pinned()
+    todo = Copies(non_blocking=non_blocking, device=DeviceCopies(marks or {}, non_blocking))
 
     def snap(v: Any, name: str) -> Any:
         nonlocal offset
@@ -97,7 +109,9 @@ def plan_copies(
                         (whole_dst[i : i + COPY_PIECE], whole_src[i : i + COPY_PIECE])
                         for i in range(0, n, COPY_PIECE)
                     ]
-            else:  # strided, conjugate or device tensors: copy_ resolves them
+            elif src.is_cuda:
+                todo.device.issue(dst, src)
+            else:  # strided or conjugate: copy_ resolves them
                 todo.whole.append((dst, src, name))
             if local is not v:  # a DTensor: its shard in the buffer, its layout kept
                 return type(v)(dst, v._spec, requires_grad=False)  # as DCP's own staging does
@@ -111,7 +125,11 @@ def plan_copies(
         # Plain values (step counters, RNG state, configs) are part of the snapshot.
         return copy.deepcopy(v)
 
-    return snap(state, ""), todo
+    try:
+        return snap(state, ""), todo
+    except BaseException:
+        todo.device.wait()  # no copy may still land in buffers given back
+        raise
 
 
 def stream_marks(tensors: list[torch.Tensor]) -> dict[torch.device, Any]:
@@ -128,19 +146,15 @@ def stream_marks(tensors: list[torch.Tensor]) -> dict[torch.device, Any]:
     return marks
 
 
-def run_copies(
-    todo: Copies, pool: Executor | None = None, marks: dict[torch.device, Any] | None = None
-) -> None:
-    """Make the copies ``plan_copies`` recorded (``pool``: threads for the pieces).
-
-    ``marks``: :func:`stream_marks` taken on the training thread; without them the
-    device copies wait for this thread's current streams (this must then be the
-    training thread).
+def run_copies(todo: Copies, pool: Executor | None = None) -> None:
+    """Make the copies ``plan_copies`` recorded (``pool``: threads for the pieces) and
+    wait for those it issued from CUDA devices: then the buffers hold the state.
 
     Raises:
         StagingFenceError: with the fence check, a source changed after it was planned.
     """
-    _device_copies(todo, marks or {})
+    for dst, src, _ in todo.whole:
+        dst.copy_(src)
     # copy_ into memory touched by an earlier save: no page faults.
     if pool is not None and len(todo.pieces) > 1:
         for _ in pool.map(_copy_piece, todo.pieces):
@@ -148,6 +162,8 @@ def run_copies(
     else:
         for piece in todo.pieces:
             _copy_piece(piece)
+    if todo.device is not None:
+        todo.device.wait()
     _fail_changed(todo.checks, "copied them")
 
 
@@ -187,34 +203,40 @@ def copy_into(
 _SIDE_STREAMS: dict[torch.device, Any] = {}
 
 
-def _device_copies(todo: Copies, marks: dict[torch.device, Any]) -> None:
-    """The ``whole`` copies; from a CUDA device, on a stream of their own: they wait
-    for the work that wrote the state (``marks``, else what is already queued on
-    the device's current stream), and the training's next kernels do not queue
-    behind them. Returns once every copy is done (the buffers then hold the state)."""
-    on_cuda = [(d, s) for d, s, _ in todo.whole if s.device.type == "cuda"]
-    for dst, src, _ in todo.whole:
-        if src.device.type != "cuda":
-            dst.copy_(src)
-    if not on_cuda:
-        return
-    sides = []
-    for device in {src.device for _, src in on_cuda}:
-        side = _SIDE_STREAMS.get(device)
+class DeviceCopies:
+    """Copies from CUDA devices, each on a side stream of its device: it first waits
+    for the work that wrote the state (the training thread's ``marks``, else the
+    calling thread's current stream), and the training's next kernels do not
+    queue behind the copies.
+
+    Call order: ``issue`` for each tensor (any one thread), then ``wait`` once.
+    """
+
+    def __init__(self, marks: dict[torch.device, Any], non_blocking: bool) -> None:
+        self.marks = marks
+        self.non_blocking = non_blocking
+        self.sides: dict[torch.device, Any] = {}
+
+    def issue(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue the copy of ``src`` into ``dst`` (pinned: the call returns at once)."""
+        side = self.sides.get(src.device)
         if side is None:
-            side = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
-        if device in marks:
-            side.wait_event(marks[device])
-        else:
-            side.wait_stream(torch.cuda.current_stream(device))
-        sides.append(side)
-    for dst, src in on_cuda:
-        side = _SIDE_STREAMS[src.device]
+            side = _SIDE_STREAMS.get(src.device)
+            if side is None:
+                side = _SIDE_STREAMS[src.device] = torch.cuda.Stream(device=src.device)
+            if src.device in self.marks:
+                side.wait_event(self.marks[src.device])
+            else:
+                side.wait_stream(torch.cuda.current_stream(src.device))
+            self.sides[src.device] = side
         with torch.cuda.stream(side):
-            dst.copy_(src, non_blocking=todo.non_blocking)
+            dst.copy_(src, non_blocking=self.non_blocking)
         src.record_stream(side)  # its memory is not reused before the copy ran
-    for side in sides:
-        side.synchronize()
+
+    def wait(self) -> None:
+        """Return once every issued copy is done."""
+        for side in self.sides.values():
+            side.synchronize()
 
 
 def _copy_piece(piece: tuple[torch.Tensor, torch.Tensor]) -> None:

@@ -221,9 +221,15 @@ class Stager:
             st.tickets.append(ticket)
         self._last = ticket
 
+        # With overlap the copies are planned on the overlap thread: from a GPU they
+        # wait for the work queued until now on this thread's stream.
+        marks = stream_marks(tensors) if st.overlapper is not None else None
+
         def plan() -> tuple[dict[str, Any], Any]:
             flat = buffers.flat if buffers is not None else None
-            copied, todo = plan_copies(state_dict, flat, only=wave, check_fence=cfg.check_fence)
+            copied, todo = plan_copies(
+                state_dict, flat, only=wave, check_fence=cfg.check_fence, marks=marks
+            )
             if wave is not None:
                 ticket.live = uncopied_storages(state_dict, copied)
             if todo.live_checks:
@@ -239,7 +245,7 @@ class Stager:
             # tensor: 30 ms for 1,600 tensors), unless the fence check must hash the
             # state as it is now.
             planned = plan() if cfg.check_fence else None
-            return self._behind_the_fence(planned or plan, ticket, deadline, stream_marks(tensors))
+            return self._behind_the_fence(planned or plan, ticket, deadline)
         except BaseException:
             ticket.dropped = True  # no save follows: its buffers are free again
             raise
@@ -249,10 +255,9 @@ class Stager:
         planned: tuple[dict[str, Any], Any] | Callable[[], tuple[dict[str, Any], Any]],
         ticket: Ticket,
         deadline: float,
-        marks: dict[Any, Any],
     ) -> LiveFence:
         """Overlap: on the overlap thread, lay out the snapshot (``planned``: it, or what
-        makes it), make the copies (the device ones after ``marks``), hand the save
+        makes it, issuing the device copies as it goes), make the copies, hand the save
         its dict, and complete the fence; over budget, once the live tensors are
         written too.
 
@@ -265,7 +270,7 @@ class Stager:
         def copy_then_watch() -> None:
             try:
                 copied, todo = planned() if callable(planned) else planned
-                run_copies(todo, st.copier, marks)
+                run_copies(todo, st.copier)
             except BaseException as e:  # noqa: BLE001 - handed to the future, as DCP's would
                 ticket.dropped = True  # never claimed: its buffers are free again
                 fence.fail(e)
