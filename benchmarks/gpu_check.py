@@ -163,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         "--methods",
         default=None,
         help="comma-separated methods to compare with no saves (default: all but "
-        "ours-nocopy on CUDA, which writes device tensors item by item behind its fence, "
-        "and ours-process on CPU, whose daemon's start is most of a tiny run)",
+        "ours-process, and on CUDA ours-nocopy: see NOT_BY_DEFAULT in _gpu_bench.py)",
     )
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--skip-roundtrips", action="store_true", help="only the benchmark")
