@@ -203,10 +203,11 @@ def iter_tensors(state: Any) -> list[torch.Tensor]:
 def staged_nbytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes a buffer set needs for the poolable ones of ``tensors`` (``iter_tensors``)."""
     total = 0
-    for t in tensors:
+    for t in tensors:  # inlined: async_save blocks for this loop
         if (src := pool_source(t)) is not None:
-            n = src.numel() * src.element_size()
-            total = _aligned(total, _alignment(n)) + n
+            n = src.nbytes
+            to = PAGE if n >= PAGE_FROM else ALIGN  # _alignment(n)
+            total = -(-total // to) * to + n
     return _aligned(total)
 
 
