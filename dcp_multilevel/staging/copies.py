@@ -50,7 +50,6 @@ class Copies:
     #: (live tensor, name, its hash when planned): the fence check's, for the
     #: tensors a save over budget writes from the live state (:func:`check_live`).
     live_checks: list[tuple[torch.Tensor, str, str]] = field(default_factory=list)
-    non_blocking: bool = False
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -76,8 +75,7 @@ def plan_copies(
     :func:`stream_marks`, needed when this is not the training thread);
     :func:`run_copies` makes the rest and waits for all."""
     offset = 0
-    non_blocking = flat is not None and flat.is_pinned()
-    todo = Copies(non_blocking=non_blocking, device=DeviceCopies(marks or {}, non_blocking))
+    todo = Copies(device=DeviceCopies(marks or {}, flat is not None and flat.is_pinned()))
 
     def snap(v: Any, name: str) -> Any:
         nonlocal offset
