@@ -49,7 +49,7 @@ import shutil
 import statistics
 import time
 import traceback
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from _disk import tree_files
 from _gpt import GPT, SHAPES, batch, forward_backward, optimizer
 from _measure import machine_busy_s
 from dcp_multilevel import (
@@ -395,7 +396,7 @@ def file_read_gbps(root: Path, threads: int, pinned: bool, piece: int = 64 << 20
     """GB/s of reading every file under ``root`` into one host buffer (page-locked
     when ``pinned``) with ``threads`` threads, 64 MiB a read: no checksum and no
     copy to the device, so the most a load from these files could reach here."""
-    files = [p for p in sorted(root.rglob("*")) if p.is_file()]
+    files = sorted(tree_files(root))
     total = sum(p.stat().st_size for p in files)
     buf = torch.empty(total, dtype=torch.uint8, pin_memory=pinned).numpy()
     jobs, at = [], 0
@@ -411,8 +412,6 @@ def file_read_gbps(root: Path, threads: int, pinned: bool, piece: int = 64 << 20
             os.preadv(fd, [memoryview(buf[dst : dst + n])], off)
         finally:
             os.close(fd)
-
-    from concurrent.futures import ThreadPoolExecutor
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as ex:

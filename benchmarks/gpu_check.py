@@ -114,7 +114,7 @@ def _print_flat(fl: dict) -> None:
         pinned = "-" if r["pinned"] is None else f"{r['pinned'] / gb:.3f}"
         return f"| {name} | {r['rss'] / gb:.3f} | {pinned} | {r['pool'] / gb:.3f} |"
 
-    print("| after | RSS GB | pinned GB (CUDA host allocator) | staging pool GB |")
+    print("| after | RSS GB | pinned GB | staging pool GB |")
     print("|---|---:|---:|---:|")
     for i in sorted({0, 1, len(rows) // 2, len(rows) - 1}):
         print(row(f"save {i + 1}", rows[i]))
@@ -122,7 +122,8 @@ def _print_flat(fl: dict) -> None:
     verdict = "PASS" if fl["flat"] else "MISS"
     print(
         f"{verdict}: flat from the second save to the last ({len(rows)} saves; RSS and pinned "
-        f"within 1 % + 64 MB, the pool equal); {fl['allocated'] / gb:.3f} GB ever allocated"
+        f"within 1 % + 64 MB, the pool equal), the pool empty after close(); "
+        f"{fl['allocated'] / gb:.3f} GB ever allocated"
     )
 
 
