@@ -81,8 +81,8 @@ bench: setup
 
 # Device state round trips bit-exact, then step-time inflation of saves against stock
 # DCP, loads, and memory over 20 saves (benchmarks/gpu_check.py). On a machine with
-# CUDA: the GPT-2-medium-sized run (at most 6 minutes on one H100); without one, the
-# tiny CPU mode CI also runs.
+# CUDA: the GPT-2-medium-sized run (about 5.5 minutes on one H100, from the parts'
+# times in session 22); without one, the tiny CPU mode CI also runs.
 gpu-check: setup
 	$(VENV)/bin/python benchmarks/gpu_check.py
 	# The GPU-only tests (pinned scratch given back, side-stream staging, Lightning's
