@@ -1,12 +1,12 @@
 """Host buffers for async-save staging: a pool of at most two flat buffers, and the copy.
 
 A buffer set is one flat ``uint8`` host tensor; a staged state is a structure
-of views into it (each tensor at a 64-byte aligned offset, and tensors of
-``PAGE_FROM`` bytes or more at a page boundary, so that a direct-I/O file
-takes every byte of them from the buffer, with no partial first page through
-its bounce buffer: ``stores/_direct.py``). Filling memory that
-an earlier save touched runs at memcpy speed; fresh memory (``clone()``) pays
-a page fault per page on top. Pinned sets are page-locked at exactly their
+of views into it, each tensor at a 64-byte aligned offset. A direct-I/O file
+takes a big tensor's whole pages from the buffer wherever it sits (the file
+is padded so that the tensor lies as far past a block as its memory lies past
+a page: ``stores/_direct.py``), so nothing here is aligned to pages. Filling
+memory that an earlier save touched runs at memcpy speed; fresh memory
+(``clone()``) pays a page fault per page on top. Pinned sets are page-locked at exactly their
 size (``_pinned.py``), not at the power of two CUDA's host allocator rounds to.
 
 Call order in ``Stager.stage``, on the training thread: ``iter_tensors`` (the
@@ -41,11 +41,6 @@ __all__ = [
 
 #: Byte alignment of each tensor in a buffer set (cache line; every dtype fits).
 ALIGN = 64
-#: Tensors this large start at a page boundary (``PAGE``) in a buffer set:
-#: all of their whole blocks are then written to disk straight from the
-#: buffer (``O_DIRECT``; ``stores/_direct.DIRECT_MIN``).
-PAGE_FROM = 1 << 20
-PAGE = 4096
 #: Largest piece one copy job moves (pieces of big tensors go to different threads).
 COPY_PIECE = 16 << 20
 
@@ -122,30 +117,17 @@ class HostBufferPool:
         return new
 
     def _allocate(self, nbytes: int) -> tuple[torch.Tensor, int]:
-        """A page-aligned buffer of ``nbytes`` and its CUDA registration (0: none)."""
-        # The set starts at a page, so that its page-aligned offsets are pages in
-        # memory too. Pinned (``_pinned``) and shared memory come page-aligned; the
-        # CPU allocator aligns to 64 bytes, so it gets a page more. Untouched
-        # memory costs nothing, so trying first is cheap.
+        """A buffer of ``nbytes`` and its CUDA registration (0: none)."""
         registered = 0
         if self.pin and not self.shared:  # shared wins: DCP's daemon process needs it
             flat, registered = pinned_empty(nbytes)
         else:
-            flat = self._raw(nbytes)
-            if flat.data_ptr() % PAGE:
-                del flat
-                raw = self._raw(nbytes + PAGE)
-                start = -raw.data_ptr() % PAGE
-                flat = raw[start : start + nbytes]
+            flat = torch.empty(nbytes, dtype=torch.uint8)
+            if self.shared:
+                flat.share_memory_()
         self.allocated_total += nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes + nbytes)
         return flat, registered
-
-    def _raw(self, nbytes: int) -> torch.Tensor:
-        raw = torch.empty(nbytes, dtype=torch.uint8)
-        if self.shared:
-            raw.share_memory_()
-        return raw
 
     def close(self) -> None:
         """Free every set no save is using (busy ones stay until their save is done)."""
@@ -205,9 +187,7 @@ def staged_nbytes(tensors: Iterable[torch.Tensor]) -> int:
     total = 0
     for t in tensors:  # inlined: async_save blocks for this loop
         if (src := pool_source(t)) is not None:
-            n = src.nbytes
-            to = PAGE if n >= PAGE_FROM else ALIGN  # _alignment(n)
-            total = -(-total // to) * to + n
+            total = -(-total // ALIGN) * ALIGN + src.nbytes
     return _aligned(total)
 
 
@@ -222,16 +202,11 @@ def select_wave(tensors: Iterable[torch.Tensor], capacity: int) -> tuple[set[int
     total = 0
     for t in sorted(filter(_poolable, tensors), key=lambda t: -_nbytes(t)):
         n = _nbytes(t)
-        # Each staged tensor may cost up to its alignment - 1 bytes of padding before it.
-        if n and total + n + _alignment(n) <= capacity:
+        # Each staged tensor may cost up to ALIGN - 1 bytes of padding before it.
+        if n and total + n + ALIGN <= capacity:
             chosen.add(id(t))
-            total += n + _alignment(n)
+            total += n + ALIGN
     return chosen, _aligned(total) if chosen else 0
-
-
-def _alignment(nbytes: int) -> int:
-    """Where a tensor of ``nbytes`` starts in a buffer set: a multiple of this."""
-    return PAGE if nbytes >= PAGE_FROM else ALIGN
 
 
 def _aligned(n: int, to: int = ALIGN) -> int:

@@ -30,7 +30,7 @@ import torch
 import xxhash
 
 from ..errors import StagingFenceError
-from .buffers import COPY_PIECE, _aligned, _alignment, pool_source
+from .buffers import COPY_PIECE, _aligned, pool_source
 
 __all__ = ["Copies", "check_live", "copy_into", "plan_copies", "run_copies", "stream_marks"]
 
@@ -89,7 +89,7 @@ def plan_copies(
                     todo.live_checks.append((local.detach(), name, _digest(local)))
                 return v
             n = local.numel() * local.element_size()
-            offset = _aligned(offset, _alignment(n))
+            offset = _aligned(offset)
             dst = flat[offset : offset + n].view(local.dtype).view(local.shape)
             offset += n
             src = local.detach()
