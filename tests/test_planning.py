@@ -7,11 +7,12 @@ import math
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dcp_multilevel import PlanningError
 from dcp_multilevel.planning import CostModel, Item, PartitionOptions, partition
+from dcp_multilevel.planning.split import choose_split_dim, slab_bytes
 
 
 @st.composite
@@ -125,21 +126,48 @@ def test_plan_is_deterministic_and_independent_of_input_order(problem, rnd):
     assert a.loads == b.loads
 
 
+# Found by hypothesis: three slabs of 84 bytes and a minimum chunk of 100 give no two
+# pieces of 100 bytes, so the item goes whole (R); 39 slabs of 3,000 bytes cut three
+# at a time over 12 ranks leave three slabs, fewer than two chunks of 4,096, whole (R).
+_THREE_SLABS = Item(0, 252, tuple(range(7)), "item000", shape=(3, 3, 7), itemsize=4)
+_THIRTEEN_CUTS = Item(0, 117_000, tuple(range(12)), "item000", shape=(25, 30, 39), itemsize=4)
+
+
 @settings(max_examples=300, deadline=None)
 @given(problems(all_replicated=True))
+@example(
+    problem=([_THREE_SLABS], 7, CostModel(1e6, 1e-4), PartitionOptions(epsilon=0.01, split=True))
+)
+@example(
+    problem=(
+        [_THIRTEEN_CUTS],
+        12,
+        CostModel(1e6, 0),
+        PartitionOptions(epsilon=0.01, min_chunk_bytes=4096, split=True),
+    )
+)
 def test_balance_bound_of_the_module_docstring(problem):
     """max load <= max(O, M + max(s, U, V)), with O = 0 when everything is replicated."""
     items, world, cost, options = problem
     result = partition(items, world, cost, options)
     h = cost.overhead_bytes
-    unsplittable = [
-        cost.cost(i.nbytes)
-        for i in items
-        if world > 1 and (i.shape is None or not options.split or max(i.shape, default=0) < 2)
-    ]
+    granularity = result.slack - result.min_chunk - h
+
+    def whole(i: Item) -> int:
+        """U (an item with no dimension to cut) or R (the most an item or remainder
+        with too few slabs for two pieces of the minimum chunk costs, placed whole)."""
+        if i.shape is None or not options.split:
+            return cost.cost(i.nbytes)
+        dim = choose_split_dim(i.shape, i.itemsize, granularity)
+        if dim is None:
+            return cost.cost(i.nbytes)
+        slab = slab_bytes(i.shape, i.itemsize, dim)
+        k_min = -(-result.min_chunk // slab) if slab else 1
+        return cost.cost(min(i.nbytes, (2 * k_min - 1) * slab))
+
+    unsplittable = [whole(i) for i in items if world > 1]
     # Items too coarse to cut within the granularity are cut at their finest slab:
     # V, one slab and the overhead, not the whole item.
-    granularity = result.slack - result.min_chunk - h
     coarse = [0]
     for i in items:
         if i.shape is not None and options.split and world > 1:

@@ -18,8 +18,9 @@ boundary (``pad_for`` puts the file there): the few bytes before the piece's
 first whole page complete the gathered block, then its whole pages are
 written from the caller's memory. So a synchronous save, or an async save
 written from the live state, copies none of its big tensors, and an async
-save's staged tensors are copied once, into staging. Measured for 1.49 GB on the 2-core VM: an ``O_DIRECT`` write
-costs 0.04 s of CPU, the bounce copy 0.19-0.24 s, the checksum 0.05-0.09 s.
+save's staged tensors are copied once, into staging. Measured for 1.49 GB on
+the 2-core VM: an ``O_DIRECT`` write costs 0.04 s of CPU, the bounce copy
+0.19-0.24 s, the checksum 0.05-0.09 s.
 The end of the file that is not a whole block goes through the ordinary
 descriptor, and the caller's ``fsync`` on that descriptor covers both (the
 file's data and the device's cache): ``O_DIRECT`` alone is not durable.
