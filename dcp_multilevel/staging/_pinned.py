@@ -25,6 +25,7 @@ __all__ = ["pinned_empty", "registered_bytes", "unpin_when_collected"]
 log = logging.getLogger(__name__)
 
 PAGE = 4096
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
 class _Registered:
@@ -58,8 +59,12 @@ def pinned_empty(nbytes: int) -> tuple[torch.Tensor, int]:
     if nbytes == 0:
         return flat, 0
     try:
-        # torch's binding marks a failure handled (CUDA's last error is cleared).
-        err: Any = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), nbytes, 0))
+        # Portable: pinned for every device's context, as torch's pinned memory is
+        # (a process may stage tensors of several GPUs). torch's binding marks a
+        # failure handled (CUDA's last error is cleared).
+        err: Any = int(
+            torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), nbytes, _REGISTER_PORTABLE)
+        )
     except Exception as e:  # noqa: BLE001 - no CUDA runtime here: torch's pinning says why
         err = e
     if err != 0:
