@@ -228,6 +228,12 @@ class Method:
             self.manager.close()
 
 
+def _settle(fence: Future | None, fut: Future | None) -> None:
+    for f in (fence, fut):
+        if f is not None:
+            f.result()
+
+
 def run_loop(tr: Trainer, method: Method | None, steps: int, every: int) -> dict[str, Any]:
     blocked, durable, pending, step_s = [], [], [], []
     fence: Future | None = None
@@ -287,17 +293,20 @@ def bench_steps(
         tr.step(None)
     methods = {m: Method(m, root / m) for m in names if m != "none"}
     errors: dict[str, str] = {}
-    # First saves pay one-time costs (pools, threads), untimed: two, the second
-    # while the first is written, as the loop's saves overlap (it takes the second
-    # buffer set: pinning 4 GB took seconds on the lent H100).
+    # First saves pay one-time costs (pools, threads), untimed: two. Ours make the
+    # second while the first is written, as the loop's saves overlap (it takes the
+    # second buffer set: pinning 4 GB took seconds on the lent H100). Stock's one
+    # after the other: DCP's plan cache is a class-level dict that two saves in
+    # flight race on (KeyError: 'DefaultSavePlanner', seen here once in a CI run).
     for name, m in methods.items():
         try:
-            saves = [m.save(tr.state()) for _ in range(2)]
+            saves = []
+            for _ in range(2):
+                saves.append(m.save(tr.state()))
+                if m.writer is None:
+                    _settle(*saves[-1])
             for fence, fut in saves:
-                if fence is not None:
-                    fence.result()
-                if fut is not None:
-                    fut.result()
+                _settle(fence, fut)
             m.finish()
         except (KeyboardInterrupt, SystemExit):
             raise
