@@ -56,8 +56,6 @@ def pinned_empty(nbytes: int) -> tuple[torch.Tensor, int]:
     raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % PAGE
     flat = raw[start : start + nbytes]
-    if nbytes == 0:
-        return flat, 0
     try:
         # Portable: pinned for every device's context, as torch's pinned memory is
         # (a process may stage tensors of several GPUs). torch's binding marks a

@@ -39,16 +39,15 @@ class Ticket:
         checkpoint_id: the writer's location when it was staged (for messages).
         write_through: over budget: some tensors stay live and are written from
             the training state (see ``Stager.synchronize``).
-        live: storage pointers of those live tensors.
     """
 
-    def __init__(
-        self, seq: int, checkpoint_id: str, *, write_through: bool, live: frozenset[int]
-    ) -> None:
+    def __init__(self, seq: int, checkpoint_id: str, *, write_through: bool) -> None:
         self.seq = seq
         self.checkpoint_id = checkpoint_id
         self.write_through = write_through
-        self.live = live
+        #: Storage pointers of those live tensors: set when the snapshot is laid
+        #: out, before the save's thread can claim the ticket.
+        self.live: frozenset[int] = frozenset()
         #: The thread that staged it: a claim from this thread is a synchronous save.
         self.stager_thread = threading.current_thread()
         #: The thread running its background part (None: not claimed yet).

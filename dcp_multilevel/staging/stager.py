@@ -214,7 +214,7 @@ class Stager:
             if (oldest is None or not oldest.wait_done(deadline)) and time.monotonic() > deadline:
                 raise SaveInFlightError(self._busy_message(checkpoint_id, "did not finish in time"))
         st.seq += 1
-        ticket = Ticket(st.seq, checkpoint_id, write_through=wave is not None, live=frozenset())
+        ticket = Ticket(st.seq, checkpoint_id, write_through=wave is not None)
         if buffers is not None:
             buffers.owner = ticket
         with st.lock:
@@ -244,20 +244,22 @@ class Stager:
             # Overlap: the snapshot is laid out on the overlap thread too (a view per
             # tensor: 30 ms for 1,600 tensors), unless the fence check must hash the
             # state as it is now.
-            planned = plan() if cfg.check_fence else None
-            return self._behind_the_fence(planned or plan, ticket, deadline)
+            if cfg.check_fence:
+                planned = plan()
+                return self._behind_the_fence(lambda: planned, ticket, deadline)
+            return self._behind_the_fence(plan, ticket, deadline)
         except BaseException:
             ticket.dropped = True  # no save follows: its buffers are free again
             raise
 
     def _behind_the_fence(
         self,
-        planned: tuple[dict[str, Any], Any] | Callable[[], tuple[dict[str, Any], Any]],
+        plan: Callable[[], tuple[dict[str, Any], Any]],
         ticket: Ticket,
         deadline: float,
     ) -> LiveFence:
-        """Overlap: on the overlap thread, lay out the snapshot (``planned``: it, or what
-        makes it, issuing the device copies as it goes), make the copies, hand the save
+        """Overlap: on the overlap thread, lay out the snapshot (``plan``, which issues
+        the device copies as it goes), make the copies, hand the save
         its dict, and complete the fence; over budget, once the live tensors are
         written too.
 
@@ -269,7 +271,7 @@ class Stager:
 
         def copy_then_watch() -> None:
             try:
-                copied, todo = planned() if callable(planned) else planned
+                copied, todo = plan()
                 run_copies(todo, st.copier)
             except BaseException as e:  # noqa: BLE001 - handed to the future, as DCP's would
                 ticket.dropped = True  # never claimed: its buffers are free again
