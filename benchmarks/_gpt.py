@@ -33,6 +33,8 @@ SHAPES = {
     "small": Shape(layers=4, d=256, heads=4, vocab=4096, seq=128, batch=8),
     "gpt2": Shape(layers=12, d=768, heads=12, vocab=50304, seq=128, batch=2),
     "medium": Shape(layers=24, d=1024, heads=16, vocab=50304, seq=1024, batch=16),
+    # medium's tensors (as many, with the same names), tiny's bytes: per-tensor costs
+    "thin": Shape(layers=24, d=64, heads=4, vocab=512, seq=32, batch=4),
 }
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _dist import run_ranks
+from _gate import GatedPlanner
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -422,18 +423,6 @@ def _pretend_running(writer: MultiLevelWriter) -> None:
     writer._stager._last.thread = t
 
 
-class _Gate(DefaultSavePlanner):
-    """Writes nothing until ``gate`` is set."""
-
-    def __init__(self, gate: threading.Event) -> None:
-        super().__init__()
-        self.gate = gate
-
-    def resolve_data(self, write_item):
-        assert self.gate.wait(60)
-        return super().resolve_data(write_item)
-
-
 def test_saves_without_checkpoint_id_queue_one_behind_the_other(tmp_path):
     """No checkpoint_id: DCP skips reset, and storage_meta is where a save is claimed."""
     writer = MultiLevelWriter(
@@ -442,7 +431,7 @@ def test_saves_without_checkpoint_id_queue_one_behind_the_other(tmp_path):
     sd = {"w": torch.zeros(1000)}
     gate = threading.Event()
     try:
-        first = dcp.async_save(sd, storage_writer=writer, planner=_Gate(gate))
+        first = dcp.async_save(sd, storage_writer=writer, planner=GatedPlanner(gate))
         sd["w"].fill_(1.0)
         # Queued while the first is still being written: its staging waited only
         # for the first save to be claimed by its background thread.

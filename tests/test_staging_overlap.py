@@ -10,16 +10,25 @@ waits until the tensors left live are written.
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _gate import GatedPlanner
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from dcp_multilevel import MultiLevelReader, MultiLevelWriter, StagingConfig, StagingFenceError
+from dcp_multilevel import (
+    MultiLevelReader,
+    MultiLevelWriter,
+    SaveInFlightError,
+    StagingConfig,
+    StagingFenceError,
+)
 from dcp_multilevel.testing.levels import bit_equal
 
 
@@ -145,3 +154,62 @@ def test_a_save_that_fails_before_writing_still_completes_its_fence(tmp_path):
     again.staging_completion.result(timeout=60)
     with pytest.raises(CheckpointException, match="Checkpoint already exists"):
         again.upload_completion.result()
+
+
+@pytest.mark.parametrize("policy", ["wait", "raise"])
+def test_with_both_buffer_sets_taken_async_save_returns_and_the_fence_waits_or_fails(
+    tmp_path, policy
+):
+    """With overlap, waiting for a buffer set is the overlap thread's, not async_save's:
+    the third save returns while two saves hold both sets; its fence completes once
+    one of them ended ("wait") or fails with SaveInFlightError ("raise")."""
+    staging = StagingConfig(overlap=True, in_flight=policy, wait_timeout_s=30)
+    writer = MultiLevelWriter(tmp_path / "unused", staging=staging)
+    sd = {"w": torch.arange(4096.0)}
+    gate = threading.Event()
+    try:
+        held = []
+        for name in ("a", "b"):  # "a" writes nothing until the gate opens; "b" waits for it
+            response = dcp.async_save(
+                sd, storage_writer=writer, checkpoint_id=tmp_path / name,
+                planner=GatedPlanner(gate),
+            )  # fmt: skip
+            response.staging_completion.result(timeout=30)
+            held.append(response.upload_completion)
+        sd["w"].add_(1.0)
+        third = dcp.async_save(sd, storage_writer=writer, checkpoint_id=tmp_path / "c")
+        if policy == "raise":
+            with pytest.raises(SaveInFlightError, match="is still being written"):
+                third.upload_completion.result(timeout=30)
+            # Done, failed or not: DCP reports a fence that failed before async_save
+            # returned as a success (torch 2.13 checks done(), not the exception).
+            assert third.staging_completion.done()
+        else:
+            time.sleep(0.2)
+            assert not third.staging_completion.done()  # no set is free yet
+    finally:
+        gate.set()
+    for f in held:
+        f.result(timeout=60)
+    if policy == "wait":
+        third.staging_completion.result(timeout=60)
+        sd["w"].add_(1.0)  # after the fence: not in the checkpoint
+        third.upload_completion.result(timeout=60)
+        assert torch.equal(_load(tmp_path / "c", sd)["w"], torch.arange(4096.0) + 1)
+    else:
+        assert not (tmp_path / "c" / "manifest.json").exists()
+    assert torch.equal(_load(tmp_path / "b", sd)["w"], torch.arange(4096.0))
+
+
+def test_async_save_arms_the_fence_so_the_copies_begin_once_it_returned(tmp_path):
+    """The overlap thread begins copying once DCP wrapped the fence for
+    ``staging_completion``, the last step of ``async_save`` (so as not to take the
+    GIL from the training thread before it returns); else only after a fallback
+    wait. A torch whose ``async_save`` stopped doing so would delay every copy."""
+    writer = MultiLevelWriter(tmp_path / "c", staging=StagingConfig(overlap=True))
+    fences = []
+    stage = writer.stage
+    writer.stage = lambda sd: fences.append(stage(sd)) or fences[-1]
+    response = dcp.async_save({"w": torch.randn(1000)}, storage_writer=writer)
+    assert fences[0].armed.is_set()
+    response.upload_completion.result()

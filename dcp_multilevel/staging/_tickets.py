@@ -37,14 +37,15 @@ class Ticket:
     Args:
         seq: position among this stager's saves (saves commit in this order).
         checkpoint_id: the writer's location when it was staged (for messages).
-        write_through: over budget: some tensors stay live and are written from
-            the training state (see ``Stager.synchronize``).
     """
 
-    def __init__(self, seq: int, checkpoint_id: str, *, write_through: bool) -> None:
+    def __init__(self, seq: int, checkpoint_id: str) -> None:
         self.seq = seq
         self.checkpoint_id = checkpoint_id
-        self.write_through = write_through
+        #: Over budget: some tensors stay live and are written from the training
+        #: state (see ``Stager.synchronize``); set when the wave is chosen, before
+        #: the staged dict is handed over.
+        self.write_through = False
         #: Storage pointers of those live tensors: set when the snapshot is laid
         #: out, before the save's thread can claim the ticket.
         self.live: frozenset[int] = frozenset()

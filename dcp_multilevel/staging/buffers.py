@@ -9,13 +9,13 @@ memory that an earlier save touched runs at memcpy speed; fresh memory
 (``clone()``) pays a page fault per page on top. Pinned sets are page-locked at exactly their
 size (``_pinned.py``), not at the power of two CUDA's host allocator rounds to.
 
-Call order in ``Stager.stage``, on the training thread: ``iter_tensors`` (the
-walk, once) -> ``staged_nbytes`` (and ``select_wave`` over a budget) ->
-``HostBufferPool.try_acquire`` (under the stager's lock, as is ``close``) ->
-the set's ``owner`` becomes the save's ticket -> the copies into the set
-(``copies.py``: ``plan_copies`` then ``run_copies``; with overlap, both on the
-overlap thread). A set is busy until that owner is done; background threads
-finish owners and never call into the pool.
+Call order in ``Stager.stage``, on the training thread (with overlap, on the
+overlap thread): ``iter_tensors`` (the walk, once) -> ``staged_nbytes`` (and
+``select_wave`` over a budget) -> ``HostBufferPool.try_acquire`` (under the
+stager's lock, as is ``close``) -> the set's ``owner`` becomes the save's
+ticket -> the copies into the set (``copies.py``: ``plan_copies`` then
+``run_copies``). A set is busy until that owner is done; the threads writing
+saves finish owners and never call into the pool.
 """
 
 from __future__ import annotations

@@ -94,15 +94,24 @@ class LiveFence(Future):
         self._staged: Future[Any] = Future()
         #: The first thread to ask for the staged dict: DCP's thread for this save.
         self.reader: threading.Thread | None = None
+        #: Set once DCP wrapped this future for ``staging_completion``, the last step
+        #: of ``async_save`` (torch 2.13): the training thread is about to return.
+        self.armed = threading.Event()
+
+    def add_done_callback(self, fn: Callable[[Future[Any]], object]) -> None:
+        """As ``Future``'s, and sets :attr:`armed`."""
+        super().add_done_callback(fn)
+        self.armed.set()
 
     def hand_over(self, staged: Any) -> None:
         """The copies are made: the save's thread may take ``staged`` and write."""
         self._staged.set_result(staged)
 
     def fail(self, error: BaseException) -> None:
-        """The copies failed: the save's thread and the fence both raise ``error``."""
-        self._staged.set_exception(error)
+        """The copies failed: the fence and then the save's thread raise ``error`` (the
+        fence first: once the save failed, ``staging_completion`` is done too)."""
         self.set_exception(error)
+        self._staged.set_exception(error)
 
     def result(self, timeout: float | None = None) -> Any:
         """The staged dict, once the copies are made (not once the fence is done);

@@ -1,0 +1,93 @@
+"""How long ``dcp.async_save`` blocks the training thread: ours against stock's best.
+
+Issue 32's GPU goal: blocked time per save no more than stock's best staging.
+What blocks is per-tensor Python, not bytes, so the state here is the
+``thin`` model of ``_gpt.py``: GPT-2-medium's tensors and AdamW state (as
+many tensors, same names), tiny sizes. Methods as in ``gpu_check.py``
+(``_gpu_bench.Method``): ours (default staging), ours with
+``StagingConfig(overlap=True)``, stock's default, and stock's best
+(``DefaultStager`` with async staging, plus pinned memory and non-blocking
+copies on CUDA; ``DefaultSavePlanner(enable_plan_caching=True)``). Each
+method keeps its writer or stager across its saves, as a training run does.
+
+One round saves ``--saves`` times with each method, in rotated order; each
+save is timed from the call until ``async_save`` returns, then (untimed)
+waited for until durable. Reported: median and quartiles over all saves but
+each method's first (its one-time costs), and the ratio to stock's best.
+
+    python benchmarks/bench_blocked.py --rounds 5 --saves 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from _disk import scratch_dir
+from _gpu_bench import Method, Trainer, _settle, _sync
+from _measure import rotated
+from _report import markdown_table, print_header
+
+METHODS = ("ours", "ours-overlap", "stock", "stock-best")
+
+
+def run(device: torch.device, root: Path, rounds: int, saves: int) -> dict[str, list[float]]:
+    tr = Trainer("thin", device)
+    methods = {name: Method(name, root / name) for name in METHODS}
+    blocked: dict[str, list[float]] = {name: [] for name in METHODS}
+    try:
+        for r in range(rounds):
+            for name in rotated(METHODS, r):
+                for _ in range(saves):
+                    state = tr.state()
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    fence, fut = methods[name].save(state)
+                    blocked[name].append(time.perf_counter() - t0)
+                    _settle(fence, fut)
+                shutil.rmtree(root / name, ignore_errors=True)
+    finally:
+        for m in methods.values():
+            m.close()
+    return {name: xs[1:] for name, xs in blocked.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--saves", type=int, default=8, help="saves per method and round")
+    ap.add_argument("--dir", type=Path, default=None, help="checkpoint directory (a temp dir)")
+    ap.add_argument("--json", type=Path, default=None, help="write every sample here")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    with scratch_dir(args.dir, "bench-blocked-") as root:
+        print_header(__file__, root)
+        tr_tensors = len(Trainer("thin", torch.device("cpu")).state()["optim"]["state"]) * 2
+        blocked = run(device, root, args.rounds, args.saves)
+    best = statistics.median(blocked["stock-best"])
+    rows = []
+    for name, xs in blocked.items():
+        q1, med, q3 = statistics.quantiles(xs, n=4)
+        rows.append(
+            [name, f"{1e3 * med:.2f}", f"{1e3 * q1:.2f}..{1e3 * q3:.2f}", f"{med / best:.2f}x"]
+        )
+    print(
+        f"\n{device.type}: {args.rounds} rounds x {args.saves} saves per method, "
+        f"{tr_tensors} parameter and optimizer-moment tensors\n"
+    )
+    print(markdown_table(["method", "blocked ms", "quartiles ms", "vs stock best"], rows))
+    if args.json:
+        args.json.write_text(json.dumps({"device": str(device), "blocked_s": blocked}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
