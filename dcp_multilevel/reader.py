@@ -40,7 +40,7 @@ from torch.futures import Future
 
 from .checkpoint import StoredCheckpoint, new_save_id
 from .checkpoint.chain import Failure, Trail, item_name, unusable_copy
-from .checkpoint.destinations import destination, release_pinned
+from .checkpoint.destinations import Bounce, destination, release_pinned
 from .checkpoint.reference_files import ReferenceFiles
 from .errors import (
     ConfigError,
@@ -394,16 +394,23 @@ class MultiLevelReader(StorageReader):
                 return 0, [Failure(i, req, file, e, whole_file=True) for i, req, _ in reqs]
             references = stack.enter_context(closing(ReferenceFiles()))
             references.plan(copy, [(req.storage_index, loc) for _, req, loc in reqs])
+            bounce = Bounce()  # blocks allocated at its first CUDA item
+            stack.callback(bounce.drain)  # the load ends once its copies are done
             for n, (i, req, loc) in enumerate(reqs):
                 # Outside the try: a destination of the wrong shape is wrong for
                 # every copy, and so is an object refused by weights_only loading.
-                out, commit = destination(copy, req, loc, planner)
+                landing = destination(copy, req, loc, planner, bounce)
                 try:
-                    copy.read_item(
-                        handle, req.storage_index, loc, out,
-                        pool=self._codec_pool(), window=2 * self.thread_count,
-                        references=references,
-                    )  # fmt: skip
+                    if landing.out is None:
+                        copy.read_stored(
+                            handle, req.storage_index.fqn, loc, landing.blocks, landing.on_block
+                        )
+                    else:
+                        copy.read_item(
+                            handle, req.storage_index, loc, landing.out,
+                            pool=self._codec_pool(), window=2 * self.thread_count,
+                            references=references,
+                        )  # fmt: skip
                 except _COPY_ERRORS as e:
                     if isinstance(e, (CorruptCheckpointError, ManifestError)):
                         failures.append(Failure(i, req, file, e, whole_file=False))
@@ -412,7 +419,7 @@ class MultiLevelReader(StorageReader):
                     # the retries of every further item of this file on this copy.
                     failures += [Failure(j, r, file, e, whole_file=True) for j, r, _ in reqs[n:]]
                     break
-                commit()
+                landing.commit()
                 served += 1
         return served, failures
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_multilevel import MultiLevelReader, MultiLevelWriter, StagingConfig
-from dcp_multilevel.checkpoint.destinations import release_pinned
+from dcp_multilevel.checkpoint import StoredCheckpoint
+from dcp_multilevel.checkpoint.destinations import BOUNCE_BYTES, release_pinned
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -38,6 +40,30 @@ def test_a_load_into_cuda_hands_its_pinned_scratch_back(tmp_path):
     assert all(torch.equal(out[k], v.double()) for k, v in state.items())
     after = torch.cuda.host_memory_stats().get("reserved_bytes.current", 0)
     assert after <= before  # 32 MB went through pinned blocks; none is kept
+
+
+@cuda
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_load_into_cuda_streams_items_through_two_pinned_blocks_per_thread(tmp_path, threads):
+    state = _state("cuda")  # 8 items of 4 MiB: each passes through the blocks
+    dcp.save(state, storage_writer=MultiLevelWriter(tmp_path / "c"))
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_host_memory_stats()
+    dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c", thread_count=threads))
+    # No synchronize: the load ends once its copies are done.
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    peak = torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0)
+    assert 0 < peak <= threads * 2 * BOUNCE_BYTES  # not an item's size per item in flight
+    # A flipped byte: the item fails closed, naming it.
+    copy = StoredCheckpoint.at(tmp_path / "c")
+    loc = next(v for k, v in copy.manifest().locations.items() if k.fqn == "w3")
+    data = tmp_path / "c" / loc.file
+    raw = bytearray(data.read_bytes())
+    raw[loc.offset + loc.length // 2] ^= 0x01
+    data.write_bytes(raw)
+    with pytest.raises(CheckpointException, match="checksum mismatch for item 'w3'"):
+        dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c", thread_count=threads))
 
 
 @cuda

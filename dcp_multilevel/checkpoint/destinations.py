@@ -6,11 +6,19 @@ matched their checksum (fail closed: unverified bytes never reach the
 ``LoadPlanner``).
 
 - Tensors land straight in the destination tensor when it is a whole,
-  contiguous CPU chunk of the stored dtype (no copy); otherwise in a scratch
-  buffer that ``commit`` narrows to the requested region and copies (for a
-  CUDA destination: pinned, copied without waiting, in stream order; the
-  pinned blocks are reused item after item, and handed back to the driver
-  once a load is done, :func:`release_pinned`).
+  contiguous CPU chunk of the stored dtype (no copy).
+- A whole, contiguous CUDA chunk of the stored dtype, stored as it is (no
+  codec, no delta), is streamed: its bytes pass through two page-locked
+  blocks of :data:`BOUNCE_BYTES` per reading thread (:class:`Bounce`), each
+  hashed while in cache and copied to the device without waiting while the
+  other is read. No host copy of the item, pinned memory bounded by the
+  threads, the bus busy while the file is read.
+- Otherwise the bytes land in a scratch buffer that ``commit`` narrows to the
+  requested region and copies (for a CUDA destination: pinned, copied
+  without waiting, in stream order).
+- Pinned blocks come from torch's caching host allocator, reused item after
+  item, and are handed back to the driver once a load is done
+  (:func:`release_pinned`).
 - Non-tensor objects are loaded with ``torch.load(weights_only=True)`` and
   re-serialized before DCP's planner sees them (:func:`vetted_bytes`),
   because ``DefaultLoadPlanner.load_bytes`` itself unpickles with
@@ -20,7 +28,8 @@ matched their checksum (fail closed: unverified bytes never reach the
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,10 +42,77 @@ from ..format.objects import bytesio_for_planner, bytesio_payload, load_object
 from ..format.tensor_bytes import byte_view
 from .stored import StoredCheckpoint
 
-__all__ = ["destination", "release_pinned", "vetted_bytes"]
+__all__ = ["BOUNCE_BYTES", "Bounce", "Landing", "destination", "release_pinned", "vetted_bytes"]
 
 #: Pinned scratch bytes taken since the last :func:`release_pinned` (one per process).
 _pinned = [0]
+
+#: Bytes of each of a reading thread's two page-locked blocks (:class:`Bounce`).
+BOUNCE_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class Landing:
+    """Where one item's bytes go: into ``out`` (``read_item``), or, when ``out`` is
+    None, read into ``blocks`` one after another with ``on_block`` taking each
+    full one (``read_stored``; an item streamed into a CUDA tensor). ``commit``
+    hands the item to DCP once its bytes were verified."""
+
+    commit: Callable[[], None]
+    out: memoryview | None = None
+    blocks: Iterator[memoryview] | None = None
+    on_block: Callable[[memoryview], None] | None = None
+
+
+class Bounce:
+    """Two page-locked blocks one reading thread streams items through into device
+    tensors: a block is read (and hashed) while the other is copied.
+
+    Call order, on one thread: :meth:`landing` per item, whose blocks are read
+    and handed to its ``on_block`` one by one (``items.read_stored``), then
+    :meth:`drain` once, after the last item. The blocks are allocated at the
+    first item (pinned for a CUDA tensor) and dropped with the object.
+    """
+
+    def __init__(self, block_bytes: int = BOUNCE_BYTES) -> None:
+        self.block_bytes = block_bytes
+        self._blocks: list[torch.Tensor] = []
+        self._copied: list[Any] = [None, None]  # CUDA event of each block's last copy
+
+    def landing(self, target: torch.Tensor, nbytes: int, commit: Callable[[], None]) -> Landing:
+        """The landing of ``nbytes`` stored bytes that are exactly ``target``'s
+        (contiguous, of the stored dtype), copied into it block by block."""
+        if not self._blocks:
+            pin = target.device.type == "cuda"
+            self._blocks = [
+                torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)
+            ]
+            _pinned[0] += 2 * self.block_bytes if pin else 0
+        dst = target.reshape(-1).view(torch.uint8)
+        turn = [0, 0]  # which block is being filled; where its bytes go in dst
+
+        def blocks() -> Iterator[memoryview]:
+            for start in range(0, nbytes, self.block_bytes):
+                k = turn[0] = 1 - turn[0]
+                if self._copied[k] is not None:
+                    self._copied[k].synchronize()  # its last copy read it: refill
+                turn[1] = start
+                yield byte_view(self._blocks[k])[: min(self.block_bytes, nbytes - start)]
+
+        def on_block(view: memoryview) -> None:
+            k, start = turn
+            dst[start : start + len(view)].copy_(self._blocks[k][: len(view)], non_blocking=True)
+            if dst.is_cuda:
+                event = self._copied[k] = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(dst.device))
+
+        return Landing(commit, blocks=blocks(), on_block=on_block)
+
+    def drain(self) -> None:
+        """Return once every copy made from the blocks is done (they may be dropped)."""
+        for event in self._copied:
+            if event is not None:
+                event.synchronize()
 
 
 def release_pinned() -> int:
@@ -52,8 +128,12 @@ def release_pinned() -> int:
 
 
 def destination(
-    copy: StoredCheckpoint, req: ReadItem, loc: ItemLocation, planner: LoadPlanner
-) -> tuple[memoryview, Callable[[], None]]:
+    copy: StoredCheckpoint,
+    req: ReadItem,
+    loc: ItemLocation,
+    planner: LoadPlanner,
+    bounce: Bounce | None = None,
+) -> Landing:
     """Where to read ``req``'s bytes, and how to hand them to DCP once verified.
 
     Args:
@@ -61,9 +141,12 @@ def destination(
         req: the load plan's item.
         loc: where ``copy`` stores the item (``loc.raw_length`` bytes once decoded).
         planner: DCP's load planner, which resolves and receives the item.
+        bounce: the reading thread's blocks for streaming into a CUDA tensor
+            (None: every item lands in memory).
 
     Returns:
-        ``(out, commit)``: ``out`` takes exactly ``loc.raw_length`` bytes;
+        The item's :class:`Landing`: ``out`` takes exactly ``loc.raw_length``
+        bytes, or its blocks take ``loc.length`` stored bytes (a raw item);
         ``commit()`` hands them to ``planner``, to be called only after they
         were verified.
 
@@ -82,24 +165,28 @@ def destination(
             value = bytesio_for_planner(payload) if payload is not None else None
             planner.load_bytes(req, value or vetted_bytes(bytes(buf), fqn, copy.url))
 
-        return memoryview(buf), commit_bytes
+        return Landing(commit_bytes, out=memoryview(buf))
     md = copy.manifest().metadata.state_dict_metadata[fqn]
     assert not isinstance(md, BytesStorageMetadata)  # the manifest decoder checked
     dtype = md.properties.dtype
     chunk_sizes = _chunk_sizes(md, req.storage_index)
     target = planner.resolve_tensor(req).detach()
     whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == chunk_sizes
-    if (
+    exact = (
         whole
-        and target.device.type == "cpu"
         and target.dtype == dtype
         and target.is_contiguous()
         and tuple(target.shape) == chunk_sizes
-    ):
-        # Fast path: the destination's memory is the read buffer (no copy). It
-        # holds unverified bytes until fill() returns; a failed item is read
-        # again (from another copy) or the load fails, so none is committed.
-        return byte_view(target), lambda: planner.commit_tensor(req, target)
+    )
+    # Fast paths: the destination's memory is the read buffer (no copy), or takes
+    # the bytes block by block. It holds unverified bytes until the read returns;
+    # a failed item is read again (from another copy) or the load fails, so none
+    # is committed.
+    if exact and target.device.type == "cpu":
+        return Landing(lambda: planner.commit_tensor(req, target), out=byte_view(target))
+    raw = not loc.transforms and loc.reference is None
+    if exact and raw and bounce is not None and target.device.type == "cuda":
+        return bounce.landing(target, loc.length, lambda: planner.commit_tensor(req, target))
     if tuple(target.shape) != tuple(req.lengths):
         raise ManifestError(
             f"item {fqn!r}: destination has shape {tuple(target.shape)} but the "
@@ -122,7 +209,7 @@ def destination(
         target.copy_(src, non_blocking=on_cuda)
         planner.commit_tensor(req, target)
 
-    return byte_view(scratch), commit_tensor
+    return Landing(commit_tensor, out=byte_view(scratch))
 
 
 def _chunk_sizes(md: Any, index: MetadataIndex) -> tuple[int, ...]:
