@@ -34,6 +34,7 @@ from _disk import scratch_dir
 from _gpu_bench import Method, Trainer, _settle, _sync
 from _measure import rotated
 from _report import markdown_table, print_header
+from dcp_multilevel.staging.buffers import iter_tensors
 
 METHODS = ("ours", "ours-overlap", "stock", "stock-best")
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     with scratch_dir(args.dir, "bench-blocked-") as root:
         print_header(__file__, root)
-        tr_tensors = len(Trainer("thin", torch.device("cpu")).state()["optim"]["state"]) * 2
+        tensors = len(iter_tensors(Trainer("thin", torch.device("cpu")).state()))
         blocked = run(device, root, args.rounds, args.saves)
     best = statistics.median(blocked["stock-best"])
     rows = []
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         f"\n{device.type}: {args.rounds} rounds x {args.saves} saves per method, "
-        f"{tr_tensors} parameter and optimizer-moment tensors\n"
+        f"{tensors} tensors (parameters, AdamW moments and steps)\n"
     )
     print(markdown_table(["method", "blocked ms", "quartiles ms", "vs stock best"], rows))
     if args.json:

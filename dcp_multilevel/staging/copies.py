@@ -39,7 +39,8 @@ __all__ = ["Copies", "check_live", "copy_into", "plan_copies", "run_copies", "st
 class Copies:
     """The copies a snapshot still needs (``plan_copies``); ``run_copies`` makes them."""
 
-    #: (destination, source) byte pieces of contiguous CPU tensors, any thread may copy.
+    #: (destination, source) bytes of contiguous CPU tensors, in pieces of at most
+    #: COPY_PIECE, any thread may copy.
     pieces: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     #: (destination, source, name) copied with one ``copy_`` (strided CPU tensors).
     whole: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)
@@ -90,23 +91,22 @@ def plan_copies(
                 return v
             n = local.numel() * local.element_size()
             offset = _aligned(offset)
-            dst = flat[offset : offset + n].view(local.dtype).view(local.shape)
+            whole_dst = flat[offset : offset + n]
+            dst = whole_dst.view(local.dtype).view(local.shape)
             offset += n
             src = local.detach()
             if check_fence:
                 todo.checks.append((dst, name, _digest(src)))
-            if (
-                src.device.type == "cpu"
-                and src.is_contiguous()
-                and not (src.is_conj() or src.is_neg())
-            ):
-                if n:
+            if src.is_cpu and src.is_contiguous() and not (src.is_conj() or src.is_neg()):
+                if n:  # as bytes: a bool copy_ would rewrite bytes other than 0 and 1
                     whole_src = src.reshape(-1).view(torch.uint8)
-                    whole_dst = flat[offset - n : offset]
-                    todo.pieces += [
-                        (whole_dst[i : i + COPY_PIECE], whole_src[i : i + COPY_PIECE])
-                        for i in range(0, n, COPY_PIECE)
-                    ]
+                    if n <= COPY_PIECE:  # no slices: each view costs microseconds
+                        todo.pieces.append((whole_dst, whole_src))
+                    else:  # in pieces, for the copy threads
+                        todo.pieces += [
+                            (whole_dst[i : i + COPY_PIECE], whole_src[i : i + COPY_PIECE])
+                            for i in range(0, n, COPY_PIECE)
+                        ]
             elif src.is_cuda:
                 todo.device.issue(dst, src)
             else:  # strided or conjugate: copy_ resolves them
@@ -253,7 +253,7 @@ def _jobs(
     nbytes = 0
     for piece in pieces:
         run.append(piece)
-        nbytes += piece[0].numel()
+        nbytes += piece[0].nbytes
         if nbytes >= COPY_PIECE:
             jobs.append(run)
             run, nbytes = [], 0
