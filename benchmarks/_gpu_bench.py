@@ -8,7 +8,9 @@ waits for ``staging_completion`` before the next optimizer step),
 ``ours-process`` (the same, written by DCP's daemon process,
 ``AsyncCheckpointerType.PROCESS``, from buffers in shared memory: no
 background thread in the training process but the copies'),
-``ours-nocopy`` (``StagingConfig(overlap=True, budget_bytes=0)``: no copy;
+``ours-devsnap`` (the same with ``device_snapshot_bytes`` for the whole
+state: the fence waits for a copy within the GPU, the copy to the host runs
+after it), ``ours-nocopy`` (``StagingConfig(overlap=True, budget_bytes=0)``: no copy;
 the tensors are written from the live state while forward and backward
 run, and ``staging_completion`` is done once they are written), ``manager``
 (``CheckpointManager(async_save=True)``, one level; a save in flight is
@@ -77,6 +79,7 @@ METHODS = (
     "none",
     "ours",
     "ours-overlap",
+    "ours-devsnap",
     "ours-process",
     "ours-nocopy",
     "manager",
@@ -86,8 +89,9 @@ METHODS = (
 # Left out unless named: on CUDA the no-copy mode writes device tensors item by
 # item behind its fence; PROCESS mode cost a save 0.5 s more than THREAD on the
 # lent H100 (DCP pickles the staged state for its daemon on the training side);
-# on CPU the daemon process's start-up is most of a tiny run.
-NOT_BY_DEFAULT = {"cuda": ("ours-nocopy", "ours-process"), "cpu": ("ours-process",)}
+# on CPU the daemon process's start-up is most of a tiny run, and a device snapshot
+# has no device.
+NOT_BY_DEFAULT = {"cuda": ("ours-nocopy", "ours-process"), "cpu": ("ours-process", "ours-devsnap")}
 # torch 2.11 and 2.12 close a DefaultStager at the end of each staging, so a reused
 # one fails from its second save on (pytorch/pytorch#183413): stock's best then
 # gets a fresh stager per save, which is what those versions keep anyway.
@@ -163,6 +167,9 @@ class Method:
         self.writer = MultiLevelWriter(root) if name == "ours" else None
         if name == "ours-overlap":  # copies behind the fence, as stock's best
             self.writer = MultiLevelWriter(root, staging=StagingConfig(overlap=True))
+        if name == "ours-devsnap":  # the whole state copied on the GPU first
+            staging = StagingConfig(overlap=True, device_snapshot_bytes=1 << 40)
+            self.writer = MultiLevelWriter(root, staging=staging)
         if name == "ours-process":
             staging = StagingConfig(overlap=True, shared_memory=True)
             self.writer = MultiLevelWriter(root, staging=staging)
@@ -198,7 +205,7 @@ class Method:
                 state, storage_writer=self.writer, checkpoint_id=path, planner=self.planner
             )
             return None, fut
-        if self.name in ("ours-overlap", "ours-nocopy", "ours-process"):
+        if self.name in ("ours-overlap", "ours-devsnap", "ours-nocopy", "ours-process"):
             kind = AsyncCheckpointerType.PROCESS if self.name == "ours-process" else None
             r = dcp.async_save(
                 state,

@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         "--methods",
         default=None,
         help="comma-separated methods to compare with no saves (default: all but "
-        "ours-process, and on CUDA ours-nocopy: see NOT_BY_DEFAULT in _gpu_bench.py)",
+        "ours-process, on CUDA ours-nocopy, on CPU ours-devsnap: see NOT_BY_DEFAULT in "
+        "_gpu_bench.py)",
     )
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--skip-roundtrips", action="store_true", help="only the benchmark")

@@ -67,6 +67,33 @@ def test_a_load_into_cuda_streams_items_through_two_pinned_blocks_per_thread(tmp
 
 
 @cuda
+# The whole state on the device, or half of it (the rest copied to the host before
+# the fence); the fence check hashes the device tensors at return and the host copy.
+@pytest.mark.parametrize("snapshot", [64 << 20, 16 << 20], ids=["whole", "half"])
+def test_a_device_snapshot_lets_the_state_change_before_its_host_copy_is_done(tmp_path, snapshot):
+    state = _state("cuda")  # 32 MiB
+    staging = StagingConfig(overlap=True, device_snapshot_bytes=snapshot, check_fence=True)
+    writer = MultiLevelWriter(tmp_path / "unused", staging=staging)
+    buffers = []
+    for step in range(3):
+        expected = {k: v.cpu() for k, v in state.items()}
+        response = dcp.async_save(state, storage_writer=writer, checkpoint_id=tmp_path / f"{step}")
+        response.staging_completion.result()  # the fence: read on the device
+        for v in state.values():
+            v.add_(1)  # the next optimizer step, while the copy to the host runs
+        response.upload_completion.result()
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(out, storage_reader=MultiLevelReader(tmp_path / f"{step}"))
+        assert all(torch.equal(out[k].cpu(), expected[k]) for k in expected), step
+        device = writer._stager._staging.device
+        assert device.held_bytes == min(snapshot, 32 << 20)
+        buffers.append(next(iter(device.buffers.values())).data_ptr())
+    assert len(set(buffers)) == 1  # one buffer, reused save after save
+    writer.close()
+    assert writer._stager._staging.device.held_bytes == 0
+
+
+@cuda
 # All staged, half staged (the rest written from the live tensors behind the fence),
 # none staged; the fence check hashes the device tensors at return and again after.
 @pytest.mark.parametrize("budget", [None, 12 << 20, 0])

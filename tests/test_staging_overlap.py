@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dcp_multilevel import (
+    ConfigError,
     MultiLevelReader,
     MultiLevelWriter,
     SaveInFlightError,
@@ -213,3 +214,21 @@ def test_async_save_arms_the_fence_so_the_copies_begin_once_it_returned(tmp_path
     response = dcp.async_save({"w": torch.randn(1000)}, storage_writer=writer)
     assert fences[0].armed.is_set()
     response.upload_completion.result()
+
+
+def test_a_device_snapshot_needs_overlap_and_leaves_a_cpu_state_alone(tmp_path):
+    with pytest.raises(ConfigError, match="device_snapshot_bytes needs overlap=True"):
+        StagingConfig(device_snapshot_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="device_snapshot_bytes must be an int >= 0, got -1"):
+        StagingConfig(overlap=True, device_snapshot_bytes=-1)
+    # A CPU state has nothing to copy on a device: saved as without the option.
+    staging = StagingConfig(overlap=True, device_snapshot_bytes=1 << 20)
+    writer = MultiLevelWriter(tmp_path / "c", staging=staging)
+    sd = {"w": torch.randn(256, 256), "b": torch.arange(10.0)}
+    want = {k: v.clone() for k, v in sd.items()}
+    response = dcp.async_save(sd, storage_writer=writer)
+    response.staging_completion.result()
+    sd["w"].mul_(-1.0)
+    response.upload_completion.result()
+    assert bit_equal(_load(tmp_path / "c", want), want)
+    assert writer._stager._staging.device.held_bytes == 0

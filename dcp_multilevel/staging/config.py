@@ -49,6 +49,12 @@ class StagingConfig:
             called and its copy once made; a difference (the state changed before
             the fence) fails the save with ``StagingFenceError``. For debugging:
             it reads the state twice more.
+        device_snapshot_bytes: with ``overlap``, GPU memory (per device) for a
+            copy of the CUDA tensors on their own device: the fence then waits
+            for that copy (milliseconds) instead of the copy over the bus, which
+            runs after it while training goes on. Tensors go there while they
+            fit; the rest reach the host before the fence. 0: none. Held until
+            ``close()`` (see ``staging/device.py``).
     """
 
     budget_bytes: int | None = None
@@ -60,6 +66,7 @@ class StagingConfig:
     background_nice: int = 10
     overlap: bool = False
     check_fence: bool = False
+    device_snapshot_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and (
@@ -75,6 +82,15 @@ class StagingConfig:
         if not isinstance(self.background_nice, int) or not 0 <= self.background_nice <= 19:
             raise ConfigError(
                 f"background_nice must be an int from 0 to 19, got {self.background_nice!r}"
+            )
+        if not isinstance(self.device_snapshot_bytes, int) or self.device_snapshot_bytes < 0:
+            raise ConfigError(
+                f"device_snapshot_bytes must be an int >= 0, got {self.device_snapshot_bytes!r}"
+            )
+        if self.device_snapshot_bytes and not self.overlap:
+            raise ConfigError(
+                "device_snapshot_bytes needs overlap=True: without it async_save returns "
+                "only once the state is in host memory, so a copy on the device saves nothing"
             )
         if not self.wait_timeout_s > 0:
             raise ConfigError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s!r}")

@@ -22,6 +22,7 @@ silently storing a state no step had.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ import xxhash
 
 from ..errors import StagingFenceError
 from .buffers import COPY_PIECE, _aligned, iter_tensors, pool_source
+from .device import DeviceSnapshot
 
 __all__ = ["Copies", "check_live", "copy_into", "plan_copies", "run_copies", "stream_marks"]
 
@@ -66,6 +68,7 @@ def plan_copies(
     only: set[int] | None = None,
     check_fence: bool = False,
     marks: dict[torch.device, Any] | None = None,
+    snapshot: DeviceSnapshot | None = None,
 ) -> tuple[Any, Copies]:
     """The snapshot of ``state`` (tensors as views of ``flat``; None: kept live) and
     the copies that fill it. ``only``: ids of the poolable tensors to copy (see
@@ -73,10 +76,12 @@ def plan_copies(
 
     Copies from a CUDA device are issued here, as each view is laid out, so the
     bus is busy from the first tensor on (:class:`DeviceCopies`; ``marks``: see
-    :func:`stream_marks`, needed when this is not the training thread);
+    :func:`stream_marks`, needed when this is not the training thread;
+    ``snapshot``: GPU memory reserved for this save, ``device.py``);
     :func:`run_copies` makes the rest and waits for all."""
     offset = 0
-    todo = Copies(device=DeviceCopies(marks or {}, flat is not None and flat.is_pinned()))
+    pinned = flat is not None and flat.is_pinned()
+    todo = Copies(device=DeviceCopies(marks or {}, pinned, snapshot))
 
     def snap(v: Any, name: str) -> Any:
         nonlocal offset
@@ -147,13 +152,19 @@ def stream_marks(state: Any) -> dict[torch.device, Any]:
     return marks
 
 
-def run_copies(todo: Copies, pool: Executor | None = None) -> None:
+def run_copies(
+    todo: Copies, pool: Executor | None = None, on_fence: Callable[[], None] | None = None
+) -> None:
     """Make the copies ``plan_copies`` recorded (``pool``: threads for the pieces) and
     wait for those it issued from CUDA devices: then the buffers hold the state.
+    ``on_fence`` is called once every source was read, before the copies from a
+    device snapshot to the host are done (only where there are such copies).
 
     Raises:
         StagingFenceError: with the fence check, a source changed after it was planned.
     """
+    if todo.device is not None:
+        todo.device.fence()
     for dst, src, _ in todo.whole:
         dst.copy_(src)
     # copy_ into memory touched by an earlier save: no page faults. One job per
@@ -167,6 +178,9 @@ def run_copies(todo: Copies, pool: Executor | None = None) -> None:
         for job in jobs:
             _copy_pieces(job)
     if todo.device is not None:
+        if on_fence is not None and todo.device.later:
+            todo.device.wait_fenced()
+            on_fence()
         todo.device.wait()
     _fail_changed(todo.checks, "copied them")
 
@@ -211,15 +225,27 @@ class DeviceCopies:
     """Copies from CUDA devices, each on a side stream of its device: it first waits
     for the work that wrote the state (the training thread's ``marks``, else the
     calling thread's current stream), and the training's next kernels do not
-    queue behind the copies.
+    queue behind the copies. With a :class:`~.device.DeviceSnapshot`, a tensor
+    that fits is copied within its device first, and to the host only after the
+    fence (:meth:`fence`).
 
-    Call order: ``issue`` for each tensor (any one thread), then ``wait`` once.
+    Call order: ``issue`` for each tensor (any one thread), then ``fence`` once,
+    then ``wait_fenced`` and ``wait`` (in either order).
     """
 
-    def __init__(self, marks: dict[torch.device, Any], non_blocking: bool) -> None:
+    def __init__(
+        self,
+        marks: dict[torch.device, Any],
+        non_blocking: bool,
+        snapshot: DeviceSnapshot | None = None,
+    ) -> None:
         self.marks = marks
         self.non_blocking = non_blocking
+        self.snapshot = snapshot
         self.sides: dict[torch.device, Any] = {}
+        #: (host destination, its copy on the device): copied after the fence.
+        self.later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._fenced: list[Any] = []
 
     def issue(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Queue the copy of ``src`` into ``dst`` (pinned: the call returns at once)."""
@@ -233,12 +259,35 @@ class DeviceCopies:
             else:
                 side.wait_stream(torch.cuda.current_stream(src.device))
             self.sides[src.device] = side
+        on_device = self.snapshot.take(src) if self.snapshot is not None else None
         with torch.cuda.stream(side):
-            dst.copy_(src, non_blocking=self.non_blocking)
+            if on_device is None:
+                dst.copy_(src, non_blocking=self.non_blocking)
+            else:
+                on_device.copy_(src)
+                on_device.record_stream(side)  # its buffer outlives a close() meanwhile
+                self.later.append((dst, on_device))
         src.record_stream(side)  # its memory is not reused before the copy ran
 
+    def fence(self) -> None:
+        """After the last ``issue``: mark where each side stream has read the state,
+        then queue the copies from the device snapshot to the host behind it."""
+        for device, side in self.sides.items():
+            event = torch.cuda.Event()
+            event.record(side)
+            self._fenced.append(event)
+            with torch.cuda.stream(side):
+                for dst, on_device in self.later:
+                    if on_device.device == device:
+                        dst.copy_(on_device, non_blocking=self.non_blocking)
+
+    def wait_fenced(self) -> None:
+        """Return once every tensor of the state was read (it may change now)."""
+        for event in self._fenced:
+            event.synchronize()
+
     def wait(self) -> None:
-        """Return once every issued copy is done."""
+        """Return once every issued copy is done, to the host too."""
         for side in self.sides.values():
             side.synchronize()
 

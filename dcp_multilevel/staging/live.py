@@ -85,8 +85,9 @@ class LiveFence(Future):
     when the stager sees the live tensors released.
 
     Call order: stager's copy thread ``hand_over`` (or ``fail``) -> DCP's save
-    thread ``result()`` -> stager's copy thread ``set_result(None)`` once
-    released (or ``set_exception``).
+    thread ``result()`` -> stager's copy thread ``complete()`` once released
+    (or ``set_exception``). With a device snapshot ``complete()`` comes first,
+    once the state was read on the device.
     """
 
     def __init__(self) -> None:
@@ -107,10 +108,17 @@ class LiveFence(Future):
         """The copies are made: the save's thread may take ``staged`` and write."""
         self._staged.set_result(staged)
 
+    def complete(self) -> None:
+        """The state may change now (once; later calls do nothing)."""
+        if not self.done():
+            self.set_result(None)
+
     def fail(self, error: BaseException) -> None:
-        """The copies failed: the fence and then the save's thread raise ``error`` (the
-        fence first: once the save failed, ``staging_completion`` is done too)."""
-        self.set_exception(error)
+        """The copies failed: the fence (unless already complete: a check after a
+        device snapshot) and then the save's thread raise ``error`` (the fence
+        first: once the save failed, ``staging_completion`` is done too)."""
+        if not self.done():
+            self.set_exception(error)
         self._staged.set_exception(error)
 
     def result(self, timeout: float | None = None) -> Any:

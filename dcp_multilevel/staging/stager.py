@@ -74,6 +74,7 @@ from ._tickets import POLL_S, StagedDict, Ticket, uncopied_storages
 from .buffers import HostBufferPool, _BufferSet, iter_tensors, select_wave, staged_nbytes
 from .config import StagingConfig
 from .copies import Copies, check_live, plan_copies, run_copies, stream_marks
+from .device import DeviceSnapshot
 from .live import LiveCountdown, LiveFence, live_items
 
 __all__ = ["BackgroundSave", "Stager"]
@@ -140,6 +141,10 @@ class _Staging:
         # overlap: one thread runs each save's copies, in order, behind its fence.
         self.overlapper = (
             ThreadPoolExecutor(1, thread_name_prefix="dcp-ml-overlap") if config.overlap else None
+        )
+        # GPU memory for the state's copy on its device (guarded by ``lock`` for close).
+        self.device = (
+            DeviceSnapshot(config.device_snapshot_bytes) if config.device_snapshot_bytes else None
         )
 
 
@@ -245,12 +250,17 @@ class Stager:
             wave, nbytes = select_wave(tensors, self._staging.pool.budget_bytes or 0)
             ticket.write_through = True
         buffers = self._acquire(nbytes, ticket, deadline) if nbytes else None
+        snapshot = self._staging.device if wave is None and buffers is not None else None
+        if snapshot is not None:
+            with self._staging.lock:
+                snapshot.reserve(tensors)
         copied, todo = plan_copies(
             state_dict,
             buffers.flat if buffers is not None else None,
             only=wave,
             check_fence=self.config.check_fence,
             marks=marks,
+            snapshot=snapshot,
         )
         if wave is not None:
             ticket.live = uncopied_storages(state_dict, copied)
@@ -310,7 +320,9 @@ class Stager:
             fence.armed.wait(_ARMED_WAIT_S)
             try:
                 copied, todo = plan()
-                run_copies(todo, st.copier)
+                # With a device snapshot the fence completes once the state was read,
+                # before its copy reaches the host.
+                run_copies(todo, st.copier, on_fence=fence.complete)
             except BaseException as e:  # noqa: BLE001 - handed to the future, as DCP's would
                 ticket.dropped = True  # never claimed: its buffers are free again
                 fence.fail(e)
@@ -327,7 +339,7 @@ class Stager:
                         SaveInFlightError(self._never_began_message(ticket.checkpoint_id))
                     )
                     return
-            fence.set_result(None)
+            fence.complete()
 
         st.overlapper.submit(copy_then_watch)
         return fence
@@ -358,10 +370,13 @@ class Stager:
                 raise SaveInFlightError(self._never_began_message(t.checkpoint_id))
 
     def close(self) -> None:
-        """Free the buffers no save is using; the stager can still be used after."""
+        """Free the buffers no save is using, and the device snapshot's; the stager
+        can still be used after."""
         if self._staging is not None:
             with self._staging.lock:
                 self._staging.pool.close()
+                if self._staging.device is not None:
+                    self._staging.device.close()
 
     # -- background thread
 
