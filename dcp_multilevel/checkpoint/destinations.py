@@ -77,18 +77,22 @@ class Bounce:
     def __init__(self, block_bytes: int = BOUNCE_BYTES) -> None:
         self.block_bytes = block_bytes
         self._blocks: list[torch.Tensor] = []
+        self._views: list[memoryview] = []
         self._copied: list[Any] = [None, None]  # CUDA event of each block's last copy
 
     def landing(self, target: torch.Tensor, nbytes: int, commit: Callable[[], None]) -> Landing:
         """The landing of ``nbytes`` stored bytes that are exactly ``target``'s
         (contiguous, of the stored dtype), copied into it block by block."""
+        on_cuda = target.device.type == "cuda"
         if not self._blocks:
-            pin = target.device.type == "cuda"
             self._blocks = [
-                torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)
+                torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=on_cuda)
+                for _ in range(2)
             ]
-            _pinned[0] += 2 * self.block_bytes if pin else 0
+            self._views = [byte_view(b) for b in self._blocks]
+            _pinned[0] += 2 * self.block_bytes if on_cuda else 0
         dst = target.reshape(-1).view(torch.uint8)
+        stream = torch.cuda.current_stream(target.device) if on_cuda else None
         turn = [0, 0]  # which block is being filled; where its bytes go in dst
 
         def blocks() -> Iterator[memoryview]:
@@ -97,14 +101,14 @@ class Bounce:
                 if self._copied[k] is not None:
                     self._copied[k].synchronize()  # its last copy read it: refill
                 turn[1] = start
-                yield byte_view(self._blocks[k])[: min(self.block_bytes, nbytes - start)]
+                yield self._views[k][: min(self.block_bytes, nbytes - start)]
 
         def on_block(view: memoryview) -> None:
             k, start = turn
             dst[start : start + len(view)].copy_(self._blocks[k][: len(view)], non_blocking=True)
-            if dst.is_cuda:
-                event = self._copied[k] = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(dst.device))
+            if stream is not None:  # a fresh event: the tensors may be on several devices
+                self._copied[k] = torch.cuda.Event()
+                self._copied[k].record(stream)
 
         return Landing(commit, blocks=blocks(), on_block=on_block)
 
