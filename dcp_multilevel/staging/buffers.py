@@ -31,6 +31,7 @@ from ._pinned import pinned_empty, unpin_when_collected
 __all__ = [
     "ALIGN",
     "COPY_PIECE",
+    "BufferSet",
     "HostBufferPool",
     "Owner",
     "iter_tensors",
@@ -53,7 +54,7 @@ class Owner(Protocol):
         ...
 
 
-class _BufferSet:
+class BufferSet:
     """One flat host buffer; ``owner`` is the save it is lent to (None: free)."""
 
     __slots__ = ("__weakref__", "flat", "owner")
@@ -83,7 +84,7 @@ class HostBufferPool:
         self.budget_bytes = budget_bytes
         self.pin = pin
         self.shared = shared
-        self.sets: list[_BufferSet] = []
+        self.sets: list[BufferSet] = []
         #: Bytes ever allocated, and the most held at once (for tests and metrics).
         self.allocated_total = 0
         self.peak_bytes = 0
@@ -97,7 +98,7 @@ class HostBufferPool:
         """Whether a state of ``nbytes`` can be staged whole under the budget."""
         return self.budget_bytes is None or nbytes <= self.budget_bytes
 
-    def try_acquire(self, nbytes: int) -> _BufferSet | None:
+    def try_acquire(self, nbytes: int) -> BufferSet | None:
         """A free set of at least ``nbytes``, or None while busy sets leave no room."""
         free = [s for s in self.sets if not s.busy()]
         fitting = [s for s in free if s.capacity >= nbytes]
@@ -111,7 +112,7 @@ class HostBufferPool:
         elif len(self.sets) >= self.MAX_SETS:
             return None
         flat, registered = self._allocate(nbytes)
-        new = _BufferSet(flat)
+        new = BufferSet(flat)
         unpin_when_collected(new, registered, nbytes)
         self.sets.append(new)
         return new

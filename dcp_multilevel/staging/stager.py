@@ -71,7 +71,7 @@ from ..errors import AsyncSaveError, ConfigError, SaveInFlightError
 from ._failures import FailureRecord
 from ._priority import lower_thread_priority
 from ._tickets import POLL_S, StagedDict, Ticket, uncopied_storages
-from .buffers import HostBufferPool, _BufferSet, iter_tensors, select_wave, staged_nbytes
+from .buffers import BufferSet, HostBufferPool, iter_tensors, select_wave, staged_nbytes
 from .config import StagingConfig
 from .copies import Copies, check_live, plan_copies, run_copies, stream_marks
 from .device import DeviceSnapshot
@@ -268,7 +268,7 @@ class Stager:
             ticket.check_live = lambda: check_live(todo)
         return copied, todo
 
-    def _acquire(self, nbytes: int, ticket: Ticket, deadline: float) -> _BufferSet:
+    def _acquire(self, nbytes: int, ticket: Ticket, deadline: float) -> BufferSet:
         """A free buffer set of ``nbytes`` lent to ``ticket``; waits for the earlier
         saves to end while both sets are theirs (policy ``in_flight``).
 
