@@ -26,6 +26,7 @@ import shutil
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=None, help="checkpoint directory (a temp dir)")
     ap.add_argument("--json", type=Path, default=None, help="write every sample here")
     args = ap.parse_args(argv)
+    # One process, no process group: DCP saves as a single rank (and says so, once).
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     device = torch.device(args.device)
     with scratch_dir(args.dir, "bench-blocked-") as root:
         print_header(__file__, root)
