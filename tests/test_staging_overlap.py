@@ -232,3 +232,30 @@ def test_a_device_snapshot_needs_overlap_and_leaves_a_cpu_state_alone(tmp_path):
     response.upload_completion.result()
     assert bit_equal(_load(tmp_path / "c", want), want)
     assert writer._stager._staging.device.held_bytes == 0
+
+
+def test_an_optimizer_step_before_the_fence_waits_for_it(tmp_path):
+    """A loop that forgets to wait for staging_completion: its optimizer step waits
+    anyway (torch's global step pre-hook), so the save holds the state of its call,
+    not one mixed from two steps. close() takes the hook away."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    hooks_before = len(_global_optimizer_pre_hooks)
+    torch.manual_seed(0)
+    model = nn.Linear(4096, 4096)  # 64 MiB of weights: their copy takes a while
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(torch.randn(8, 4096)).square().mean().backward()
+    staging = StagingConfig(overlap=True, copy_threads=1)
+    writer = MultiLevelWriter(tmp_path / "unused", staging=staging)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    response = dcp.async_save(
+        {"model": model.state_dict()}, storage_writer=writer, checkpoint_id=tmp_path / "c"
+    )
+    opt.step()  # no wait for staging_completion
+    assert response.staging_completion.done()  # the step waited for it
+    response.upload_completion.result()
+    assert not torch.equal(model.weight, want["weight"])  # the step did change the weights
+    assert bit_equal(_load(tmp_path / "c", {"model": want})["model"], want)
+    assert len(_global_optimizer_pre_hooks) == hooks_before + 1
+    writer.close()
+    assert len(_global_optimizer_pre_hooks) == hooks_before

@@ -13,8 +13,10 @@ Modules: :mod:`.config` (:class:`StagingConfig`), :mod:`.stager` (the
 stager: tickets, in-flight policy, budget waves, failure reporting),
 :mod:`.buffers` (the host buffer pool), :mod:`.copies` (the copy into it, now or
 behind the fence), :mod:`.live` (the over-budget handshake), and the private
-``_tickets``, ``_failures``, ``_priority`` and ``_pinned`` (page-locked sets
-of their exact size; :func:`registered_bytes` counts them) it uses.
+``_tickets``, ``_failures``, ``_priority``, ``_steps`` (optimizer steps wait
+for the fence) and ``_pinned`` (page-locked sets of their exact size;
+:func:`registered_bytes` counts them) it uses, and :mod:`.device` (a copy of
+the state on its GPU, for the fence).
 """
 
 from ._pinned import registered_bytes

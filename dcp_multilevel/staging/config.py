@@ -43,8 +43,11 @@ class StagingConfig:
             returns before the copies are done, with DCP's ``AsyncSaveResponse``;
             the state may change only once its ``staging_completion`` is done
             (the fence: wait for it before the next optimizer step; over the
-            budget it also waits until the tensors left live are written). Off:
-            the copies are done when ``async_save`` returns.
+            budget it also waits until the tensors left live are written).
+            ``torch.optim`` optimizer steps wait for the last save's fence by
+            themselves (a global step pre-hook, until the next save or
+            ``close()``); other in-place changes must wait for it. Off: the
+            copies are done when ``async_save`` returns.
         check_fence: with ``overlap``, hash every tensor when ``async_save`` is
             called and its copy once made; a difference (the state changed before
             the fence) fails the save with ``StagingFenceError``. For debugging:

@@ -98,6 +98,10 @@ class LiveFence(Future):
         #: Set once DCP wrapped this future for ``staging_completion``, the last step
         #: of ``async_save`` (torch 2.13): the training thread is about to return.
         self.armed = threading.Event()
+        #: Set once the fence is complete, failed or not (waited on without holding
+        #: the fence, and through it the staged dict).
+        self.completed = threading.Event()
+        super().add_done_callback(lambda _: self.completed.set())
 
     def add_done_callback(self, fn: Callable[[Future[Any]], object]) -> None:
         """As ``Future``'s, and sets :attr:`armed`."""
