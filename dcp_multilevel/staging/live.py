@@ -98,10 +98,20 @@ class LiveFence(Future):
         #: Set once DCP wrapped this future for ``staging_completion``, the last step
         #: of ``async_save`` (torch 2.13): the training thread is about to return.
         self.armed = threading.Event()
-        #: Set once the fence is complete, failed or not (waited on without holding
-        #: the fence, and through it the staged dict).
+        #: Set once the fence is complete, failed or not, and its callbacks ran (DCP's
+        #: staging_completion is done then too); waited on without holding the
+        #: fence, and through it the staged dict.
         self.completed = threading.Event()
-        super().add_done_callback(lambda _: self.completed.set())
+
+    def set_result(self, result: Any) -> None:
+        """As ``Future``'s, then sets :attr:`completed`."""
+        super().set_result(result)
+        self.completed.set()
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        """As ``Future``'s, then sets :attr:`completed`."""
+        super().set_exception(exception)
+        self.completed.set()
 
     def add_done_callback(self, fn: Callable[[Future[Any]], object]) -> None:
         """As ``Future``'s, and sets :attr:`armed`."""
