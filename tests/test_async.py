@@ -303,6 +303,35 @@ def test_over_budget_wave_stages_the_largest_tensors_that_fit():
     assert select_wave(iter_tensors(sd), ALIGN) == (set(), 0)  # nothing fits: all live
 
 
+def test_every_layout_is_staged_contiguous_in_the_buffer_with_its_bytes():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 10, generator=g)
+    raw_bool = torch.randint(0, 256, (40,), generator=g, dtype=torch.uint8)
+    sd = {
+        "transposed": base.t(),
+        "stepped": base[:, ::3],
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.empty(0, 4),
+        "size_one_dims": base[:1, 2:3].unsqueeze(0),  # odd strides on size-1 dims
+        "expanded": torch.arange(3.0).expand(4, 3),  # stride 0
+        "bool_bytes": raw_bool.view(torch.bool).reshape(5, 8),  # bytes other than 0 and 1
+        "complex": torch.randn(7, generator=g, dtype=torch.complex64),
+        "conj": torch.randn(5, generator=g, dtype=torch.complex128).conj(),
+        "half": torch.randn(3, 3, generator=g).half(),
+    }
+    flat = torch.zeros(staged_nbytes(iter_tensors(sd)), dtype=torch.uint8)
+    staged = copy_into(sd, flat)
+    lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel()
+    for k, src in sd.items():
+        got = staged[k]
+        assert got.dtype == src.dtype and got.shape == src.shape and got.is_contiguous(), k
+        if got.numel():  # an empty tensor has no address
+            assert lo <= got.data_ptr() and got.data_ptr() + got.nbytes <= hi, k
+            assert got.data_ptr() % ALIGN == 0, k
+        want = src.resolve_conj().contiguous()
+        assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), k
+
+
 def test_big_tensors_are_written_from_the_staging_buffer_wherever_they_sit(tmp_path):
     page = _direct.ALIGN
     g = torch.Generator().manual_seed(0)

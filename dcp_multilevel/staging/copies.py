@@ -82,6 +82,19 @@ def plan_copies(
     offset = 0
     pinned = flat is not None and flat.is_pinned()
     todo = Copies(device=DeviceCopies(marks or {}, pinned, snapshot))
+    typed: dict[torch.dtype, torch.Tensor] = {}  # flat viewed as each dtype, once
+
+    def view_at(start: int, like: torch.Tensor) -> torch.Tensor:
+        # One as_strided of flat seen as the dtype: a slice and two views cost
+        # async_save 3 us more per tensor (1,168 tensors: 3.5 ms on the VM).
+        size = like.dtype.itemsize
+        as_dtype = typed.get(like.dtype)
+        if as_dtype is None:
+            usable = flat.numel() - flat.numel() % size
+            as_dtype = typed[like.dtype] = flat[:usable].view(like.dtype)
+        shape = like.shape
+        strides = like.stride() if like.is_contiguous() else _contiguous_strides(shape)
+        return as_dtype.as_strided(shape, strides, start // size)
 
     def snap(v: Any, name: str) -> Any:
         nonlocal offset
@@ -96,8 +109,8 @@ def plan_copies(
                 return v
             n = local.numel() * local.element_size()
             offset = _aligned(offset)
+            dst = view_at(offset, local)
             whole_dst = flat[offset : offset + n]
-            dst = whole_dst.view(local.dtype).view(local.shape)
             offset += n
             src = local.detach()
             if check_fence:
@@ -133,6 +146,14 @@ def plan_copies(
     except BaseException:
         todo.device.wait()  # no copy may still land in buffers given back
         raise
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def stream_marks(state: Any) -> dict[torch.device, Any]:
