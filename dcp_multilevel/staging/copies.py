@@ -110,13 +110,13 @@ def plan_copies(
             n = local.numel() * local.element_size()
             offset = _aligned(offset)
             dst = view_at(offset, local)
-            whole_dst = flat[offset : offset + n]
             offset += n
             src = local.detach()
             if check_fence:
                 todo.checks.append((dst, name, _digest(src)))
             if src.is_cpu and src.is_contiguous() and not (src.is_conj() or src.is_neg()):
                 if n:  # as bytes: a bool copy_ would rewrite bytes other than 0 and 1
+                    whole_dst = flat[offset - n : offset]
                     whole_src = src.reshape(-1).view(torch.uint8)
                     if n <= COPY_PIECE:  # no slices: each view costs microseconds
                         todo.pieces.append((whole_dst, whole_src))

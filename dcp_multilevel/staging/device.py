@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .buffers import _aligned, pool_source
+from .buffers import _aligned, pool_source, staged_nbytes
 
 __all__ = ["DeviceSnapshot"]
 
@@ -55,13 +55,13 @@ class DeviceSnapshot:
     def reserve(self, tensors: Iterable[torch.Tensor]) -> None:
         """Start a save: a buffer on each device holding some of ``tensors``, of
         their bytes or the budget, whichever is less (kept if big enough)."""
-        need: dict[torch.device, int] = {}
+        on_device: dict[torch.device, list[torch.Tensor]] = {}
         for t in tensors:
             src = pool_source(t)
             if src is not None and src.is_cuda:
-                need[src.device] = _aligned(need.get(src.device, 0)) + src.nbytes
-        for device, wanted in need.items():
-            nbytes = min(_aligned(wanted), self.budget_bytes)
+                on_device.setdefault(src.device, []).append(src)
+        for device, group in on_device.items():
+            nbytes = min(staged_nbytes(group), self.budget_bytes)
             held = self.buffers.get(device)
             if device in self._refused or (held is not None and held.numel() >= nbytes):
                 continue
