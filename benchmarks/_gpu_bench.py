@@ -64,7 +64,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from _disk import tree_files
 from _gpt import GPT, SHAPES, batch, forward_backward, optimizer
-from _measure import machine_busy_s
+from _measure import machine_busy_s, median
 from dcp_multilevel import (
     BalancedSavePlanner,
     CheckpointManager,
@@ -357,10 +357,6 @@ def bench_steps(
     }
 
 
-def _med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def _after_save(got: list[dict[str, Any]], base: list[dict[str, Any]], every: int) -> list[float]:
     """Median extra seconds of the k-th step after a save (k = 1..every), against
     the same step of the same round's loop without saves: where a save's cost
@@ -371,12 +367,12 @@ def _after_save(got: list[dict[str, Any]], base: list[dict[str, Any]], every: in
             for k in range(1, every + 1):
                 if s + k < len(g["step_s"]):
                     extra[k - 1].append(g["step_s"][s + k] - b["step_s"][s + k])
-    return [_med(x) for x in extra]
+    return [median(x) for x in extra]
 
 
 def _table(rows: dict[str, list[dict[str, Any]]], steps: int, every: int) -> dict[str, Any]:
     base = rows["none"]
-    step_s = _med([b["loop_s"] / steps for b in base])
+    step_s = median([b["loop_s"] / steps for b in base])
     out: dict[str, Any] = {"step_s": step_s, "methods": {}}
     for m in METHODS[1:]:
         got = rows.get(m, [])
@@ -393,15 +389,15 @@ def _table(rows: dict[str, list[dict[str, Any]]], steps: int, every: int) -> dic
             if g["saves"] and g.get("busy_s") is not None and b.get("busy_s") is not None
         ]
         out["methods"][m] = {
-            "cpu_per_save_s": _med(cpu) if cpu else None,
-            "inflation_s": _med(infl),
+            "cpu_per_save_s": median(cpu) if cpu else None,
+            "inflation_s": median(infl),
             "inflation_spread": [min(infl), max(infl)] if infl else None,
-            "inflation_pct": 100 * _med(infl) / (step_s * (steps / max(got[0]["saves"], 1)))
+            "inflation_pct": 100 * median(infl) / (step_s * (steps / max(got[0]["saves"], 1)))
             if got and infl
             else None,
             "after_save_s": _after_save(got, base, every),
-            "blocked_s": _med([x for g in got for x in g["blocked"]]),
-            "durable_s": _med([x for g in got for x in g["durable"]]),
+            "blocked_s": median([x for g in got for x in g["blocked"]]),
+            "durable_s": median([x for g in got for x in g["durable"]]),
             "rss_gb": max(g["rss"] for g in got) / GB if got else None,
             "pinned_gb": (max(g["pinned"] or 0 for g in got) / GB) if got else None,
         }
@@ -551,7 +547,8 @@ def bench_load(size: str, device: torch.device, root: Path, repeats: int) -> dic
 
     def table(rows: dict[str, list[float]]) -> dict[str, Any]:
         return {
-            k: {"s": _med(v), "gbps": nbytes / _med(v) / GB, "all_s": v} for k, v in rows.items()
+            k: {"s": median(v), "gbps": nbytes / median(v) / GB, "all_s": v}
+            for k, v in rows.items()
         }
 
     return {
