@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _damage import flip_byte
 from click.testing import CliRunner, Result
 from conftest import random_tensor
 from test_roundtrip import assert_state_equal, zeros_like_state
@@ -71,12 +72,6 @@ def assert_one_line_error(result: Result, message: str) -> None:
     assert result.exit_code == 1
     assert result.stdout == ""
     assert result.stderr == f"error: {message}\n"
-
-
-def flip_byte(path: Path, at: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[at] ^= 0x01
-    path.write_bytes(bytes(data))
 
 
 def load(path: str, like: dict, storage_options: dict | None = None) -> dict:

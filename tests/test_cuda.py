@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _damage import flip_byte
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_multilevel import MultiLevelReader, MultiLevelWriter, StagingConfig
@@ -59,10 +60,7 @@ def test_a_load_into_cuda_streams_items_through_two_pinned_blocks_per_thread(tmp
     # A flipped byte: the item fails closed, naming it.
     copy = StoredCheckpoint.at(tmp_path / "c")
     loc = next(v for k, v in copy.manifest().locations.items() if k.fqn == "w3")
-    data = tmp_path / "c" / loc.file
-    raw = bytearray(data.read_bytes())
-    raw[loc.offset + loc.length // 2] ^= 0x01
-    data.write_bytes(raw)
+    flip_byte(tmp_path / "c" / loc.file, loc.offset + loc.length // 2)
     with pytest.raises(CheckpointException, match="checksum mismatch for item 'w3'"):
         dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c", thread_count=threads))
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _damage import flip_byte
 from conftest import assert_bit_equal
 from fsspec.core import url_to_fs
 from hypothesis import given, settings
@@ -289,9 +290,7 @@ def chain_of_three(tmp_path: Path) -> list[dict[str, Any]]:
 
 def flip(path: Path, at: int = 5000) -> None:
     (data,) = sorted((path / "data").glob("*.bin"))
-    raw = bytearray(data.read_bytes())
-    raw[at] ^= 0x40
-    data.write_bytes(raw)
+    flip_byte(data, at, 0x40)
 
 
 def load_error(path: Path, like: dict[str, Any]) -> BaseException:

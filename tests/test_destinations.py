@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _damage import flip_byte
 
 from dcp_multilevel import ChecksumMismatchError, MultiLevelWriter
 from dcp_multilevel.checkpoint import StoredCheckpoint
@@ -52,10 +53,7 @@ def test_a_flipped_byte_fails_the_streamed_item_and_commits_nothing(tmp_path):
     dcp.save(STATE, storage_writer=MultiLevelWriter(tmp_path / "c"))
     copy = StoredCheckpoint.at(tmp_path / "c")
     loc = next(v for k, v in copy.manifest().locations.items() if k.fqn == "over")
-    data = tmp_path / "c" / loc.file
-    raw = bytearray(data.read_bytes())
-    raw[loc.offset + 2500] ^= 0x10  # in the third block of four
-    data.write_bytes(raw)
+    flip_byte(tmp_path / "c" / loc.file, loc.offset + 2500, 0x10)  # in the third block of four
     committed: list[str] = []
     with pytest.raises(ChecksumMismatchError, match="'over'"):
         _stream(tmp_path / "c", Bounce(block_bytes=1024), "over", torch.zeros(1000), committed)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _damage import flip_byte
 
 from dcp_multilevel import CheckpointManager, Level
 from dcp_multilevel.errors import CheckpointNotFoundError
@@ -98,9 +99,7 @@ def load_latest_report(levels: list[Level], state_of) -> tuple[int | None, bool,
 
 
 def _flip_byte(path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x40
-    path.write_bytes(bytes(data))
+    flip_byte(path, path.stat().st_size // 2, 0x40)
 
 
 def test_partner_level_restores_a_replaced_node_and_a_shrunk_world(tmp_path):
