@@ -303,7 +303,10 @@ def test_over_budget_wave_stages_the_largest_tensors_that_fit():
     assert select_wave(iter_tensors(sd), ALIGN) == (set(), 0)  # nothing fits: all live
 
 
-def test_every_layout_is_staged_contiguous_in_the_buffer_with_its_bytes():
+# The buffer alone, or a slice of a bigger allocation, as a pinned set is (_pinned.py:
+# page-aligned); its neighbours' bytes must stay as they were.
+@pytest.mark.parametrize("lead", [0, 4096], ids=["own", "slice"])
+def test_every_layout_is_staged_contiguous_in_the_buffer_with_its_bytes(lead):
     g = torch.Generator().manual_seed(0)
     base = torch.randn(6, 10, generator=g)
     raw_bool = torch.randint(0, 256, (40,), generator=g, dtype=torch.uint8)
@@ -319,8 +322,11 @@ def test_every_layout_is_staged_contiguous_in_the_buffer_with_its_bytes():
         "conj": torch.randn(5, generator=g, dtype=torch.complex128).conj(),
         "half": torch.randn(3, 3, generator=g).half(),
     }
-    flat = torch.zeros(staged_nbytes(iter_tensors(sd)), dtype=torch.uint8)
+    n = staged_nbytes(iter_tensors(sd))
+    backing = torch.full((lead + n + lead,), 7, dtype=torch.uint8)
+    flat = backing[lead : lead + n]
     staged = copy_into(sd, flat)
+    assert backing[:lead].eq(7).all() and backing[lead + n :].eq(7).all()
     lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel()
     for k, src in sd.items():
         got = staged[k]

@@ -94,7 +94,9 @@ def plan_copies(
             as_dtype = typed[like.dtype] = flat[:usable].view(like.dtype)
         shape = like.shape
         strides = like.stride() if like.is_contiguous() else _contiguous_strides(shape)
-        return as_dtype.as_strided(shape, strides, start // size)
+        # as_strided's offset counts from the storage's start, not the view's: a
+        # pinned set is a page-aligned slice of a bigger allocation (_pinned.py).
+        return as_dtype.as_strided(shape, strides, as_dtype.storage_offset() + start // size)
 
     def snap(v: Any, name: str) -> Any:
         nonlocal offset
