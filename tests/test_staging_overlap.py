@@ -259,3 +259,47 @@ def test_an_optimizer_step_before_the_fence_waits_for_it(tmp_path):
     assert len(_global_optimizer_pre_hooks) == hooks_before + 1
     writer.close()
     assert len(_global_optimizer_pre_hooks) == hooks_before
+
+
+def test_a_fence_completed_before_its_copies_are_made_does_not_wait_for_them(tmp_path):
+    """With a device snapshot the fence completes once the state was read on the
+    GPU, before the same thread copies it to the host. DCP's callback that turns
+    the fence into ``staging_completion`` asks for its result then: it must not
+    wait for the copies (it did, and every such save hung on the H100). On a CPU
+    the order comes from a stager of its own, through DCP's ``async_stager``."""
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    from dcp_multilevel.staging.live import LiveFence
+
+    sd = {"w": torch.randn(1000)}
+    want = {k: v.clone() for k, v in sd.items()}
+    fence = LiveFence()
+    completed_first = threading.Event()
+    copier: list[threading.Thread] = []
+
+    class FenceFirst(AsyncStager):
+        def stage(self, state_dict):
+            def copy():
+                fence.armed.wait(5)
+                fence.complete()  # the state was read: it may change now
+                completed_first.set()
+                fence.hand_over({k: v.clone() for k, v in state_dict.items()})
+
+            copier.append(threading.Thread(target=copy, daemon=True))
+            copier[0].start()
+            return fence
+
+        def synchronize_staging(self):
+            pass
+
+    writer = MultiLevelWriter(tmp_path / "c")
+    response = dcp.async_save(sd, storage_writer=writer, async_stager=FenceFirst())
+    if not completed_first.wait(10):
+        fence.hand_over(want)  # unblock DCP's thread, then fail
+        pytest.fail("the fence's complete() waited for the copies it comes before")
+    assert response.staging_completion.result(timeout=10) is None
+    sd["w"].mul_(-1.0)
+    response.upload_completion.result(timeout=30)
+    assert bit_equal(_load(tmp_path / "c", want), want)
+    # The save's thread read the staged dict; the callback on the copy thread did not count.
+    assert fence.reader not in (None, copier[0], threading.current_thread())

@@ -87,7 +87,8 @@ class LiveFence(Future):
     Call order: stager's copy thread ``hand_over`` (or ``fail``) -> DCP's save
     thread ``result()`` -> stager's copy thread ``complete()`` once released
     (or ``set_exception``). With a device snapshot ``complete()`` comes first,
-    once the state was read on the device.
+    once the state was read on the device: DCP's done-callback then asks for
+    the result before there is a staged dict (see :meth:`result`).
     """
 
     def __init__(self) -> None:
@@ -102,6 +103,8 @@ class LiveFence(Future):
         #: staging_completion is done then too); waited on without holding the
         #: fence, and through it the staged dict.
         self.completed = threading.Event()
+        # The thread running complete(), while the done-callbacks run (see result).
+        self._completing: threading.Thread | None = None
 
     def set_result(self, result: Any) -> None:
         """As ``Future``'s, then sets :attr:`completed`."""
@@ -125,7 +128,11 @@ class LiveFence(Future):
     def complete(self) -> None:
         """The state may change now (once; later calls do nothing)."""
         if not self.done():
-            self.set_result(None)
+            self._completing = threading.current_thread()
+            try:
+                self.set_result(None)
+            finally:
+                self._completing = None
 
     def fail(self, error: BaseException) -> None:
         """The copies failed: the fence (unless already complete: a check after a
@@ -137,7 +144,14 @@ class LiveFence(Future):
 
     def result(self, timeout: float | None = None) -> Any:
         """The staged dict, once the copies are made (not once the fence is done);
-        raises the fence's error once it failed."""
+        raises the fence's error once it failed. Asked from a done-callback while
+        :meth:`complete` runs, it answers None at once."""
+        if threading.current_thread() is self._completing:
+            # DCP's callback turning the fence into staging_completion asks for the
+            # result, on the thread completing it. With a device snapshot that is
+            # before the copies to the host are made, by this very thread: waiting
+            # for the staged dict would never end. The callback only needs success.
+            return None
         if self.reader is None:
             self.reader = threading.current_thread()
         if self.done() and (error := self.exception(0)) is not None:
