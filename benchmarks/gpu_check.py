@@ -28,6 +28,7 @@ figures are about staging and the host, not the disk).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import shutil
@@ -178,7 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--watchdog-s",
+        type=float,
+        default=0,
+        help="after this many seconds, print every thread's stack and exit (a hung save "
+        "says where it hangs before a lent machine's time limit kills it); 0: never",
+    )
     args = ap.parse_args(argv)
+    if args.watchdog_s:
+        faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
     if args.methods is None:
         skip = NOT_BY_DEFAULT["cuda" if args.device.startswith("cuda") else "cpu"]
         args.methods = ",".join(m for m in METHODS[1:] if m not in skip)
