@@ -164,15 +164,32 @@ def stream_marks(state: Any) -> dict[torch.device, Any]:
     called, it lets copies made on another thread start once the work that wrote
     the state is done, instead of after whatever training queued since (that
     thread's own current stream would be the wrong one, too, for a training loop
-    on a stream of its own). Without CUDA in use this returns at once: the state
-    is not even walked."""
+    on a stream of its own). The state is not walked: every device this process
+    made a context on is marked (a tensor on a device means a context there),
+    and without CUDA in use this returns at once."""
     if not torch.cuda.is_initialized():  # then no tensor can be on a CUDA device
         return {}
     marks = {}
-    for device in {t.device for t in iter_tensors(state) if t.is_cuda}:
+    for device in _devices_in_use(state):
         marks[device] = torch.cuda.Event()
         marks[device].record(torch.cuda.current_stream(device))
     return marks
+
+
+def _devices_in_use(state: Any) -> set[torch.device]:
+    """The CUDA devices that may hold tensors of ``state``: those with a primary
+    context (asking creates none), which costs microseconds where walking 1,168
+    tensors took 0.2 ms on the VM and more on the lent H100's cores; a torch
+    without that query has the state walked."""
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if has_context is not None:
+        try:
+            return {
+                torch.device("cuda", i) for i in range(torch.cuda.device_count()) if has_context(i)
+            }
+        except (RuntimeError, TypeError):  # a private query that changed: walk
+            pass
+    return {t.device for t in iter_tensors(state) if t.is_cuda}
 
 
 def run_copies(
