@@ -321,6 +321,12 @@ def test_every_layout_is_staged_contiguous_in_the_buffer_with_its_bytes(lead):
         "complex": torch.randn(7, generator=g, dtype=torch.complex64),
         "conj": torch.randn(5, generator=g, dtype=torch.complex128).conj(),
         "half": torch.randn(3, 3, generator=g).half(),
+        # Copied as typed values in one batch: the bits must still be the bits.
+        "signaling_nan": torch.tensor([0x7FA00001, 0x7F800001], dtype=torch.int32).view(
+            torch.float32
+        ),
+        "bf16_nan": torch.tensor([0x7F81, -1], dtype=torch.int16).view(torch.bfloat16),
+        "param": torch.nn.Parameter(torch.randn(4, 4, generator=g)),  # needs grad
     }
     n = staged_nbytes(iter_tensors(sd))
     backing = torch.full((lead + n + lead,), 7, dtype=torch.uint8)
@@ -336,6 +342,38 @@ def test_every_layout_is_staged_contiguous_in_the_buffer_with_its_bytes(lead):
             assert got.data_ptr() % ALIGN == 0, k
         want = src.resolve_conj().contiguous()
         assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), k
+
+
+def test_a_buffer_set_lays_out_the_same_state_again_with_the_same_views(tmp_path):
+    """The places of a state's tensors in a buffer set are kept from one save to
+    the next (making them is torch calls that cost training time through the
+    GIL); a tensor of another shape, and those it moves, get new ones."""
+    writer = MultiLevelWriter(tmp_path / "unused")
+    sd = {"a": torch.randn(100), "b": torch.arange(40), "c": {"d": torch.ones(3, 3)}}
+
+    def save(step: int) -> dict:
+        path = tmp_path / f"s{step}"
+        dcp.async_save(sd, storage_writer=writer, checkpoint_id=path).result()
+        back = {
+            "a": torch.zeros(100),
+            "b": torch.zeros_like(sd["b"]),
+            "c": {"d": torch.zeros(3, 3)},
+        }
+        dcp.load(back, storage_reader=MultiLevelReader(path))
+        assert all(torch.equal(back[k], sd[k]) for k in ("a", "b")), step
+        assert torch.equal(back["c"]["d"], sd["c"]["d"]), step
+        (buffers,) = writer.staging_pool.sets
+        return dict(buffers.views)
+
+    first = save(0)
+    sd["a"].add_(1.0)
+    sd["c"]["d"].mul_(3.0)
+    second = save(1)
+    assert len(second) == 3 and all(second[k] is first[k] for k in first)
+    sd["b"] = torch.arange(10)  # another shape, and "d" after it moves (same buffer set)
+    third = save(2)
+    kept = [k for k in third if k in first and third[k] is first[k]]
+    assert len(third) == 3 and len(kept) == 1  # only "a", before it, is kept
 
 
 def test_big_tensors_are_written_from_the_staging_buffer_wherever_they_sit(tmp_path):

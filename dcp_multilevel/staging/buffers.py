@@ -55,13 +55,16 @@ class Owner(Protocol):
 
 
 class BufferSet:
-    """One flat host buffer; ``owner`` is the save it is lent to (None: free)."""
+    """One flat host buffer; ``owner`` is the save it is lent to (None: free);
+    ``views``: the tensors' places in it of the last save it held (laid out
+    again by the next, ``copies.plan_copies``)."""
 
-    __slots__ = ("__weakref__", "flat", "owner")
+    __slots__ = ("__weakref__", "flat", "owner", "views")
 
     def __init__(self, flat: torch.Tensor) -> None:
         self.flat = flat
         self.owner: Owner | None = None
+        self.views: dict[tuple[Any, ...], torch.Tensor] = {}
 
     @property
     def capacity(self) -> int:
@@ -137,17 +140,21 @@ class HostBufferPool:
 
 def pool_source(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor whose bytes a buffer set takes for ``t``: ``t`` itself (a plain
-    strided tensor), or a DTensor's local shard (FSDP2's parameters and optimizer
+    strided tensor or parameter: the snapshot is a plain tensor, as a detached
+    copy would be), or a DTensor's local shard (FSDP2's parameters and optimizer
     state: the snapshot is a DTensor around the buffer's view); None for what is
     staged the stock way (sparse, quantized, other subclasses)."""
-    if type(t) is not torch.Tensor:
+    if type(t) not in _PLAIN:
         local = getattr(t, "_local_tensor", None)
         if local is None or not _is_dtensor(t):
             return None
         t = local
-    if type(t) is torch.Tensor and t.layout == torch.strided and not t.is_quantized:
+    if type(t) in _PLAIN and t.layout == torch.strided and not t.is_quantized:
         return t
     return None
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

@@ -41,8 +41,11 @@ __all__ = ["Copies", "check_live", "copy_into", "plan_copies", "run_copies", "st
 class Copies:
     """The copies a snapshot still needs (``plan_copies``); ``run_copies`` makes them."""
 
-    #: (destination, source) bytes of contiguous CPU tensors, in pieces of at most
-    #: COPY_PIECE, any thread may copy.
+    #: (destination, source) of contiguous CPU tensors of at most COPY_PIECE bytes,
+    #: same dtype and shape, copied in batches (``torch._foreach_copy_``) by any thread.
+    typed: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: (destination, source) bytes of bigger contiguous CPU tensors, in pieces of at
+    #: most COPY_PIECE, and of bool ones; any thread may copy.
     pieces: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     #: (destination, source, name) copied with one ``copy_`` (strided CPU tensors).
     whole: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)
@@ -69,10 +72,14 @@ def plan_copies(
     check_fence: bool = False,
     marks: dict[torch.device, Any] | None = None,
     snapshot: DeviceSnapshot | None = None,
+    views: dict[tuple[Any, ...], torch.Tensor] | None = None,
 ) -> tuple[Any, Copies]:
     """The snapshot of ``state`` (tensors as views of ``flat``; None: kept live) and
     the copies that fill it. ``only``: ids of the poolable tensors to copy (see
-    ``buffers.select_wave``); the others are kept live.
+    ``buffers.select_wave``); the others are kept live. ``views``: the views of
+    ``flat`` the last snapshot in it used (``BufferSet.views``), reused where a
+    tensor lands at the same place with the same dtype and shape, and replaced
+    by this snapshot's.
 
     Copies from a CUDA device are issued here, as each view is laid out, so the
     bus is busy from the first tensor on (:class:`DeviceCopies`; ``marks``: see
@@ -83,8 +90,22 @@ def plan_copies(
     pinned = flat is not None and flat.is_pinned()
     todo = Copies(device=DeviceCopies(marks or {}, pinned, snapshot))
     typed: dict[torch.dtype, torch.Tensor] = {}  # flat viewed as each dtype, once
+    # Torch calls are what a background thread must keep few: each gives the GIL
+    # away and takes it back from a training thread that calls torch too (6,000
+    # as_strided calls, 7 ms alone, slowed such a thread by 48 ms on the VM);
+    # a save of the same state into the same buffer set finds its views here.
+    last = views if views is not None else {}
+    laid: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def view_at(start: int, like: torch.Tensor) -> torch.Tensor:
+        key = (start, like.dtype, like.shape)
+        dst = last.get(key)
+        if dst is None:
+            dst = _new_view(start, like)
+        laid[key] = dst
+        return dst
+
+    def _new_view(start: int, like: torch.Tensor) -> torch.Tensor:
         # One as_strided of flat seen as the dtype: a slice and two views cost
         # async_save 3 us more per tensor (1,168 tensors: 3.5 ms on the VM).
         size = like.dtype.itemsize
@@ -113,11 +134,15 @@ def plan_copies(
             offset = _aligned(offset)
             dst = view_at(offset, local)
             offset += n
-            src = local.detach()
+            src = local
             if check_fence:
                 todo.checks.append((dst, name, _digest(src)))
             if src.is_cpu and src.is_contiguous() and not (src.is_conj() or src.is_neg()):
-                if n:  # as bytes: a bool copy_ would rewrite bytes other than 0 and 1
+                if n and n <= COPY_PIECE and src.dtype != torch.bool:
+                    # Same dtype, both contiguous: copy_ moves the bits (NaN payloads too).
+                    todo.typed.append((dst, src))
+                elif n:  # as bytes: a bool copy_ would rewrite bytes other than 0 and 1
+                    src = src.detach()
                     whole_dst = flat[offset - n : offset]
                     whole_src = src.reshape(-1).view(torch.uint8)
                     if n <= COPY_PIECE:  # no slices: each view costs microseconds
@@ -128,9 +153,9 @@ def plan_copies(
                             for i in range(0, n, COPY_PIECE)
                         ]
             elif src.is_cuda:
-                todo.device.issue(dst, src)
+                todo.device.issue(dst, src.detach())
             else:  # strided or conjugate: copy_ resolves them
-                todo.whole.append((dst, src, name))
+                todo.whole.append((dst, src.detach(), name))
             if local is not v:  # a DTensor: its shard in the buffer, its layout kept
                 return type(v)(dst, v._spec, requires_grad=False)  # as DCP's own staging does
             return dst
@@ -144,10 +169,14 @@ def plan_copies(
         return copy.deepcopy(v)
 
     try:
-        return snap(state, ""), todo
+        out = snap(state, ""), todo
     except BaseException:
         todo.device.wait()  # no copy may still land in buffers given back
         raise
+    if views is not None:
+        views.clear()
+        views.update(laid)
+    return out
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -210,7 +239,8 @@ def run_copies(
     # copy_ into memory touched by an earlier save: no page faults. One job per
     # COPY_PIECE bytes, not per tensor: a future per tensor cost 50 ms for the
     # 1,168 small tensors of a 24-layer model and its optimizer on the VM.
-    jobs = _jobs(todo.pieces)
+    jobs = [("typed", job) for job in _jobs(todo.typed)]
+    jobs += [("bytes", job) for job in _jobs(todo.pieces)]
     if pool is not None and len(jobs) > 1:
         for _ in pool.map(_copy_pieces, jobs):
             pass
@@ -351,6 +381,12 @@ def _jobs(
     return jobs
 
 
-def _copy_pieces(job: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _copy_pieces(kind_and_job: tuple[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    kind, job = kind_and_job
+    if kind == "typed":
+        # One torch call for the whole job (no autograd: the sources may need grad).
+        with torch.no_grad():
+            torch._foreach_copy_([dst for dst, _ in job], [src for _, src in job])
+        return
     for dst, src in job:
         dst.copy_(src)

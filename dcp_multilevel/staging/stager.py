@@ -266,6 +266,7 @@ class Stager:
             check_fence=self.config.check_fence,
             marks=marks,
             snapshot=snapshot,
+            views=buffers.views if buffers is not None else None,
         )
         if wave is not None:
             ticket.live = uncopied_storages(state_dict, copied)
