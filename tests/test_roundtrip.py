@@ -84,6 +84,26 @@ def test_non_contiguous_sources_store_only_their_projection(tmp_path):
     assert_state_equal(loaded, {k: v.contiguous() for k, v in state.items()})
 
 
+@pytest.mark.parametrize("how", ["save", "async", "overlap"])
+def test_conjugate_and_negative_views_store_their_values(tmp_path, how):
+    # Their memory is not their values (torch resolves the bit lazily): the bytes
+    # stored must be the values', however the save reads them.
+    from dcp_multilevel import StagingConfig
+
+    c = random_tensor((6,), torch.complex64, 6)
+    state = {"conj": c.conj(), "neg": torch._neg_view(random_tensor((5,), torch.float64, 7))}
+    want = {k: v.resolve_conj().resolve_neg() for k, v in state.items()}
+    if how == "save":
+        dcp.save(state, storage_writer=MultiLevelWriter(tmp_path / "c"))
+    else:
+        staging = StagingConfig(overlap=how == "overlap")
+        r = dcp.async_save(state, storage_writer=MultiLevelWriter(tmp_path / "c", staging=staging))
+        (r.upload_completion if how == "overlap" else r).result()
+    loaded = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(loaded, storage_reader=MultiLevelReader(tmp_path / "c"))
+    assert_state_equal(loaded, want)
+
+
 def test_load_into_non_contiguous_and_other_dtype_destinations(tmp_path):
     src = random_tensor((4, 6), torch.float32, 5)
     dcp.save({"w": src, "v": src}, storage_writer=MultiLevelWriter(tmp_path / "c"))

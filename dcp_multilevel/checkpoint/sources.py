@@ -83,13 +83,17 @@ def tensor_of(item: WriteItem, data: Any) -> torch.Tensor:
             f"planner returned {type(data).__name__} for tensor item {fqn!r}; expected a tensor"
         )
     td = item.tensor_data
-    t = data.detach()
+    t = data
     if t.dtype != td.properties.dtype or tuple(t.shape) != tuple(td.chunk.sizes):
         raise UnsupportedStateError(
             f"planner returned a {tuple(t.shape)} {t.dtype} tensor for {fqn!r}, but the plan "
             f"says {tuple(td.chunk.sizes)} {td.properties.dtype}; a planner that changes "
             "dtype or shape in resolve_data must change its plan to match"
         )
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        # A copy follows (a torch call): no autograd history for it. A conjugate or
+        # negative view's memory is not its values: resolved here.
+        t = t.detach().resolve_conj().resolve_neg()
     if t.device.type == "cuda":
         # Through page-locked memory (the caching host allocator reuses it across
         # items and saves): a DMA copy at full speed, not a pageable one.
