@@ -36,7 +36,8 @@ def byte_view(t: torch.Tensor) -> memoryview:
         return memoryview(bytearray())
     # From the address, not reshape/view/numpy: each torch call gives the GIL away
     # and takes it back, and a save's threads calling torch per item slowed a
-    # training thread that calls torch too by about 3 us per call (on the VM).
+    # training thread that calls torch too by 1-4 us per call (on the VM,
+    # benchmarks/bench_gil_calls.py).
     span = _SPAN.from_address(t.data_ptr())
     span.tensor = t  # the memory's owner lives as long as a view of it
     return memoryview(span).cast("B")[:n]

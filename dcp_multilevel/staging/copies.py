@@ -92,7 +92,7 @@ def plan_copies(
     typed: dict[torch.dtype, torch.Tensor] = {}  # flat viewed as each dtype, once
     # Torch calls are what a background thread must keep few: each gives the GIL
     # away and takes it back from a training thread that calls torch too (6,000
-    # as_strided calls, 7 ms alone, slowed such a thread by 48 ms on the VM);
+    # as_strided calls, 7 ms alone, slowed such a thread by 23 ms on the VM);
     # a save of the same state into the same buffer set finds its views here.
     last = views if views is not None else {}
     laid: dict[tuple[Any, ...], torch.Tensor] = {}
