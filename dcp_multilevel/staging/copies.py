@@ -32,7 +32,7 @@ import xxhash
 
 from ..errors import StagingFenceError
 from .buffers import COPY_PIECE, _aligned, iter_tensors, pool_source
-from .device import DeviceSnapshot
+from .device import DeviceSnapshot, side_stream
 
 __all__ = ["Copies", "check_live", "copy_into", "plan_copies", "run_copies", "stream_marks"]
 
@@ -153,7 +153,7 @@ def plan_copies(
                             for i in range(0, n, COPY_PIECE)
                         ]
             elif src.is_cuda:
-                todo.device.issue(dst, src.detach())
+                todo.device.issue(dst, src)
             else:  # strided or conjugate: copy_ resolves them
                 todo.whole.append((dst, src.detach(), name))
             if local is not v:  # a DTensor: its shard in the buffer, its layout kept
@@ -287,17 +287,19 @@ def copy_into(
     return out
 
 
-#: One side stream per CUDA device for the staging copies (made on first use).
-_SIDE_STREAMS: dict[torch.device, Any] = {}
-
-
 class DeviceCopies:
-    """Copies from CUDA devices, each on a side stream of its device: it first waits
-    for the work that wrote the state (the training thread's ``marks``, else the
-    calling thread's current stream), and the training's next kernels do not
-    queue behind the copies. With a :class:`~.device.DeviceSnapshot`, a tensor
-    that fits is copied within its device first, and to the host only after the
-    fence (:meth:`fence`).
+    """Copies from CUDA devices, each on the staging side stream of its device
+    (:func:`~.device.side_stream`): it first waits for the work that wrote the
+    state (the training thread's ``marks``, else the calling thread's current
+    stream), and the training's next kernels do not queue behind the copies.
+    With a :class:`~.device.DeviceSnapshot`, a tensor that fits is copied
+    within its device first, and to the host only after the fence
+    (:meth:`fence`).
+
+    Copies are queued in batches, one ``torch._foreach_copy_`` per device and
+    :data:`ISSUE_BYTES` (each torch call on the overlap thread costs training
+    a GIL hand-off). The sources are held until :meth:`wait`, so their memory
+    is not reused while a copy may still read it.
 
     Call order: ``issue`` for each tensor (any one thread), then ``fence`` once,
     then ``wait_fenced`` and ``wait`` (in either order).
@@ -316,40 +318,64 @@ class DeviceCopies:
         #: (host destination, its copy on the device): copied after the fence.
         self.later: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._fenced: list[Any] = []
+        # Per device, not yet queued: (destination, source) to the host, and
+        # within the device; their bytes.
+        self._to_host: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._on_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._pending_bytes: dict[torch.device, int] = {}
+        self._held: list[torch.Tensor] = []  # what queued copies read or write
 
     def issue(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Queue the copy of ``src`` into ``dst`` (pinned: the call returns at once)."""
-        side = self.sides.get(src.device)
-        if side is None:
-            side = _SIDE_STREAMS.get(src.device)
-            if side is None:
-                side = _SIDE_STREAMS[src.device] = torch.cuda.Stream(device=src.device)
-            if src.device in self.marks:
-                side.wait_event(self.marks[src.device])
+        """Copy ``src`` into ``dst`` (queued in a batch; pinned: without waiting)."""
+        device = src.device
+        if device not in self.sides:
+            side = side_stream(device)
+            if device in self.marks:
+                side.wait_event(self.marks[device])
             else:
-                side.wait_stream(torch.cuda.current_stream(src.device))
-            self.sides[src.device] = side
+                side.wait_stream(torch.cuda.current_stream(device))
+            self.sides[device] = side
         on_device = self.snapshot.take(src) if self.snapshot is not None else None
-        with torch.cuda.stream(side):
-            if on_device is None:
-                dst.copy_(src, non_blocking=self.non_blocking)
-            else:
-                on_device.copy_(src)
-                on_device.record_stream(side)  # its buffer outlives a close() meanwhile
-                self.later.append((dst, on_device))
-        src.record_stream(side)  # its memory is not reused before the copy ran
+        if on_device is None:
+            self._to_host.setdefault(device, []).append((dst, src))
+        else:
+            self._on_device.setdefault(device, []).append((on_device, src))
+            self.later.append((dst, on_device))
+        self._held.append(src)
+        pending = self._pending_bytes.get(device, 0) + src.nbytes
+        self._pending_bytes[device] = pending
+        if pending >= ISSUE_BYTES:  # the bus is busy while the rest is laid out
+            self._queue(device)
+
+    def _queue(self, device: torch.device) -> None:
+        to_host = self._to_host.pop(device, [])
+        on_device = self._on_device.pop(device, [])
+        self._pending_bytes[device] = 0
+        with torch.cuda.stream(self.sides[device]), torch.no_grad():
+            if on_device:
+                torch._foreach_copy_([d for d, _ in on_device], [s for _, s in on_device])
+            if to_host:
+                dsts, srcs = [d for d, _ in to_host], [s for _, s in to_host]
+                torch._foreach_copy_(dsts, srcs, non_blocking=self.non_blocking)
 
     def fence(self) -> None:
-        """After the last ``issue``: mark where each side stream has read the state,
-        then queue the copies from the device snapshot to the host behind it."""
+        """After the last ``issue``: queue what is left, mark where each side stream
+        has read the state, then queue the copies from the device snapshot to the
+        host behind it."""
         for device, side in self.sides.items():
+            self._queue(device)
             event = torch.cuda.Event()
             event.record(side)
             self._fenced.append(event)
-            with torch.cuda.stream(side):
-                for dst, on_device in self.later:
-                    if on_device.device == device:
-                        dst.copy_(on_device, non_blocking=self.non_blocking)
+            later = [(dst, d) for dst, d in self.later if d.device == device]
+            if later:
+                self._held += [d for _, d in later]
+                with torch.cuda.stream(side), torch.no_grad():
+                    torch._foreach_copy_(
+                        [dst for dst, _ in later],
+                        [d for _, d in later],
+                        non_blocking=self.non_blocking,
+                    )
 
     def wait_fenced(self) -> None:
         """Return once every tensor of the state was read (it may change now)."""
@@ -357,9 +383,15 @@ class DeviceCopies:
             event.synchronize()
 
     def wait(self) -> None:
-        """Return once every issued copy is done, to the host too."""
+        """Return once every queued copy is done, to the host too; let the sources go.
+        (After a failed layout: nothing queued since is left running either.)"""
         for side in self.sides.values():
             side.synchronize()
+        self._held.clear()
+
+
+#: Bytes of copies from one device queued together (see :class:`DeviceCopies`).
+ISSUE_BYTES = 64 << 20
 
 
 def _jobs(

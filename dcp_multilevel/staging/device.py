@@ -16,22 +16,37 @@ thread): :meth:`DeviceSnapshot.reserve` with the state's tensors ->
 :meth:`DeviceSnapshot.take` per CUDA tensor as its copy is issued
 (``copies.DeviceCopies``) -> that save's copies done -> the next save's
 ``reserve``. :meth:`DeviceSnapshot.close` (under the stager's lock) frees
-the buffers; a copy still queued keeps its buffer's memory from reuse
-(``record_stream``).
+the buffers; the copies still queued hold the places they use.
+
+The buffers are allocated on the staging side stream (:func:`side_stream`),
+the only stream that uses them: memory the training freed with kernels
+still queued on its own stream is never handed to them.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 from .buffers import _aligned, pool_source, staged_nbytes
 
-__all__ = ["DeviceSnapshot"]
+__all__ = ["DeviceSnapshot", "side_stream"]
 
 log = logging.getLogger(__name__)
+
+#: One side stream per CUDA device for the staging copies (made on first use).
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+
+
+def side_stream(device: torch.device) -> Any:
+    """The stream a device's staging copies run on (one per device, kept)."""
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return side
 
 
 class DeviceSnapshot:
@@ -45,6 +60,10 @@ class DeviceSnapshot:
         self.budget_bytes = budget_bytes
         self.buffers: dict[torch.device, torch.Tensor] = {}
         self._used: dict[torch.device, int] = {}
+        # The places the last save took, reused by the next one of the same state
+        # (making each is three torch calls, and each costs training a GIL hand-off).
+        self._views: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._taken: dict[tuple[Any, ...], torch.Tensor] = {}
         self._refused: set[torch.device] = set()  # out of memory once: not asked again
 
     @property
@@ -55,6 +74,8 @@ class DeviceSnapshot:
     def reserve(self, tensors: Iterable[torch.Tensor]) -> None:
         """Start a save: a buffer on each device holding some of ``tensors``, of
         their bytes or the budget, whichever is less (kept if big enough)."""
+        if self._taken:  # the last save's places: the ones this save may reuse
+            self._views, self._taken = self._taken, {}
         on_device: dict[torch.device, list[torch.Tensor]] = {}
         for t in tensors:
             src = pool_source(t)
@@ -66,8 +87,10 @@ class DeviceSnapshot:
             if device in self._refused or (held is not None and held.numel() >= nbytes):
                 continue
             self.buffers.pop(device, None)  # freed first: at most the budget at once
+            self._views = {k: v for k, v in self._views.items() if k[0] != device}
             try:
-                self.buffers[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                with torch.cuda.stream(side_stream(device)):
+                    self.buffers[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
             except torch.cuda.OutOfMemoryError:
                 self._refused.add(device)
                 log.warning(
@@ -82,16 +105,24 @@ class DeviceSnapshot:
     def take(self, src: torch.Tensor) -> torch.Tensor | None:
         """A place for ``src`` (a CUDA tensor) in its device's buffer, shaped as it is
         and contiguous; None once the buffer is full (or there is none)."""
-        buf, used = self.buffers.get(src.device), self._used.get(src.device)
+        device = src.device
+        buf, used = self.buffers.get(device), self._used.get(device)
         if buf is None or used is None:  # none, or closed meanwhile
             return None
         start = _aligned(used)
         if start + src.nbytes > buf.numel():
             return None
-        self._used[src.device] = start + src.nbytes
-        return buf[start : start + src.nbytes].view(src.dtype).view(src.shape)
+        self._used[device] = start + src.nbytes
+        key = (device, start, src.dtype, src.shape)
+        place = self._views.get(key)
+        if place is None:
+            place = buf[start : start + src.nbytes].view(src.dtype).view(src.shape)
+        self._taken[key] = place
+        return place
 
     def close(self) -> None:
         """Free the buffers (a new ``reserve`` allocates again)."""
         self.buffers.clear()
         self._used.clear()
+        self._views.clear()
+        self._taken.clear()
