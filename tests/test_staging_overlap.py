@@ -281,9 +281,10 @@ def test_a_fence_completed_before_its_copies_are_made_does_not_wait_for_them(tmp
         def stage(self, state_dict):
             def copy():
                 fence.armed.wait(5)
+                read = {k: v.clone() for k, v in state_dict.items()}  # (on the device)
                 fence.complete()  # the state was read: it may change now
                 completed_first.set()
-                fence.hand_over({k: v.clone() for k, v in state_dict.items()})
+                fence.hand_over(read)  # (once copied to the host)
 
             copier.append(threading.Thread(target=copy, daemon=True))
             copier[0].start()
