@@ -85,7 +85,8 @@ bench: setup
 # times in session 22); without one, the tiny CPU mode CI also runs.
 gpu-check: setup
 	$(VENV)/bin/python benchmarks/gpu_check.py
-	# How long async_save blocks for GPT-2-medium's 1,168 tensors, ours against stock's best.
+	# How long async_save blocks for GPT-2-medium's 1,168 tensors, and what the save then
+	# costs Python-bound training steps through the GIL (steal), ours against stock's best.
 	$(VENV)/bin/python benchmarks/bench_blocked.py --rounds 3 --saves 6
 	# The GPU-only tests (pinned scratch given back, side-stream staging, Lightning's
 	# FSDP1 strategy); they skip without CUDA.
