@@ -363,7 +363,7 @@ def test_a_buffer_set_lays_out_the_same_state_again_with_the_same_views(tmp_path
         assert all(torch.equal(back[k], sd[k]) for k in ("a", "b")), step
         assert torch.equal(back["c"]["d"], sd["c"]["d"]), step
         (buffers,) = writer.staging_pool.sets
-        return dict(buffers.views)
+        return buffers.views.laid_out()
 
     first = save(0)
     sd["a"].add_(1.0)
@@ -374,6 +374,33 @@ def test_a_buffer_set_lays_out_the_same_state_again_with_the_same_views(tmp_path
     third = save(2)
     kept = [k for k in third if k in first and third[k] is first[k]]
     assert len(third) == 3 and len(kept) == 1  # only "a", before it, is kept
+
+
+def test_kept_views_are_the_last_saves_and_go_with_their_buffer():
+    # The mechanism both the host buffer sets and the device snapshot use.
+    from dcp_multilevel.staging.buffers import KeptViews
+
+    buf = torch.zeros(64)
+    kept = KeptViews()
+    made = []
+
+    def make(i):
+        return lambda: made.append(i) or buf[i : i + 4]
+
+    kept.begin()
+    first = [kept.get(("cpu", i), make(i)) for i in (0, 8, 16)]
+    kept.begin()  # the next save: the same places come back, none is made again
+    assert [kept.get(("cpu", i), make(i)) for i in (0, 8)] == first[:2] and made == [0, 8, 16]
+    assert kept.get(("cpu", 32), make(32)) is not None and made[-1] == 32
+    kept.begin()  # only what the last save laid out is kept: 16 is made again
+    kept.get(("cpu", 16), make(16))
+    assert made[-1] == 16
+    kept.discard(lambda key: key[1] == 16)  # its buffer is being replaced
+    kept.begin()
+    kept.get(("cpu", 16), make(16))
+    assert made.count(16) == 3
+    kept.clear()
+    assert kept.laid_out() == {}
 
 
 def test_big_tensors_are_written_from_the_staging_buffer_wherever_they_sit(tmp_path):

@@ -20,7 +20,7 @@ saves finish owners and never call into the pool.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -33,6 +33,7 @@ __all__ = [
     "COPY_PIECE",
     "BufferSet",
     "HostBufferPool",
+    "KeptViews",
     "Owner",
     "iter_tensors",
     "pool_source",
@@ -54,17 +55,61 @@ class Owner(Protocol):
         ...
 
 
+class KeptViews:
+    """The views of a buffer one save laid out, for the next save of the same state.
+
+    Making a view is a torch call, and each torch call on a save's thread costs
+    a training thread that calls torch a GIL hand-off
+    (``benchmarks/bench_gil_calls.py``). A key says what makes two views the
+    same (the place in the buffer, dtype and shape). Call order, one save at a
+    time: :meth:`begin`, then :meth:`get` per tensor; :meth:`discard` and
+    :meth:`clear` when the buffer behind some views goes away.
+    """
+
+    __slots__ = ("_last", "_now")
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._now: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def begin(self) -> None:
+        """A save starts laying out: the last one's views are the ones to reuse."""
+        if self._now:
+            self._last, self._now = self._now, {}
+
+    def get(self, key: tuple[Any, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The last save's view for ``key``, else ``make()``; kept for the next save."""
+        view = self._last.get(key)
+        if view is None:
+            view = make()
+        self._now[key] = view
+        return view
+
+    def discard(self, drop: Callable[[tuple[Any, ...]], bool]) -> None:
+        """Forget the views whose key ``drop`` names (their buffer is being replaced)."""
+        self._last = {k: v for k, v in self._last.items() if not drop(k)}
+        self._now = {k: v for k, v in self._now.items() if not drop(k)}
+
+    def clear(self) -> None:
+        self._last.clear()
+        self._now.clear()
+
+    def laid_out(self) -> dict[tuple[Any, ...], torch.Tensor]:
+        """The views the current save laid out so far (a copy)."""
+        return dict(self._now)
+
+
 class BufferSet:
     """One flat host buffer; ``owner`` is the save it is lent to (None: free);
-    ``views``: the tensors' places in it of the last save it held (laid out
-    again by the next, ``copies.plan_copies``)."""
+    ``views``: the tensors' places in it, kept for the next save
+    (``copies.plan_copies``)."""
 
     __slots__ = ("__weakref__", "flat", "owner", "views")
 
     def __init__(self, flat: torch.Tensor) -> None:
         self.flat = flat
         self.owner: Owner | None = None
-        self.views: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.views = KeptViews()
 
     @property
     def capacity(self) -> int:

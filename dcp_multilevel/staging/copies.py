@@ -31,7 +31,7 @@ import torch
 import xxhash
 
 from ..errors import StagingFenceError
-from .buffers import COPY_PIECE, _aligned, iter_tensors, pool_source
+from .buffers import COPY_PIECE, KeptViews, _aligned, iter_tensors, pool_source
 from .device import DeviceSnapshot, side_stream
 
 __all__ = ["Copies", "check_live", "copy_into", "plan_copies", "run_copies", "stream_marks"]
@@ -72,14 +72,13 @@ def plan_copies(
     check_fence: bool = False,
     marks: dict[torch.device, Any] | None = None,
     snapshot: DeviceSnapshot | None = None,
-    views: dict[tuple[Any, ...], torch.Tensor] | None = None,
+    views: KeptViews | None = None,
 ) -> tuple[Any, Copies]:
     """The snapshot of ``state`` (tensors as views of ``flat``; None: kept live) and
     the copies that fill it. ``only``: ids of the poolable tensors to copy (see
     ``buffers.select_wave``); the others are kept live. ``views``: the views of
     ``flat`` the last snapshot in it used (``BufferSet.views``), reused where a
-    tensor lands at the same place with the same dtype and shape, and replaced
-    by this snapshot's.
+    tensor lands at the same place with the same dtype and shape.
 
     Copies from a CUDA device are issued here, as each view is laid out, so the
     bus is busy from the first tensor on (:class:`DeviceCopies`; ``marks``: see
@@ -94,16 +93,11 @@ def plan_copies(
     # away and takes it back from a training thread that calls torch too (6,000
     # as_strided calls, 7 ms alone, slowed such a thread by 23 ms on the VM);
     # a save of the same state into the same buffer set finds its views here.
-    last = views if views is not None else {}
-    laid: dict[tuple[Any, ...], torch.Tensor] = {}
+    kept = views if views is not None else KeptViews()
+    kept.begin()
 
     def view_at(start: int, like: torch.Tensor) -> torch.Tensor:
-        key = (start, like.dtype, like.shape)
-        dst = last.get(key)
-        if dst is None:
-            dst = _new_view(start, like)
-        laid[key] = dst
-        return dst
+        return kept.get((start, like.dtype, like.shape), lambda: _new_view(start, like))
 
     def _new_view(start: int, like: torch.Tensor) -> torch.Tensor:
         # One as_strided of flat seen as the dtype: a slice and two views cost
@@ -169,14 +163,10 @@ def plan_copies(
         return copy.deepcopy(v)
 
     try:
-        out = snap(state, ""), todo
+        return snap(state, ""), todo
     except BaseException:
         todo.device.wait()  # no copy may still land in buffers given back
         raise
-    if views is not None:
-        views.clear()
-        views.update(laid)
-    return out
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .buffers import _aligned, pool_source, staged_nbytes
+from .buffers import KeptViews, _aligned, pool_source, staged_nbytes
 
 __all__ = ["DeviceSnapshot", "side_stream"]
 
@@ -62,8 +62,7 @@ class DeviceSnapshot:
         self._used: dict[torch.device, int] = {}
         # The places the last save took, reused by the next one of the same state
         # (making each is three torch calls, and each costs training a GIL hand-off).
-        self._views: dict[tuple[Any, ...], torch.Tensor] = {}
-        self._taken: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._places = KeptViews()
         self._refused: set[torch.device] = set()  # out of memory once: not asked again
 
     @property
@@ -74,8 +73,7 @@ class DeviceSnapshot:
     def reserve(self, tensors: Iterable[torch.Tensor]) -> None:
         """Start a save: a buffer on each device holding some of ``tensors``, of
         their bytes or the budget, whichever is less (kept if big enough)."""
-        if self._taken:  # the last save's places: the ones this save may reuse
-            self._views, self._taken = self._taken, {}
+        self._places.begin()
         on_device: dict[torch.device, list[torch.Tensor]] = {}
         for t in tensors:
             src = pool_source(t)
@@ -87,7 +85,7 @@ class DeviceSnapshot:
             if device in self._refused or (held is not None and held.numel() >= nbytes):
                 continue
             self.buffers.pop(device, None)  # freed first: at most the budget at once
-            self._views = {k: v for k, v in self._views.items() if k[0] != device}
+            self._places.discard(lambda key, device=device: key[0] == device)
             try:
                 with torch.cuda.stream(side_stream(device)):
                     self.buffers[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -110,19 +108,17 @@ class DeviceSnapshot:
         if buf is None or used is None:  # none, or closed meanwhile
             return None
         start = _aligned(used)
-        if start + src.nbytes > buf.numel():
+        end = start + src.nbytes
+        if end > buf.numel():
             return None
-        self._used[device] = start + src.nbytes
-        key = (device, start, src.dtype, src.shape)
-        place = self._views.get(key)
-        if place is None:
-            place = buf[start : start + src.nbytes].view(src.dtype).view(src.shape)
-        self._taken[key] = place
-        return place
+        self._used[device] = end
+        return self._places.get(
+            (device, start, src.dtype, src.shape),
+            lambda: buf[start:end].view(src.dtype).view(src.shape),
+        )
 
     def close(self) -> None:
         """Free the buffers (a new ``reserve`` allocates again)."""
         self.buffers.clear()
         self._used.clear()
-        self._views.clear()
-        self._taken.clear()
+        self._places.clear()
