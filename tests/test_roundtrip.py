@@ -222,3 +222,23 @@ def test_value_that_could_not_be_loaded_back_is_refused_at_save_time(tmp_path):
         "in the saving and the loading process."
     )
     assert not (tmp_path / "c" / "manifest.json").exists()
+
+
+def test_a_value_that_loaded_back_once_is_checked_again_under_another_allowlist(tmp_path):
+    # The check's verdict is kept for the same bytes, but only under the same
+    # allowlist: a type taken off it is refused again.
+    value = {"v": torch.__version__}
+    saved = list(torch.serialization.get_safe_globals())
+    try:
+        torch.serialization.add_safe_globals([type(torch.__version__)])
+        for step in range(2):  # the second save finds the verdict
+            dcp.save(value, storage_writer=MultiLevelWriter(tmp_path / f"ok{step}"))
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(saved)
+        with pytest.raises(CheckpointException) as info:
+            dcp.save(value, storage_writer=MultiLevelWriter(tmp_path / "refused"))
+        (err,) = rank_errors(info.value)
+        assert isinstance(err, UnsupportedStateError) and "TorchVersion" in str(err)
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(saved)

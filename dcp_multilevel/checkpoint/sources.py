@@ -18,7 +18,9 @@ import threading
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
+from torch.serialization import get_safe_globals
 
 from ..errors import UnsupportedStateError
 from ..format.objects import bytesio_record, load_object
@@ -47,6 +49,12 @@ def object_record(planner: SavePlanner, item: WriteItem, lock: threading.Lock) -
             f"planner returned {type(data).__name__} for bytes item {fqn!r}; expected io.BytesIO"
         )
     view = data.getbuffer()
+    # The same bytes, under the same allowlist, load back alike: an optimizer's
+    # param_groups, saved every time, are loaded once (torch.load takes the GIL
+    # from training for each).
+    key = (xxhash.xxh3_128_hexdigest(view), len(view), tuple(get_safe_globals()))
+    if key in _LOADS_BACK:
+        return view
     _, refused = load_object(view)
     if refused is not None:
         raise UnsupportedStateError(
@@ -55,7 +63,15 @@ def object_record(planner: SavePlanner, item: WriteItem, lock: threading.Lock) -
             "tensor), or allowlist its type with torch.serialization.add_safe_globals([...]) "
             "in the saving and the loading process."
         )
+    if len(_LOADS_BACK) >= _LOADS_BACK_MAX:
+        _LOADS_BACK.clear()
+    _LOADS_BACK.add(key)
     return view
+
+
+#: Keys of object records known to load back with ``weights_only=True`` (bounded).
+_LOADS_BACK: set[tuple[Any, ...]] = set()
+_LOADS_BACK_MAX = 4096
 
 
 def _state_value(planner: SavePlanner, item: WriteItem) -> Any:
