@@ -41,11 +41,9 @@ __all__ = ["Copies", "check_live", "copy_into", "plan_copies", "run_copies", "st
 class Copies:
     """The copies a snapshot still needs (``plan_copies``); ``run_copies`` makes them."""
 
-    #: (destination, source) of contiguous CPU tensors of at most COPY_PIECE bytes,
-    #: same dtype and shape, copied in batches (``torch._foreach_copy_``) by any thread.
-    typed: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    #: (destination, source) bytes of bigger contiguous CPU tensors, in pieces of at
-    #: most COPY_PIECE, and of bool ones; any thread may copy.
+    #: (destination, source) of contiguous CPU tensors, same dtype and shape, each of
+    #: at most COPY_PIECE bytes: small tensors as they are, bigger ones and bool ones
+    #: as byte pieces. Copied in batches (``torch._foreach_copy_``) by any thread.
     pieces: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     #: (destination, source, name) copied with one ``copy_`` (strided CPU tensors).
     whole: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)
@@ -134,7 +132,7 @@ def plan_copies(
             if src.is_cpu and src.is_contiguous() and not (src.is_conj() or src.is_neg()):
                 if n and n <= COPY_PIECE and src.dtype != torch.bool:
                     # Same dtype, both contiguous: copy_ moves the bits (NaN payloads too).
-                    todo.typed.append((dst, src))
+                    todo.pieces.append((dst, src))
                 elif n:  # as bytes: a bool copy_ would rewrite bytes other than 0 and 1
                     src = src.detach()
                     whole_dst = flat[offset - n : offset]
@@ -229,8 +227,7 @@ def run_copies(
     # copy_ into memory touched by an earlier save: no page faults. One job per
     # COPY_PIECE bytes, not per tensor: a future per tensor cost 50 ms for the
     # 1,168 small tensors of a 24-layer model and its optimizer on the VM.
-    jobs = [("typed", job) for job in _jobs(todo.typed)]
-    jobs += [("bytes", job) for job in _jobs(todo.pieces)]
+    jobs = _jobs(todo.pieces)
     if pool is not None and len(jobs) > 1:
         for _ in pool.map(_copy_pieces, jobs):
             pass
@@ -358,8 +355,7 @@ class DeviceCopies:
             event.record(side)
             self._fenced.append(event)
             later = [(dst, d) for dst, d in self.later if d.device == device]
-            if later:
-                self._held += [d for _, d in later]
+            if later:  # (self.later holds the places until this object goes)
                 with torch.cuda.stream(side), torch.no_grad():
                     torch._foreach_copy_(
                         [dst for dst, _ in later],
@@ -403,12 +399,7 @@ def _jobs(
     return jobs
 
 
-def _copy_pieces(kind_and_job: tuple[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-    kind, job = kind_and_job
-    if kind == "typed":
-        # One torch call for the whole job (no autograd: the sources may need grad).
-        with torch.no_grad():
-            torch._foreach_copy_([dst for dst, _ in job], [src for _, src in job])
-        return
-    for dst, src in job:
-        dst.copy_(src)
+def _copy_pieces(job: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    # One torch call for the whole job (no autograd: the sources may need grad).
+    with torch.no_grad():
+        torch._foreach_copy_([dst for dst, _ in job], [src for _, src in job])
