@@ -194,3 +194,36 @@ class PhaseTimer:
             f"{', '.join(disturbed) or '-'}; {self.busy_waits} phases started on a busy "
             "machine after --wait-idle ran out. These numbers are disturbed."
         )
+
+
+class PythonSteps:
+    """Python-bound training steps on the CPU (small in-place ops: each is Python and
+    a dispatch, as queuing a kernel is), about 10 ms each on the VM. What a save's
+    own threads take from such a thread through the GIL is its *steal*
+    (``bench_blocked.py``, ``bench_gil_calls.py``)."""
+
+    def __init__(self) -> None:
+        import torch  # only the benchmarks that step need it
+
+        self.xs = [torch.zeros(16) for _ in range(64)]
+        self.alone = self.baseline()
+
+    def one(self) -> float:
+        t0 = time.perf_counter()
+        for _ in range(60):
+            for x in self.xs:
+                x.add_(1.0)
+        return time.perf_counter() - t0
+
+    def baseline(self) -> float:
+        """A step's time with nothing else running (median of 15); also kept as ``alone``."""
+        self.alone = statistics.median(self.one() for _ in range(15))
+        return self.alone
+
+    def until(self, done: Callable[[], bool], at_least: int) -> float:
+        """Steps until ``done()`` (at least ``at_least``): seconds beyond ``alone``."""
+        extra, n = 0.0, 0
+        while n < at_least or not done():
+            extra += self.one() - self.alone
+            n += 1
+        return extra

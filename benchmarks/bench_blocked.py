@@ -31,45 +31,17 @@ import statistics
 import sys
 import time
 import warnings
-from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
 from _disk import scratch_dir
 from _gpu_bench import Method, Trainer, _settle, _sync
-from _measure import rotated
+from _measure import PythonSteps, rotated
 from _report import markdown_table, print_header
 from dcp_multilevel.staging.buffers import iter_tensors
 
 METHODS = ("ours", "ours-overlap", "stock", "stock-best")
-
-
-class _Steps:
-    """Python-bound training steps on the CPU (small in-place ops: each is Python
-    and a dispatch, as queuing a kernel is), about 10 ms each on the VM."""
-
-    def __init__(self) -> None:
-        self.xs = [torch.zeros(16) for _ in range(64)]
-        self.alone = self.baseline()
-
-    def one(self) -> float:
-        t0 = time.perf_counter()
-        for _ in range(60):
-            for x in self.xs:
-                x.add_(1.0)
-        return time.perf_counter() - t0
-
-    def baseline(self) -> float:
-        return statistics.median(self.one() for _ in range(15))
-
-    def until(self, *futures: Future | None) -> float:
-        """Steps until every future is done (at least three): seconds beyond the baseline."""
-        extra, n = 0.0, 0
-        while n < 3 or not all(f is None or f.done() for f in futures):
-            extra += self.one() - self.alone
-            n += 1
-        return extra
 
 
 def run(
@@ -79,10 +51,10 @@ def run(
     methods = {name: Method(name, root / name) for name in METHODS}
     blocked: dict[str, list[float]] = {name: [] for name in METHODS}
     steal: dict[str, list[float]] = {name: [] for name in METHODS}
-    steps = _Steps()
+    steps = PythonSteps()
     try:
         for r in range(rounds):
-            steps.alone = steps.baseline()  # the machine's pace now
+            steps.baseline()  # the machine's pace now
             for name in rotated(METHODS, r):
                 for _ in range(saves):
                     state = tr.state()
@@ -90,7 +62,9 @@ def run(
                     t0 = time.perf_counter()
                     fence, fut = methods[name].save(state)
                     blocked[name].append(time.perf_counter() - t0)
-                    steal[name].append(steps.until(fence, fut))
+                    # At least three steps, until the save is durable.
+                    done = [f for f in (fence, fut) if f is not None]
+                    steal[name].append(steps.until(lambda d=done: all(f.done() for f in d), 3))
                     _settle(fence, fut)
                 shutil.rmtree(root / name, ignore_errors=True)
     finally:

@@ -24,18 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-from _measure import rotated
+from _measure import PythonSteps, rotated
 from _report import markdown_table, print_header
-
-_XS = [torch.zeros(16) for _ in range(64)]
-
-
-def _step() -> float:
-    t0 = time.perf_counter()
-    for _ in range(60):
-        for x in _XS:
-            x.add_(1.0)
-    return time.perf_counter() - t0
 
 
 def _pair(a: int = 1, b: int = 2) -> tuple[int, int]:
@@ -62,7 +52,7 @@ def _kinds(fd: int) -> dict[str, Callable[[], object]]:
     }
 
 
-def _steal(fn: Callable[[], object], calls: int, alone_step: float) -> tuple[float, float]:
+def _steal(fn: Callable[[], object], calls: int, steps: PythonSteps) -> tuple[float, float]:
     def run() -> None:
         for _ in range(calls):
             fn()
@@ -71,11 +61,8 @@ def _steal(fn: Callable[[], object], calls: int, alone_step: float) -> tuple[flo
     run()
     alone = time.perf_counter() - t0
     th = threading.Thread(target=run)
-    extra, n = 0.0, 0
     th.start()
-    while th.is_alive() or n < 2:
-        extra += _step() - alone_step
-        n += 1
+    extra = steps.until(lambda: not th.is_alive(), 2)
     th.join()
     return alone, extra
 
@@ -92,10 +79,11 @@ def main(argv: list[str] | None = None) -> int:
             kinds = _kinds(fd)
             alone: dict[str, list[float]] = {k: [] for k in kinds}
             steal: dict[str, list[float]] = {k: [] for k in kinds}
+            steps = PythonSteps()
             for r in range(args.rounds):
-                base = statistics.median(_step() for _ in range(15))
+                steps.baseline()  # the machine's pace now
                 for name in rotated(tuple(kinds), r):
-                    a, s = _steal(kinds[name], args.calls, base)
+                    a, s = _steal(kinds[name], args.calls, steps)
                     alone[name].append(a)
                     steal[name].append(s)
                 os.ftruncate(fd, 0)
