@@ -170,6 +170,42 @@ def test_a_state_dropped_right_after_async_save_is_still_saved(tmp_path, snapsho
 
 
 @cuda
+@pytest.mark.parametrize("how", ["save", "async", "overlap", "snapshot"])
+def test_cuda_tensors_of_every_layout_store_their_values(tmp_path, how):
+    # Strided, conjugate, negative, bool bytes other than 0 and 1, empty: the
+    # batched copies within a device (the snapshot) move memory, not values.
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(6, 10, generator=g).cuda()
+    raw = torch.randint(0, 256, (40,), generator=g, dtype=torch.uint8).cuda()
+    state = {
+        "transposed": base.t(),
+        "stepped": base[:, ::3],
+        "conj": torch.randn(5, generator=g, dtype=torch.complex64).cuda().conj(),
+        "neg": torch._neg_view(torch.randn(7, generator=g, dtype=torch.float64).cuda()),
+        "bool_bytes": raw.view(torch.bool).reshape(5, 8),
+        "half": torch.randn(3, 3, generator=g).half().cuda(),
+        "empty": torch.empty(0, 4, device="cuda"),
+        "scalar": torch.tensor(2.5, dtype=torch.float64, device="cuda"),
+    }
+    want = {k: v.resolve_conj().resolve_neg().contiguous().cpu() for k, v in state.items()}
+    if how == "save":
+        dcp.save(state, storage_writer=MultiLevelWriter(tmp_path / "c"))
+    else:
+        staging = StagingConfig(
+            overlap=how != "async", device_snapshot_bytes=(1 << 20) if how == "snapshot" else 0
+        )
+        writer = MultiLevelWriter(tmp_path / "c", staging=staging)
+        r = dcp.async_save(state, storage_writer=writer)
+        (r if how == "async" else r.upload_completion).result()
+        writer.close()
+    out = {k: torch.zeros(v.shape, dtype=v.dtype, device="cuda") for k, v in want.items()}
+    dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c"))
+    for k, v in want.items():
+        got = out[k].cpu().reshape(-1).view(torch.uint8)
+        assert torch.equal(got, v.reshape(-1).view(torch.uint8)), k
+
+
+@cuda
 def test_overlapped_copies_wait_for_the_stream_that_wrote_the_state(tmp_path):
     # Training on a stream of its own: the copies, made on another thread, must
     # wait for that stream's work (queued behind a 50 ms spin), not that thread's

@@ -322,6 +322,14 @@ class DeviceCopies:
             else:
                 side.wait_stream(torch.cuda.current_stream(device))
             self.sides[device] = side
+        if src.is_conj() or src.is_neg():
+            # A conjugate or negative view's memory is not its values, and the
+            # batched copy within a device moves memory; the one to the host would
+            # fix the values up on the host, racing a non-blocking copy. Resolved
+            # first, on the side stream (held: the copies read it).
+            self._held.append(src)
+            with torch.cuda.stream(self.sides[device]), torch.no_grad():
+                src = src.resolve_conj().resolve_neg()
         on_device = self.snapshot.take(src) if self.snapshot is not None else None
         if on_device is None:
             self._to_host.setdefault(device, []).append((dst, src))
