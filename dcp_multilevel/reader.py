@@ -40,7 +40,8 @@ from torch.futures import Future
 
 from .checkpoint import StoredCheckpoint, new_save_id
 from .checkpoint.chain import Failure, Trail, item_name, unusable_copy
-from .checkpoint.destinations import Bounce, destination, release_pinned
+from .checkpoint.destinations import Bounce, destination
+from .checkpoint.pinned import release_pinned
 from .checkpoint.reference_files import ReferenceFiles
 from .errors import (
     ConfigError,

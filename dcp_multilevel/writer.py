@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .checkpoint import StoredCheckpoint, new_save_id
+from .checkpoint.pinned import release_pinned
 from .checkpoint.save_reference import SaveReference
 from .checkpoint.sources import object_record, tensor_of
 from .codecs import BufferPool, EncodeJob, codec_for, encode_items, item_layout
@@ -205,8 +206,10 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         self._stager.synchronize()
 
     def close(self) -> None:
-        """Free the buffers no save is using; the writer can still be used after."""
+        """Free the buffers no save is using, and the page-locked blocks synchronous
+        saves from a CUDA device left cached; the writer can still be used after."""
         self._stager.close()
+        release_pinned()
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -14,7 +14,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_multilevel import MultiLevelReader, MultiLevelWriter, StagingConfig
 from dcp_multilevel.checkpoint import StoredCheckpoint
-from dcp_multilevel.checkpoint.destinations import BOUNCE_BYTES, release_pinned
+from dcp_multilevel.checkpoint.destinations import BOUNCE_BYTES
+from dcp_multilevel.checkpoint.pinned import release_pinned
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -54,6 +55,24 @@ def test_a_load_into_cuda_hands_its_pinned_scratch_back(tmp_path):
     after, _ = _pinned_held("current")
     assert peak >= before + (4 << 20), stats  # 32 MB went through pinned blocks...
     assert after <= before, stats  # ...and none of them is kept
+
+
+@cuda
+def test_a_synchronous_save_from_cuda_hands_its_pinned_blocks_back_on_close(tmp_path):
+    state = _state("cuda")
+    torch.cuda.synchronize()
+    torch.accelerator.empty_host_cache()
+    before, _ = _pinned_held("current")
+    writer = MultiLevelWriter(tmp_path / "c")
+    dcp.save(state, storage_writer=writer)
+    cached, stats = _pinned_held("current")
+    assert cached >= before + (4 << 20), stats  # kept for the next save...
+    writer.close()
+    after, stats = _pinned_held("current")
+    assert after <= before, stats  # ...until the writer is closed
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c"))
+    assert all(torch.equal(out[k], v) for k, v in state.items())
 
 
 @cuda

@@ -12,6 +12,8 @@
 - ``sources.py``: the writer's side of it: what a saved item's bytes are
   (``io.BytesIO`` values as their bytes, other values only if they load back
   with ``weights_only``, tensors checked against the plan).
+- ``pinned.py``: page-locked host scratch for both, from torch's caching host
+  allocator, counted and handed back (after a load; when a writer closes).
 - ``save_reference.py``: :class:`SaveReference`: the committed sibling a delta
   save codes against, as the writer checks, reads and records it.
 - ``verify.py``: :func:`verify_checkpoint`: every item of a checkpoint read

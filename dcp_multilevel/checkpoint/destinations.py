@@ -18,7 +18,7 @@ matched their checksum (fail closed: unverified bytes never reach the
   without waiting, in stream order).
 - Pinned blocks come from torch's caching host allocator, reused item after
   item, and are handed back to the driver once a load is done
-  (:func:`release_pinned`).
+  (:func:`.pinned.release_pinned`).
 - Non-tensor objects are loaded with ``torch.load(weights_only=True)`` and
   re-serialized before DCP's planner sees them (:func:`vetted_bytes`),
   because ``DefaultLoadPlanner.load_bytes`` itself unpickles with
@@ -40,12 +40,10 @@ from ..errors import ManifestError, UnsafeObjectError
 from ..format import ItemLocation
 from ..format.objects import bytesio_for_planner, bytesio_payload, load_object
 from ..format.tensor_bytes import byte_view
+from .pinned import host_scratch
 from .stored import StoredCheckpoint
 
-__all__ = ["BOUNCE_BYTES", "Bounce", "Landing", "destination", "release_pinned", "vetted_bytes"]
-
-#: Pinned scratch bytes taken since the last :func:`release_pinned` (one per process).
-_pinned = [0]
+__all__ = ["BOUNCE_BYTES", "Bounce", "Landing", "destination", "vetted_bytes"]
 
 #: Bytes of each of a reading thread's two page-locked blocks (:class:`Bounce`).
 BOUNCE_BYTES = 4 << 20
@@ -86,11 +84,9 @@ class Bounce:
         on_cuda = target.device.type == "cuda"
         if not self._blocks:
             self._blocks = [
-                torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=on_cuda)
-                for _ in range(2)
+                host_scratch((self.block_bytes,), torch.uint8, pinned=on_cuda) for _ in range(2)
             ]
             self._views = [byte_view(b) for b in self._blocks]
-            _pinned[0] += 2 * self.block_bytes if on_cuda else 0
         dst = target.reshape(-1).view(torch.uint8)
         stream = torch.cuda.current_stream(target.device) if on_cuda else None
         turn = [0, 0]  # which block is being filled; where its bytes go in dst
@@ -117,18 +113,6 @@ class Bounce:
         for event in self._copied:
             if event is not None:
                 event.synchronize()
-
-
-def release_pinned() -> int:
-    """After a load: give the page-locked blocks its CUDA destinations' scratch used
-    back to the driver (torch's caching host allocator keeps every block it ever
-    made otherwise: pinned memory is what users run out of). Only cached blocks go:
-    those still in use elsewhere (a DataLoader's) stay. Returns the bytes taken."""
-    taken, _pinned[0] = _pinned[0], 0
-    empty = getattr(torch.accelerator, "empty_host_cache", None)  # torch >= 2.9
-    if taken and empty is not None:
-        empty()
-    return taken
 
 
 def destination(
@@ -203,8 +187,7 @@ def destination(
     # pages to fault in per item, and the copy overlaps the next item's read.
     # The stream orders the copy before any later use of the destination.
     on_cuda = target.device.type == "cuda"
-    scratch = torch.empty(loc.raw_length, dtype=torch.uint8, pin_memory=on_cuda)
-    _pinned[0] += loc.raw_length if on_cuda else 0
+    scratch = host_scratch((loc.raw_length,), torch.uint8, pinned=on_cuda)
 
     def commit_tensor() -> None:
         src = scratch.view(dtype).reshape(chunk_sizes)

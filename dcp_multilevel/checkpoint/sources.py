@@ -24,6 +24,7 @@ from torch.serialization import get_safe_globals
 
 from ..errors import UnsupportedStateError
 from ..format.objects import bytesio_record, load_object
+from .pinned import host_scratch
 
 __all__ = ["object_record", "tensor_of"]
 
@@ -112,8 +113,9 @@ def tensor_of(item: WriteItem, data: Any) -> torch.Tensor:
         t = t.detach().resolve_conj().resolve_neg()
     if t.device.type == "cuda":
         # Through page-locked memory (the caching host allocator reuses it across
-        # items and saves): a DMA copy at full speed, not a pageable one.
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        # items and saves; the writer's close() hands it back): a DMA copy at full
+        # speed, not a pageable one.
+        host = host_scratch(t.shape, t.dtype, pinned=True)
         host.copy_(t, non_blocking=True)
         torch.cuda.current_stream(t.device).synchronize()
         return host
