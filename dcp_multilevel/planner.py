@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from ._plans import (
+    KeptLocalPlan,
     check_replicas,
     collect,
     final_item,
@@ -134,15 +135,49 @@ class BalancedSavePlanner(DefaultSavePlanner):
         weakref.finalize(self, drop_cached_plans, self._cached_plans_key)
         #: The last partition's loads (cost units), for reports and tests.
         self.last_loads: tuple[int, ...] = ()
+        self._kept_local = KeptLocalPlan()
 
     # ------------------------------------------------------------------ local
 
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan; with ``verify_replicas``, plus an xxh3 digest of every item.
 
-        Hashing resolves every item's data once more, on every rank.
+        A state laid out as the last save's gets the last plan again
+        (:class:`~dcp_multilevel._plans.KeptLocalPlan`). Hashing resolves every
+        item's data once more, on every rank.
         """
+        if not self.verify_replicas:
+            known = self._kept_local.plan is not None
+            kept = self._kept_local.plan_for(self.state_dict, self.is_coordinator)
+            if kept is None and known:
+                # The layout changed. DCP compares plans without their tensors'
+                # dtypes, and would answer "unchanged" to a state that changed only
+                # in dtype (or requires_grad): then this rank would write under its
+                # last plan, whose dtype is wrong (stock DCP records it in its
+                # metadata). Without its cached plan DCP sends the new one.
+                SavePlanner._cached_save_plan.pop(self._cached_plans_key, None)
+            if kept is not None:
+                plan = (
+                    dataclasses.replace(kept, planner_data=self.mappings)
+                    if self.flatten_state_dict
+                    else kept
+                )
+                if not self._enable_plan_caching:
+                    self.plan = plan
+                    return plan
+                # As DCP's create_local_plan answers when its cached plan is this one
+                # (the last save got through; else DCP's own path below).
+                cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
+                if cached is not None and cached.items is kept.items:
+                    self.plan = plan
+                    return SavePlan([], usable=False)
         plan = super().create_local_plan()
+        if not self.verify_replicas:
+            # DCP found its cached plan equal to the one it just made: keep the cached
+            # one, so the next save of this layout finds it cached by identity.
+            cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
+            made = cached if not plan.usable and cached is not None else self.plan
+            self._kept_local.keep(self.state_dict, self.is_coordinator, made)
         if self.verify_replicas and plan.usable:
             digests = {item.index: self._digest(item) for item in plan.items}
             plan = dataclasses.replace(
@@ -161,6 +196,21 @@ class BalancedSavePlanner(DefaultSavePlanner):
         return xxhash.xxh3_64_hexdigest(byte_view(t.contiguous()))
 
     # ------------------------------------------------------------------ global
+
+    def _create_global_plan_with_caching(
+        self, all_plans: list[SavePlan]
+    ) -> tuple[list[SavePlan], list[SavePlan], Metadata]:
+        # DCP sends a rank its new final plan only where it differs from the cached
+        # one by DCP's comparison, which leaves out the tensors' dtypes: a rank whose
+        # items changed only there would write under its stale plan. Sent whole then.
+        before = SavePlanner._cached_global_plan.get(self._cached_plans_key)
+        delta, global_plan, metadata = super()._create_global_plan_with_caching(all_plans)
+        if before is not None and before is not global_plan and len(delta) == len(before):
+            delta = [
+                new if not sent.usable and old.items != new.items else sent
+                for sent, old, new in zip(delta, before, global_plan, strict=True)
+            ]
+        return delta, global_plan, metadata
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         # DefaultSavePlanner routes both its cached and uncached paths through here.

@@ -16,7 +16,7 @@ from conftest import assert_bit_equal
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from dcp_multilevel import (
     BalancedSavePlanner,
@@ -121,6 +121,22 @@ def _save_job(rank: int, world: int, root: str) -> dict[str, Any]:
     blank = _blank(mesh)
     dcp.load(blank, storage_reader=MultiLevelReader(root_p / "cached2"))
     assert torch.equal(blank["model.huge"], _full("huge", HUGE) + 1)
+    cached_calls = _CountingPlanner.calls
+    # Only a dtype changes, not the bytes (DCP's plan comparison leaves dtypes out),
+    # then only a DTensor's placement: planned again, each rank under its new plan.
+    state["model.emb"] = state["model.emb"].half()
+    dcp.save(state, storage_writer=MultiLevelWriter(root_p / "cached3"), planner=planner)
+    state["sharded"] = distribute_tensor(_sharded_full(), mesh, [Replicate()])
+    dcp.save(state, storage_writer=MultiLevelWriter(root_p / "cached4"), planner=planner)
+    for name in ("cached3", "cached4"):
+        blank = _blank(mesh)
+        blank["model.emb"] = torch.zeros(128, 33, dtype=torch.half)
+        dcp.load(blank, storage_reader=MultiLevelReader(root_p / name))
+        want = _full("emb", (128, 33), torch.bfloat16).half()
+        assert torch.equal(blank["model.emb"], want), name
+        assert torch.equal(blank["sharded"].full_tensor(), _sharded_full()), name
+    state["model.emb"] = state["model.emb"].bfloat16()
+    state["sharded"] = distribute_tensor(_sharded_full(), mesh, [Shard(0)])
 
     # verify_replicas: one rank's "replicated" tensor differs.
     if rank == world - 1:
@@ -134,7 +150,11 @@ def _save_job(rank: int, world: int, root: str) -> dict[str, Any]:
         assert isinstance(failure[0], PlanningError), failure
         error = str(failure[0])
     dist.barrier()
-    return {"cached_calls": _CountingPlanner.calls if rank == 0 else None, "error": error}
+    return {
+        "cached_calls": cached_calls if rank == 0 else None,
+        "replanned_calls": _CountingPlanner.calls if rank == 0 else None,
+        "error": error,
+    }
 
 
 def _load_job(rank: int, world: int, ckpts: tuple[str, ...]) -> None:
@@ -174,6 +194,7 @@ def test_huge_replicated_tensor_is_split_and_ranks_write_equal_bytes(saved, worl
 def test_plan_is_cached_across_saves_and_unequal_replicas_are_named(saved, world):
     _, results = saved[world]
     assert results[0]["cached_calls"] == 1
+    assert results[0]["replanned_calls"] == 3  # each new layout, planned again
     error = results[0]["error"]
     assert error.startswith(
         "replicated item 'model.layer3.weight' is not equal on every rank: ranks "
