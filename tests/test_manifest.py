@@ -61,6 +61,30 @@ def test_encoding_is_deterministic(valid_doc):
     assert _decode(json.loads(a)).locations == m.locations
 
 
+def test_the_manifest_is_one_json_document_written_in_batches(tmp_path):
+    # Encoded a batch of entries at a time (no dict per entry outlives its batch):
+    # the text must be that of one json.dumps of the document, across batches.
+    from dcp_multilevel.format import Reference
+
+    state = {f"layer{i}": {"w": torch.full((2, i % 3 + 1), float(i))} for i in range(150)}
+    state["meta"] = {"step": 3, "name": "run é"}
+    dcp.save(state, storage_writer=MultiLevelWriter(tmp_path / "c"))
+    raw = (tmp_path / "c" / "manifest.json").read_bytes()
+    one = json.dumps(json.loads(raw), separators=(",", ":"), allow_nan=False).encode()
+    assert raw == one
+    m = decode_manifest(raw, checkpoint="ck")
+    assert len(m.locations) == 152
+    out = encode_manifest(
+        m.metadata, m.locations, m.files, save_id="s", world_size=2, created_unix=1.5,
+        reference=Reference(save_id="r", checkpoint="step-8"), extra={"k": [1, 2.5, None]},
+    )  # fmt: skip
+    doc = json.loads(out)
+    assert out == json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    assert doc["reference"] == {"save_id": "r", "checkpoint": "step-8"}
+    assert doc["extra"] == {"k": [1, 2.5, None]} and doc["format_version"] == 2
+    assert decode_manifest(out, checkpoint="ck").locations == m.locations
+
+
 def mutate(doc, fn):
     doc = copy.deepcopy(doc)
     fn(doc)
