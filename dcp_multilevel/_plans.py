@@ -60,9 +60,10 @@ class KeptLocalPlan:
     DCP makes every local plan anew: per tensor a ``WriteItem``, its index,
     chunk and properties, about 10,500 objects for GPT-2-medium's 1,168
     tensors with AdamW. They live until the next save, so Python's cyclic
-    collector moves them to its oldest generation, and each few such batches
-    start a full collection of the whole heap: on the VM two per save, 17 ms
-    each, on the save's thread, holding the GIL the training thread needs.
+    collector moves them to its oldest generation, and every so many of them
+    start a full collection of the whole heap (with the manifest's, about one
+    every four saves on the VM, 170 ms each), on the save's thread, holding
+    the GIL the training thread needs.
     A state laid out as the last one (the same keys in the same order; per
     tensor the shape, dtype, layout, ``requires_grad`` and pinning DCP's
     items record; per DTensor also its spec) gets the last plan again: the

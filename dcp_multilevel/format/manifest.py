@@ -234,7 +234,7 @@ def _state_entry(fqn: str, md: Any) -> dict[str, Any]:
             "requires_grad": bool(md.properties.requires_grad),
             "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
         }
-    # pragma: no cover - DCP has only these two kinds
+    # (unreachable: DCP has only these two kinds)
     raise UnsupportedStateError(f"item {fqn!r} has unknown storage metadata {md!r}")
 
 
