@@ -64,10 +64,10 @@ class KeptLocalPlan:
     start a full collection of the whole heap (with the manifest's, about one
     every four saves on the VM, 170 ms each), on the save's thread, holding
     the GIL the training thread needs.
-    A state laid out as the last one (the same keys in the same order; per
-    tensor the shape, dtype, layout, ``requires_grad`` and pinning DCP's
-    items record; per DTensor also its spec) gets the last plan again: the
-    same items DCP would make. States holding other kinds of sharded values
+    A state laid out as the last one (the same keys in the same order, from
+    the same nesting; per tensor the shape, dtype, layout, ``requires_grad``
+    and pinning DCP's items record; per DTensor also its spec) gets the last
+    plan again: the same items DCP would make. States holding other kinds of sharded values
     (``ShardedTensor``, a custom ``__create_write_items__``) are not kept.
 
     Call order, per save: :meth:`plan_for`; where it gives None, the caller
@@ -79,42 +79,56 @@ class KeptLocalPlan:
         self._coordinator = False
         self.plan: SavePlan | None = None
 
-    def plan_for(self, state_dict: dict[str, Any], is_coordinator: bool) -> SavePlan | None:
-        """The kept plan if ``state_dict`` is laid out as the one it was made from."""
+    def plan_for(
+        self, state_dict: dict[str, Any], is_coordinator: bool, paths: dict[str, Any]
+    ) -> SavePlan | None:
+        """The kept plan if ``state_dict`` (flattened; ``paths``: where each key came
+        from in the nested state, DCP's ``planner_data``) is laid out as the one it
+        was made from."""
         layout = self._layout
         if layout is None or is_coordinator != self._coordinator or len(layout) != len(state_dict):
             return None
         # Compared entry by entry: a new layout would be one more object per entry kept.
         for (fqn, value), kept in zip(state_dict.items(), layout, strict=True):
-            if _layout_entry(fqn, value) != kept:
+            if _layout_entry(fqn, value, paths.get(fqn)) != kept:
                 return None
         return self.plan
 
-    def keep(self, state_dict: dict[str, Any], is_coordinator: bool, plan: SavePlan) -> None:
+    def keep(
+        self,
+        state_dict: dict[str, Any],
+        is_coordinator: bool,
+        paths: dict[str, Any],
+        plan: SavePlan,
+    ) -> None:
         """Keep ``plan``, made for ``state_dict`` (nothing is kept for a state with
         values of a kind whose items this cannot tell apart)."""
-        layout = [_layout_entry(fqn, value) for fqn, value in state_dict.items()]
+        layout = [_layout_entry(fqn, value, paths.get(fqn)) for fqn, value in state_dict.items()]
         ok = all(entry is not None for entry in layout)
         self._layout = layout if ok else None
         self._coordinator = is_coordinator
         self.plan = plan if ok else None
 
 
-def _layout_entry(fqn: str, value: Any) -> tuple[Any, ...] | None:
-    """What DCP's local write items for ``value`` depend on (None: not known here);
-    the branches follow ``planner_helpers._create_write_items``."""
+def _layout_entry(fqn: str, value: Any, path: Any) -> tuple[Any, ...] | None:
+    """What DCP's local write items for ``value`` depend on, and the key's ``path``
+    (None: not known here); the branches follow ``planner_helpers._create_write_items``.
+    (DCP's plan cache compares plans without their dtypes or paths: a state nested
+    otherwise under the same flat keys would have kept its last ``planner_data``.)"""
     if isinstance(value, DTensor):
         # Its item: the global shape, the mesh and placements (the spec), and the
         # properties of to_local(), whose requires_grad is the DTensor's.
         local = value._local_tensor
         if hasattr(local, "__create_write_items__"):
             return None
-        return (fqn, value._spec, local.dtype, local.layout, value.requires_grad, local.is_pinned())
+        pinned = local.is_pinned()
+        return (fqn, path, value._spec, local.dtype, local.layout, value.requires_grad, pinned)
     if hasattr(value, "__create_write_items__") or isinstance(value, ShardedTensor):
         return None
     if isinstance(value, torch.Tensor):
-        return (fqn, value.shape, value.dtype, value.layout, value.requires_grad, value.is_pinned())
-    return (fqn,)  # a bytes item
+        pinned = value.is_pinned()
+        return (fqn, path, value.shape, value.dtype, value.layout, value.requires_grad, pinned)
+    return (fqn, path)  # a bytes item
 
 
 def merge_mappings(mappings: list[dict]) -> dict:

@@ -148,13 +148,15 @@ class BalancedSavePlanner(DefaultSavePlanner):
         """
         if not self.verify_replicas:
             known = self._kept_local.plan is not None
-            kept = self._kept_local.plan_for(self.state_dict, self.is_coordinator)
+            paths = self.mappings if self.flatten_state_dict else {}
+            kept = self._kept_local.plan_for(self.state_dict, self.is_coordinator, paths)
             if kept is None and known:
                 # The layout changed. DCP compares plans without their tensors'
-                # dtypes, and would answer "unchanged" to a state that changed only
-                # in dtype (or requires_grad): then this rank would write under its
-                # last plan, whose dtype is wrong (stock DCP records it in its
-                # metadata). Without its cached plan DCP sends the new one.
+                # dtypes or the keys' paths, and would answer "unchanged" to a state
+                # that changed only there: then this rank would write under its last
+                # plan, whose dtype is wrong (stock DCP records it in its metadata),
+                # and the manifest would record the last nesting. Without its cached
+                # plan DCP sends the new one.
                 SavePlanner._cached_save_plan.pop(self._cached_plans_key, None)
             if kept is not None:
                 plan = (
@@ -177,7 +179,8 @@ class BalancedSavePlanner(DefaultSavePlanner):
             # one, so the next save of this layout finds it cached by identity.
             cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
             made = cached if not plan.usable and cached is not None else self.plan
-            self._kept_local.keep(self.state_dict, self.is_coordinator, made)
+            paths = self.mappings if self.flatten_state_dict else {}
+            self._kept_local.keep(self.state_dict, self.is_coordinator, paths, made)
         if self.verify_replicas and plan.usable:
             digests = {item.index: self._digest(item) for item in plan.items}
             plan = dataclasses.replace(

@@ -318,7 +318,13 @@ def _changed_layouts() -> dict:
         "new key": lambda s: s.update(b=torch.zeros(2)),
         "key order": lambda s: s.update(w=s.pop("w")),
         "dropped key": lambda s: s.pop("p"),
+        "nesting": _unnest_opt,  # the same flat keys, from other places
     }
+
+
+def _unnest_opt(state: dict) -> None:
+    opt = state.pop("opt")
+    state.update({"opt.step": opt["step"], "opt.lr": opt["lr"]})
 
 
 def _planned(planner: BalancedSavePlanner, state: dict) -> list:
@@ -368,9 +374,10 @@ def test_values_that_make_their_own_write_items_are_never_kept():
 
 @pytest.mark.parametrize("caching", [True, False])
 def test_saves_of_one_planner_store_each_saves_values_dtypes_and_grads(tmp_path, caching):
-    # DCP's plan caching compares plans without their dtypes: a state changed only
-    # in a dtype was written under the last plan (refused by our writer; stock DCP
-    # recorded the old dtype in its metadata).
+    # DCP's plan caching compares plans without their dtypes or paths: a state
+    # changed only in a dtype was written under the last plan (refused by our
+    # writer; stock DCP recorded the old dtype in its metadata), and one nested
+    # otherwise under the same flat keys recorded the last nesting.
     import json
 
     import torch.distributed.checkpoint as dcp
@@ -408,6 +415,14 @@ def test_saves_of_one_planner_store_each_saves_values_dtypes_and_grads(tmp_path,
     save_and_check("d")
     state["w"] = state["w"].float().add_(1)
     save_and_check("e")
+    paths = json.loads((tmp_path / "e" / "manifest.json").read_text())["planner_data"]
+    assert paths["opt.step"] == ["opt", "step"]
+    opt = state.pop("opt")  # the same flat keys, nested otherwise
+    state["opt.step"], state["opt.lr"] = opt["step"], opt["lr"]
+    dcp.save(state, storage_writer=MultiLevelWriter(tmp_path / "n"), planner=planner)
+    paths = json.loads((tmp_path / "n" / "manifest.json").read_text())["planner_data"]
+    assert paths["opt.step"] == ["opt.step"] and paths["opt.lr"] == ["opt.lr"]
+    state["opt"] = {"step": state.pop("opt.step"), "lr": state.pop("opt.lr")}
     # DCP's cache lost (as after a failed save): the kept plan is not taken on its own.
     drop_cached_plans(planner._cached_plans_key)
     state["w"].add_(1)
