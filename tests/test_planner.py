@@ -429,6 +429,27 @@ def test_saves_of_one_planner_store_each_saves_values_dtypes_and_grads(tmp_path,
     save_and_check("f")
 
 
+def test_stock_plan_caching_after_a_dtype_change_is_refused_saying_what_to_use(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from dcp_multilevel import MultiLevelWriter
+    from dcp_multilevel.planner import drop_cached_plans
+
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    drop_cached_plans(planner._cached_plans_key)  # stock's cache is per class
+    try:
+        state = {"w": torch.ones(4)}
+        dcp.save(state, storage_writer=MultiLevelWriter(tmp_path / "a"), planner=planner)
+        state["w"] = state["w"].double()  # DCP replays the float32 plan
+        with pytest.raises(CheckpointException, match="BalancedSavePlanner, which plans again"):
+            dcp.save(state, storage_writer=MultiLevelWriter(tmp_path / "b"), planner=planner)
+        assert not (tmp_path / "b" / "manifest.json").exists()  # nothing committed
+    finally:
+        drop_cached_plans(planner._cached_plans_key)
+
+
 # --------------------------------------------------------------------------- fingerprint
 
 

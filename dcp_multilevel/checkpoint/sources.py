@@ -102,10 +102,19 @@ def tensor_of(item: WriteItem, data: Any) -> torch.Tensor:
     td = item.tensor_data
     t = data
     if t.dtype != td.properties.dtype or tuple(t.shape) != tuple(td.chunk.sizes):
+        cause = (
+            "a planner that changes dtype or shape in resolve_data must change its plan to match"
+        )
+        if tuple(t.shape) == tuple(td.chunk.sizes):
+            # DCP's plan caching compares plans without their dtypes.
+            cause += (
+                ". After a change of only a dtype, DCP's plan caching "
+                "(DefaultSavePlanner(enable_plan_caching=True)) replays the last save's "
+                "plan: use BalancedSavePlanner, which plans again, or a new planner"
+            )
         raise UnsupportedStateError(
             f"planner returned a {tuple(t.shape)} {t.dtype} tensor for {fqn!r}, but the plan "
-            f"says {tuple(td.chunk.sizes)} {td.properties.dtype}; a planner that changes "
-            "dtype or shape in resolve_data must change its plan to match"
+            f"says {tuple(td.chunk.sizes)} {td.properties.dtype}; {cause}"
         )
     if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
         # A copy follows (a torch call): no autograd history for it. A conjugate or
