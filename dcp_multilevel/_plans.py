@@ -109,6 +109,15 @@ class KeptLocalPlan:
         self._coordinator = is_coordinator
         self.plan = plan if ok else None
 
+    # A copy sent to another process (DCP's PROCESS executor pickles the planner)
+    # starts empty: the plan it keeps is made there, and a layout may hold device
+    # meshes that have no business travelling.
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+
 
 def _layout_entry(fqn: str, value: Any, path: Any) -> tuple[Any, ...] | None:
     """What DCP's local write items for ``value`` depend on, and the key's ``path``

@@ -359,6 +359,17 @@ def test_a_state_laid_out_otherwise_gets_a_new_local_plan(change):
     assert _planned(planner, state) is new  # and that one is kept in turn
 
 
+def test_a_planner_sent_to_another_process_keeps_no_plan():
+    import pickle
+
+    planner = BalancedSavePlanner()
+    state = _layout_state()
+    _planned(planner, state)
+    copy = pickle.loads(pickle.dumps(planner))
+    assert planner._kept_local.plan is not None and copy._kept_local.plan is None
+    assert _planned(copy, state) == _planned(BalancedSavePlanner(), state)
+
+
 def test_values_that_make_their_own_write_items_are_never_kept():
     class Own:
         def __create_write_items__(self, fqn, obj):
