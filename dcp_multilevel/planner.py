@@ -146,48 +146,60 @@ class BalancedSavePlanner(DefaultSavePlanner):
         (:class:`~dcp_multilevel._plans.KeptLocalPlan`). Hashing resolves every
         item's data once more, on every rank.
         """
-        if not self.verify_replicas:
-            known = self._kept_local.plan is not None
-            paths = self.mappings if self.flatten_state_dict else {}
-            kept = self._kept_local.plan_for(self.state_dict, self.is_coordinator, paths)
-            if kept is None and known:
+        if self.verify_replicas:  # (no plan caching: the digests change every step)
+            plan = super().create_local_plan()
+            if plan.usable:
+                digests = {item.index: self._digest(item) for item in plan.items}
+                plan = dataclasses.replace(
+                    plan, planner_data=_LocalPlannerData(plan.planner_data, digests)
+                )
+                self.plan = plan
+            return plan
+        answer = self._answer_from_kept_plan()
+        if answer is not None:
+            return answer
+        plan = super().create_local_plan()
+        # Where DCP found its cached plan equal to the one it just made, keep the
+        # cached one: the next save of this layout then finds it cached by identity.
+        cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
+        made = cached if not plan.usable and cached is not None else self.plan
+        self._kept_local.keep(self.state_dict, self.is_coordinator, self._paths(), made)
+        return plan
+
+    def _answer_from_kept_plan(self) -> SavePlan | None:
+        """What DCP's ``create_local_plan`` would answer for a state laid out as the
+        last save's, from the kept plan; None: DCP's own path makes the plan."""
+        known = self._kept_local.plan is not None
+        kept = self._kept_local.plan_for(self.state_dict, self.is_coordinator, self._paths())
+        if kept is None:
+            if known:
                 # The layout changed. DCP compares plans without their tensors'
                 # dtypes or the keys' paths, and would answer "unchanged" to a state
-                # that changed only there: then this rank would write under its last
+                # that changed only there: this rank would write under its last
                 # plan, whose dtype is wrong (stock DCP records it in its metadata),
                 # and the manifest would record the last nesting. Without its cached
                 # plan DCP sends the new one.
                 SavePlanner._cached_save_plan.pop(self._cached_plans_key, None)
-            if kept is not None:
-                plan = (
-                    dataclasses.replace(kept, planner_data=self.mappings)
-                    if self.flatten_state_dict
-                    else kept
-                )
-                if not self._enable_plan_caching:
-                    self.plan = plan
-                    return plan
-                # As DCP's create_local_plan answers when its cached plan is this one
-                # (the last save got through; else DCP's own path below).
-                cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
-                if cached is not None and cached.items is kept.items:
-                    self.plan = plan
-                    return SavePlan([], usable=False)
-        plan = super().create_local_plan()
-        if not self.verify_replicas:
-            # DCP found its cached plan equal to the one it just made: keep the cached
-            # one, so the next save of this layout finds it cached by identity.
-            cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
-            made = cached if not plan.usable and cached is not None else self.plan
-            paths = self.mappings if self.flatten_state_dict else {}
-            self._kept_local.keep(self.state_dict, self.is_coordinator, paths, made)
-        if self.verify_replicas and plan.usable:
-            digests = {item.index: self._digest(item) for item in plan.items}
-            plan = dataclasses.replace(
-                plan, planner_data=_LocalPlannerData(plan.planner_data, digests)
-            )
+            return None
+        plan = (
+            dataclasses.replace(kept, planner_data=self.mappings)
+            if self.flatten_state_dict
+            else kept
+        )
+        if not self._enable_plan_caching:
             self.plan = plan
-        return plan
+            return plan
+        # DCP answers "unchanged" when its cached plan equals this one: known by
+        # identity once the last save got through (else DCP's own path compares).
+        cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
+        if cached is not None and cached.items is kept.items:
+            self.plan = plan
+            return SavePlan([], usable=False)
+        return None
+
+    def _paths(self) -> dict[str, Any]:
+        """Where each flattened key came from in the nested state (DCP's mappings)."""
+        return self.mappings if self.flatten_state_dict else {}
 
     def _digest(self, item: WriteItem) -> str:
         data = super().resolve_data(item)
