@@ -330,6 +330,10 @@ class DeviceCopies:
             self._held.append(src)
             with torch.cuda.stream(self.sides[device]), torch.no_grad():
                 src = src.resolve_conj().resolve_neg()
+        if src.dtype == torch.bool:
+            # As bytes, as on the CPU: a bool copy kernel may rewrite bytes other
+            # than 0 and 1 (a mask viewed from raw bytes), and the save keeps bits.
+            src, dst = src.view(torch.uint8), dst.view(torch.uint8)
         on_device = self.snapshot.take(src) if self.snapshot is not None else None
         if on_device is None:
             self._to_host.setdefault(device, []).append((dst, src))
