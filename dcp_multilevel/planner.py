@@ -45,7 +45,7 @@ from ._plans import (
     tiling_errors,
 )
 from .errors import PlanningError
-from .format.tensor_bytes import byte_view
+from .format.tensor_bytes import byte_view, value_tensor
 from .planning import CostModel, Item, PartitionOptions, Piece, partition
 from .planning.fingerprint import fingerprint
 
@@ -207,8 +207,8 @@ class BalancedSavePlanner(DefaultSavePlanner):
             return xxhash.xxh3_64_hexdigest(data.getbuffer())
         t = data.detach()
         if t.device.type != "cpu":  # on the device: no whole copy to the host
-            return fingerprint(t)
-        return xxhash.xxh3_64_hexdigest(byte_view(t.contiguous()))
+            return fingerprint(t.resolve_conj().resolve_neg())  # (values, not memory)
+        return xxhash.xxh3_64_hexdigest(byte_view(value_tensor(t)))
 
     # ------------------------------------------------------------------ global
 

@@ -84,21 +84,28 @@ def test_non_contiguous_sources_store_only_their_projection(tmp_path):
     assert_state_equal(loaded, {k: v.contiguous() for k, v in state.items()})
 
 
-@pytest.mark.parametrize("how", ["save", "async", "overlap"])
+@pytest.mark.parametrize(
+    "how", ["save", "replica check", "async", "overlap", "fence check", "fence check, live"]
+)
 def test_conjugate_and_negative_views_store_their_values(tmp_path, how):
     # Their memory is not their values (torch resolves the bit lazily): the bytes
-    # stored must be the values', however the save reads them.
-    from dcp_multilevel import StagingConfig
+    # stored, and those the checks hash, must be the values', however read.
+    from dcp_multilevel import BalancedSavePlanner, StagingConfig
 
     c = random_tensor((6,), torch.complex64, 6)
     state = {"conj": c.conj(), "neg": torch._neg_view(random_tensor((5,), torch.float64, 7))}
     want = {k: v.resolve_conj().resolve_neg() for k, v in state.items()}
-    if how == "save":
-        dcp.save(state, storage_writer=MultiLevelWriter(tmp_path / "c"))
+    if how in ("save", "replica check"):
+        planner = BalancedSavePlanner(verify_replicas=how == "replica check")
+        dcp.save(state, storage_writer=MultiLevelWriter(tmp_path / "c"), planner=planner)
     else:
-        staging = StagingConfig(overlap=how == "overlap")
+        staging = StagingConfig(
+            overlap=how != "async",
+            check_fence=how.startswith("fence check"),
+            budget_bytes=0 if how.endswith("live") else None,
+        )
         r = dcp.async_save(state, storage_writer=MultiLevelWriter(tmp_path / "c", staging=staging))
-        (r.upload_completion if how == "overlap" else r).result()
+        (r if how == "async" else r.upload_completion).result()
     loaded = {k: torch.zeros_like(v) for k, v in want.items()}
     dcp.load(loaded, storage_reader=MultiLevelReader(tmp_path / "c"))
     assert_state_equal(loaded, want)

@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-__all__ = ["PIECE_BYTES", "byte_view", "pieces"]
+__all__ = ["PIECE_BYTES", "byte_view", "pieces", "value_tensor"]
 
 #: One ctypes array type longer than any tensor; each view of it is cut to its
 #: tensor's size (a type per size costs ctypes 9-50 us to find or make).
@@ -41,6 +41,15 @@ def byte_view(t: torch.Tensor) -> memoryview:
     span = _SPAN.from_address(t.data_ptr())
     span.tensor = t  # the memory's owner lives as long as a view of it
     return memoryview(span).cast("B")[:n]
+
+
+def value_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous CPU tensor whose memory holds its values, for
+    :func:`byte_view`: ``t`` itself where it is one; a copy of a device tensor,
+    a strided view, or a conjugate or negative view."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        t = t.detach().resolve_conj().resolve_neg().contiguous().cpu()
+    return t
 
 
 def pieces(view: memoryview, size: int = PIECE_BYTES):

@@ -31,6 +31,7 @@ import torch
 import xxhash
 
 from ..errors import StagingFenceError
+from ..format.tensor_bytes import byte_view, value_tensor
 from .buffers import COPY_PIECE, KeptViews, _aligned, iter_tensors, pool_source
 from .device import DeviceSnapshot, side_stream
 
@@ -57,10 +58,7 @@ class Copies:
 
 
 def _digest(t: torch.Tensor) -> str:
-    t = t.detach()
-    if t.device.type != "cpu" or not t.is_contiguous():
-        t = t.contiguous().cpu()
-    return xxhash.xxh3_64_hexdigest(t.reshape(-1).view(torch.uint8).numpy())
+    return xxhash.xxh3_64_hexdigest(byte_view(value_tensor(t)))
 
 
 def plan_copies(
