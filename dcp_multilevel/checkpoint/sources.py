@@ -24,6 +24,7 @@ from torch.serialization import get_safe_globals
 
 from ..errors import UnsupportedStateError
 from ..format.objects import bytesio_record, load_object
+from ..format.tensor_bytes import value_tensor
 from .pinned import host_scratch
 
 __all__ = ["object_record", "tensor_of"]
@@ -116,19 +117,15 @@ def tensor_of(item: WriteItem, data: Any) -> torch.Tensor:
             f"planner returned a {tuple(t.shape)} {t.dtype} tensor for {fqn!r}, but the plan "
             f"says {tuple(td.chunk.sizes)} {td.properties.dtype}; {cause}"
         )
-    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
-        # A copy follows (a torch call): no autograd history for it. A conjugate or
-        # negative view's memory is not its values: resolved here.
-        t = t.detach().resolve_conj().resolve_neg()
     if t.device.type == "cuda":
         # Through page-locked memory (the caching host allocator reuses it across
         # items and saves; the writer's close() hands it back): a DMA copy at full
-        # speed, not a pageable one.
+        # speed, not a pageable one. (No autograd history for the copy; a conjugate
+        # or negative view's memory is not its values: resolved on the device.)
+        t = t.detach().resolve_conj().resolve_neg()
         host = host_scratch(t.shape, t.dtype, pinned=True)
         host.copy_(t, non_blocking=True)
         torch.cuda.current_stream(t.device).synchronize()
         return host
-    if t.device.type != "cpu":
-        t = t.cpu()
-    # Non-contiguous views are copied (only their projection is stored).
-    return t.contiguous()
+    # A copy only where needed: strided views store their projection.
+    return value_tensor(t)
