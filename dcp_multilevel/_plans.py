@@ -67,8 +67,9 @@ class KeptLocalPlan:
     A state laid out as the last one (the same keys in the same order, from
     the same nesting; per tensor the shape, dtype, layout, ``requires_grad``
     and pinning DCP's items record; per DTensor also its spec) gets the last
-    plan again: the same items DCP would make. States holding other kinds of sharded values
-    (``ShardedTensor``, a custom ``__create_write_items__``) are not kept.
+    plan again: the same items DCP would make. States holding other kinds of
+    sharded values (``ShardedTensor``, a custom ``__create_write_items__``)
+    are not kept.
 
     Call order, per save: :meth:`plan_for`; where it gives None, the caller
     makes the plan and hands it to :meth:`keep`.

@@ -28,8 +28,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     Writing through the view writes the tensor, which is how reads land
     straight in a destination tensor.
     """
-    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
-        # (a conjugate or negative view's memory is not its values)
+    if not _values_in_memory(t):
         raise ValueError("byte_view needs a contiguous CPU tensor with its values in memory")
     n = t.nbytes
     if not n:
@@ -47,9 +46,15 @@ def value_tensor(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous CPU tensor whose memory holds its values, for
     :func:`byte_view`: ``t`` itself where it is one; a copy of a device tensor,
     a strided view, or a conjugate or negative view."""
-    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+    if not _values_in_memory(t):
         t = t.detach().resolve_conj().resolve_neg().contiguous().cpu()
     return t
+
+
+def _values_in_memory(t: torch.Tensor) -> bool:
+    """A contiguous CPU tensor whose memory is its values (a conjugate or negative
+    view's is not: torch applies the bit when the values are read)."""
+    return t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg())
 
 
 def pieces(view: memoryview, size: int = PIECE_BYTES):
