@@ -12,20 +12,30 @@ PYTEST_ARGS ?=
 DEMO_OUT ?= demo_out
 NODELOSS_OUT ?= $(DEMO_OUT)/nodeloss
 
-# Re-install only when the dependencies or the C extension change (repeated
-# `make test` is fast; the editable install builds the extension in place).
+# Two installs, each once: `make demo` needs only the package and its own
+# dependencies (torch first, then `pip install -e .`); `make test` and `make lint`
+# add the test extras and the training stacks the adapters' tests run against.
+# Each is redone only when the dependencies or the C extension change (the
+# editable install builds the extension in place).
+DEMO_STAMP := $(VENV)/.stamp-demo
 STAMP := $(VENV)/.stamp-setup
 NATIVE_SRC := setup.py dcp_multilevel/codecs/_planes.c
 
-.PHONY: setup test lint format demo demo-nodeloss bench gpu-check plots clean
+.PHONY: setup setup-demo test lint format demo demo-nodeloss bench gpu-check plots clean
+
+setup-demo: $(DEMO_STAMP)
+
+$(DEMO_STAMP): pyproject.toml $(NATIVE_SRC)
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(TORCH_SPEC)
+	# Repeat the pin so resolving the dependencies can never upgrade torch either.
+	$(PIP) install -e . $(TORCH_SPEC)
+	touch $@
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml $(NATIVE_SRC)
-	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install $(TORCH_SPEC)
-	# Repeat the pin so resolving the extras can never upgrade torch either. The
-	# training-stack extras let the adapters' tests run (they skip without them).
+# The training-stack extras let the adapters' tests run (they skip without them).
+$(STAMP): $(DEMO_STAMP)
 	$(PIP) install -e '.[test,lightning,accelerate,torchtitan]' $(TORCH_SPEC)
 	$(PIP) install --no-deps torchtitan==0.3.0 $(TORCH_SPEC)
 	touch $@
@@ -49,7 +59,7 @@ format: setup
 DEMO_ARGS ?=
 DEMO := OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=4 examples/train_demo.py --out $(DEMO_OUT) $(DEMO_ARGS)
 
-demo: setup
+demo: setup-demo
 	rm -rf $(DEMO_OUT)
 	$(DEMO) train
 	rm -rf $(DEMO_OUT)/node1
@@ -61,7 +71,7 @@ demo: setup
 # erasure coding (4 nodes of 1 rank, RS(2+1)). Each step fails the target on error.
 NODELOSS := OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=4 examples/node_loss.py
 
-demo-nodeloss: setup
+demo-nodeloss: setup-demo
 	rm -rf $(NODELOSS_OUT)
 	$(NODELOSS) --out $(NODELOSS_OUT)/partner --level partner --ranks-per-node 2 save
 	rm -rf $(NODELOSS_OUT)/partner/node1
@@ -81,8 +91,8 @@ bench: setup
 
 # Device state round trips bit-exact, then step-time inflation of saves against stock
 # DCP, loads, and memory over 20 saves (benchmarks/gpu_check.py). On a machine with
-# CUDA: the GPT-2-medium-sized run (about 5.5 minutes on one H100, from the parts'
-# times in session 22); without one, the tiny CPU mode CI also runs.
+# CUDA: the GPT-2-medium-sized run (about 5.5 minutes on one H100, from its parts'
+# measured times); without one, the tiny CPU mode CI also runs.
 gpu-check: setup
 	$(VENV)/bin/python benchmarks/gpu_check.py
 	# How long async_save blocks for GPT-2-medium's 1,168 tensors, and what the save then
@@ -104,5 +114,5 @@ clean:
 	rm -rf $(DEMO_OUT) bench_out build dist .pytest_cache .ruff_cache .hypothesis
 	rm -rf *.egg-info
 	find dcp_multilevel -name "*.so" -delete  # the C extension; `make setup` rebuilds it
-	rm -f $(STAMP)
+	rm -f $(STAMP) $(DEMO_STAMP)
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
