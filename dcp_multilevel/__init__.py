@@ -10,7 +10,7 @@ Use with DCP as usual::
 """
 
 from ._version import __version__
-from .config import Compression, Level, Tier
+from .config import Compression, Level
 from .errors import (
     AsyncSaveError,
     BrokenChainError,
@@ -27,7 +27,6 @@ from .errors import (
     PlanningError,
     RegistryError,
     RemoteStoreError,
-    RemoteTierError,
     SaveInFlightError,
     StagingFenceError,
     TruncatedDataError,
@@ -69,14 +68,12 @@ __all__ = [
     "PlanningError",
     "RegistryError",
     "RemoteStoreError",
-    "RemoteTierError",
     "SaveInFlightError",
     "SaveMetrics",
     "SavePolicy",
     "Schedule",
     "StagingConfig",
     "StagingFenceError",
-    "Tier",
     "TruncatedDataError",
     "UnsafeObjectError",
     "UnsupportedFormatVersionError",

@@ -5,6 +5,6 @@ Both are defined next to what uses them (``codecs/options.py``,
 """
 
 from .codecs.options import Compression
-from .levels.options import Level, Tier
+from .levels.options import Level
 
-__all__ = ["Compression", "Level", "Tier"]
+__all__ = ["Compression", "Level"]

@@ -33,7 +33,6 @@ __all__ = [
     "PlanningError",
     "RegistryError",
     "RemoteStoreError",
-    "RemoteTierError",
     "SaveInFlightError",
     "StagingFenceError",
     "TruncatedDataError",
@@ -109,10 +108,6 @@ class RemoteStoreError(DcpMultilevelError, OSError):
         self.url = url
         self.operation = operation
         self.attempts = attempts
-
-
-#: Deprecated alias of :class:`RemoteStoreError` (the name before 0.2), kept for one release.
-RemoteTierError = RemoteStoreError
 
 
 class CheckpointNotFoundError(DcpMultilevelError, FileNotFoundError):

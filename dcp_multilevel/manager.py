@@ -82,7 +82,6 @@ class CheckpointManager:
     Args (details: ``docs/levels.md``, ``docs/schedule.md``, ``docs/async.md``):
         levels: fastest first. The first takes every :meth:`save` (its ``every``
             paces :meth:`step`), must be a store level, and may be node-local.
-        tiers: deprecated name of ``levels`` (warns; removed in 0.3).
         topology: which node each rank is on (default: each rank's environment,
             ``levels/topology.py``); ``{node}`` in a level's path is this rank's node.
         schedule: which levels take each save (default :class:`FixedInterval`:
@@ -111,7 +110,6 @@ class CheckpointManager:
         self,
         levels: Sequence[Level] | None = None,
         *,
-        tiers: Sequence[Level] | None = None,
         topology: Topology | None = None,
         schedule: SavePolicy | None = None,
         planner: SavePlanner | None = None,
@@ -126,7 +124,7 @@ class CheckpointManager:
         staging: StagingConfig | None = None,
         restore_whole_files: bool = False,
     ) -> None:
-        ladder = Ladder.build(levels, tiers, topology, drain_timeout_s)  # collective
+        ladder = Ladder.build(levels, topology, drain_timeout_s)  # collective
         self.levels, self.drivers, self.topology = ladder.levels, ladder.drivers, ladder.topology
         self.schedule = schedule if schedule is not None else FixedInterval()
         self._cadence = Cadence(self.schedule, self.levels, ladder.survives(),

@@ -1,4 +1,4 @@
-"""Levels as the unit: Level and its deprecated alias, level kinds from entry points,
+"""Levels as the unit: Level, level kinds from entry points,
 save-decision policies, and the pure retention rules."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_manager import blank, check, memory_url, state
 
+import dcp_multilevel
+import dcp_multilevel.errors
 from dcp_multilevel import (
     CheckpointManager,
     ConfigError,
@@ -20,7 +22,6 @@ from dcp_multilevel import (
     Level,
     RegistryError,
     SavePolicy,
-    Tier,
 )
 from dcp_multilevel.checkpoint import CheckpointRoot
 from dcp_multilevel.errors import DrainError
@@ -36,36 +37,22 @@ from dcp_multilevel.levels import (
 )
 from dcp_multilevel.manage import retention
 
-# --------------------------------------------------------------------------- Level / Tier
+# --------------------------------------------------------------------------- Level
 
 
-def test_tier_is_a_deprecated_level_that_still_works(tmp_path):
-    with pytest.warns(DeprecationWarning) as caught:
-        old = Tier(str(tmp_path / "l1"), keep=1)
-    assert str(caught[0].message) == (
-        "dcp_multilevel.Tier is deprecated and will be removed in 0.3: use "
-        "dcp_multilevel.Level, which takes the same arguments"
-    )
-    assert caught[0].filename == __file__  # points at the caller, not at config.py
-    assert isinstance(old, Level)
-    mgr = CheckpointManager([old])
-    mgr.save(state(1), step=1)
-    loaded = blank()
-    assert mgr.load_latest(loaded) == 1
-    check(loaded, 1)
-
-
-def test_the_tiers_keyword_is_deprecated_and_cannot_be_given_with_levels(tmp_path):
+def test_levels_are_the_only_spelling(tmp_path):
     level = Level(str(tmp_path / "l1"))
-    with pytest.warns(DeprecationWarning, match=r"CheckpointManager\(tiers=\.\.\.\) is deprecated"):
-        mgr = CheckpointManager(tiers=[level])
-    assert mgr.levels == [level]
-    with pytest.raises(ConfigError) as info:
-        CheckpointManager([level], tiers=[level])
-    assert str(info.value) == "pass the levels once: CheckpointManager(levels), not also tiers="
+    with pytest.raises(TypeError) as info:
+        CheckpointManager(tiers=[level])
+    assert (
+        str(info.value) == "CheckpointManager.__init__() got an unexpected keyword argument 'tiers'"
+    )
+    for name in ("Tier", "RemoteTierError"):
+        assert not hasattr(dcp_multilevel, name)
+        assert not hasattr(dcp_multilevel.errors, name)
 
 
-def test_level_without_deprecation_warning(tmp_path):
+def test_a_manager_of_levels_warns_nothing(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         CheckpointManager([Level(str(tmp_path / "l1")), Level(memory_url(), every=2)])

@@ -1,4 +1,4 @@
-"""A level's configuration: :class:`Level` (and its deprecated name :class:`Tier`).
+"""A level's configuration: :class:`Level`.
 
 Re-exported by ``dcp_multilevel.config`` and the package; defined here so
 that levels, schedules and the manager depend down on it.
@@ -6,7 +6,6 @@ that levels, schedules and the manager depend down on it.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +14,7 @@ from ..errors import ConfigError
 from ..format.layout import checkpoint_url
 from ..stores.location import parse_location
 
-__all__ = ["Level", "Tier"]
+__all__ = ["Level"]
 
 
 @dataclass(frozen=True)
@@ -132,20 +131,3 @@ class Level:
     def checkpoint_url(self, step: int) -> str:
         """Where this level holds the checkpoint of ``step``."""
         return checkpoint_url(self.url, step)
-
-
-class Tier(Level):
-    """Deprecated name of :class:`Level` (same arguments); removed in 0.3.
-
-    Constructing one warns with a :class:`DeprecationWarning`.
-    """
-
-    def __post_init__(self) -> None:
-        # stacklevel 3: the caller of the dataclass __init__ that calls this.
-        warnings.warn(
-            "dcp_multilevel.Tier is deprecated and will be removed in 0.3: use "
-            "dcp_multilevel.Level, which takes the same arguments",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        super().__post_init__()

@@ -3,7 +3,7 @@ driver, the group restores move bytes over.
 
 Call order (construction, every rank, collective)::
 
-    ladder = Ladder.build(levels, tiers, topology, timeout_s)
+    ladder = Ladder.build(levels, topology, timeout_s)
     ladder.sweep(older_than_s)     crash leftovers on every level
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +42,6 @@ class Ladder:
     def build(
         cls,
         levels: Sequence[Level] | None,
-        tiers: Sequence[Level] | None,
         topology: Topology | None,
         timeout_s: float,
     ) -> Ladder:
@@ -52,7 +50,7 @@ class Ladder:
         Raises:
             ConfigError: what is wrong with the levels, and what to change.
         """
-        given = _levels_argument(levels, tiers)
+        given = _levels_argument(levels)
         # The levels' kinds (name, driver class); store levels have none. {node}
         # does not change a kind.
         kinds = [(k, LEVEL_KINDS.get(k)) for k in map(level_kind, given) if k is not None]
@@ -105,17 +103,7 @@ class Ladder:
                 logger.warning("dcp_multilevel: sweeping %s failed: %s", driver.url, e)
 
 
-def _levels_argument(levels: Sequence[Level] | None, tiers: Sequence[Level] | None) -> list[Level]:
-    if tiers is not None:
-        if levels is not None:
-            raise ConfigError("pass the levels once: CheckpointManager(levels), not also tiers=")
-        warnings.warn(
-            "CheckpointManager(tiers=...) is deprecated and will be removed in 0.3: pass the "
-            "levels as the first argument (CheckpointManager([Level(...), ...]))",
-            DeprecationWarning,
-            stacklevel=4,
-        )
-        levels = tiers
+def _levels_argument(levels: Sequence[Level] | None) -> list[Level]:
     out = list(levels or ())
     if not out or not all(isinstance(lv, Level) for lv in out):
         raise ConfigError("CheckpointManager needs a non-empty list of Level(...) objects")
