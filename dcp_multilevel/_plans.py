@@ -12,7 +12,7 @@ What the planner does with DCP's own types around the pure partitioning of
   ranks (``verify_replicas``);
 - :func:`tiling_errors`: DCP's validation of the final plan (chunks in bounds,
   disjoint, covering each tensor), run by ``planning.chunk_errors``;
-- :func:`merge_mappings`, :func:`piece_order`: small helpers of the same pass;
+- :func:`merge_mappings`, :func:`piece_order`: small functions of the same pass;
 - :class:`KeptLocalPlan`: a rank's last local plan, taken again for a state
   laid out as the last one.
 """

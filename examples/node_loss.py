@@ -113,7 +113,7 @@ def train(seed: int, steps: int) -> dict[str, Any]:
 def snapshot(
     model: nn.Module, optim: torch.optim.Optimizer, step: int, losses: list[float]
 ) -> dict[str, Any]:
-    """What is saved: model and optimizer state (DCP's state_dict helpers), plain values."""
+    """What is saved: model and optimizer state (DCP's state_dict functions), plain values."""
     model_sd, optim_sd = get_state_dict(model, optim)
     return {"model": model_sd, "optim": optim_sd, "trainer": {"step": step, "losses": losses}}
 

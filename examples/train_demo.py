@@ -67,7 +67,7 @@ from dcp_multilevel import (
     Schedule,
 )
 
-# This directory's helpers, shared with node_loss.py (first on sys.path under torchrun).
+# This directory's shared functions, also used by node_loss.py (first on sys.path under torchrun).
 from demo_tools import diff_tree, exit_now, human
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, BATCH = 64, 64, 128, 4, 4, 8
@@ -540,7 +540,7 @@ class LiveView:
             print(f"            items read (one rank): {served}")
 
 
-# --------------------------------------------------------------------------- small helpers
+# --------------------------------------------------------------------------- small functions
 
 
 def short(url: str) -> str:

@@ -2,7 +2,7 @@
 
 Use from a test module with ``pytest_plugins = ["_s3"]``, then ask for:
 
-* ``s3_server`` (session): the running server; ``new_bucket()`` creates a bucket
+* ``s3_server`` (one per test run): the running server; ``new_bucket()`` creates a bucket
   with a unique name, ``storage_options`` are the s3fs options that reach it;
 * ``s3_bucket``: a fresh, empty bucket name for one test;
 * ``s3_env``: AWS_* environment variables pointing every boto/s3fs client that
@@ -95,7 +95,7 @@ class S3Server:
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
-    """One moto S3 server for the whole session (starting one takes about a second)."""
+    """One moto S3 server for the whole test run (starting one takes about a second)."""
     from moto.server import ThreadedMotoServer
 
     # The server logs every request through werkzeug; keep test output readable.

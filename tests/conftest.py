@@ -1,4 +1,4 @@
-"""Shared test helpers: deterministic states covering every dtype, bit-exact checks."""
+"""Shared by the tests: deterministic states covering every dtype, bit-exact checks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Async saves through MultiLevelWriter's buffer pool (issue 6), on real gloo ranks.
+"""Async saves through MultiLevelWriter's buffer pool, on real gloo ranks.
 
 Each scenario runs in processes of its own (``_dist.run_ranks``): PROCESS mode
 needs a process group, and RSS figures need a process of their own.

@@ -1,4 +1,4 @@
-"""Collectives by node (issue 33): the restore inventories' exchange gives the
+"""Collectives by node: the restore inventories' exchange gives the
 inventories every rank's own all-gathered did, in bytes that do not grow with
 ranks x files; a node-local drain's "every rank is done" goes by node.
 

@@ -484,7 +484,7 @@ def test_documented_alternatives_work(tmp_path):
     assert_same(torch.load(tmp_path / "x.pt", weights_only=True), state)
 
 
-# ---------------------------------------------------------------- helpers
+# ---------------------------------------------------------------- state trees
 
 
 def _leaves(value: Any, prefix: str = "") -> dict[str, Any]:

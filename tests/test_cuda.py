@@ -1,4 +1,4 @@
-"""CUDA state through the writer, the reader and the staging (issue 32).
+"""CUDA state through the writer, the reader and the staging.
 
 They skip without a GPU (``make gpu-check`` runs them where one is lent);
 ``benchmarks/gpu_check.py`` covers the rest (FSDP2, the manager, the CLI).
@@ -132,7 +132,7 @@ def test_an_async_save_of_cuda_and_cpu_tensors_through_pinned_buffers_is_bit_exa
 ):
     # AdamW's step counters stay on the CPU next to CUDA moments: both kinds share the
     # pinned buffer set (a page-aligned slice of its allocation). A view placed from
-    # the allocation's start stored other tensors' bytes (the H100, session 24).
+    # the allocation's start stored other tensors' bytes (seen on an H100).
     state = {**_state("cuda"), **{f"step{i}": torch.tensor(float(i + 2)) for i in range(5)}}
     state["odd"] = torch.arange(7, dtype=torch.int16)
     expected = {k: v.cpu().clone() for k, v in state.items()}

@@ -28,7 +28,7 @@ def demo(out: Path, phase: str, cwd: Path) -> tuple[int, str, str]:
     command = [str(torchrun), "--standalone", "--nproc-per-node=4",
                str(REPO / "examples/train_demo.py"), "--out", str(out), *SHORT, phase]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # A session of its own: on a timeout the ranks go too, not only torchrun.
+    # A process group of its own: on a timeout the ranks go too, not only torchrun.
     with subprocess.Popen(command, cwd=cwd, env=env, text=True, start_new_session=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE) as run:  # fmt: skip
         try:

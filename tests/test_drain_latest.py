@@ -1,4 +1,4 @@
-"""Every due step reaches its level (the default drain policy "latest", issue 30).
+"""Every due step reaches its level (the default drain policy "latest").
 
 A save due on a level whose previous drain still runs waits in that level's
 one slot; a newer due step replaces it there (reported as superseded);

@@ -1,4 +1,4 @@
-"""torchtitan's checkpointer machinery saving and loading through dcp_multilevel (issue 31).
+"""torchtitan's checkpointer machinery saving and loading through dcp_multilevel.
 
 Each job is a torchtitan-style training loop on 2 real gloo ranks: a small model,
 torchtitan's ``OptimizersContainer`` (AdamW), ``LRSchedulersContainer``,

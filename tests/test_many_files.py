@@ -1,4 +1,4 @@
-"""Many files (issue 33, item 4): finding a root's steps, ``ls``, ``gc`` and retention
+"""Many files: finding a root's steps, ``ls``, ``gc`` and retention
 cost requests per step, never per file, and never list inside a step on their own.
 
 On S3 every HTTP request moto's server receives is counted (a WSGI layer in

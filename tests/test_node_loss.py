@@ -1,4 +1,4 @@
-"""Levels between nodes: partner copies and erasure parity restore a lost node (issue 14).
+"""Levels between nodes: partner copies and erasure parity restore a lost node.
 
 Real processes (gloo), real files: each simulated node is a directory
 (``DCP_ML_NODE`` per process, ``{node}`` in the level paths), and losing a

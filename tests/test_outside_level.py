@@ -1,4 +1,4 @@
-"""A level kind from outside the package is one file plus an entry point (issue 30).
+"""A level kind from outside the package is one file plus an entry point.
 
 ``mirror3:`` keeps every rank's files on its own node and the next
 ``copies - 1`` along the ring of nodes (an option of its own:

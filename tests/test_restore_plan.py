@@ -1,4 +1,4 @@
-"""Restore planning (pure), erasure group layout, and the byte-stream helpers of the
+"""Restore planning (pure), erasure group layout, and the byte-stream functions of the
 node-local levels: what each node must fetch, from where, and what cannot be had."""
 
 from __future__ import annotations

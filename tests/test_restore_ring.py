@@ -1,4 +1,4 @@
-"""Rings (issue 33): files that every node of many needs, planned once per file.
+"""Rings: files that every node of many needs, planned once per file.
 
 Pure planning against the point-to-point planner it replaces at scale (kept
 as the reference: ``ring_nodes`` above the node count), on random small

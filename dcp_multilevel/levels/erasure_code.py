@@ -1,6 +1,6 @@
 """Reed-Solomon over a group of byte strings of different sizes (zfec), chunk by chunk.
 
-An erasure-coded level (issue 14) keeps, for a group of ``data`` nodes, ``parity``
+An erasure-coded level keeps, for a group of ``data`` nodes, ``parity``
 parity blocks on further nodes: any ``data`` of the ``data + parity`` blocks
 rebuild the rest, so the group survives any ``parity`` node losses at a
 storage overhead of ``(data + parity) / data``. This module is the code alone

@@ -26,7 +26,7 @@ _END = object()
 
 
 class _Raised:
-    """An error of a helper thread, carried to the thread that consumes its results."""
+    """An error of a worker thread, carried to the thread that consumes its results."""
 
     def __init__(self, error: Exception) -> None:
         self.error = error

@@ -235,7 +235,7 @@ class TransferOrder:
             self.fresh.add(dst)  # woken nodes later in this pass may take it from there
         self.left[node] -= length
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ lookups
 
     def _length(self, copy: Copy) -> int:
         if copy.ranges is None:

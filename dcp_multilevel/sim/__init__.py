@@ -1,4 +1,4 @@
-"""The failure simulator (issue 15): save policies on simulated training runs.
+"""The failure simulator: save policies on simulated training runs.
 
 Pure (no I/O, no torch.distributed; numpy): a discrete-event simulation of a
 training job with levels of measured costs, failures by class (exponential or
