@@ -128,7 +128,7 @@ class FaultyFileSystem(AbstractFileSystem):
                 return True
             return False
 
-    # Explicit delegation, one method per operation the tier uses.
+    # Explicit delegation, one method per operation the store uses.
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         self._fault("info", path)

@@ -1,7 +1,7 @@
 """Loading one checkpoint from several copies: ``MultiLevelReader(path, fallbacks=[...])``.
 
 Fallback copies are made the way CheckpointManager makes them: one save (raw,
-two files per rank), drained to other tiers with other codecs (byte grouping,
+two files per rank), drained to other levels with other codecs (byte grouping,
 zstd), so the copies share one save_id and differ in encoding, file names and
 offsets. Damage to one copy is repaired, item
 by item, from the next; what cannot be repaired fails closed, naming every

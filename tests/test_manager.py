@@ -224,7 +224,7 @@ def test_sigkill_during_a_drain_then_the_next_run_drains_again(tmp_path):
     mgr = CheckpointManager([Level(str(l1)), remote])
     assert mgr.steps(1) == [1]  # step 2 never committed remotely
     loaded = blank()
-    assert mgr.load_latest(loaded) == 2  # from the first tier, then re-drains step 2
+    assert mgr.load_latest(loaded) == 2  # from the first level, then re-drains step 2
     check(loaded, 2)
     mgr.wait()
     assert mgr.steps(1) == [1, 2]
@@ -300,7 +300,7 @@ def test_a_remote_failing_or_stalling_every_call_never_stalls_or_breaks_save(tmp
 
 
 def _node_dir(root: str, rank: int) -> str:
-    # Two "nodes": each rank's first tier is its own directory, invisible to the other.
+    # Two "nodes": each rank's first level is its own directory, invisible to the other.
     return f"{root}/node{rank}/l1"
 
 

@@ -16,36 +16,36 @@ from dcp_multilevel.stores.local import LocalStore
 
 @pytest.fixture
 def fake_distribution(tmp_path, monkeypatch):
-    """Install ``fake-tier-pkg`` (one module + dist-info with an entry point) on sys.path."""
+    """Install ``fake-store-pkg`` (one module + dist-info with an entry point) on sys.path."""
     source = textwrap.dedent(
         """
         from dcp_multilevel.stores.local import LocalStore
 
-        class FakeTier(LocalStore):
+        class FakeStore(LocalStore):
             def __init__(self, where, **options):
                 super().__init__(where.split("://", 1)[1], **options)
         """
     )
     install_fake_distribution(
-        tmp_path, monkeypatch, "fake-tier-pkg",
-        "[dcp_multilevel.stores]\nfake = fake_tier_mod:FakeTier\nbroken = no_such_module:X\n",
-        {"fake_tier_mod": source},
+        tmp_path, monkeypatch, "fake-store-pkg",
+        "[dcp_multilevel.stores]\nfake = fake_store_mod:FakeStore\nbroken = no_such_module:X\n",
+        {"fake_store_mod": source},
     )  # fmt: skip
     STORES.refresh()
     yield tmp_path
     STORES.refresh()
 
 
-def test_builtin_file_tier_is_registered_through_the_entry_point_group():
+def test_builtin_file_store_is_registered_through_the_entry_point_group():
     (ep,) = [e for e in entry_points(group="dcp_multilevel.stores") if e.name == "file"]
     assert ep.value == "dcp_multilevel.stores.local:LocalStore"
     assert STORES.get("file") is LocalStore
 
 
-def test_third_party_tier_is_found_by_url_scheme(fake_distribution):
-    tier = store_for(f"fake://{fake_distribution}/root")
-    assert type(tier).__name__ == "FakeTier"
-    tier.write_atomic("x.bin", b"1")
+def test_third_party_store_is_found_by_url_scheme(fake_distribution):
+    store = store_for(f"fake://{fake_distribution}/root")
+    assert type(store).__name__ == "FakeStore"
+    store.write_atomic("x.bin", b"1")
     assert (fake_distribution / "root" / "x.bin").read_bytes() == b"1"
     assert "fake" in STORES.names()
 
@@ -68,9 +68,9 @@ def test_unknown_scheme_lists_known_ones():
     assert isinstance(info.value, LookupError)
 
 
-def test_other_fsspec_protocols_use_the_remote_tier():
-    tier = store_for("http://127.0.0.1:9/x")  # built without connecting
-    assert type(tier).__name__ == "RemoteStore"
+def test_other_fsspec_protocols_use_the_remote_store():
+    store = store_for("http://127.0.0.1:9/x")  # built without connecting
+    assert type(store).__name__ == "RemoteStore"
 
 
 def test_local_paths_refuse_remote_storage_options(tmp_path):

@@ -1,4 +1,4 @@
-"""Remote (fsspec) tier: the shared conformance suite on memory://, on s3:// against a
+"""Remote (fsspec) store: the shared conformance suite on memory://, on s3:// against a
 real S3 server on loopback, and on a flaky remote; retries, give-up errors, size
 checks, spooling, and DCP round trips through MultiLevelWriter/Reader."""
 
@@ -497,7 +497,7 @@ def test_dcp_round_trip_on_memory(memory_root, all_dtypes_state):
 def faulty_scheme(tmp_path, monkeypatch):
     """Make faulty:// a store the way a third-party package would (entry point)."""
     install_fake_distribution(
-        tmp_path, monkeypatch, "faulty-tier",
+        tmp_path, monkeypatch, "faulty-store",
         "[dcp_multilevel.stores]\nfaulty = dcp_multilevel.stores.remote:RemoteStore\n",
     )  # fmt: skip
     STORES.refresh()
@@ -508,7 +508,7 @@ def faulty_scheme(tmp_path, monkeypatch):
 def test_dcp_save_and_load_through_a_flaky_remote(
     faulty_scheme, memory_root, monkeypatch, all_dtypes_state
 ):
-    # The writer builds its tier from the URL alone; fsspec's own configuration
+    # The writer builds its store from the URL alone; fsspec's own configuration
     # carries the fault plan to the filesystem it creates.
     faults = dict.fromkeys(["info", "put_file", "pipe_file", "cat_file"], 1)
     conf = {"target_protocol": "memory", "fail_first": faults, "skip_instance_cache": True}
