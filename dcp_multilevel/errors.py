@@ -28,6 +28,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DcpMultilevelError",
     "DrainError",
+    "ManifestDigestError",
     "ManifestError",
     "NotStockCheckpointError",
     "PlanningError",
@@ -136,6 +137,10 @@ class ManifestError(DcpMultilevelError, ValueError):
     def __init__(self, message: str, *, checkpoint: str | None = None) -> None:
         super().__init__(message)
         self.checkpoint = checkpoint
+
+
+class ManifestDigestError(ManifestError):
+    """A manifest's bytes do not match the digest it carries: it was modified or damaged."""
 
 
 class UnsupportedFormatVersionError(ManifestError):

@@ -21,6 +21,7 @@ from dcp_multilevel import (
     TruncatedDataError,
     UnsafeObjectError,
 )
+from dcp_multilevel.format import seal_manifest
 
 
 @pytest.fixture
@@ -96,7 +97,7 @@ def test_manifest_claiming_more_bytes_than_the_file_has(ckpt):
     (name, size), *_ = manifest["files"].items()
     manifest["files"][name] = size + 300
     _item(manifest, "a")["pos"] = size  # inside the claimed size: passes validation
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    (path / "manifest.json").write_bytes(seal_manifest(manifest))
     err = _load_error(path)
     assert isinstance(err, TruncatedDataError)
     assert f"is {size} bytes, the manifest says {size + 300}" in str(err)
@@ -126,7 +127,7 @@ def test_malicious_object_is_refused_and_never_executed(ckpt, tmp_path):
     manifest["files"][evil_file] = len(evil)
     item.update(file=evil_file, pos=0, length=len(evil), raw_length=len(evil),
                 checksum=f"xxh3_64:{xxhash.xxh3_64_hexdigest(evil)}")  # fmt: skip
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    (path / "manifest.json").write_bytes(seal_manifest(manifest))
 
     err = _load_error(path)
     assert isinstance(err, UnsafeObjectError)

@@ -40,7 +40,7 @@ from dcp_multilevel.checkpoint.verify import verify_checkpoint
 from dcp_multilevel.codecs import codec_for
 from dcp_multilevel.codecs.decode import decode_frames
 from dcp_multilevel.codecs.pipeline import encode_chunk
-from dcp_multilevel.format import decode_manifest, frames
+from dcp_multilevel.format import decode_manifest, frames, seal_manifest
 
 if TYPE_CHECKING:
     from _s3 import S3Server
@@ -390,7 +390,7 @@ def test_manifest_delta_fields_are_validated(tmp_path) -> None:
     save(tmp_path / "step-0", a)
     save(tmp_path / "step-1", train(a, 1), tmp_path / "step-0")
     doc = manifest(tmp_path / "step-1")
-    decoded = decode_manifest(json.dumps(doc).encode())
+    decoded = decode_manifest(seal_manifest(doc))
     assert decoded.reference is not None and decoded.reference.checkpoint == "step-0"
     assert decoded.reference.save_id == manifest(tmp_path / "step-0")["save_id"]
 
@@ -398,7 +398,7 @@ def test_manifest_delta_fields_are_validated(tmp_path) -> None:
         d = json.loads(json.dumps(doc))
         change(d)
         with pytest.raises(ManifestError, match=match):
-            decode_manifest(json.dumps(d).encode())
+            decode_manifest(seal_manifest(d))
 
     bad(lambda d: d.pop("reference"), "needs a 'reference'")
     bad(lambda d: d["reference"].update(checkpoint="../elsewhere"), "not a safe relative path")

@@ -24,6 +24,7 @@ from .manifest import (
     Reference,
     encode_manifest,
     locations_to_json,
+    seal_manifest,
 )
 from .manifest_decode import decode_manifest, locations_from_json
 from .paths import validate_relpath
@@ -50,6 +51,7 @@ __all__ = [
     "locations_to_json",
     "parse_step_dir",
     "rank_of_file",
+    "seal_manifest",
     "step_dir",
     "validate_relpath",
 ]

@@ -25,7 +25,12 @@ Layout (format version 1; version 2 adds the two delta fields below)::
      "files": {"data/0-0.<token>.bin": <size in bytes>},
      "items": [{"fqn": "..", "offsets": [..] | null, "file": "..", "pos": 0,
                 "length": 16, "raw_length": 16, "transforms": [],
-                "checksum": "xxh3_64:<hex>"}]}
+                "checksum": "xxh3_64:<hex>"}],
+     "digest": "xxh3_64:<hex>"}
+
+``digest``, always the last field, is the xxh3-64 of every byte of the file
+before its value (``manifest_digest.py``): a reader checks it before it
+parses anything else. Manifests written before it have none and still load.
 
 A delta checkpoint (format version 2, written only when the checkpoint has
 a reference) adds ``"reference": {"save_id": "<hex>", "checkpoint":
@@ -58,6 +63,7 @@ from .._version import __version__
 from ..errors import UnsupportedStateError
 from .dtypes import dtype_name
 from .layout import MANIFEST_NAME, parse_step_dir
+from .manifest_digest import DIGEST_FIELD, seal
 
 __all__ = [
     "DELTA_FORMAT_VERSION",
@@ -69,6 +75,7 @@ __all__ = [
     "Reference",
     "encode_manifest",
     "locations_to_json",
+    "seal_manifest",
 ]
 
 FORMAT_NAME = "dcp_multilevel"
@@ -126,6 +133,8 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
     reference: Reference | None = None
+    #: The digest the manifest's bytes matched (None: written before manifests had one).
+    digest: str | None = None
 
     @property
     def reference_step(self) -> int | None:
@@ -148,7 +157,7 @@ def encode_manifest(
     reference: Reference | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> bytes:
-    """Serialize a checkpoint's manifest to UTF-8 JSON bytes.
+    """Serialize a checkpoint's manifest to UTF-8 JSON bytes, sealed by its digest.
 
     ``reference``: the checkpoint the items' delta chunks are coded against
     (format version 2); required when an item has a ``reference`` checksum.
@@ -205,7 +214,15 @@ def encode_manifest(
                 f"the manifest's extra values must be plain JSON (no NaN or infinity): {e}"
             ) from None
     parts.append("}")
-    return "".join(parts).encode("utf-8")
+    return seal("".join(parts))
+
+
+def seal_manifest(doc: Mapping[str, Any]) -> bytes:
+    """A manifest document (a decoded manifest.json, its ``digest`` dropped) encoded as the
+    writer does and sealed with a fresh digest: how a tool that must change a manifest
+    on purpose writes one that a reader accepts. Nothing checks its content here.
+    """
+    return seal(_ENCODER.encode({k: v for k, v in doc.items() if k != DIGEST_FIELD}))
 
 
 #: ``json.dumps(..., separators=(",", ":"), allow_nan=False)``, made once.

@@ -6,11 +6,17 @@ whose size the manifest records, so a reader never reads outside the
 checkpoint nor trusts a size it has not bounded. :func:`locations_from_json`
 applies the same per-entry checks to item locations sent on their own (e.g.
 by another rank). The document itself, and its encoder, are in ``manifest.py``.
+
+Before anything is parsed, the manifest's bytes are checked against the digest
+it ends with (``manifest_digest.py``), so an edited or damaged manifest is
+refused even where every field would still pass; one written before manifests
+had a digest is read with a warning.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -38,9 +44,12 @@ from .manifest import (
     Manifest,
     Reference,
 )
+from .manifest_digest import check_unsealed, verify_sealed
 from .paths import validate_relpath
 
 __all__ = ["decode_manifest", "locations_from_json"]
+
+logger = logging.getLogger(__name__)
 
 # Hard bounds on untrusted numbers: no tensor or file is this big, and they keep
 # products like prod(sizes) * itemsize inside what Python ints and seeks accept.
@@ -93,19 +102,24 @@ def _tname(typ: type | tuple[type, ...]) -> str:
 
 
 def decode_manifest(data: bytes, *, checkpoint: str | None = None) -> Manifest:
-    """Parse and validate manifest bytes; raise ManifestError on anything wrong.
+    """Check manifest bytes against their digest, parse and validate them; raise
+    ManifestError on anything wrong (:class:`ManifestDigestError` when the bytes
+    are not those the writer sealed).
 
-    ``checkpoint`` only names the checkpoint in error messages.
+    ``checkpoint`` (its path or URL) only names the checkpoint in messages.
     """
     c = _Checker(checkpoint)
     if len(data) > _MAX_MANIFEST_BYTES:
         raise c.fail(f"it is {len(data)} bytes, more than the 1 GiB limit")
+    digest = verify_sealed(data, checkpoint=checkpoint)
     try:
         doc = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:
         raise c.fail(f"it is not valid JSON ({e})") from None
     if not isinstance(doc, dict):
         raise c.fail("the top level must be an object")
+    if digest is None:
+        check_unsealed(set(doc), checkpoint=checkpoint)
     if doc.get("format") != FORMAT_NAME:
         raise c.fail(f"field 'format' is {doc.get('format')!r}, expected {FORMAT_NAME!r}")
     version = c.get(doc, "format_version", int, "manifest")
@@ -149,7 +163,7 @@ def decode_manifest(data: bytes, *, checkpoint: str | None = None) -> Manifest:
         storage_meta=StorageMeta(checkpoint_id=checkpoint, save_id=save_id),
         version=dcp_version,
     )
-    return Manifest(
+    manifest = Manifest(
         metadata=metadata,
         locations=locations,
         files=files,
@@ -161,7 +175,16 @@ def decode_manifest(data: bytes, *, checkpoint: str | None = None) -> Manifest:
         format_version=version,
         extra=extra,
         reference=reference,
+        digest=digest,
     )
+    if digest is None:
+        logger.warning(
+            "the manifest of checkpoint %s has no digest (written by dcp_multilevel %s, "
+            "before manifests carried one): it is read unchecked, so a change to it would go "
+            "unnoticed. Save the state again to have a checked manifest.",
+            checkpoint or "(unnamed)", plugin_version,
+        )  # fmt: skip
+    return manifest
 
 
 def _decode_reference(c: _Checker, raw: Any, version: int) -> Reference | None:

@@ -1,0 +1,110 @@
+"""The manifest's digest of its own bytes: every byte of a manifest is checked.
+
+Item checksums only help if the manifest that records them is right: a
+manifest whose ``"float32"`` became ``"int32"`` (same width) would load
+wrong values from intact data. So a manifest ends with one more field, the
+xxh3-64 of every byte before that field's value::
+
+    {"format":"dcp_multilevel", ... ,"items":[...],"digest":"xxh3_64:<16 hex>"}
+    \\____________________ hashed _________________________/
+
+The field is the document's last bytes, exactly as above, so the digest
+covers the file as written (whitespace and key order included) and a reader
+checks it before parsing anything. Any change to the hashed bytes is a
+mismatch; a change to the field itself leaves a value that is not the
+recorded hash, bytes that are not JSON, or a document with no valid digest.
+
+Manifests written before the digest have no such field and are still read
+(with a warning). A document without a digest whose top level has a field
+those releases never wrote is one whose digest field was damaged, and is
+refused (:func:`check_unsealed`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import ManifestDigestError
+from .checksum import checksum_of
+from .layout import MANIFEST_NAME
+
+__all__ = ["DIGEST_FIELD", "LEGACY_FIELDS", "check_unsealed", "seal", "verify_sealed"]
+
+DIGEST_FIELD = "digest"
+
+#: The top-level fields of every manifest written before the digest (format
+#: versions 1 and 2); a manifest without a digest has no others.
+LEGACY_FIELDS = frozenset({
+    "format", "format_version", "plugin_version", "torch_version", "save_id",
+    "created_unix", "world_size", "dcp_version", "planner_data", "state_dict",
+    "files", "items", "reference", "extra",
+})  # fmt: skip
+
+_OPEN = f',"{DIGEST_FIELD}":"'.encode()
+_CLOSE = b'"}'
+#: The last bytes of a sealed manifest: the digest field, then the closing brace.
+_TRAILER = re.compile(rb',"' + DIGEST_FIELD.encode() + rb'":"(xxh3_64:[0-9a-f]{16})"\}\Z')
+_TRAILER_LEN = len(_OPEN) + len("xxh3_64:") + 16 + len(_CLOSE)
+
+_WHAT_TO_DO = (
+    "The checkpoint's manifest was modified or damaged after it was written; load the "
+    "checkpoint from another level's copy, or an earlier checkpoint."
+)
+
+
+def seal(body: str) -> bytes:
+    """``body`` (one JSON object's text, ending in ``}``) with the digest field added last."""
+    if not body.endswith("}") or body == "{}":
+        raise ValueError("a manifest body must be one non-empty JSON object")
+    hashed = body[:-1].encode("utf-8") + _OPEN
+    return b"".join((hashed, checksum_of(hashed).encode(), _CLOSE))
+
+
+def _where(checkpoint: str | None) -> str:
+    return f"{checkpoint.rstrip('/')}/{MANIFEST_NAME}" if checkpoint else MANIFEST_NAME
+
+
+def verify_sealed(data: bytes, *, checkpoint: str | None) -> str | None:
+    """The digest ``data`` ends with, checked against its bytes; None when it ends with none.
+
+    Raises:
+        ManifestDigestError: the bytes do not hash to the recorded digest.
+    """
+    match = _TRAILER.search(data, max(0, len(data) - _TRAILER_LEN))
+    if match is None:
+        return None
+    recorded = match.group(1).decode()
+    actual = checksum_of(memoryview(data)[: match.start(1)])
+    if actual != recorded:
+        raise ManifestDigestError(
+            f"manifest {_where(checkpoint)} does not match its digest: it records "
+            f"{recorded}, its bytes hash to {actual}. {_WHAT_TO_DO}",
+            checkpoint=checkpoint,
+        )
+    return recorded
+
+
+def check_unsealed(fields: set[str] | frozenset[str], *, checkpoint: str | None) -> None:
+    """Refuse a manifest without a digest that cannot be one written before digests.
+
+    ``fields``: its top-level field names.
+
+    Raises:
+        ManifestDigestError: it has a ``digest`` field that is not the file's
+            last bytes in the sealed form, or a field no earlier release wrote.
+    """
+    if DIGEST_FIELD in fields:
+        raise ManifestDigestError(
+            f"manifest {_where(checkpoint)} has a malformed digest: the field "
+            f"'{DIGEST_FIELD}' must be the file's last bytes, ,\"{DIGEST_FIELD}\":"
+            f'"xxh3_64:<16 hex digits>"}}. {_WHAT_TO_DO}',
+            checkpoint=checkpoint,
+        )
+    unknown = sorted(fields - LEGACY_FIELDS)
+    if unknown:
+        raise ManifestDigestError(
+            f"manifest {_where(checkpoint)} has no digest but has field(s) "
+            f"{', '.join(map(repr, unknown))}, which only manifests with a digest may "
+            f"have. {_WHAT_TO_DO}",
+            checkpoint=checkpoint,
+        )
