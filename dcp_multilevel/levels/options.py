@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..codecs.options import Compression
-from ..errors import ConfigError
+from ..codecs import CODECS
+from ..codecs.options import CODEC_ALIASES, Compression
+from ..errors import ConfigError, RegistryError
 from ..format.layout import checkpoint_url
 from ..stores.location import parse_location
 
-__all__ = ["Level"]
+__all__ = ["Level", "check_codec"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,14 @@ class Level:
             keyframe: a load reads at most two checkpoints) or ``"previous"``
             (the level's previous checkpoint: smaller deltas, a load reads the
             whole chain back to the keyframe).
+        overwrite: a save or drain of a step this level holds committed as another
+            save (another ``save_id``: a second run over the same level) replaces
+            it, atomically: the new files go under new names, the old step stays
+            loadable until the new manifest commits, then its files are removed.
+            False (the default): refused (a drain's ``DrainError``, which
+            ``CheckpointManager.wait`` raises; a save's ``CheckpointExistsError``),
+            and the level keeps the step as it is. The same save again is never
+            a replacement.
     """
 
     url: str
@@ -72,6 +81,7 @@ class Level:
     keyframe_every: int | None = None
     delta_against: str = "keyframe"
     options: dict[str, Any] = field(default_factory=dict)
+    overwrite: bool = False
 
     #: The built-in kinds' options that are fields too (checked by their drivers).
     KIND_OPTIONS = ("replicas", "jump", "data", "parity")
@@ -88,7 +98,7 @@ class Level:
                 f"{name}.keep must be None or an integer >= 1 (the newest complete "
                 f"checkpoint is never deleted), got {self.keep!r}"
             )
-        Compression.of(self.codec)
+        check_codec(self)
         for option in self.KIND_OPTIONS:
             value = getattr(self, option)
             if value is not None and (
@@ -104,6 +114,8 @@ class Level:
         both = set(self.options) & {o for o in self.KIND_OPTIONS if getattr(self, o) is not None}
         if both:
             raise ConfigError(f"{name} sets {sorted(both)} twice: as fields and in options")
+        if not isinstance(self.overwrite, bool):
+            raise ConfigError(f"{name}.overwrite must be True or False, got {self.overwrite!r}")
         k = self.keyframe_every
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ConfigError(f"{name}.keyframe_every must be None or an integer >= 1, got {k!r}")
@@ -131,3 +143,22 @@ class Level:
     def checkpoint_url(self, step: int) -> str:
         """Where this level holds the checkpoint of ``step``."""
         return checkpoint_url(self.url, step)
+
+
+def check_codec(level: Level) -> None:
+    """The level's codec names an installed codec (ConfigError saying which, and what to do).
+
+    Checked when the level is made, not at its first save: a typo found after
+    hours of training loses them.
+    """
+    compression = Compression.of(level.codec)
+    if compression is None:
+        return
+    try:
+        CODECS.get(compression.registry_name)
+    except RegistryError as e:
+        aliases = ", ".join(repr(a) for a in CODEC_ALIASES)
+        raise ConfigError(
+            f"{type(level).__name__}({level.url!r}).codec={compression.codec!r} is not a codec "
+            f"this process can use (built-ins: {aliases}): {e}"
+        ) from e

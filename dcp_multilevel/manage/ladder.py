@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,7 @@ from ..config import Level
 from ..errors import ConfigError
 from ..levels import LEVEL_KINDS, LevelDriver, driver_for, level_kind
 from ..levels.base import LevelContext
+from ..levels.options import check_codec
 from ..levels.topology import NODE_FIELD, Topology, expand_node, node_from_env
 from ..stores.location import parse_location
 
@@ -59,6 +62,9 @@ class Ladder:
         )
         if topology is None and needs_nodes:  # gathered from every rank's environment
             topology = Topology(tuple(_dist.all_gather_object(node_from_env())))
+        for level in given:  # a codec (un)registered since the Level was made
+            check_codec(level)
+        _check_roots(given, topology)
         placed = list(given)
         if topology is not None:
             if topology.world_size != _dist.world_size():
@@ -116,6 +122,70 @@ def _on_node(level: Level, node: int) -> Level:
         return level
     values = {f.name: getattr(level, f.name) for f in dataclasses.fields(Level)}
     return Level(**{**values, "url": expand_node(level.url, node)})
+
+
+#: fsspec's other spellings of one protocol (the same bucket either way).
+_SCHEME_ALIASES = {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az"}
+
+
+def _root(url: str, kind: str | None) -> tuple[str, str] | None:
+    """``(scheme, normalized path)`` of the root a level's url names (its kind stripped).
+
+    Plain paths and ``file://`` URLs are made absolute and normalized; other
+    URLs lose repeated, leading and trailing slashes (``s3://b/run/`` is
+    ``s3://b/run``), as fsspec reads them.
+    """
+    where = url[len(kind) + 1 :] if kind is not None else url
+    if not where.strip():  # "partner:": the kind's driver says what is missing
+        return None
+    location = parse_location(where)
+    if location.scheme == "file":
+        return "file", os.path.normpath(os.path.abspath(location.path))
+    rest = location.url.split("://", 1)[1]
+    path = posixpath.normpath("/" + rest.strip("/")) if rest.strip("/") else "/"
+    return _SCHEME_ALIASES.get(location.scheme, location.scheme), path
+
+
+def _inside(outer: str, inner: str) -> bool:
+    """Whether normalized path ``inner`` is ``outer`` or below it."""
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
+
+
+def _check_roots(levels: Sequence[Level], topology: Topology | None) -> None:
+    """No level's root is another's or inside it (ConfigError naming both levels).
+
+    Two levels in one place would see each other's checkpoints: retention,
+    crash sweeps and loads of one would count, delete or read the other's.
+    ``{node}`` paths are compared as each node's ranks expand them, for every
+    node of the topology: ``/nvme/{node}/ckpt`` and ``partner:/nvme/{node}/copies``
+    never meet; ``/nvme/{node}/ckpt`` and ``/nvme/0/ckpt`` do on node 0.
+    """
+    nodes = sorted(set(topology.nodes)) if topology is not None else [None]
+    for node in nodes:
+        urls = [lv.url if node is None else expand_node(lv.url, node) for lv in levels]
+        roots = [_root(url, level_kind(lv)) for url, lv in zip(urls, levels, strict=True)]
+        for i, root_i in enumerate(roots):
+            for j in range(i + 1, len(roots)):
+                root_j = roots[j]
+                if root_i is None or root_j is None or root_i[0] != root_j[0]:
+                    continue
+                path_i, path_j = root_i[1], root_j[1]
+                templated = NODE_FIELD in levels[i].url or NODE_FIELD in levels[j].url
+                on = f" on node {node}" if templated else ""
+                first, second = f"{i} ({levels[i].url!r})", f"{j} ({levels[j].url!r})"
+                if path_i == path_j:
+                    what = f"levels {first} and {second} are the same location{on} ({urls[j]})"
+                elif _inside(path_i, path_j):
+                    what = f"level {second} is inside level {first}{on} ({urls[j]} is in {urls[i]})"
+                elif _inside(path_j, path_i):
+                    what = f"level {first} is inside level {second}{on} ({urls[i]} is in {urls[j]})"
+                else:
+                    continue
+                raise ConfigError(
+                    f"{what}: each level needs a root of its own, outside the others' (a "
+                    "level's retention, crash sweeps and loads would see the other's "
+                    "checkpoints)"
+                )
 
 
 def _check_deltas(levels: Sequence[Level]) -> None:
