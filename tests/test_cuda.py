@@ -290,3 +290,20 @@ def test_replica_digests_of_cuda_state_are_computed_on_the_device(tmp_path):
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c"))
     assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+@cuda
+def test_replica_digests_of_cuda_views_at_odd_byte_offsets(tmp_path):
+    from dcp_multilevel import BalancedSavePlanner
+    from dcp_multilevel.planning.fingerprint import fingerprint
+
+    # torch refuses to view their bytes as words: 2 and 1 bytes into their storage.
+    base = torch.arange(20, dtype=torch.bfloat16, device="cuda")
+    flags = torch.tensor([True, False, True, True, False], device="cuda")
+    state = {"bf16": base[1:9], "bool": flags[1:]}
+    assert all(fingerprint(v) == fingerprint(v.clone().cpu()) for v in state.values())
+    planner = BalancedSavePlanner(verify_replicas=True)
+    dcp.save(state, storage_writer=MultiLevelWriter(tmp_path / "c"), planner=planner)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c"))
+    assert all(torch.equal(out[k], v) for k, v in state.items())

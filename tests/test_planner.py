@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from dcp_multilevel import BalancedSavePlanner, CostModel, PlanningError
-from dcp_multilevel.planning.fingerprint import fingerprint
+from dcp_multilevel.planning.fingerprint import CHUNK_WORDS, fingerprint
 
 
 def _local_plans(states):
@@ -480,3 +480,22 @@ def test_a_fingerprint_changes_with_any_bit_and_not_with_chunking(dtype, numel, 
     raw[byte] ^= 1 << int(torch.randint(8, (1,), generator=g))
     assert fingerprint(raw.view(dtype)) != same  # one flipped bit anywhere
     assert fingerprint(t[:-1]) != same or numel == 1  # a shorter tensor
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda: torch.arange(20, dtype=torch.bfloat16)[1:9],  # starts 2 bytes in
+        lambda: torch.tensor([True, False, True, True, False])[1:],  # 1 byte in
+        lambda: torch.arange(40, dtype=torch.int8)[3:11],  # 3 bytes in
+        lambda: torch.arange(40, dtype=torch.int8)[3:10],  # 3 bytes in, 7 long
+        lambda: torch.randn(6, 5, generator=torch.Generator().manual_seed(1)).half()[:, 1:],
+    ],
+    ids=["bf16-slice", "bool-slice", "int8-slice", "int8-odd-slice", "f16-strided"],
+)
+@pytest.mark.parametrize("chunk_words", [1, 3, CHUNK_WORDS])
+def test_a_fingerprint_of_a_view_at_any_byte_offset_is_that_of_its_values(view, chunk_words):
+    # torch refuses to view bytes as words from an offset not divisible by 4.
+    t = view()
+    assert fingerprint(t, chunk_words=chunk_words) == fingerprint(t.clone())
+    assert fingerprint(t, chunk_words=chunk_words) == fingerprint(t.contiguous().clone(), 2)

@@ -26,14 +26,24 @@ def fingerprint(t: torch.Tensor, chunk_words: int = CHUNK_WORDS) -> str:
     """``"fp64x2:<bytes>:<32 hex digits>"`` of ``t``'s bytes, computed on its device."""
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
     n = flat.numel()
-    if n % 4:
-        flat = torch.cat([flat, flat.new_zeros(4 - n % 4)])
-    words = flat.view(torch.int32)
     sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
-    for start in range(0, words.numel(), chunk_words):
-        x = words[start : start + chunk_words].to(torch.int64)
+    for start in range(0, -(-n // 4), chunk_words):
+        x = _words(flat[4 * start : 4 * (start + chunk_words)]).to(torch.int64)
         i = torch.arange(start, start + x.numel(), dtype=torch.int64, device=flat.device)
         sums[0] += (x * (2 * i + 1)).sum()
         sums[1] += (x * ((i * 0x9E3779B1 + 0x7F4A7C15) | 1)).sum()
     a, b = (int(v) & (2**64 - 1) for v in sums.tolist())  # one transfer: 16 bytes
     return f"fp64x2:{n}:{a:016x}{b:016x}"
+
+
+def _words(piece: torch.Tensor) -> torch.Tensor:
+    """``piece`` (bytes) as 32-bit words, its end padded with zero bytes.
+
+    torch views bytes as words only from a storage offset divisible by 4: a
+    view into a tensor (a bf16 ``t[1:9]``, a bool ``t[1:]``) may start
+    anywhere. Such a piece is copied, one chunk at a time (never the whole
+    tensor), so its words are those of the same values stored contiguously.
+    """
+    if piece.numel() % 4 or piece.storage_offset() % 4:
+        piece = torch.cat([piece, piece.new_zeros(-piece.numel() % 4)])  # a new tensor
+    return piece.view(torch.int32)
