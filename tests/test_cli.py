@@ -370,9 +370,13 @@ def test_copy_refuses_a_different_committed_checkpoint(tmp_path):
     result = run("copy", tmp_path / "a", tmp_path / "b")
     assert result.exit_code == 1
     assert result.stderr.startswith(
-        f"error: file://{tmp_path}/b already holds a different committed checkpoint (save "
+        f"error: Checkpoint already exists at file://{tmp_path}/b: it holds a different "
+        "committed checkpoint (save "
     )
-    assert result.stderr.endswith("delete it first or pick another destination\n")
+    assert result.stderr.endswith(
+        "and nothing there was changed. Pass --overwrite to replace it (the old one stays "
+        "loadable until the new one commits), delete it first, or pick another destination\n"
+    )
     assert (tmp_path / "b" / "manifest.json").read_bytes() == before
 
 

@@ -175,6 +175,21 @@ class StoredCheckpoint:
         """True when the manifest exists (asks the store; no cache)."""
         return self.store.exists(MANIFEST_NAME)
 
+    def held_save_id(self) -> str | None:
+        """The ``save_id`` of the checkpoint committed here now, or None when none is
+        (asks the store; no cache): what a copy onto this place would replace.
+
+        Raises:
+            ManifestError: a manifest is there but cannot be read as one (a
+                damaged checkpoint is still one: nothing may replace it unasked).
+            OSError: the store could not be read.
+        """
+        try:
+            raw = self.store.read_bytes(MANIFEST_NAME)
+        except FileNotFoundError:
+            return None
+        return decoded_manifest(raw, self.url).save_id
+
     def manifest_bytes(self) -> bytes:
         """The manifest as stored (not validated).
 

@@ -12,7 +12,12 @@ is the same checkpoint (same ``save_id``, same checksums), bit for bit:
    a committed checkpoint. Afterwards, anything else under DEST's ``data/``
    (an earlier attempt's debris) is removed, as a save does after its commit.
 
-DEST that holds a different committed checkpoint is refused; one that holds
+DEST that holds a different committed checkpoint is refused
+(:class:`CheckpointExistsError`, nothing touched) unless asked to replace it
+(``--overwrite``): then the new data files are copied beside the old ones
+(their names are the source's, which another save never shares), the
+manifest is written last, and only then are the old files removed, so the
+old checkpoint stays loadable until the new one commits. One that holds
 this very checkpoint (the same manifest) is left alone.
 """
 
@@ -65,14 +70,22 @@ def _check_reference(staged: StoredCheckpoint) -> None:
 
 
 def copy_checkpoint(
-    source: StoredCheckpoint, dest: StoredCheckpoint, *, show_progress: bool = False
+    source: StoredCheckpoint,
+    dest: StoredCheckpoint,
+    *,
+    show_progress: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Copy the committed checkpoint ``source`` to ``dest`` (resumable; see the module).
 
+    ``overwrite``: replace a different committed checkpoint at ``dest``,
+    atomically (the old one stays loadable until the new manifest commits).
     Returns what ``copy --json`` prints.
 
     Raises:
-        CheckpointExistsError: ``dest`` holds a different committed checkpoint.
+        CheckpointExistsError: ``dest`` holds a different committed checkpoint (and
+            ``overwrite`` is False, or a data file of both has other bytes at
+            ``dest``: replacing it would break the old one before the commit).
         BrokenChainError: ``source`` is a delta checkpoint whose reference is not
             beside ``dest`` (the copy could not be loaded).
         CorruptCheckpointError: an item of ``source`` does not match its checksum.
@@ -84,31 +97,46 @@ def copy_checkpoint(
         "source": source.url, "dest": dest.url, "save_id": manifest.save_id,
         "status": "copied", "copied": [], "kept": [], "bytes_copied": 0,
     }  # fmt: skip
+    old: dict[str, int] = {}  # the files of the checkpoint this copy replaces
     if dest.is_committed():
         if dest.manifest_bytes() == manifest_bytes:
             result["status"] = "already-present"
             return result
         other = dest.manifest().save_id
-        what = (
-            f"another copy of save {other}, stored differently (other codec or files)"
-            if other == manifest.save_id
-            else f"save {other}, copying save {manifest.save_id}"
-        )
-        raise CheckpointExistsError(
-            f"{dest.url} already holds a different committed checkpoint ({what}); "
-            "delete it first or pick another destination",
-            checkpoint=dest.url,
-        )
+        if not overwrite:
+            what = (
+                f"another copy of save {other}, stored differently (other codec or files)"
+                if other == manifest.save_id
+                else f"save {other}, copying save {manifest.save_id}"
+            )
+            raise CheckpointExistsError(
+                f"Checkpoint already exists at {dest.url}: it holds a different committed "
+                f"checkpoint ({what}), and nothing there was changed. Pass --overwrite to "
+                "replace it (the old one stays loadable until the new one commits), delete "
+                "it first, or pick another destination",
+                checkpoint=dest.url,
+            )
+        old = dict(dest.manifest().files)
     # The source's manifest, read against DEST's files: checks what an earlier run left.
     staged = StoredCheckpoint(
         dest.store, location=dest.location, manifest_bytes=manifest_bytes,
         storage_options=dest.storage_options,
     )  # fmt: skip
     _check_reference(staged)
+    kept = {f for f in manifest.files if dest.store.exists(f) and not verify_file(staged, f)}
+    clash = sorted((set(manifest.files) & set(old)) - kept)
+    if clash:  # before any byte is written: the old checkpoint must stay whole
+        raise CheckpointExistsError(
+            f"Checkpoint already exists at {dest.url}, and replacing it would rewrite its "
+            f"data file {clash[0]!r} before the new manifest commits (the old checkpoint "
+            "would be damaged if the copy stopped); nothing there was changed. Delete it "
+            "first, or pick another destination",
+            checkpoint=dest.url,
+        )
     total = sum(manifest.files.values())
     with progress(f"copy to {dest.url}", total, enabled=show_progress) as advance:
         for file, size in sorted(manifest.files.items()):
-            if dest.store.exists(file) and not verify_file(staged, file):
+            if file in kept:
                 result["kept"].append(file)
                 advance(size)
                 continue
@@ -118,8 +146,10 @@ def copy_checkpoint(
             advance(size)
     if result["kept"]:
         result["status"] = "resumed"
-    dest.commit_manifest(manifest_bytes)
-    dest.sweep(keep=manifest.files)
+    if old:
+        result["status"] = "replaced"
+    dest.commit_manifest(manifest_bytes)  # the commit: from here on the new checkpoint
+    dest.sweep(keep=manifest.files)  # then the old one's files go
     return result
 
 
@@ -134,6 +164,12 @@ def copy_checkpoint(
 @storage_options_option(help_text="Store options (JSON object) for CKPT, and for DEST too "
                         "unless --dest-storage-options is given.")  # fmt: skip
 @storage_options_option("--dest-storage-options", help_text="Store options (JSON) for DEST.")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace a different committed checkpoint at DEST (atomically: it stays loadable "
+    "until the copy commits).",
+)
 @json_option
 def copy(
     ckpt: str,
@@ -141,6 +177,7 @@ def copy(
     into_root: bool,
     storage_options: dict,
     dest_storage_options: dict,
+    overwrite: bool,
     as_json: bool,
 ) -> None:
     """Copy the committed checkpoint CKPT to DEST (another directory, bucket or level),
@@ -149,7 +186,8 @@ def copy(
     Resumable: after an interruption, run it again; data files already complete
     and correct at DEST are kept. The manifest is written last, so an interrupted
     copy is never a committed checkpoint. Refuses to overwrite a different
-    committed checkpoint at DEST (exit status 1).
+    committed checkpoint at DEST (exit status 1) unless --overwrite; then the old
+    one stays loadable until the copy commits.
     """
     source = open_checkpoint(ckpt, storage_options)
     if into_root:
@@ -161,7 +199,7 @@ def copy(
         dest = checkpoint_url(dest, step)
     options = options_for(dest, dest_storage_options or storage_options)
     target = StoredCheckpoint(store_for(dest, **options), location=dest)
-    result = copy_checkpoint(source, target, show_progress=not as_json)
+    result = copy_checkpoint(source, target, show_progress=not as_json, overwrite=overwrite)
     if as_json:
         emit_json(result)
         return
@@ -173,6 +211,8 @@ def copy(
         return
     kept = result["kept"]
     resumed = f"; kept {len(kept)} complete file(s) from an earlier run" if kept else ""
+    if result["status"] == "replaced":
+        resumed += "; replaced the checkpoint that was there"
     console.print(
         f"copied {source.url} -> {target.url}: {len(result['copied'])} file(s), "
         f"{format_bytes(result['bytes_copied'])}{resumed}",

@@ -23,7 +23,8 @@ Call order (the manager makes every call; every rank unless said)::
     driver.drain(job, manifest, link)     a background drain thread, on every rank at
                                           once: bring ``job.source`` onto this level;
                                           collective agreement only through ``link``
-                                          (the c10d store, never the trainer's group)
+                                          (the c10d store, never the trainer's group);
+                                          first ``refuse_replacing`` (below)
     driver.delete(step)                   retention, main thread or drain thread: rank 0
                                           for every level, and every other rank too for
                                           the first level (each node its own view)
@@ -37,18 +38,26 @@ keeps each node's part on that node's own disk: each node sees, and
 retention deletes, its own part (every rank calls ``delete`` then, like
 for the first level), and a load asks every rank what its node holds
 (``restore/inventory.py``) instead of trusting one listing.
+
+No drain replaces a committed step of another save (another ``save_id``)
+unasked: a driver's ``drain`` calls :meth:`LevelDriver.refuse_replacing`
+before it writes anything, which raises :class:`DrainError` on every rank
+unless the level says ``overwrite=True``. The same save again (a retry) is
+not a replacement. A replacing drain writes its files under new names and
+its manifest last, so the old step stays loadable until the new one commits.
 """
 
 from __future__ import annotations
 
 import abc
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint import CheckpointRoot, StoredCheckpoint
 from ..checkpoint.root import StepDirs
-from ..errors import ConfigError
+from ..errors import ConfigError, DcpMultilevelError, DrainError
 from ..format import Manifest
 from .link import DrainLink
 from .options import Level
@@ -56,6 +65,8 @@ from .rebuild import Rebuilder
 from .topology import Topology
 
 __all__ = ["DrainJob", "DrainResult", "LevelContext", "LevelDriver"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -198,6 +209,57 @@ class LevelDriver(abc.ABC):
         "parity": [[group, block], ...]}`` for a level of erasure-coded groups;
         None (the default) for a level that holds whole files only."""
         return None
+
+    def held_save(self, step: int, link: DrainLink) -> str | None:
+        """The ``save_id`` of the committed ``step`` on this level (None: not committed),
+        the same on every rank of the drain: rank 0 looks and tells the others through
+        ``link`` (a node-local kind asks every node, ``node_local.py``).
+
+        Raises:
+            DrainError: the level could not be read (on every rank).
+        """
+        if link.rank == 0:
+            found = self._held_here(step)
+            link.put("held", found)
+        else:
+            (found,) = link.get(["held"])
+        return self._verdict(found, step)
+
+    def _held_here(self, step: int) -> dict[str, Any]:
+        """What this rank sees committed at ``step`` here, as a JSON-able value."""
+        try:
+            return {"save_id": self.checkpoint(step).held_save_id()}
+        except (DcpMultilevelError, OSError) as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    def _verdict(self, found: dict[str, Any], step: int) -> str | None:
+        """The save id in ``found`` (what a rank saw at ``step``), or DrainError saying why
+        there is none."""
+        if "error" in found:
+            raise DrainError(
+                f"could not tell whether step {step} is committed on {self.url} already (the "
+                f"drain must not replace it unasked): {found['error']}"
+            )
+        return found["save_id"]
+
+    def refuse_replacing(self, job: DrainJob, manifest: Manifest, link: DrainLink) -> None:
+        """Raise :class:`DrainError` (every rank alike) when ``job.step`` is committed on
+        this level as another save than ``manifest``'s and the level does not say
+        ``overwrite=True``; a drain calls it before it writes anything. Collective."""
+        held = self.held_save(job.step, link)
+        if held is None or held == manifest.save_id:
+            return
+        if not self.level.overwrite:
+            raise DrainError(
+                f"step {job.step} is committed on level {self.url} as save {held}; the drain "
+                f"of save {manifest.save_id} would replace it, so the level keeps it as it "
+                "is. Move or delete that step there, or pass Level(..., overwrite=True) to "
+                "replace it (the old one stays loadable until the new one commits)"
+            )
+        logger.warning(
+            "dcp_multilevel: replacing step %d on %s (save %s) with save %s (overwrite=True)",
+            job.step, self.url, held, manifest.save_id,
+        )  # fmt: skip
 
     @abc.abstractmethod
     def drain(self, job: DrainJob, manifest: Manifest, link: DrainLink) -> DrainResult:

@@ -29,6 +29,14 @@ One drain, every rank in a background thread (``drain``)::
 A drain of a step saved by another world size (a drain resumed after a
 restart with fewer ranks) is skipped: the copies follow the saving job's
 placement, which this job cannot reproduce.
+
+A step some node holds committed as another save is never replaced unasked:
+each node's lowest rank looks at its own part before anything moves
+(:meth:`NodeLocalLevel.held_save`), and the drain fails on every rank
+(``LevelDriver.refuse_replacing``). With ``Level(overwrite=True)`` it is
+replaced: the new save's data files have names of their own, and its
+manifest is written last, so a node's old step stays loadable until then;
+then its other files go.
 """
 
 from __future__ import annotations
@@ -128,6 +136,33 @@ class NodeLocalLevel(LevelDriver):
                 "this level."
             )
 
+    def held_save(self, step: int, link: DrainLink) -> str | None:
+        """The ``save_id`` of ``step`` where some node holds it committed (None: no node
+        does), the same on every rank: each node's lowest rank looks at its own part,
+        rank 0 takes the first other save found (else any), and tells everyone.
+
+        Raises:
+            DrainError: a node's part could not be read (on every rank).
+        """
+        topology = self.topology
+        assert topology is not None
+        if link.world_size == 1:
+            return super().held_save(step, link)
+        rank = link.rank
+        if topology.leads(rank) and rank != 0:
+            link.put(f"held/{rank}", self._held_here(step))
+        if rank != 0:
+            (verdict,) = link.get(["held"])
+            return self._verdict(verdict, step)
+        leaders = sorted({topology.leader(n) for n in topology.node_ids} - {0})
+        seen = [self._held_here(step), *link.get([f"held/{r}" for r in leaders])]
+        # An error first (nothing may be replaced unseen), then a save that is there.
+        verdict = next((s for s in seen if "error" in s), None)
+        if verdict is None:
+            verdict = next((s for s in seen if s["save_id"] is not None), {"save_id": None})
+        link.put("held", verdict)
+        return self._verdict(verdict, step)
+
     @abc.abstractmethod
     def exchange(
         self, job: DrainJob, manifest: Manifest, target: StoredCheckpoint, link: DrainLink
@@ -154,6 +189,7 @@ class NodeLocalLevel(LevelDriver):
             )  # fmt: skip
             result.skipped = True
             return result
+        self.refuse_replacing(job, manifest, link)  # before anything moves
         rank = _dist.rank()
         target = self.checkpoint(job.step)
         counts = self.exchange(job, manifest, target, link)

@@ -13,6 +13,13 @@ expected, makes the drain store the step whole (a keyframe). A failed
 drain leaves objects that no manifest names; retention sweeps them, or the
 next drain of the same step, which removes what its manifest does not name
 right after its commit.
+
+A step committed here as another save is never replaced unasked (the drain
+fails before any byte moves; ``LevelDriver.refuse_replacing``). With
+``Level(overwrite=True)`` it is replaced the way every drain commits: the
+new files under new names beside the old ones (an object store has no
+atomic rename), the new manifest last, then the old files removed, so a
+drain interrupted before its commit leaves the old step loadable.
 """
 
 from __future__ import annotations
@@ -42,7 +49,9 @@ class StoreLevel(LevelDriver):
 
     def drain(self, job: DrainJob, manifest: Manifest, link: DrainLink) -> DrainResult:
         """Copy this rank's files of ``job.source`` here; rank 0 also commits."""
+        self.refuse_replacing(job, manifest, link)  # before any byte is written here
         target = self.checkpoint(job.step)
+        # New names every drain: a step replaced here keeps its files until the commit.
         token = uuid.uuid4().hex[:16]
         delta = self._delta_target(job)
         stats = copy_rank_files(
@@ -89,9 +98,10 @@ class StoreLevel(LevelDriver):
             "dcp_multilevel: step %d committed on %s (%d bytes, lag %.2f s)",
             job.step, self.url, result.details["level_bytes"], result.lag_seconds,
         )  # fmt: skip
-        # As a save's commit does: what an earlier attempt at this drain left (it died)
-        # goes now (after the announcement: no peer waits for it). The sweep of a
-        # local level then passes over this step's data/ (``LocalStore.sweep``).
+        # As a save's commit does: what an earlier attempt at this drain left (it died),
+        # or the files of the save this one replaced (overwrite=True), go now (after
+        # the announcement: no peer waits for it). The sweep of a local level then
+        # passes over this step's data/ (``LocalStore.sweep``).
         target.sweep(files)
         return result
 

@@ -125,7 +125,7 @@ class FirstLevelSaves:
         if writer is None:
             writer = self._async_writer = MultiLevelWriter(
                 url, codec=self.level.codec, storage_options=self.level.storage_options,
-                staging=self._staging,
+                staging=self._staging, overwrite=self.level.overwrite,
             )  # fmt: skip
         writer.extra = dict(extra or {})  # the save before has committed: not read any more
         future = dcp.async_save(
@@ -197,6 +197,7 @@ class FirstLevelSaves:
         writer = MultiLevelWriter(
             self.level.checkpoint_url(step), codec=self.level.codec,
             storage_options=self.level.storage_options, reference=reference, extra=extra,
+            overwrite=self.level.overwrite,
         )  # fmt: skip
         try:
             dcp.save(state_dict, storage_writer=writer, planner=self.planner)

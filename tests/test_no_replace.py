@@ -1,0 +1,301 @@
+"""Nothing committed on a level is replaced unasked: drains (store levels on a local
+folder and on a real S3 server, delta levels, levels between nodes), ``dcp-multilevel
+copy`` and restores onto a node refuse a step committed as another save, naming the
+level, the step and both saves; ``overwrite=True`` replaces it atomically (the old
+step stays loadable until the new manifest commits); the same save again is fine.
+
+The scenario throughout: a first run saves steps with a first level and a remote
+level; a second run (a fresh first level, the same remote: new machines) saves the
+same step numbers with other contents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import _faulty_fs  # noqa: F401 - registers faulty://
+import fsspec
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import assert_bit_equal
+
+from dcp_multilevel import CheckpointManager, DrainError, Level
+from dcp_multilevel.checkpoint import StoredCheckpoint
+from dcp_multilevel.cli import main
+from dcp_multilevel.levels import Drainer, DrainJob, driver_for
+
+if TYPE_CHECKING:
+    from _s3 import S3Server
+
+pytest_plugins = ["_s3"]
+
+
+def state(v: int) -> dict:
+    g = torch.Generator().manual_seed(v)
+    return {"w": torch.randn(128, 96, generator=g), "b": torch.arange(500) + v, "v": v}
+
+
+def blank() -> dict:
+    return {"w": torch.zeros(128, 96), "b": torch.zeros(500, dtype=torch.long), "v": -1}
+
+
+def check(loaded: dict, v: int) -> None:
+    expected = state(v)
+    assert_bit_equal(loaded["w"], expected["w"], "w")
+    assert_bit_equal(loaded["b"], expected["b"], "b")
+    assert loaded["v"] == v
+
+
+def snapshot(url: str, options: dict | None = None) -> dict[str, bytes]:
+    """Every object below ``url``, by its path relative to it, with its bytes."""
+    fs, root = fsspec.url_to_fs(url, **(options or {}))
+    fs.invalidate_cache()
+    return {p[len(root) :].lstrip("/"): fs.cat_file(p) for p in fs.find(root)}
+
+
+def save_id(url: str, options: dict | None = None) -> str:
+    return StoredCheckpoint.at(url, options).manifest().save_id
+
+
+def run(first: Path, remote: Level, values: dict[int, int]) -> CheckpointManager:
+    """A run: a manager on a first level at ``first`` and ``remote``, saving
+    ``state(values[step])`` at each step; returned with its drains finished or failed."""
+    mgr = CheckpointManager([Level(str(first)), remote], drain_policy="wait")
+    for step, v in values.items():
+        mgr.save(state(v), step=step)
+    return mgr
+
+
+def load_remote(tmp_path: Path, remote: Level) -> tuple[int | None, dict, dict]:
+    """``load_latest`` from a fresh first level (new machines) and ``remote``."""
+    mgr = CheckpointManager([Level(str(tmp_path / f"fresh-{uuid.uuid4().hex[:6]}")), remote])
+    loaded = blank()
+    step = mgr.load_latest(loaded)
+    sources = dict(mgr.last_load_sources)
+    mgr.close()
+    return step, loaded, sources
+
+
+@pytest.fixture(params=["local", "s3"])
+def remote_url(request, tmp_path) -> tuple[str, dict]:
+    """A remote level's URL and storage options: a local folder, or a bucket on S3."""
+    if request.param == "local":
+        return str(tmp_path / "remote"), {}
+    server: S3Server = request.getfixturevalue("s3_server")
+    return f"s3://{server.new_bucket()}/run", server.storage_options
+
+
+REFUSED = (
+    "step 4 to {url}: DrainError: step 4 is committed on level {url} as save {old}; the "
+    "drain of save {new} would replace it, so the level keeps it as it is. Move or delete "
+    "that step there, or pass Level(..., overwrite=True) to replace it (the old one stays "
+    "loadable until the new one commits). The first level still holds these checkpoints."
+)
+
+
+def test_a_second_run_never_replaces_the_remotes_step(tmp_path, remote_url):
+    url, options = remote_url
+    remote = Level(url, every=2, storage_options=options)
+    first = run(tmp_path / "a", remote, {1: 1, 2: 2, 3: 3, 4: 4})
+    first.wait()
+    first.close()
+    old = save_id(f"{url}/step-4", options)
+    before = snapshot(f"{url}/step-4", options)
+
+    second = run(tmp_path / "b", remote, {4: 104})
+    new = save_id(str(tmp_path / "b" / "step-4"))
+    with pytest.raises(DrainError) as info:
+        second.wait()
+    assert str(info.value) == REFUSED.format(url=url, old=old, new=new)
+    (result,) = [r for r in second.drain_results if r.step == 4]
+    assert not result.committed
+    assert f"step 4 to {url}: {result.error}. The first level" in str(info.value)
+    second.close()
+    assert snapshot(f"{url}/step-4", options) == before  # bit for bit, no file added
+    step, loaded, sources = load_remote(tmp_path, remote)
+    assert step == 4 and sources == {StoredCheckpoint.at(f"{url}/step-4", options).url: 3}
+    check(loaded, 4)  # the first run's bytes
+
+
+def test_overwrite_replaces_the_remotes_step_atomically(tmp_path, remote_url):
+    url, options = remote_url
+    first = run(tmp_path / "a", Level(url, every=2, storage_options=options), {2: 2, 4: 4})
+    first.wait()
+    first.close()
+    old_files = set(snapshot(f"{url}/step-4", options))
+
+    remote = Level(url, every=2, storage_options=options, overwrite=True)
+    second = run(tmp_path / "b", remote, {4: 104})
+    assert [r.step for r in second.wait() if r.committed] == [4]
+    second.close()
+    assert save_id(f"{url}/step-4", options) == save_id(str(tmp_path / "b" / "step-4"))
+    now = set(snapshot(f"{url}/step-4", options))
+    # The old data files are gone after the commit; the new ones had names of their own.
+    assert {f for f in old_files if f.startswith("data/")}.isdisjoint(now)
+    step, loaded, _ = load_remote(tmp_path, remote)
+    assert step == 4
+    check(loaded, 104)
+
+
+def test_a_replacing_drain_stopped_before_its_commit_leaves_the_old_step(tmp_path):
+    remote_dir = tmp_path / "remote"
+    first = run(tmp_path / "a", Level(str(remote_dir), every=2), {2: 2, 4: 4})
+    first.wait()
+    first.close()
+    before = snapshot(str(remote_dir / "step-4"))
+    # The same folder through a store whose manifest uploads fail: every data file
+    # of the new save arrives, its commit never does.
+    broken = dict(target_protocol="file", retries=0, skip_instance_cache=True,
+                  fail_first={"pipe_file": 10**9})  # fmt: skip
+    remote = Level(f"faulty://{remote_dir}", every=2, storage_options=broken, overwrite=True)
+    second = run(tmp_path / "b", remote, {4: 104})
+    with pytest.raises(DrainError, match="RemoteStoreError"):
+        second.wait()
+    second.close()
+    after = snapshot(str(remote_dir / "step-4"))
+    assert {k: v for k, v in after.items() if k in before} == before  # nothing old touched
+    assert len(set(after) - set(before)) >= 1  # the new save's files, never committed
+    step, loaded, _ = load_remote(tmp_path, Level(str(remote_dir), every=2))
+    assert step == 4
+    check(loaded, 4)
+
+
+def test_draining_the_same_save_again_is_no_replacement(tmp_path):
+    first = run(tmp_path / "a", Level(str(tmp_path / "remote"), every=2), {2: 2})
+    first.wait()
+    first.close()
+    target = driver_for(Level(str(tmp_path / "remote")))
+    source = StoredCheckpoint.at(str(tmp_path / "a" / "step-2"))
+    drainer = Drainer()
+    for n in range(2):  # a retry of a drain that had committed, then another
+        drainer.submit(DrainJob(2, source, target, f"again-{n}", time.time()))
+        results = drainer.wait()
+    drainer.close()
+    assert [(r.committed, r.error) for r in results] == [(True, None), (True, None)]
+    assert save_id(str(tmp_path / "remote" / "step-2")) == source.manifest().save_id
+    step, loaded, _ = load_remote(tmp_path, Level(str(tmp_path / "remote")))
+    assert step == 2
+    check(loaded, 2)
+
+
+# --------------------------------------------------------------------------- delta levels
+
+
+def delta_remote(url: str, **kw: Any) -> Level:
+    return Level(url, every=2, codec="bytegroup", keyframe_every=2, **kw)
+
+
+def test_a_delta_drain_never_rebases_onto_a_committed_step(tmp_path):
+    # The first run leaves the remote with step 2 whole and step 4 a delta against
+    # it. The second run's step 4 would be coded against the remote's step 2 (its
+    # reference there): that rebased copy must not replace the first run's step 4.
+    url = str(tmp_path / "remote")
+    first = run(tmp_path / "a", delta_remote(url), {2: 2, 4: 4})
+    first.wait()
+    first.close()
+    assert StoredCheckpoint.at(f"{url}/step-4").manifest().reference_step == 2
+    old = {s: save_id(f"{url}/step-{s}") for s in (2, 4)}
+    before = snapshot(url)
+
+    second = run(tmp_path / "b", delta_remote(url), {2: 102, 4: 104})
+    with pytest.raises(DrainError) as info:
+        second.wait()
+    second.close()
+    new = {s: save_id(str(tmp_path / "b" / f"step-{s}")) for s in (2, 4)}
+    for s in (2, 4):
+        assert f"step {s} is committed on level {url} as save {old[s]}; the drain of save " \
+               f"{new[s]} would replace it" in str(info.value)  # fmt: skip
+    assert snapshot(url) == before
+    step, loaded, _ = load_remote(tmp_path, delta_remote(url))
+    assert step == 4
+    check(loaded, 4)
+
+    third = run(tmp_path / "c", delta_remote(url, overwrite=True), {2: 202, 4: 204})
+    assert [r.step for r in third.wait() if r.committed] == [2, 4]
+    third.close()
+    assert StoredCheckpoint.at(f"{url}/step-4").manifest().reference_step == 2
+    step, loaded, _ = load_remote(tmp_path, delta_remote(url))
+    assert step == 4
+    check(loaded, 204)
+
+
+# --------------------------------------------------------------------------- copy
+
+
+def cli(*args: Any) -> Any:
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_copy_onto_another_committed_step_is_refused_and_overwrite_replaces_it(tmp_path):
+    first = run(tmp_path / "a", Level(str(tmp_path / "remote"), every=2), {2: 2})
+    first.wait()
+    first.close()
+    other = CheckpointManager([Level(str(tmp_path / "b"))])
+    other.save(state(102), step=2)
+    other.close()
+    dest = tmp_path / "remote" / "step-2"
+    before = snapshot(str(dest))
+    old, new = save_id(str(dest)), save_id(str(tmp_path / "b" / "step-2"))
+
+    refused = cli("copy", tmp_path / "b" / "step-2", tmp_path / "remote", "--into-root")
+    assert refused.exit_code == 1
+    assert refused.stderr == (
+        f"error: Checkpoint already exists at file://{dest}: it holds a different committed "
+        f"checkpoint (save {old}, copying save {new}), and nothing there was changed. Pass "
+        "--overwrite to replace it (the old one stays loadable until the new one commits), "
+        "delete it first, or pick another destination\n"
+    )
+    assert snapshot(str(dest)) == before
+
+    done = cli("copy", tmp_path / "b" / "step-2", tmp_path / "remote", "--into-root",
+               "--overwrite", "--json")  # fmt: skip
+    assert done.exit_code == 0, done.stderr
+    assert json.loads(done.stdout)["status"] == "replaced"
+    assert save_id(str(dest)) == new
+    assert snapshot(str(dest)).keys() == snapshot(str(tmp_path / "b" / "step-2")).keys()
+    step, loaded, _ = load_remote(tmp_path, Level(str(tmp_path / "remote")))
+    assert step == 2
+    check(loaded, 102)
+    # The same checkpoint again: nothing to do, with or without --overwrite.
+    again = cli("copy", tmp_path / "b" / "step-2", dest, "--overwrite", "--json")
+    assert json.loads(again.stdout)["status"] == "already-present"
+
+
+def test_copy_with_overwrite_never_rewrites_a_file_the_old_step_names(tmp_path):
+    # A destination whose old checkpoint names a data file the new one names too,
+    # with other bytes: replacing it in place would break the old step before the
+    # commit, so even --overwrite refuses.
+    src = CheckpointManager([Level(str(tmp_path / "src"))])
+    src.save(state(1), step=1)
+    src.close()
+    dest = tmp_path / "dest"
+    shutil.copytree(tmp_path / "src" / "step-1" / "data", dest / "data")
+    m = StoredCheckpoint.at(str(tmp_path / "src" / "step-1")).manifest()
+    StoredCheckpoint.at(str(dest)).commit(  # another save, the same file names
+        m.metadata, m.locations, m.files, save_id="20260101T000000-0123456789ab",
+        world_size=m.world_size,
+    )  # fmt: skip
+    (data,) = (dest / "data").iterdir()
+    damaged = bytearray(data.read_bytes())
+    damaged[-1] ^= 0xFF
+    data.write_bytes(bytes(damaged))
+    before = snapshot(str(dest))
+    result = cli("copy", tmp_path / "src" / "step-1", dest, "--overwrite")
+    assert result.exit_code == 1
+    assert re.fullmatch(
+        f"error: Checkpoint already exists at file://{dest}, and replacing it would rewrite "
+        r"its data file 'data/[^']+' before the new manifest commits \(the old checkpoint "
+        r"would be damaged if the copy stopped\); nothing there was changed. Delete it "
+        r"first, or pick another destination\n",
+        result.stderr,
+    ), result.stderr
+    assert snapshot(str(dest)) == before
+    assert os.path.exists(dest / "manifest.json")
