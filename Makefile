@@ -52,7 +52,7 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# The product in about a minute: 4 ranks on 2 simulated nodes train a small transformer,
+# The product, end to end: 4 ranks on 2 simulated nodes train a small transformer,
 # saving on the automatic schedule to three levels (node-local, partner copies on the
 # other node, a compressed "remote": DEMO_ARGS="--remote s3://bucket/fresh-prefix");
 # node 1's disk is deleted, a restart restores it and resumes bit-exact.
