@@ -33,8 +33,10 @@ from dcp_multilevel.testing import run_ranks
 WORLD = 2
 
 
-def _fsdp2_on_cpu(rank: int, world: int, **options):
-    """A CPU ``MultiLevelAccelerator`` in Accelerate's FSDP2 mode (see the module docstring)."""
+def _fsdp2_on_cpu(rank: int, world: int, stock: bool = False, **options):
+    """A CPU ``MultiLevelAccelerator`` (``stock``: Accelerate's own ``Accelerator``) in
+    Accelerate's FSDP2 mode (see the module docstring)."""
+    from accelerate import Accelerator
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
@@ -48,7 +50,8 @@ def _fsdp2_on_cpu(rank: int, world: int, **options):
         OMP_NUM_THREADS="1",
     )
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
-    accelerator = MultiLevelAccelerator(cpu=True, fsdp_plugin=plugin, **options)
+    cls = Accelerator if stock else MultiLevelAccelerator
+    accelerator = cls(cpu=True, fsdp_plugin=plugin, **options)
     PartialState().distributed_type = DistributedType.FSDP
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
@@ -101,10 +104,16 @@ def _flatten(value, prefix: str, out: dict) -> None:
         out[prefix] = repr(value).encode()
 
 
-def _save_train_load(rank: int, world: int, root: str) -> dict:
-    """Train 2 steps, save_state, take a 3rd step; a fresh model load_state's, takes it again."""
+def _save_train_load(rank: int, world: int, root: str, stock_save: bool = False) -> dict:
+    """Train 2 steps, save_state, take a 3rd step; a fresh model load_state's, takes it again.
+
+    ``stock_save``: stock Accelerate saves; ours loads (a run switching over).
+    """
     warnings.filterwarnings("ignore")
-    accelerator = _fsdp2_on_cpu(rank, world, writer_options={"codec": "bytegroup"})
+    if stock_save:
+        accelerator = _fsdp2_on_cpu(rank, world, stock=True)
+    else:
+        accelerator = _fsdp2_on_cpu(rank, world, writer_options={"codec": "bytegroup"})
     parts = _prepared(accelerator, seed=0)
     for step in range(2):
         _step(accelerator, *parts, step, rank)
@@ -150,6 +159,29 @@ def test_save_state_load_state_round_trip_is_bit_exact(tmp_path):
         # The scheduler came back too (Accelerate's own file; its prepared
         # scheduler steps once per process per step).
         assert r["lr"] == r["expected_lr"] == [1e-2 * 0.5 ** (3 * WORLD)], rank
+
+
+def test_a_checkpoint_saved_by_stock_accelerate_loads_through_ours_bit_exact(tmp_path):
+    results = run_ranks(_save_train_load, WORLD, str(tmp_path), True, timeout=120)
+    ckpt = tmp_path / "ckpt"
+    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert (ckpt / folder / ".metadata").is_file(), folder  # stock DCP's own files
+        assert list((ckpt / folder).glob("*.distcp")), folder
+        assert not MultiLevelReader.validate_checkpoint_id(ckpt / folder), folder
+    for rank, r in enumerate(results):
+        assert r["loaded"].keys() == r["saved"].keys()
+        differ = [k for k in r["saved"] if r["loaded"][k] != r["saved"][k]]
+        assert not differ, f"rank {rank}: {differ}"
+        assert any(k.startswith("optim.state.") for k in r["saved"]), sorted(r["saved"])
+        assert r["loss"] == r["expected_loss"], rank
+
+
+def test_a_folder_with_neither_checkpoint_gets_our_readers_error(tmp_path):
+    # Not stock's: nothing there says it was ever a stock checkpoint.
+    (tmp_path / "half").mkdir()
+    with multilevel_fsdp_checkpoints():
+        reader = dcp.FileSystemReader(tmp_path / "half")
+    assert isinstance(reader, MultiLevelReader)
 
 
 def test_routing_is_scoped_to_the_block_and_the_thread(tmp_path):

@@ -26,7 +26,9 @@ save and load) build a :class:`~dcp_multilevel.MultiLevelWriter` /
 code runs unchanged otherwise: which state dicts it takes, the folder names
 (``pytorch_model_fsdp_0``, ``optimizer_0``), its planners and barriers. Its other
 files (RNG states, schedulers, samplers, scaler, custom objects) stay its own
-``torch.save`` / safetensors files beside ours.
+``torch.save`` / safetensors files beside ours. A folder that holds a stock
+DCP checkpoint and not ours (saved by stock Accelerate before the switch) is
+read by stock DCP's reader, so existing checkpoints keep loading.
 
 Tested with ``accelerate==1.15.0`` (``tests/test_integration_accelerate.py``).
 """
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -43,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
 
 from dcp_multilevel import MultiLevelReader, MultiLevelWriter
+from dcp_multilevel.format.stock_hint import STOCK_METADATA_NAME
 
 __all__ = ["MultiLevelAccelerator", "multilevel_fsdp_checkpoints"]
 
@@ -58,17 +61,28 @@ class _ThreadRouted:
 
     Called from the thread that opened the window, it builds ours; from any
     other thread it builds the stock class, so a concurrent stock save elsewhere
-    in the process is not redirected. Accelerate passes only the folder.
+    in the process is not redirected; and for a folder ``stock_when`` names
+    (a stock checkpoint, for the reader). Accelerate passes only the folder.
     """
 
-    def __init__(self, stock: Any, ours: Any, options: Mapping[str, Any], owner: int) -> None:
+    def __init__(
+        self,
+        stock: Any,
+        ours: Any,
+        options: Mapping[str, Any],
+        owner: int,
+        stock_when: Callable[[str | os.PathLike[str]], bool] | None = None,
+    ) -> None:
         self.stock = stock
         self.ours = ours
         self.options = dict(options)
         self.owner = owner
+        self.stock_when = stock_when
 
     def __call__(self, path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != self.owner:
+            return self.stock(path, *args, **kwargs)
+        if self.stock_when is not None and self.stock_when(path):
             return self.stock(path, *args, **kwargs)
         if args or kwargs:
             # Not Accelerate 1.15's call: its options mean nothing to our classes.
@@ -92,7 +106,9 @@ def multilevel_fsdp_checkpoints(
     by name on this thread inside the block: ``Accelerator.save_state`` /
     ``load_state`` with FSDP and ``SHARDED_STATE_DICT``, and the four
     ``accelerate.utils`` functions ``save_fsdp_model``, ``load_fsdp_model``,
-    ``save_fsdp_optimizer``, ``load_fsdp_optimizer`` called directly.
+    ``save_fsdp_optimizer``, ``load_fsdp_optimizer`` called directly. A folder
+    holding a stock DCP checkpoint and not ours (saved by stock Accelerate)
+    is loaded by stock DCP's reader.
 
     Args:
         writer_options: keyword arguments of :class:`~dcp_multilevel.MultiLevelWriter`
@@ -109,12 +125,26 @@ def multilevel_fsdp_checkpoints(
         stock_writer, stock_reader = dcp.FileSystemWriter, dcp.FileSystemReader
         dcp.FileSystemWriter = _ThreadRouted(stock_writer, MultiLevelWriter, writer_options, owner)
         dcp.FileSystemReader = _ThreadRouted(
-            stock_reader, MultiLevelReader, reader_options or {}, owner
+            stock_reader, MultiLevelReader, reader_options or {}, owner, _stock_checkpoint
         )
         try:
             yield
         finally:
             dcp.FileSystemWriter, dcp.FileSystemReader = stock_writer, stock_reader
+
+
+def _stock_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a stock DCP checkpoint and not ours: stock's reader loads it.
+
+    A run that switches to this module resumes from the checkpoints stock
+    Accelerate saved before. Each rank decides from the folder alone (no
+    collective: Accelerate also builds readers on one process, to merge
+    weights). A folder with neither manifest goes to ours, whose error says
+    what a save that did not finish leaves.
+    """
+    if MultiLevelReader.validate_checkpoint_id(path):
+        return False
+    return os.path.isfile(os.path.join(os.fspath(path), STOCK_METADATA_NAME))
 
 
 class MultiLevelAccelerator(Accelerator):
