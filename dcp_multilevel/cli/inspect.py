@@ -83,6 +83,8 @@ def describe(manifest: Manifest, url: str) -> dict[str, Any]:
         r["bytes"] += size
         r["files"] += 1
     doc = {"url": url, **summary(manifest), "dcp_version": manifest.metadata.version}
+    # Checked when the manifest was read; None: written before manifests carried one.
+    doc["manifest_digest"] = manifest.digest
     link = manifest.reference
     doc["reference"] = None if link is None else {"checkpoint": link.checkpoint,
                                                   "save_id": link.save_id}  # fmt: skip
@@ -111,6 +113,8 @@ def _header(doc: dict[str, Any]) -> Table:
                  f"{format_bytes(doc['raw_bytes'])} raw "
                  f"(ratio {_ratio(doc['raw_bytes'], doc['stored_bytes']) or '-'})"),
         ("codecs", format_codecs(doc["codecs"])),
+        ("manifest digest", doc["manifest_digest"] or "none (written before manifests "
+                                                     "carried one: not checked)"),
     ]  # fmt: skip
     if doc.get("reference"):
         deltas = sum(any(c["reference_checksum"] for c in it["chunks"]) for it in doc["items"])
