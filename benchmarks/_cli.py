@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from _report import REPO
+from _report import REPO, RESULTS
 
 WAIT_IDLE_HELP = (
     "before each timed phase wait up to this many seconds for other processes to\n"
@@ -33,6 +33,20 @@ def add_seed(p: argparse.ArgumentParser) -> None:
 
 def add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the raw samples here")
+
+
+def _optional_path(value: str) -> Path | None:
+    return Path(value) if value else None
+
+
+def add_results(p: argparse.ArgumentParser, name: str) -> None:
+    """``--results``: the results file (``_report.Results``) the docs' tables are built
+    from; default ``benchmarks/results/<name>.json``, ``''`` to write none."""
+    p.add_argument(
+        "--results", type=_optional_path, default=RESULTS / f"{name}.json",
+        help=f"write the results file here (default benchmarks/results/{name}.json;\n"
+        "'' for none): command, commit, date, machine, every sample",
+    )  # fmt: skip
 
 
 def args_record(args: argparse.Namespace) -> dict[str, object]:

@@ -1,20 +1,36 @@
-"""Reporting: what the numbers were measured on, markdown tables, number formats and
-PASS/MISS goal lines.
+"""Reporting: what the numbers were measured on, markdown tables, number formats,
+PASS/MISS goal lines, and the results files the tables of the docs are built from.
+
+A results file (``benchmarks/results/<name>.json``, :class:`Results`) holds the
+command line, the git commit (and whether the tree had changes), the UTC date,
+the machine, the load average before and after, the configurations alternated
+and the rounds, and each figure as its samples with their median and spread
+(:func:`figure`). ``benchmarks/tables.py`` reads nothing else.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+#: Format of a results file; tables.py refuses others.
+RESULTS_VERSION = 1
+#: The 1-minute load average per core above which a run is marked busy.
+BUSY_LOAD_PER_CORE = 0.5
 
 
 # --------------------------------------------------------------------------- numbers and goals
@@ -76,23 +92,29 @@ def _run(cmd: Sequence[str]) -> str:
     return out.stdout.strip()
 
 
-def machine_info(root: str | os.PathLike[str]) -> dict[str, str]:
-    """What the numbers were measured on: code version, CPU, memory, the disk under
-    ``root``, software versions."""
-    cpu = "unknown"
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    mem = "unknown"
+    return platform.processor() or "unknown"
+
+
+def ram_gib() -> float:
+    """Total memory in GiB (NaN where /proc/meminfo is missing)."""
     try:
-        kib = int(Path("/proc/meminfo").read_text().split()[1])
-        mem = f"{kib / 2**20:.1f} GiB"
+        return int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
     except (OSError, ValueError, IndexError):
-        pass
+        return float("nan")
+
+
+def machine_info(root: str | os.PathLike[str]) -> dict[str, str]:
+    """What the numbers were measured on: code version, CPU, memory, the disk under
+    ``root``, software versions."""
+    cpu = cpu_model()
+    mem = "unknown" if math.isnan(ram_gib()) else f"{ram_gib():.1f} GiB"
     df = _run(["df", "-hT", os.fspath(root)]).splitlines()
     disk = " ".join(df[-1].split()) if df else "unknown"
     dev = df[-1].split()[0] if df else ""
@@ -142,3 +164,115 @@ def markdown_table(headers: str | Sequence[str], rows: Iterable[Sequence[object]
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- results files
+
+
+def git(*args: str) -> str:
+    """``git -C <repo> args...``'s output, stripped ('' when git fails)."""
+    return _run(["git", "-C", os.fspath(REPO), *args])
+
+
+def code_version() -> dict[str, Any]:
+    """The commit measured: ``commit`` (full hash), ``dirty`` (any uncommitted change to
+    a tracked file) and ``dirty_code`` (the changed paths under ``dcp_multilevel/``: a
+    figure measured with them is not that commit's)."""
+    status = git("status", "--porcelain", "--untracked-files=no").splitlines()
+    paths = [line[3:] for line in status if line[3:]]
+    return {
+        "commit": git("rev-parse", "HEAD") or "unknown",
+        "dirty": bool(paths),
+        "dirty_code": [p for p in paths if p.startswith("dcp_multilevel/")],
+    }
+
+
+def machine() -> dict[str, Any]:
+    """The machine, for a results file: cores, CPU model, memory, Python, torch."""
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu_model(),
+        "ram_gib": round(ram_gib(), 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def figure(samples: Iterable[float], unit: str) -> dict[str, Any]:
+    """One figure of a results file: its samples (one per round, or per save where
+    the benchmark says so), their median and their spread (min, max)."""
+    xs = [float(x) for x in samples]
+    if not xs:
+        raise ValueError(f"a figure in {unit} without samples")
+    return {
+        "median": statistics.median(xs),
+        "min": min(xs),
+        "max": max(xs),
+        "n": len(xs),
+        "unit": unit,
+        "samples": xs,
+    }
+
+
+class Results:
+    """A results file in the making: created before the measurements (date, load
+    average, commit), written after them with :meth:`write`."""
+
+    def __init__(self, script: str) -> None:
+        self.benchmark = Path(script).stem
+        self.command = command(script)
+        self.date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.load_before = os.getloadavg()
+        self.code = code_version()
+        self._t0 = time.perf_counter()
+
+    def document(
+        self,
+        *,
+        figures: Mapping[str, Mapping[str, Any]],
+        alternated: Sequence[str],
+        rounds: int,
+        data: object = None,
+        notes: Sequence[str] = (),
+    ) -> dict[str, Any]:
+        """The file's content. ``figures``: name -> :func:`figure`; ``alternated``: the
+        configurations measured in turn (their order rotated every round); ``rounds``:
+        how many such rounds; ``data``: the benchmark's own record of every sample."""
+        load_after = os.getloadavg()
+        cores = os.cpu_count() or 1
+        busy = self.load_before[0] > BUSY_LOAD_PER_CORE * cores
+        return {
+            "format": RESULTS_VERSION,
+            "benchmark": self.benchmark,
+            "command": self.command,
+            **self.code,
+            "date": self.date,
+            "wall_s": round(time.perf_counter() - self._t0, 1),
+            "machine": machine(),
+            "load_before": [round(x, 2) for x in self.load_before],
+            "load_after": [round(x, 2) for x in load_after],
+            "busy": busy,
+            "busy_note": (
+                f"busy: 1-minute load average {self.load_before[0]:.2f} on {cores} cores "
+                "before the run (other processes were running)"
+                if busy
+                else f"quiet: 1-minute load average {self.load_before[0]:.2f} on {cores} "
+                "cores before the run"
+            ),
+            "alternated": list(alternated),
+            "rounds": rounds,
+            "figures": dict(figures),
+            "notes": list(notes),
+            "data": data,
+        }
+
+    def write(self, path: str | os.PathLike[str] | None, **content: Any) -> dict[str, Any]:
+        """Write :meth:`document` to ``path`` (None: nowhere) and say so; returns it."""
+        doc = self.document(**content)
+        if path:
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(doc, indent=1) + "\n")
+            print(f"\nresults: {path} ({doc['busy_note']}; {doc['wall_s']:.0f} s)")
+        return doc

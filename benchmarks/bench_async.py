@@ -1,27 +1,44 @@
-"""Async saves: stock ``async_save`` + ``FileSystemWriter`` vs ``MultiLevelWriter``'s pool.
+"""Async saves: how long ``dcp.async_save`` blocks training, stock DCP against ours.
 
-Each variant runs in a fresh process (clean RSS), alternating stock/ours,
-``--repeats`` times; the table shows medians over the repeats. In each process:
-``torch.set_num_threads(1)``; a state of ``--gb`` GB (fp32 tensors of 8-64 MiB);
-``--saves`` iterations of::
+Variants, each writing with fsync:
+
+* ``stock``: ``FileSystemWriter``, DCP's default staging (a fresh CPU copy per save);
+* ``stock-best``: ``FileSystemWriter`` with one ``DefaultStager(StagingOptions(
+  use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
+  use_non_blocking_copy=False))`` made once and passed to every
+  ``async_save(..., async_stager=...)`` (pinning and non-blocking copies need an
+  accelerator), and ``DefaultSavePlanner(enable_plan_caching=True)``;
+* ``ours``: ``MultiLevelWriter`` (one, reused), default staging (the copy made
+  before ``async_save`` returns, into reused buffers), ``BalancedSavePlanner``;
+* ``ours-overlap``: the same with ``StagingConfig(overlap=True)`` (the copy made
+  behind a staging fence, as stock's best);
+* ``ours-budget`` (with ``--budget-gb``): ours with a staging budget below the state.
+
+Each variant runs in a fresh process (clean RSS), the variants in an order
+rotated every round, ``--repeats`` rounds; the table shows medians over the
+rounds. In each process: ``torch.set_num_threads(1)``; a state of ``--gb`` GB
+(fp32 tensors of 8-64 MiB); ``--saves`` iterations of::
 
     blocked = time of dcp.async_save(state, storage_writer=W, checkpoint_id=<new dir>)
     while the save is in flight: training steps (timed)  # small tensor ops in Python
-    future.result(); RSS; one more step; delete the checkpoint (untimed)
+    future.result(); RSS; more steps; delete the checkpoint (untimed)
 
-A training step is 100 small tensor ops from Python (like a loop launching GPU
-kernels) plus an in-place update of one parameter slice, so every checkpoint
-differs. Step time without a save in flight is measured before the loop and
-between saves. memcpy bandwidth: ``copy_`` of 256 MiB into touched memory,
-single-threaded, in the same process.
+A training step is 50 small tensor ops from Python (like a loop launching GPU
+kernels), then an in-place update of one parameter slice, so every checkpoint
+differs. The update waits for the staging fence where there is one (the copy
+must be taken before the weights change): that wait is *fence wait*, and
+blocked + fence wait is how long the state was held. Step time without a save
+in flight is measured before the loop and between saves. memcpy bandwidth:
+``copy_`` of 256 MiB into touched memory, single-threaded, in the same process.
 
 Figures: blocked time per save (median over saves after the first: the first
-includes one-time costs on both sides, reported apart), staging GB/s (state
-bytes / blocked time), step time in flight vs idle, RSS after the 3rd and the
-last save, peak RSS. Goals (issue 6): blocked >= 3x smaller than stock; staging
->= 50% of memcpy; step slowdown in flight <= 10%; RSS flat (within 5%).
+includes one-time costs on both sides, reported apart), the fence wait,
+staging GB/s (state bytes / (blocked + fence wait)), step time in flight vs
+idle, RSS after the 3rd and the last save, peak RSS. Goals: blocked >= 3x
+smaller than stock's default; staging >= 50% of memcpy; step slowdown in
+flight <= 10%; RSS flat (within 5%).
 
-    python benchmarks/bench_async.py --gb 1.5 --saves 10 --repeats 2
+    python benchmarks/bench_async.py --gb 1.5 --saves 5 --repeats 3
 """
 
 from __future__ import annotations
@@ -36,11 +53,12 @@ import sys
 import time
 from pathlib import Path
 
+from _cli import add_results
 from _disk import scratch_dir
 from _measure import GB, median, rotated
-from _report import verdict
+from _report import Results, figure, verdict
 
-VARIANTS = ("stock", "ours", "ours-budget")
+VARIANTS = ("stock", "stock-best", "ours", "ours-overlap", "ours-budget")
 
 
 def _rss() -> int:
@@ -52,8 +70,10 @@ def run_variant(variant: str, gb: float, saves: int, root: Path, budget_gb: floa
     """The measurement, in a fresh process: ``saves`` async saves of a ``gb`` GB state."""
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    from dcp_multilevel import MultiLevelWriter, StagingConfig
+    from dcp_multilevel import BalancedSavePlanner, MultiLevelWriter, StagingConfig
 
     torch.set_num_threads(1)
     sizes = [8, 16, 32, 64]
@@ -67,12 +87,19 @@ def run_variant(variant: str, gb: float, saves: int, root: Path, budget_gb: floa
     x = torch.rand(64)
     keys = list(state)
 
-    def timed_step(k: int) -> float:
-        """One training step: small tensor ops from Python, then update one slice."""
+    fence_wait = [0.0]
+
+    def timed_step(k: int, fence=None) -> float:
+        """One training step: small tensor ops from Python, then update one slice (once
+        ``fence``, the save's staging, is done: the wait is added to ``fence_wait``)."""
         t0 = time.perf_counter()
         y = x
         for _ in range(50):
             y = y * 1.0001 + 0.0001
+        if fence is not None and not fence.done():
+            t1 = time.perf_counter()
+            fence.result()
+            fence_wait[0] += time.perf_counter() - t1
         state[keys[k % len(keys)]][:4096].add_(1e-3)
         return time.perf_counter() - t0
 
@@ -86,35 +113,48 @@ def run_variant(variant: str, gb: float, saves: int, root: Path, budget_gb: floa
         memcpy.append(src.numel() * 4 / GB / (time.perf_counter() - t0))
     del src, dst
 
-    writer = None
-    if variant != "stock":
+    writer = stager = planner = None
+    if variant.startswith("ours"):
         # "ours-budget": a budget below the state's size (two waves, see docs/async.md).
         budget = int(budget_gb * GB) if variant == "ours-budget" else None
-        writer = MultiLevelWriter(
-            root / "unused", sync_files=True, staging=StagingConfig(budget_bytes=budget)
-        )
+        staging = StagingConfig(budget_bytes=budget, overlap=variant == "ours-overlap")
+        writer = MultiLevelWriter(root / "unused", sync_files=True, staging=staging)
+        planner = BalancedSavePlanner()
+    if variant == "stock-best":  # made once, reused by every save
+        stager = DefaultStager(StagingOptions(False, False, True, False))
+        planner = DefaultSavePlanner(enable_plan_caching=True)
     idle = [timed_step(k) for k in range(300)]
-    blocked, inflight, rss = [], [], []
+    blocked, fenced, inflight, rss = [], [], [], []
     k = 0
     for n in range(saves):
         path = root / f"{variant}-{n}"
         w = writer if writer is not None else dcp.FileSystemWriter(path, sync_files=True)
+        kwargs = {"async_stager": stager} if stager is not None else {}
         t0 = time.perf_counter()
-        fut = dcp.async_save(state, storage_writer=w, checkpoint_id=path)
+        r = dcp.async_save(state, storage_writer=w, checkpoint_id=path, planner=planner, **kwargs)
         blocked.append(time.perf_counter() - t0)
+        # A staging fence (async staging) or a plain future (staged before returning).
+        fence, fut = getattr(r, "staging_completion", None), getattr(r, "upload_completion", r)
+        fence_wait[0] = 0.0
         while not fut.done():
-            inflight.append(timed_step(k))
+            inflight.append(timed_step(k, fence))
             k += 1
+        if fence is not None:
+            fence.result()
         fut.result()
+        fenced.append(fence_wait[0])
         rss.append(_rss())
         idle += [timed_step(k + j) for j in range(100)]
         k += 100
         shutil.rmtree(path)
+    if stager is not None:
+        stager.close()
     return {
         "variant": variant,
         "state_bytes": total,
         "memcpy_gbps": median(memcpy),
         "blocked": blocked,
+        "fence_wait": fenced,
         "step_idle": median(idle),
         "step_inflight": median(inflight),
         "inflight_steps": len(inflight),
@@ -134,11 +174,14 @@ def in_fresh_process(variant: str, args: argparse.Namespace, root: Path) -> dict
 def _summary(r: dict) -> dict:
     later = r["blocked"][1:] or r["blocked"]
     b = median(later)
+    wait = median(r["fence_wait"][1:] or r["fence_wait"])
     rss = r["rss"]
     return {
         "blocked_s": b,
+        "fence_wait_s": wait,
+        "held_s": b + wait,
         "first_blocked_s": r["blocked"][0],
-        "staging_gbps": r["state_bytes"] / GB / b,
+        "staging_gbps": r["state_bytes"] / GB / (b + wait),
         "memcpy_gbps": r["memcpy_gbps"],
         "step_idle_ms": r["step_idle"] * 1e3,
         "step_inflight_ms": r["step_inflight"] * 1e3,
@@ -153,8 +196,8 @@ def _summary(r: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=1.5)
-    ap.add_argument("--saves", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--saves", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--root", type=Path, default=None, help="checkpoint directory (a temp dir)")
     ap.add_argument(
         "--budget-gb",
@@ -163,28 +206,29 @@ def main() -> None:
         help="also run ours with StagingConfig(budget_bytes=this) (0: skip)",
     )
     ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
-    ap.add_argument("--json", type=Path, default=None, help="write all raw figures here")
+    add_results(ap, "async")
     args = ap.parse_args()
     if args.variant:  # the child process
         print(json.dumps(run_variant(args.variant, args.gb, args.saves, args.root, args.budget_gb)))
         return
+    run = Results(__file__)
 
-    variants = list(VARIANTS if args.budget_gb else VARIANTS[:2])
+    variants = list(VARIANTS if args.budget_gb else VARIANTS[:-1])
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     with scratch_dir(args.root, "bench-async-") as root:
         for rep in range(args.repeats):
             for v in rotated(variants, rep):
                 runs[v].append(in_fresh_process(v, args, root))
                 print(f"repeat {rep} {v}: done", file=sys.stderr)
-    if args.json:
-        args.json.write_text(json.dumps(runs, indent=1))
     s = {v: [_summary(r) for r in rs] for v, rs in runs.items()}
 
     def med(v: str, key: str) -> float:
         return median(x[key] for x in s[v])
 
     rows = [
-        ("blocked per save (s)", "blocked_s", "{:.3f}"),
+        ("blocked per save (s)", "blocked_s", "{:.4f}"),
+        ("fence wait before the state may change (s)", "fence_wait_s", "{:.3f}"),
+        ("held: blocked + fence wait (s)", "held_s", "{:.3f}"),
         ("first save blocked (s)", "first_blocked_s", "{:.3f}"),
         ("staging GB/s", "staging_gbps", "{:.2f}"),
         ("memcpy GB/s (same run)", "memcpy_gbps", "{:.2f}"),
@@ -198,19 +242,31 @@ def main() -> None:
     ]
     state_gb = runs["ours"][0]["state_bytes"] / GB
     print(f"\nstate {state_gb:.2f} GB, {args.saves} saves, {args.repeats} repeats (medians)\n")
-    heads = {"stock": "stock FileSystemWriter", "ours": "MultiLevelWriter"}
-    heads["ours-budget"] = f"MultiLevelWriter, budget {args.budget_gb:g} GB"
+    heads = {"stock": "stock default", "stock-best": "stock best (DefaultStager, reused)",
+             "ours": "MultiLevelWriter", "ours-overlap": "MultiLevelWriter, overlap=True",
+             "ours-budget": f"MultiLevelWriter, budget {args.budget_gb:g} GB"}  # fmt: skip
     print("| figure | " + " | ".join(heads[v] for v in variants) + " |")
     print("|---|" + "---:|" * len(variants))
     for label, key, fmt in rows:
         print(f"| {label} | " + " | ".join(fmt.format(med(v, key)) for v in variants) + " |")
+
+    figures = {
+        f"{v}.{key}": figure((x[key] for x in s[v]), unit)
+        for v in variants
+        for key, unit in (("blocked_s", "s"), ("fence_wait_s", "s"), ("held_s", "s"),
+                          ("first_blocked_s", "s"), ("slowdown", "share"),
+                          ("rss_growth", "share"), ("peak_rss_gb", "GB"))
+    }  # fmt: skip
+    figures["state_bytes"] = figure([runs["ours"][0]["state_bytes"]], "B")
+    run.write(args.results, figures=figures, alternated=variants, rounds=args.repeats,
+              data=runs)  # fmt: skip
 
     ratio = med("stock", "blocked_s") / med("ours", "blocked_s")
     share = med("ours", "staging_gbps") / med("ours", "memcpy_gbps")
     slowdown, growth = med("ours", "slowdown"), med("ours", "rss_growth")
     print()
     for text, ok in [
-        (f"blocked {ratio:.1f}x smaller than stock (goal >= 3x)", ratio >= 3),
+        (f"blocked {ratio:.1f}x smaller than stock's default (goal >= 3x)", ratio >= 3),
         (f"staging at {share:.0%} of memcpy (goal >= 50%)", share >= 0.5),
         (f"step slowdown in flight {slowdown:+.1%} (goal <= 10%)", slowdown <= 0.10),
         (f"RSS growth save 3 -> last {growth:+.1%} (goal within 5%)", abs(growth) <= 0.05),

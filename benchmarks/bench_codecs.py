@@ -36,11 +36,11 @@ Quick check (seconds)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -52,7 +52,7 @@ import torch.distributed.checkpoint as dcp
 # Measure this checkout's dcp_multilevel whatever is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _cli import add_json, add_root, add_seed, add_wait_idle, names, parser, quiet_dcp_warnings
+from _cli import add_results, add_root, add_seed, add_wait_idle, names, parser, quiet_dcp_warnings
 from _codecs_report import CodecResult, SaveResult, codec_table, details, goals, save_table
 from _contenders import CODECS, SAVERS, Codec, Saver, make_saver
 from _data import (
@@ -66,7 +66,7 @@ from _data import (
 )
 from _disk import remove_tree, tree_nbytes
 from _measure import MB, PhaseTimer, rounds, timed_each
-from _report import command, print_header
+from _report import Results, figure, print_header
 
 State = dict[str, torch.Tensor]
 
@@ -80,6 +80,18 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
+class _Inline:
+    """``map`` on the calling thread (a codec with threads of its own, or one thread)."""
+
+    map = staticmethod(map)
+
+    def __enter__(self) -> _Inline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 def measure_codec(
     timer: PhaseTimer, codec: Codec, tensors: Sequence[torch.Tensor], threads: int, res: CodecResult
 ) -> None:
@@ -89,9 +101,10 @@ def measure_codec(
     torch.set_num_threads(threads)
     try:
         inputs = [t.clone() for t in tensors] if codec.copy_input else list(tensors)
-        comp = timer(lambda: [encode(t) for t in inputs])
-        inputs.clear()  # the copies (ZipNN) are garbage now
-        decomp = timer(lambda: [decode(b, t) for b, t in zip(comp.result, tensors, strict=True)])
+        with ThreadPoolExecutor(threads) if codec.spread and threads > 1 else _Inline() as ex:
+            comp = timer(lambda: list(ex.map(encode, inputs)))
+            inputs.clear()  # the copies (ZipNN) are garbage now
+            decomp = timer(lambda: list(ex.map(decode, comp.result, tensors)))
     finally:
         torch.set_num_threads(prev)
     comp_bytes = sum(len(b) for b in comp.result)
@@ -118,7 +131,8 @@ def measure_save(
     it back and check it (outside the clock: a broken save must not pass as a fast one)."""
     remove_tree(path)
     writer = saver.writer(path)
-    save = timer(lambda: dcp.save(state, storage_writer=writer))
+    planner = saver.planner() if saver.planner else None
+    save = timer(lambda: dcp.save(state, storage_writer=writer, planner=planner))
     res.save_s.append(save.seconds)
     res.user_s.append(save.user_s)
     res.sys_s.append(save.sys_s)
@@ -130,6 +144,29 @@ def measure_save(
         assert_state_equal(state, dest)
         del dest
     remove_tree(path)
+
+
+def _figures(
+    codec_res: dict[str, dict[str, CodecResult]],
+    save_res: dict[str, dict[str, SaveResult]],
+    raw: dict[str, int],
+) -> dict[str, dict]:
+    """Per set and codec: the stored share (the same every round) and MB/s per thread
+    count; per set and writer: dcp.save seconds and bytes on disk."""
+    out = {}
+    for s, per in codec_res.items():
+        for n, r in per.items():
+            out[f"{s}.{n}.ratio"] = figure([r.ratio], "stored / raw")
+            for kind, secs in (("comp", r.comp_s), ("decomp", r.decomp_s)):
+                for t, xs in secs.items():
+                    out[f"{s}.{n}.{kind}_mbps.t{t}"] = figure((r.raw_bytes / MB / x for x in xs),
+                                                              "MB/s")  # fmt: skip
+    for s, per in save_res.items():
+        for n, r in per.items():
+            if r.save_s:
+                out[f"{s}.save.{n}.s"] = figure(r.save_s, "s")
+                out[f"{s}.save.{n}.ratio"] = figure([r.disk_bytes / raw[s]], "on disk / raw")
+    return out
 
 
 def describe(name: str, args: argparse.Namespace, bert: BertConfig) -> str:
@@ -175,7 +212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Compression(threads=...) of our codecs inside dcp.save; default 2")
     # fmt: on
     add_seed(p)
-    add_json(p)
+    add_results(p, "codecs")
     add_wait_idle(p)
     args = p.parse_args(argv)
     args.sets = sorted(names(p, args.sets, FLOAT_SETS, "set", families=True), key=FLOAT_SETS.index)
@@ -190,6 +227,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    run = Results(__file__)
     quiet_dcp_warnings()
     # ZipNN's decompress wraps bytes in numpy without a copy: read-only buffers, harmless.
     warnings.filterwarnings("ignore", message=".*not writable.*")
@@ -259,9 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     print(codec_table(codec_res, codecs))
     print(
         "\nMB/s = original bytes / wall seconds (1 MB = 1e6 B), medians of the repeats. "
-        "tN = N threads (codec threads and torch.set_num_threads). '-' = not applicable: "
-        "stock ZStandard compresses one stream per tensor with no worker threads. Every "
-        "decompressed tensor was checked bit for bit against its source."
+        "tN = N threads (codec threads and torch.set_num_threads; stock ZStandard: its "
+        "tensors spread over N threads, one stream each). Every decompressed tensor was "
+        "checked bit for bit against its source."
     )
     if savers:
         print("\n## dcp.save (fsync on; checkpoint loaded back and checked once per writer)\n")
@@ -279,16 +317,16 @@ def main(argv: list[str] | None = None) -> int:
             print(save_table(save_res, raw, min))
         print()
         print("\n".join(goals(codec_res, save_res, min)))
-    if args.json:
-        as_json = {
-            "command": command(__file__),
-            "sets": set_lines,
-            "raw_bytes": raw,
-            "codecs": {s: {n: asdict(r) for n, r in per.items()} for s, per in codec_res.items()},
-            "saves": {s: {n: asdict(r) for n, r in per.items()} for s, per in save_res.items()},
-        }
-        args.json.write_text(json.dumps(as_json, indent=1))
-        print(f"\n(raw samples written to {args.json})")
+    data = {
+        "sets": set_lines,
+        "raw_bytes": raw,
+        "notes": {c.name: c.note for c in codecs} | {s.name: s.note for s in savers},
+        "codecs": {s: {n: asdict(r) for n, r in per.items()} for s, per in codec_res.items()},
+        "saves": {s: {n: asdict(r) for n, r in per.items()} for s, per in save_res.items()},
+    }
+    run.write(args.results, figures=_figures(codec_res, save_res, raw), data=data,
+              alternated=[c.name for c in codecs] + [s.name for s in savers],
+              rounds=args.repeat)  # fmt: skip
     print("\n## Samples")
     print("\n".join(details(codec_res, save_res)))
     busy = [(f"{s} {n}", r) for s, per in codec_res.items() for n, r in per.items()]

@@ -11,10 +11,14 @@ iteration:
 1. a training step: a tiny in-place update of every tensor (so each checkpoint
    differs) and ``--step-seconds`` of small single-threaded tensor ops
    (``--step-kind sleep``: sleeping instead);
-2. **direct**: ``dcp.save(state, storage_writer=MultiLevelWriter(<remote>/direct/step-N,
-   codec=...))``: the loop is blocked until the checkpoint is committed on the
-   remote, so blocked time = time to durable (untimed afterwards: the remote copy
-   is deleted to bound the server's memory);
+2. **direct**, stock DCP's way to put a checkpoint on object storage:
+   ``dcp.save(state, storage_writer=FsspecWriter(<remote>/direct/step-N,
+   thread_count=2, **storage_options), planner=DefaultSavePlanner(enable_plan_caching=True))``
+   (with ``_extensions=[ZStandard()]`` in the compressed cells; ``--direct ours``:
+   ``MultiLevelWriter(<remote>/direct/step-N, codec=...)`` instead): the loop is
+   blocked until the checkpoint is committed on the remote, so blocked time = time
+   to durable (untimed afterwards: the remote copy is deleted to bound the
+   server's memory);
 3. **manager**: ``CheckpointManager([Level(local, every=1, keep=2), Level(<remote>/managed,
    every=1, keep=1, codec=...)]).save(state, step=N)``; blocked = the ``save``
    call (the L1 commit plus the manager's own retention work), after which the
@@ -32,11 +36,9 @@ reached with s3fs; ``throttled``, ``throttled:///<dir>``, a local directory (in
 /dev/shm by default, so the simulated remote does not load the disk L1 uses)
 behind a simulated link of ``--remote-mbps`` MB/s (default 200) per direction.
 
-Both paths use the same MultiLevelWriter defaults (one data file per rank,
-spooled locally, then uploaded) and the same codec on the remote; L1 is
-uncompressed. (Earlier runs broke the time down by wrapping private library
-calls; no benchmark patches the library now: those breakdowns stay in the
-run log, and a profile is ``python -m cProfile``'s to take.)
+The manager's remote level uses the MultiLevelWriter defaults (one data file
+per rank, spooled locally, then uploaded); L1 is uncompressed. A profile is
+``python -m cProfile``'s to take.
 
 Correctness: after a cell's loop the L1 level is deleted (node replaced), and a
 fresh manager's ``load_latest`` must return the last step from the remote,
@@ -44,7 +46,7 @@ bit-exact. Done for every throttled cell and the first s3 cell (``--verify-all``
 every cell; moto copies the whole object for every ranged GET, which makes
 loading a compressed checkpoint from it take minutes).
 
-Goals (issue 5): manager blocked time at least 5x smaller than a direct remote
+Goals: manager blocked time at least 5x smaller than a direct remote
 save; the checkpoint durable on the remote within 1.2x the direct save's time.
 
 Quick check::
@@ -56,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -67,24 +68,29 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint._extension import ZStandard
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 # Measure this checkout's dcp_multilevel whatever is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _cli import add_json, add_seed, add_wait_idle, names, parser, quiet_dcp_warnings
+from _cli import add_results, add_seed, add_wait_idle, names, parser, quiet_dcp_warnings
 from _data import assert_state_equal, bert_config, bert_state, state_nbytes, zeros_like_state
 from _disk import scratch_dir
 from _measure import cpu_snapshot, median, other_cpu_fraction, wait_for_idle
 from _remotes import moto_s3
-from _report import fmt, machine_info, markdown_table, verdict
+from _report import Results, figure, fmt, machine_info, markdown_table, verdict
 from dcp_multilevel import CheckpointManager, Level, MultiLevelWriter
 from dcp_multilevel.stores import store_for
 
 State = dict[str, torch.Tensor]
 REMOTES = ("s3", "throttled")
 CODECS = ("none", "bytegroup")
+DIRECT = ("stock", "ours")
 BLOCKED_GOAL = 5.0  # direct save / manager blocked >= this
 DURABLE_GOAL = 1.2  # manager time to durable / direct save <= this
 
@@ -122,6 +128,24 @@ class Cell:
     @property
     def durable_ratio(self) -> float:
         return self.med("durable_s") / self.med("direct_s")
+
+
+def _fsspec_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The fsspec file system's own options (without our levels' ``spool_dir``)."""
+    return {k: v for k, v in options.items() if k != "spool_dir"}
+
+
+def direct_writer(
+    kind: str, url: str, codec: str | None, options: dict[str, Any]
+) -> tuple[object, object | None]:
+    """The writer and planner of a save straight to the remote: stock DCP's
+    ``FsspecWriter`` in its best configuration (two writer threads, plan caching, its
+    ZStandard extension where the cell compresses), or our ``MultiLevelWriter``."""
+    if kind == "ours":
+        return MultiLevelWriter(url, codec=codec, storage_options=options), None
+    ext = [ZStandard()] if codec else None
+    writer = FsspecWriter(url, thread_count=2, _extensions=ext, **_fsspec_options(options))
+    return writer, DefaultSavePlanner(enable_plan_caching=True)
 
 
 def training_step(state: State, seconds: float, kind: str, *, update: bool) -> None:
@@ -172,14 +196,16 @@ def run_cell(
         training_step(state, args.step_seconds, args.step_kind, update=True)
 
         # (a) straight to the remote
-        writer = MultiLevelWriter(f"{direct_root}/step-{step}", codec=codec_arg,
-                                  storage_options=options)  # fmt: skip
+        url = f"{direct_root}/step-{step}"
+        writer, planner = direct_writer(args.direct, url, codec_arg, options)
         t0 = time.perf_counter()
-        dcp.save(state, storage_writer=writer)
+        dcp.save(state, storage_writer=writer, planner=planner)
         direct = time.perf_counter() - t0
         cell.direct_s.append(direct)
-        cell.direct_bytes.append(writer.bytes_written)
-        writer.store.remove_tree("")  # untimed: bound the server's memory
+        # Untimed: what it stored, then bound the server's memory.
+        fs, path = fsspec.core.url_to_fs(url, **_fsspec_options(options))
+        cell.direct_bytes.append(fs.du(path))
+        fs.rm(path, recursive=True)
 
         # (b) through the manager
         t0 = time.perf_counter()
@@ -265,7 +291,7 @@ def report(cells: list[Cell], args: argparse.Namespace, info: dict[str, str], ex
     out += [f"- {k}: {v}" for k, v in info.items()]
     out += [extra, ""]
     headers = (
-        "remote | codec | state GB | direct save s (= blocked = durable) | "
+        f"remote | codec | state GB | direct save s ({args.direct}; = blocked = durable) | "
         "manager blocked s (save call) | of which L1 commit s | blocked ratio (goal >= 5x) | "
         "manager durable s | durable / direct (goal <= 1.2x) | drain s | "
         "remote GB direct / drained | other CPU %"
@@ -320,6 +346,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="step: small single-threaded tensor ops (default) or sleep")
     p.add_argument("--remotes", default=",".join(REMOTES), help=f"subset of: {', '.join(REMOTES)}")
     p.add_argument("--codec", default=",".join(CODECS), help=f"subset of: {', '.join(CODECS)}")
+    p.add_argument("--direct", choices=DIRECT, default="stock",
+                   help="the save straight to the remote: stock FsspecWriter (its best: "
+                   "thread_count=2, plan caching, ZStandard when compressed) or ours "
+                   "MultiLevelWriter; stock")
     p.add_argument("--remote-mbps", type=float, default=200.0,
                    help="bandwidth of the throttled remote, MB/s; 200")
     p.add_argument("--root", type=Path, default=None,
@@ -339,7 +369,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_wait_idle(p, "before each iteration, wait up to this many seconds for other "
                   "processes to go quiet; 0 (don't)")
     add_seed(p)
-    add_json(p)
+    add_results(p, "manager")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny BERT, 2 saves, 0.2 s steps")
     # fmt: on
@@ -357,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_dcp_warnings()
+    run = Results(__file__)
     t_start = time.perf_counter()
     load_before = os.getloadavg()
     cfg = bert_config(args.scale, tiny=args.quick)
@@ -400,8 +431,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     print()
     print(report(cells, args, info, extra))
-    if args.json:
-        args.json.write_text(json.dumps([asdict(c) for c in cells], indent=1))
+    figures = {}
+    for c in cells:
+        tag = f"{c.remote}-{c.codec}"
+        for key in ("direct_s", "blocked_s", "l1_commit_s", "durable_s", "drain_s"):
+            figures[f"{tag}.{key}"] = figure(getattr(c, key), "s")
+        figures[f"{tag}.state_bytes"] = figure([c.state_bytes], "B")
+    run.write(args.results, figures=figures, rounds=args.saves,
+              alternated=[f"direct ({args.direct})", "manager"],
+              data={"direct": args.direct, "cells": [asdict(c) for c in cells]})  # fmt: skip
     ok = not any(c.verify.startswith("FAILED") for c in cells)
     return 0 if ok else 1
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import pickle
@@ -40,10 +39,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
+from _cli import add_results
 from _data import bert_adamw_meta_state, bert_config, bert_state
 from _measure import median, rotated, spread
 from _phases import PHASES, Clock, timed_planner, timed_writer
-from _report import command, markdown_table, verdict
+from _report import Results, figure, markdown_table, verdict
 from dcp_multilevel import BalancedSavePlanner, MultiLevelWriter
 
 PLANNERS = {"stock": DefaultSavePlanner, "ours": BalancedSavePlanner}
@@ -128,9 +128,11 @@ def plan_only(world_sizes: list[int], repeat: int) -> tuple[str, list[str], list
         figures.append({
             "ranks": n, "items_x_ranks": big_n,
             "stock": {"rank_bytes_max": max(s_b), "rank_bytes_mean": sum(s_b) / n,
-                      "rank_bytes_min": min(s_b), "plan_s": s_t, "plan_cpu_s": s_c},
+                      "rank_bytes_min": min(s_b), "plan_s": s_t, "plan_cpu_s": s_c,
+                      "plan_s_samples": wall["stock"], "plan_cpu_s_samples": cpu["stock"]},
             "ours": {"rank_bytes_max": max(o_b), "rank_bytes_mean": sum(o_b) / n,
-                     "rank_bytes_min": min(o_b), "plan_s": o_t, "plan_cpu_s": o_c},
+                     "rank_bytes_min": min(o_b), "plan_s": o_t, "plan_cpu_s": o_c,
+                     "plan_s_samples": wall["ours"], "plan_cpu_s_samples": cpu["ours"]},
         })  # fmt: skip
         rows.append(
             [n, f"{_ratio(s_b):.3f}", f"{_ratio(o_b):.3f}", f"{_ratio(s_i):.2f}",
@@ -145,6 +147,19 @@ def plan_only(world_sizes: list[int], repeat: int) -> tuple[str, list[str], list
         "ours CPU s | ours/stock CPU | N = items x ranks | ours ns / (N log2 N) | ours items"
     )
     return markdown_table(headers, rows), _goals(measured), figures
+
+
+def _figures(per_size: list[dict]) -> dict[str, dict]:
+    """The results file's figures per world size: each planner's balance (the busiest
+    rank's bytes over the mean: the same in every round) and its planning seconds."""
+    out = {}
+    for f in per_size:
+        for name in PLANNERS:
+            r = f[name]
+            balance = r["rank_bytes_max"] / r["rank_bytes_mean"]
+            out[f"ranks{f['ranks']}.{name}.balance"] = figure([balance], "x the mean")
+            out[f"ranks{f['ranks']}.{name}.plan_s"] = figure(r["plan_s_samples"], "s")
+    return out
 
 
 def _goals(measured: list[tuple]) -> list[str]:
@@ -282,8 +297,9 @@ def main() -> None:
     ap.add_argument("--e2e-repeat", type=int, default=4, help="saves per pair (median)")
     ap.add_argument("--e2e-no-sync", action="store_true", help="writers skip fsync")
     ap.add_argument("--e2e-scale", type=float, default=1.0, help="fraction of BERT-large layers")
-    ap.add_argument("--json", type=Path, default=None, help="also write the plan-only figures here")
+    add_results(ap, "planner")
     args = ap.parse_args()
+    run = Results(__file__)
 
     sizes = [2**k for k in range(1, 11) if args.min_ranks <= 2**k <= args.max_ranks]
     if not args.skip_plan:
@@ -295,10 +311,9 @@ def main() -> None:
         print(table)
         print("\nGoals (issue 3):\n")
         print("\n".join(f"- {line}" for line in goals))
-        if args.json:
-            doc = {"command": command(__file__), "state": "BERT-large + AdamW, replicated",
-                   "plan_only": figures}  # fmt: skip
-            args.json.write_text(json.dumps(doc, indent=1))
+        run.write(args.results, figures=_figures(figures), alternated=list(PLANNERS),
+                  rounds=args.repeat, data={"state": "BERT-large + AdamW, replicated",
+                                            "plan_only": figures})  # fmt: skip
     if not args.skip_e2e:
         print(
             f"\n## End to end: {args.e2e_ranks} gloo ranks, replicated BERT-large model state "
