@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -11,12 +12,17 @@ import torch.distributed.checkpoint as dcp
 from conftest import assert_bit_equal
 from golden_state import golden_delta_states, golden_state
 
-from dcp_multilevel import MultiLevelReader
+from dcp_multilevel import ManifestDigestError, MultiLevelReader
 from dcp_multilevel.codecs import CODECS
-from dcp_multilevel.format import frames
+from dcp_multilevel.format import decode_manifest, frames
 
 GOLDEN = Path(__file__).parent / "golden"
-CHECKPOINTS = sorted(p.name for p in GOLDEN.iterdir() if (p / "manifest.json").exists())
+#: ``v<N>-<codec>``: state version N, written by the release that wrote that codec version.
+CHECKPOINTS = sorted(
+    p.name for p in GOLDEN.iterdir() if p.name.startswith("v") and (p / "manifest.json").exists()
+)
+#: Every golden checkpoint written before manifests carried a digest.
+UNSEALED = [*CHECKPOINTS, "fmt2-delta/step-0", "fmt2-delta/step-1"]
 
 
 def _blank(state):
@@ -91,3 +97,42 @@ def test_golden_delta_checkpoint_loads_bit_exact():
         for key, value in expected["model"].items():
             assert_bit_equal(loaded["model"][key], value, f"fmt2-delta step {step}: {key}")
         assert loaded["step"] == expected["step"]
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("dcp_multilevel")]
+
+
+@pytest.mark.parametrize("name", UNSEALED)
+def test_golden_manifests_without_a_digest_load_with_a_warning(name, caplog):
+    """Written before manifests carried a digest: read unchecked, and the log says so."""
+    caplog.set_level(logging.WARNING, logger="dcp_multilevel")
+    raw = (GOLDEN / name / "manifest.json").read_bytes()
+    assert b'"digest"' not in raw
+    manifest = decode_manifest(raw, checkpoint=f"file://{GOLDEN / name}")
+    assert manifest.digest is None
+    assert _warnings(caplog) == [
+        f"the manifest of checkpoint file://{GOLDEN / name} has no digest (written by "
+        f"dcp_multilevel {manifest.plugin_version}, before manifests carried one): it is read "
+        "unchecked, so a change to it would go unnoticed. Save the state again to have a "
+        "checked manifest."
+    ]
+
+
+def test_golden_manifest_with_a_digest_is_checked_and_loads_bit_exact(caplog):
+    """A manifest sealed by its digest, as first written: the digest keeps verifying."""
+    root = GOLDEN / "manifest-digest"
+    raw = (root / "manifest.json").read_bytes()
+    assert decode_manifest(raw).digest == json.loads(raw)["digest"]
+    caplog.set_level(logging.WARNING, logger="dcp_multilevel")
+    expected = golden_state(4)
+    loaded = _blank(expected)
+    dcp.load(loaded, storage_reader=MultiLevelReader(root))
+    for key, value in expected["model"].items():
+        assert_bit_equal(loaded["model"][key], value, f"manifest-digest: model.{key}")
+    assert loaded["step"] == 42 and loaded["info"] == expected["info"]
+    assert _warnings(caplog) == []
+    damaged = bytearray(raw)
+    damaged[raw.index(b'"float32"') + 1] = ord("i")  # "float32" -> "iloat32": same length
+    with pytest.raises(ManifestDigestError):
+        decode_manifest(bytes(damaged))

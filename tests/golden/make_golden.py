@@ -4,6 +4,7 @@
     python tests/golden/make_golden.py v2 bytegroup      # only the codecs that changed
     python tests/golden/make_golden.py v4 bytegroup      # bytegroup/4: sparse planes
     python tests/golden/make_golden.py fmt2-delta        # a delta checkpoint and its reference
+    python tests/golden/make_golden.py manifest-digest   # a manifest sealed by its digest
 
 Existing folders are never rewritten: they are what an earlier release wrote,
 and tests/test_golden.py must keep loading them bit-exactly forever.
@@ -38,9 +39,23 @@ def delta() -> None:
     print(f"wrote {root}")
 
 
+def digest() -> None:
+    """``manifest-digest``: a checkpoint whose manifest ends with the digest of its bytes."""
+    root = HERE / "manifest-digest"
+    if root.exists():
+        print(f"keeping {root} (golden files are never rewritten)")
+        return
+    writer = MultiLevelWriter(root, codec="bytegroup", stock_hint=False)
+    dcp.save(golden_state(4), storage_writer=writer)
+    print(f"wrote {root}")
+
+
 def main(version: str, names: list[str]) -> None:
     if version == "fmt2-delta":
         delta()
+        return
+    if version == "manifest-digest":
+        digest()
         return
     for name, codec in CODECS.items():
         if names and name not in names:
