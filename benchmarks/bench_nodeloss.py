@@ -111,7 +111,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import time
@@ -123,7 +122,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _remotes  # noqa: F401 - registers throttled:// with fsspec (in every rank too)
-from _cli import add_json, add_seed, args_record, names, parser, quiet_dcp_warnings
+from _cli import add_results, add_seed, args_record, names, parser, quiet_dcp_warnings
 from _data import (
     bert_config,
 )
@@ -138,7 +137,7 @@ from _nodeloss_jobs import (
     rank_main,
 )
 from _nodeloss_report import report, summarize
-from _report import REPO, machine_info
+from _report import REPO, Results, figure, machine_info
 from tests._dist import run_ranks
 
 # --------------------------------------------------------------------------- main
@@ -180,7 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "this directory (<config>-r<round>-restore-rank<r>.prof; pstats reads "
                    "them); adds a little time to the restores")
     add_seed(p)
-    add_json(p)
+    add_results(p, "nodeloss")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny BERT, one round, 2 saves, 0.3 s steps, 16 MiB coded")
     # fmt: on
@@ -204,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     quiet_dcp_warnings()
+    run = Results(__file__)
     t_start = time.perf_counter()
     load_before = os.getloadavg()
     cfg = bert_config(args.scale, tiny=args.quick)
@@ -279,13 +279,15 @@ def main(argv: list[str] | None = None) -> int:
     print("### Goals")
     print()
     print("\n".join(goals))
-    if args.json:
-        args.json.write_text(json.dumps({
-            "args": args_record(args),
-            "machine": info, "load": {"before": load_before, "after_ranks": load_ranks,
-                                      "after": load_after},
-            "records": records, "coder": coder,
-        }, indent=1))  # fmt: skip
+    figures = {}
+    for c, sm in sums.items():
+        for key in ("blocked", "restore", "load"):
+            if getattr(sm, key):
+                figures[f"{c}.{key}_s"] = figure(getattr(sm, key), "s")
+    figures["state_bytes"] = figure([state_bytes], "B")
+    run.write(args.results, figures=figures, alternated=args.configs, rounds=args.repeat,
+              data={"args": args_record(args), "load": {"after_ranks": load_ranks},
+                    "records": records, "coder": coder})  # fmt: skip
     return 0 if all(e == "bit-exact" for s in sums.values() for e in s.exact) else 1
 
 
