@@ -202,11 +202,20 @@ def test_cuda_tensors_of_every_layout_store_their_values(tmp_path, how):
         "conj": torch.randn(5, generator=g, dtype=torch.complex64).cuda().conj(),
         "neg": torch._neg_view(torch.randn(7, generator=g, dtype=torch.float64).cuda()),
         "bool_bytes": raw.view(torch.bool).reshape(5, 8),
+        "bool_strided": raw.view(torch.bool).reshape(5, 8).t(),
+        "bool_stepped": raw.view(torch.bool)[1::3],
         "half": torch.randn(3, 3, generator=g).half().cuda(),
         "empty": torch.empty(0, 4, device="cuda"),
         "scalar": torch.tensor(2.5, dtype=torch.float64, device="cuda"),
     }
-    want = {k: v.resolve_conj().resolve_neg().contiguous().cpu() for k, v in state.items()}
+    # A bool's values are its bytes (a bool copy would make them 0 and 1).
+    want = {
+        k: (v.view(torch.uint8) if v.dtype == torch.bool else v.resolve_conj().resolve_neg())
+        .contiguous()
+        .cpu()
+        for k, v in state.items()
+    }
+    assert any(b not in (0, 1) for b in want["bool_strided"].reshape(-1).tolist())
     if how == "save":
         dcp.save(state, storage_writer=MultiLevelWriter(tmp_path / "c"))
     else:
@@ -217,7 +226,7 @@ def test_cuda_tensors_of_every_layout_store_their_values(tmp_path, how):
         r = dcp.async_save(state, storage_writer=writer)
         (r if how == "async" else r.upload_completion).result()
         writer.close()
-    out = {k: torch.zeros(v.shape, dtype=v.dtype, device="cuda") for k, v in want.items()}
+    out = {k: torch.zeros(v.shape, dtype=state[k].dtype, device="cuda") for k, v in want.items()}
     dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c"))
     for k, v in want.items():
         got = out[k].cpu().reshape(-1).view(torch.uint8)

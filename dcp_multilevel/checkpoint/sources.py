@@ -124,7 +124,12 @@ def tensor_of(item: WriteItem, data: Any) -> torch.Tensor:
         # or negative view's memory is not its values: resolved on the device.)
         t = t.detach().resolve_conj().resolve_neg()
         host = host_scratch(t.shape, t.dtype, pinned=True)
-        host.copy_(t, non_blocking=True)
+        if t.dtype == torch.bool:
+            # As bytes: a strided bool's copy runs a bool kernel, which rewrites
+            # bytes other than 0 and 1 (a contiguous one's is a memcpy).
+            host.view(torch.uint8).copy_(t.view(torch.uint8), non_blocking=True)
+        else:
+            host.copy_(t, non_blocking=True)
         torch.cuda.current_stream(t.device).synchronize()
         return host
     # A copy only where needed: strided views store their projection.

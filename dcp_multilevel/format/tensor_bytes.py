@@ -45,10 +45,14 @@ def byte_view(t: torch.Tensor) -> memoryview:
 def value_tensor(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous CPU tensor whose memory holds its values, for
     :func:`byte_view`: ``t`` itself where it is one; a copy of a device tensor,
-    a strided view, or a conjugate or negative view."""
-    if not _values_in_memory(t):
-        t = t.detach().resolve_conj().resolve_neg().contiguous().cpu()
-    return t
+    a strided view, or a conjugate or negative view. A bool tensor's bytes are
+    copied as they are: a bool copy kernel rewrites bytes other than 0 and 1
+    (a mask viewed from raw bytes) as 1, and a save keeps bits."""
+    if _values_in_memory(t):
+        return t
+    if t.dtype == torch.bool:  # (never conjugate or negative)
+        return t.detach().view(torch.uint8).contiguous().cpu().view(torch.bool)
+    return t.detach().resolve_conj().resolve_neg().contiguous().cpu()
 
 
 def _values_in_memory(t: torch.Tensor) -> bool:

@@ -24,7 +24,10 @@ CHUNK_WORDS = 4 << 20
 
 def fingerprint(t: torch.Tensor, chunk_words: int = CHUNK_WORDS) -> str:
     """``"fp64x2:<bytes>:<32 hex digits>"`` of ``t``'s bytes, computed on its device."""
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    t = t.detach()
+    if t.dtype == torch.bool:  # its bytes: a bool copy (contiguous) rewrites any but 0 and 1
+        t = t.view(torch.uint8)
+    flat = t.contiguous().reshape(-1).view(torch.uint8)
     n = flat.numel()
     sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for start in range(0, -(-n // 4), chunk_words):

@@ -144,6 +144,8 @@ def plan_copies(
                         ]
             elif src.is_cuda:
                 todo.device.issue(dst, src)
+            elif src.dtype == torch.bool:  # strided: as bytes, as above
+                todo.whole.append((dst.view(torch.uint8), src.detach().view(torch.uint8), name))
             else:  # strided or conjugate: copy_ resolves them
                 todo.whole.append((dst, src.detach(), name))
             if local is not v:  # a DTensor: its shard in the buffer, its layout kept
