@@ -1,11 +1,10 @@
-"""The summary's plots, drawn from the benchmarks' JSON output (``make plots``).
+"""The summary's plots, drawn from the benchmarks' results files (``make plots``).
 
-Each plot reads one file of ``benchmarks/results/`` (written by the
-benchmark's ``--json``; the command that wrote it is inside, under
-``"command"``, except for ``bench_async.py``'s) and writes one PNG to
-``docs/img/``. A missing results file skips its plot with a line saying
-which command makes it. Medians, as in the benchmarks' own tables; whiskers
-span the samples.
+Each plot reads one file of ``benchmarks/results/`` (written by the benchmark:
+``_report.Results``, with its command, commit and date) and writes one PNG to
+``docs/img/``, the commit and date it was measured at in its title. A missing
+results file skips its plot with a line saying which command makes it.
+Medians, as in the benchmarks' own tables; whiskers span the samples.
 
     python benchmarks/plots.py [--results benchmarks/results] [--out docs/img]
 """
@@ -48,8 +47,20 @@ def _bars(ax, labels: list[str], series: dict[str, list[tuple[float, float, floa
     ax.set_xticks(range(len(labels)), labels)
 
 
+def stamp(doc: dict) -> str:
+    """Where a plot's figures come from: ``measured at abc1234, 2026-01-31``."""
+    if "commit" not in doc:
+        return "(its results file records no commit)"
+    return f"measured at {doc['commit'][:7]}, {doc['date'][:10]}"
+
+
+def _title(ax, doc: dict, text: str) -> None:
+    ax.set_title(f"{text}\n{stamp(doc)}", fontsize=10)
+
+
 def save_load(doc: dict, out: Path) -> None:
     """GB/s of save, warm load and cold load per method (bench_save_load.py)."""
+    full, doc = doc, doc["data"]
     nbytes = doc["state_bytes"]
     names = [n for n in doc["samples"] if "random" not in n]
     kinds = {"save": "save_s", "warm load": "warm_s", "cold load": "cold_s"}
@@ -59,7 +70,7 @@ def save_load(doc: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.2))
     _bars(ax, names, series, ["#2ca02c", OURS, "#9467bd"])
     ax.set_ylabel("GB/s (higher is better)")
-    ax.set_title(f"dcp.save / dcp.load of BERT-large ({nbytes / 1e9:.2f} GB fp32), one process")
+    _title(ax, full, f"dcp.save / dcp.load of BERT-large ({nbytes / 1e9:.2f} GB fp32), one process")
     ax.legend()
     ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
@@ -68,6 +79,7 @@ def save_load(doc: dict, out: Path) -> None:
 
 def planner(doc: dict, out: Path) -> None:
     """Largest rank's bytes per save against the world size (bench_planner.py)."""
+    full, doc = doc, doc["data"]
     rows = doc["plan_only"]
     ranks = [r["ranks"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -81,7 +93,7 @@ def planner(doc: dict, out: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("ranks (data parallel, state replicated on every rank)")
     ax.set_ylabel("GB written by the busiest rank")
-    ax.set_title(f"Who writes what: {doc.get('state', 'replicated state')}")
+    _title(ax, full, f"Who writes what: {doc.get('state', 'replicated state')}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -90,6 +102,7 @@ def planner(doc: dict, out: Path) -> None:
 def codecs(doc: dict, out: Path) -> None:
     """Compression ratio against one-thread compression speed, per codec and data set
     (bench_codecs.py)."""
+    full, doc = doc, doc["data"]
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
     markers = dict(zip(doc["codecs"], "osD^v<>", strict=False))
     colors = {"stock-zstd": STOCK, "zipnn": OTHER, "ours-bytegroup": OURS, "ours-zstd": "#17becf"}
@@ -108,7 +121,7 @@ def codecs(doc: dict, out: Path) -> None:
         ax.scatter([], [], marker=marker, color="k", label=data_set)
     ax.set_xlabel("compression MB/s, one thread (right is better)")
     ax.set_ylabel("stored / raw bytes (lower is better)")
-    ax.set_title("Codecs on real weights and optimizer state")
+    _title(ax, full, "Codecs on real weights and optimizer state")
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -116,17 +129,19 @@ def codecs(doc: dict, out: Path) -> None:
 
 def async_blocked(doc: dict, out: Path) -> None:
     """Training time blocked by each dcp.async_save, stock against ours (bench_async.py)."""
+    full, doc = doc, doc["data"]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for variant, color in (("stock", STOCK), ("ours", OURS)):
+    for variant, color, style in (("stock", STOCK, "o--"), ("stock-best", STOCK, "s-"),
+                                  ("ours", OURS, "o--"), ("ours-overlap", OURS, "s-")):  # fmt: skip
         for k, run in enumerate(doc.get(variant) or []):
             saves = range(1, len(run["blocked"]) + 1)
-            ax.plot(saves, run["blocked"], "o-", color=color, alpha=0.8,
+            ax.plot(saves, run["blocked"], style, color=color, alpha=0.8,
                     label=f"{variant} (a process per line)" if k == 0 else None)  # fmt: skip
     ax.set_xlabel("save number (save 1 includes one-time set-up on both sides)")
-    ax.set_ylabel("seconds training is blocked")
+    ax.set_ylabel("seconds training is blocked (log)")
+    ax.set_yscale("log")
     some = next(iter(doc.values()))[0]
-    ax.set_title(f"dcp.async_save of {some['state_bytes'] / 1e9:.2f} GB, blocked time per save")
-    ax.set_ylim(bottom=0)
+    _title(ax, full, f"dcp.async_save of {some['state_bytes'] / 1e9:.2f} GB, blocked per save")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -157,7 +172,7 @@ def restore_scale(doc: dict, out: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel(f"nodes (x {doc['rows'][0]['ranks']} ranks), one node lost")
     ax.set_ylabel("seconds to plan the restore (every rank)")
-    ax.set_title("Restore planning against job size")
+    _title(ax, doc, "Restore planning against job size")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -180,7 +195,7 @@ def save_plan_scale(doc: dict, out: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("ranks (BERT-large + AdamW; replicated, or FSDP row shards)")
     ax.set_ylabel("seconds to plan a save (the coordinator)")
-    ax.set_title("Save planning against job size")
+    _title(ax, doc, "Save planning against job size")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -190,7 +205,7 @@ def save_plan_scale(doc: dict, out: Path) -> None:
 PLOTS: dict[str, tuple[Callable[[dict, Path], None], str, str]] = {
     "save_load.json": (save_load, "save_load.png", "bench_save_load.py"),
     "planner.json": (planner, "planner_balance.png", "bench_planner.py --skip-e2e"),
-    "codecs.json": (codecs, "codecs.png", "bench_codecs.py --savers ''"),
+    "codecs.json": (codecs, "codecs.png", "bench_codecs.py"),
     "async.json": (async_blocked, "async_blocked.png", "bench_async.py"),
     "restore_plan.json": (restore_scale, "scale_restore.png", "bench_restore_plan.py"),
     "plan_scale.json": (save_plan_scale, "scale_save_plan.png", "bench_plan_scale.py"),
@@ -206,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (plot, png, cmd) in PLOTS.items():
         src = args.results / name
         if not src.exists():
-            print(f"skipped {png}: no {src} (made by: python benchmarks/{cmd} --json {src})")
+            print(f"skipped {png}: no {src} (made by: python benchmarks/{cmd})")
             continue
         plot(json.loads(src.read_text()), args.out / png)
         plt.close("all")
