@@ -3,7 +3,7 @@
 Used by ``gpu_check.py``. ``medium`` is GPT-2 medium's shape (24 layers,
 d=1024, 16 heads, ~355M parameters; its AdamW checkpoint is ~4.3 GB in fp32);
 ``gpt2`` (GPT-2 small's shape, ~124M parameters, a ~1.5 GB AdamW checkpoint,
-short sequences) is issue 32's CPU goal's size: a 1.5 GB save against steps
+short sequences) is the CPU goal's size: a 1.5 GB save against steps
 of a few seconds on 2 cores; ``tiny`` is the same code at a size a 2-core CPU
 runs in milliseconds (what CI runs).
 """

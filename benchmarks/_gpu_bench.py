@@ -450,7 +450,7 @@ def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
 def _profile_load(tr: Trainer, device: torch.device, reader: Any, top: int = 25) -> str:
     """One more load of ours (untimed) under cProfile: the functions that took the
     most time, all threads' calls seen from the loading thread. Kept in the
-    report: session 18's loads into CUDA ran at 4 % of the pinned bandwidth for
+    report: earlier loads into CUDA ran at 4 % of the pinned bandwidth for
     a reason no timing could name."""
     dest = tr.state()
     prof = cProfile.Profile()
@@ -464,7 +464,7 @@ def _profile_load(tr: Trainer, device: torch.device, reader: Any, top: int = 25)
 
 
 def bench_flat(size: str, device: torch.device, root: Path, saves: int, deadline: float) -> dict:
-    """Issue 32's memory check: ``saves`` async saves with ``overlap=True``, one after
+    """The memory check: ``saves`` async saves with ``overlap=True``, one after
     each training step, at most two in flight (each waits for the one before the
     last to be durable), and after each the process's RSS, the CUDA host
     allocator's pinned bytes and the staging pool's. Flat: none of them higher

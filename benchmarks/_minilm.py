@@ -1,6 +1,6 @@
-"""Real fine-tuning of all-MiniLM-L6-v2, for the delta benchmarks (issue 17).
+"""Real fine-tuning of all-MiniLM-L6-v2, for the delta benchmarks.
 
-Issue 17's figures came from the real MiniLM weights fine-tuned with AdamW
+The delta figures come from the real MiniLM weights fine-tuned with AdamW
 (lr 2e-5); ``bench_delta.minilm_states`` moves the same weights with
 synthetic gradients instead, which touch every parameter every step. A real
 run differs where it matters for deltas: a step's gradient reaches only the

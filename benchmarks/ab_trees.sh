@@ -2,7 +2,7 @@
 # Run one benchmark script alternately from two checkouts of this repository
 # (an older and a newer revision, each with its own `make setup` .venv), with
 # the same options, ROUNDS pairs, so that a change is compared with what it
-# replaced on the same machine in the same session. Each run's output goes to
+# replaced on the same machine, one after the other. Each run's output goes to
 # $OUT_DIR/<script>-<old|new>-<round>.log; compare the tables across them.
 #
 #   OLD_TREE=/work/old NEW_TREE=$PWD ROUNDS=3 benchmarks/ab_trees.sh \

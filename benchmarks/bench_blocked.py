@@ -1,6 +1,6 @@
 """How long ``dcp.async_save`` blocks the training thread: ours against stock's best.
 
-Issue 32's GPU goal: blocked time per save no more than stock's best staging.
+The GPU goal: blocked time per save no more than stock's best staging.
 What blocks is per-tensor Python, not bytes, so the state here is the
 ``thin`` model of ``_gpt.py``: GPT-2-medium's tensors and AdamW state (as
 many tensors, same names), tiny sizes. Methods as in ``gpu_check.py``

@@ -7,7 +7,7 @@ MB/s (medians of ``--repeat``), the ratio, and how many of the bytes each
 plane-method mix coded (per plane, low byte first: 0 raw, 1 zstd, 2/3 split).
 No threads, GIL hand-offs, copies or I/O in the way: this is the coder's own
 cost per byte, what every save and tool path pays at least. Run it at two
-commits to compare coders; ``bench_codecs.py`` has the issue's comparisons
+commits to compare coders; ``bench_codecs.py`` has the comparisons with other codecs
 with stock DCP and ZipNN.
 
     python benchmarks/bench_chunk_coding.py                # MiniLM + 2 BERT layers

@@ -1,4 +1,4 @@
-"""Issue 33: what the load's collectives send and receive per rank, at scale.
+"""What the load's collectives send and receive per rank, at scale.
 
 No processes: for ``R`` ranks on ``N = R / n`` nodes (``n`` ranks each), every
 rank's inputs are built as a load takes them, encoded as the collective

@@ -1,6 +1,6 @@
-"""Issue 17's first measurement: how small are lossless deltas between checkpoints?
+"""How small are lossless deltas between checkpoints?
 
-Before building delta checkpoints, two choices the issue leaves to measurement:
+Before building delta checkpoints, two choices left to measurement:
 
 * **the delta**: XOR of the new bits with the reference's, or integer
   subtraction of the bit patterns (mod 2^width, as lossless as XOR);
@@ -11,7 +11,7 @@ Each delta is coded the way a delta checkpoint would store it: the bytegroup
 codec (byte planes + zstd, level 1, 1 MiB chunks, the tensor's own dtype
 layout), a chunk stored raw when coding does not pay. Ratios are stored /
 raw bytes; "delta / full" is a delta's stored bytes over the full bytegroup
-coding of the same state, the issue's goal (<= 0.45 fp32, <= 0.15 bf16 with a
+coding of the same state, the goal (<= 0.45 fp32, <= 0.15 bf16 with a
 save every step).
 
 States (fp32, and the same values cast to bf16):
@@ -140,7 +140,7 @@ def full_sizes(state: State, dtype: torch.dtype) -> dict[str, int]:
 
 def delta_bytes(new: State, ref: State, dtype: torch.dtype, how: str, full: dict[str, int]) -> int:
     """Stored bytes of ``new`` as a delta against ``ref`` (each tensor the smaller of
-    its delta and its full coding ``full[key]``, as the issue's per-chunk choice would
+    its delta and its full coding ``full[key]``, as a per-chunk choice would
     be at least)."""
     total = 0
     for key, value in new.items():

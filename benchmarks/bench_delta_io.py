@@ -1,4 +1,4 @@
-"""Issue 17: delta checkpoints saved, loaded and drained for real, against full ones.
+"""Delta checkpoints saved, loaded and drained for real, against full ones.
 
 Per data set and gap (steps between two saves), a chain of ``--chain``
 checkpoints (the first a keyframe) is saved three ways, alternating in every
@@ -124,7 +124,7 @@ def drain_chain(
 ) -> tuple[list[float], float, list[float]]:
     """Drain seconds of each checkpoint of ``chain`` to the throttled remote (``mode``:
     full, or the remote level's ``delta_against``), seconds to load the newest
-    back from there (the level that holds the deltas in issue 17's example), and
+    back from there (the level that holds the deltas in the documented example), and
     seconds each ``mgr.save`` blocked (the first level's save; the drain runs after).
     ``first_deltas``: the first level stores the same deltas (the drain then copies
     them as they are, instead of coding them)."""
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         save = median(r["save_s"]) / median(full["save_s"])
         print(goal_line(save <= 1.0, f"{r['set']} {r['mode']} save time",
                         f"{save:.2f}x full (goal <= 1)"))  # fmt: skip
-        if r["blocked_s"]:  # issue 17's example: deltas on the remote level, coded by the drain
+        if r["blocked_s"]:  # the documented example: deltas on the remote level, coded by the drain
             save = median(r["blocked_s"]) / median(full["blocked_s"])
             print(goal_line(save <= 1.1, f"{r['set']} {r['mode']} save time, deltas on the "
                             "remote level only (manager save() blocked)",

@@ -20,7 +20,7 @@ remote, and how many of the due steps did; the lag of the last step (its
 first-level commit -> its remote commit: the time a lost node would have cost
 it).
 
-Goal (issue 30): ``save()`` blocks no longer under ``latest`` than under ``skip``
+Goal: ``save()`` blocks no longer under ``latest`` than under ``skip``
 (median ratio), and the last step always reaches the remote.
 
 Quick check::

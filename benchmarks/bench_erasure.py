@@ -1,6 +1,6 @@
 """Reed-Solomon parity on one core: zfec (the library we use) against numpy GF(2^8).
 
-An erasure-coded level (issue 14) forms ``parity`` parity blocks from the
+An erasure-coded level forms ``parity`` parity blocks from the
 files of ``data`` nodes. This measures the coder alone, in memory, on one
 thread, on the same bytes: real checkpoint bytes (BERT-large-shaped fp32
 weights, random values with a fixed seed) split into ``data`` members of
@@ -13,7 +13,7 @@ different sizes, coded in 4 MiB chunks:
   library alone: the goal is ErasureCode at least as fast);
 * ``numpy-gf256``: the same arithmetic written with numpy (a 256-byte
   multiplication table per coefficient, ``np.take``, XOR), the hand-written
-  alternative the issue names; with one parity block every coefficient is 1
+  alternative often named; with one parity block every coefficient is 1
   and it is a plain XOR (what ``ReduceOp.BXOR`` would compute);
 * ``rebuild``: ErasureCode rebuilding one lost member from the survivors.
 

@@ -1,6 +1,6 @@
 """What one kind of call on a save's thread costs a training thread, through the GIL.
 
-Issue 32: a save's own threads slow training by more than the time they take
+The complaint measured: a save's own threads slow training by more than the time they take
 when they make many small torch calls. A background thread makes ``--calls``
 calls of one kind while the main thread runs Python-bound steps (in-place
 adds on small CPU tensors, as launching kernels is); *steal* is the steps'

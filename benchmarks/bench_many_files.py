@@ -94,7 +94,7 @@ elif op == "start":
         finally:
             mgr.close()
 elif op in ("ls", "ls (table)", "ls (default)"):
-    # Every step: the default of old versions, --all since issue 33.
+    # Every step: the default of old versions, --all in later ones.
     every = ["--all"] if any("--all" in p.opts for p in main.commands["ls"].params) else []
     every = [] if op == "ls (default)" else every
     run = lambda: cli("ls", root, *every, as_json=op == "ls")

@@ -1,4 +1,4 @@
-"""Levels between nodes (issue 14): what partner copies and erasure parity cost per save,
+"""Levels between nodes: what partner copies and erasure parity cost per save,
 and how fast they bring back a lost node, against a remote-only setup.
 
 Four real ranks (spawned processes, gloo; ``tests/_dist.run_ranks``) on one
@@ -29,9 +29,8 @@ first level's files, so they need the same file system). On a machine with
 one disk every simulated node writes to it: this VM writes new files at about
 400 MB/s, 100 MB/s per node of 4, half of each node's link to the remote,
 where real nodes each have their own NVMe; ``--root /dev/shm/...`` gives the
-nodes storage faster than their remote link (docs/benchmarks-log.md,
-"Restore scheduling"; the nodes' files then live in memory, beside the ranks'). The node-local
-levels keep 2 checkpoints, the remote 1, and L1 every save of a round (no L1
+nodes storage faster than their remote link (the nodes' files then live in
+memory, beside the ranks'). The node-local levels keep 2 checkpoints, the remote 1, and L1 every save of a round (no L1
 retention: with two ranks per node it races, each rank deleting the node's
 same step directory).
 
@@ -97,7 +96,7 @@ every node needs a few bytes of every other node's file. The configuration
 whole (``CheckpointManager(restore_whole_files=True)``: the restore as it was
 before partial copies), to compare in the same run.
 
-Goals (issue 14): blocked time per save unchanged by adding the level
+Goals: blocked time per save unchanged by adding the level
 (within 10 %, this machine's noise); restore after one node loss at least 3x
 faster than from the remote alone; erasure storage exactly (k+m)/k of the
 checkpoint plus padding under 1 % of it; encode throughput at least that of

@@ -1,4 +1,4 @@
-"""Issues 14 + 17: first-level deltas under a partner level, against full checkpoints.
+"""First-level deltas under a partner level, against full checkpoints.
 
 4 ranks on 2 simulated nodes (``DCP_ML_NODE``, a directory per node), the
 state replicated on every rank (as with DDP): the real all-MiniLM-L6-v2
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root / "jobs", ignore_errors=True)
     records = [r for rank in per_rank for r in rank]
     print()
-    print("## First-level deltas under a partner level (issues 14 + 17)")
+    print("## First-level deltas under a partner level")
     print()
     for k, v in info.items():
         print(f"- {k}: {v}")

@@ -351,7 +351,7 @@ def table(rows: list[dict]) -> str:
 
 
 def goals(rows: list[dict]) -> list[str]:
-    """PASS/MISS per goal of issue 33, item 2."""
+    """PASS/MISS per goal of save planning at scale."""
     lines = []
     for state in dict.fromkeys(r["state"] for r in rows):
         rs = [r for r in rows if r["state"] == state]
@@ -386,7 +386,7 @@ def main() -> None:
         f"(plans share objects across {args.distinct} copies)\n"
     )
     print(table(rows))
-    print("\nGoals (issue 33, item 2):\n")
+    print("\nGoals (save planning at scale):\n")
     print("\n".join(f"- {line}" for line in goals(rows)))
     if args.json:
         args.json.write_text(json.dumps({"command": command(__file__), "rows": rows}, indent=1))

@@ -6,7 +6,7 @@ for 2..1024 ranks by the coordinator of stock ``DefaultSavePlanner`` and of
 ``BalancedSavePlanner``, interleaved, medians of ``--repeat``. Tensors live on
 the meta device, so 1024 "ranks" cost no memory. Reports max/mean bytes and
 items per rank, planning time, time / (N log2 N) for N = items x ranks, and
-PASS/MISS for each goal of issue 3.
+PASS/MISS for each goal.
 
 Part 2, end to end: 4 gloo ranks on this machine save the replicated
 BERT-large model state with each (planner, writer) pair: stock or ours, through
@@ -163,7 +163,7 @@ def _figures(per_size: list[dict]) -> dict[str, dict]:
 
 
 def _goals(measured: list[tuple]) -> list[str]:
-    """PASS/MISS per goal of issue 3.
+    """PASS/MISS per goal.
 
     ``measured``: (ranks, N, stock s, ours s, ours max/mean bytes, stock CPU s, ours CPU s).
     """
@@ -309,7 +309,7 @@ def main() -> None:
         )
         table, goals, figures = plan_only(sizes, args.repeat)
         print(table)
-        print("\nGoals (issue 3):\n")
+        print("\nGoals:\n")
         print("\n".join(f"- {line}" for line in goals))
         run.write(args.results, figures=_figures(figures), alternated=list(PLANNERS),
                   rounds=args.repeat, data={"state": "BERT-large + AdamW, replicated",

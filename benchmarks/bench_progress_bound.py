@@ -1,9 +1,9 @@
-"""How much any convergence-aware schedule can gain on a loss curve (issue 15's exploratory goal).
+"""How much any convergence-aware schedule can gain on a loss curve (the exploratory goal).
 
 Under COCI's accounting (docs/schedule.md "Three accountings") the best interval
 at progress rate ``w`` is Young/Daly's divided by ``sqrt(w)``, and no schedule
 can cost less than ``mean(sqrt(w))`` times Young/Daly's, to first order
-(``LossCurve.coci_bound``). Issue 15 asks for 40 % below Young/Daly, i.e. a
+(``LossCurve.coci_bound``). The goal is 40 % below Young/Daly, i.e. a
 bound under 0.60. This prints the bound for:
 
 * the simulator's Chinchilla-shaped curve (``sim/measured.py`` ``LOSS``, the
@@ -126,7 +126,7 @@ def main() -> int:
         took = f"in {seconds:.0f} s" if seconds else f"read from {args.losses}"
         print(f"- MiniLM fine-tuning: {len(losses)} steps {took}, training loss "
               f"{first:.3f} (first 10) -> {last:.3f} (last 10)")  # fmt: skip
-    print(f"- goal (issue 15): 40 % below Young/Daly, a bound under {GOAL:.2f}\n")
+    print(f"- goal: 40 % below Young/Daly, a bound under {GOAL:.2f}\n")
     head = ["curve", "expected curve", "run", "mean(sqrt(w))", "best possible below Y/D"]
     print(markdown_table(head, rows))
     if args.json:

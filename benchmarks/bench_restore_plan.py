@@ -1,4 +1,4 @@
-"""Issues 14 and 33: how long planning a restore takes at scale, and how good the plan is.
+"""How long planning a restore takes at scale, and how good the plan is.
 
 Pure planning (``restore.plan.plan_restore``), no processes, no files: the
 inventories every rank would send, for ``NODES x RANKS`` (one file per rank,
@@ -13,7 +13,7 @@ inventories every rank would send, for ``NODES x RANKS`` (one file per rank,
 
 Planners, alternating in one run: ``ring`` (today's: files every node of
 many needs travel around a ring, ``restore/ring.py``) and ``copies`` (the
-point-to-point planner before issue 33, ``ring_nodes`` above the node count;
+point-to-point planner the rings replaced, ``ring_nodes`` above the node count;
 kept as the reference, run up to ``--copies-max-nodes``). Per row: planning
 seconds (median of ``--repeat``, spread), actions listed, and up to
 ``--simulate-max-nodes`` the bytes the neediest node receives and the
@@ -21,7 +21,7 @@ simulated time to carry the plan out (a byte a time unit, each rank one
 transfer at a time, in the plan's order) over a lower bound (the neediest
 node's bytes over its ranks; twice all bytes moved over all ranks).
 
-    python benchmarks/bench_restore_plan.py                         # the issue 33 table
+    python benchmarks/bench_restore_plan.py                         # the scale table
     python benchmarks/bench_restore_plan.py --nodes 16,64 --repeat 3   # quick look
 """
 

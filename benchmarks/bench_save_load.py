@@ -220,7 +220,7 @@ def measure(
 
 def measure_raw(timer: PhaseTimer, settle: float, raw: Raw, path: Path, out: Samples) -> None:
     """Raw fsync'd write and page-cache-evicted read of one file holding ``raw.data``."""
-    # The raw helpers time themselves (eviction stays outside their timing).
+    # The raw measurements time themselves (eviction stays outside their timing).
     write = timer(lambda: raw_write_seconds(path, raw.data))
     written = time.perf_counter()
     out.save_s.append(write.result)

@@ -1,4 +1,4 @@
-"""Simulated fault-tolerance overhead of save policies (issue 15), with measured costs.
+"""Simulated fault-tolerance overhead of save policies, with measured costs.
 
 A simulation, not a measurement: ``dcp_multilevel.sim`` plays training runs
 with failures and counts what each save policy costs (time blocked saving,
@@ -51,7 +51,7 @@ or discards, ``sim/loss.py``; progress at risk: COCI's accounting, seconds
 blocked and restoring plus the value of the progress lost, docs/schedule.md
 "Three accountings"); "vs best" divides it by the brute-force best's.
 
-Goal (issue 15, exploratory scenarios): ``convergence=True`` at least 40 %
+Goal (exploratory scenarios): ``convergence=True`` at least 40 %
 below the best Young/Daly row under COCI's accounting.
 
     python benchmarks/bench_schedule.py            # ~23 minutes on one core
@@ -104,7 +104,7 @@ STORE_FACTORS = (0.5, 1.0, 2.0, 4.0)
 # ProgressValue's one parameter, the assumed run length (hours), searched in the
 # exploratory scenarios.
 HORIZONS = (6.0, 24.0, 72.0, 240.0)
-#: Issue 15's goal: COCI's 40 % below Young/Daly in the exploratory scenarios.
+#: The goal: COCI's 40 % below Young/Daly in the exploratory scenarios.
 COCI_GOAL = 0.40
 
 

@@ -1,6 +1,6 @@
 """A real training run paced by a schedule: is blocked time kept under its bound?
 
-Issue 15's real-run goal: the demo model (``examples/train_demo.py``: a
+The real-run goal: the demo model (``examples/train_demo.py``: a
 ~650K-parameter MLP, DDP on gloo, AdamW) trained on 2 spawned ranks for
 ``--seconds`` of wall time, ``mgr.step(state, step=s, loss=l)`` after every
 step, with two levels (the first on local disk, a second local directory

@@ -3,7 +3,7 @@
     python benchmarks/gpu_check.py                  # CUDA, GPT-2-medium-sized model
     python benchmarks/gpu_check.py --device cpu     # tiny model, what CI runs
     python benchmarks/gpu_check.py --device cpu --size gpt2 --methods ours,stock-best
-                                                    # issue 32's CPU goal, fewer methods
+                                                    # the CPU goal's size, fewer methods
 
 Part 1 (``_gpu_roundtrips.py``): plain device tensors of several dtypes,
 ``dcp.save``/``dcp.load`` with our writer and reader (and the balanced

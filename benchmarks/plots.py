@@ -149,7 +149,7 @@ def async_blocked(doc: dict, out: Path) -> None:
 
 def restore_scale(doc: dict, out: Path) -> None:
     """Restore planning seconds against nodes, log-log, per layout: rings (today)
-    and the point-to-point copies planner before issue 33 (bench_restore_plan.py)."""
+    and the point-to-point copies planner they replaced (bench_restore_plan.py)."""
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
     colors = {"replicated/partner": OURS, "replicated/erasure": "#17becf",
               "sharded/partner": "#2ca02c", "sharded/erasure": "#9467bd"}  # fmt: skip
