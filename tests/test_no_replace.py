@@ -299,3 +299,157 @@ def test_copy_with_overwrite_never_rewrites_a_file_the_old_step_names(tmp_path):
     ), result.stderr
     assert snapshot(str(dest)) == before
     assert os.path.exists(dest / "manifest.json")
+
+
+# --------------------------------------------------------------------------- between nodes
+
+# Two ranks, one per simulated node (``DCP_ML_NODE``; ``{node}`` in the paths).
+
+
+def node_levels(root: str, first: str, **partner: Any) -> list[Level]:
+    return [Level(f"{root}/n{{node}}/{first}"), Level(f"partner:{root}/n{{node}}/partner",
+                                                     replicas=2, **partner)]  # fmt: skip
+
+
+def _node_save_job(rank: int, world: int, root: str, first: str, v: int, overwrite: bool
+                   ) -> tuple[str | None, str]:  # fmt: skip
+    """Save step 1 as ``state(v)``; (the drain error or None, this node's save id)."""
+    os.environ["DCP_ML_NODE"] = str(rank)
+    mgr = CheckpointManager(node_levels(root, first, overwrite=overwrite), drain_policy="wait")
+    mgr.save(state(v), step=1)
+    try:
+        mgr.wait()
+        error = None
+    except DrainError as e:
+        error = str(e)
+    mgr.close()
+    return error, save_id(f"{root}/n{rank}/{first}/step-1") if rank == 0 else ""
+
+
+def _node_load_job(rank: int, world: int, root: str, first: str) -> tuple[Any, ...]:
+    """load_latest: (step, the first value, None) or (None, None, the error's text)."""
+    os.environ["DCP_ML_NODE"] = str(rank)
+    mgr = CheckpointManager(node_levels(root, first))
+    loaded = blank()
+    try:
+        step = mgr.load_latest(loaded)
+    except Exception as e:  # noqa: BLE001 - the test compares every rank's error
+        mgr.close()
+        return None, None, f"{type(e).__name__}: {e}"
+    mgr.close()
+    return step, int(loaded["v"]), None
+
+
+@pytest.mark.multiprocess
+def test_a_partner_drain_never_replaces_another_saves_copies(tmp_path):
+    from _dist import run_ranks
+
+    root = str(tmp_path)
+    out = run_ranks(_node_save_job, 2, root, "l1a", 1, False, timeout=240)
+    assert [o[0] for o in out] == [None, None]
+    partner = {n: snapshot(f"{root}/n{n}/partner") for n in (0, 1)}
+    old = save_id(f"{root}/n0/partner/step-1")
+
+    out = run_ranks(_node_save_job, 2, root, "l1b", 101, False, timeout=240)
+    new = out[0][1]
+    expected = [
+        f"step 1 to {url}: DrainError: step 1 is committed on level {url} as save {old}; "
+        f"the drain of save {new} would replace it, so the level keeps it as it is. Move or "
+        "delete that step there, or pass Level(..., overwrite=True) to replace it (the old "
+        "one stays loadable until the new one commits). The first level still holds these "
+        "checkpoints."
+        for url in (f"partner:{root}/n0/partner", f"partner:{root}/n1/partner")
+    ]  # each rank names the level as it sees it ({node}: its own)
+    assert [o[0] for o in out] == expected
+    assert {n: snapshot(f"{root}/n{n}/partner") for n in (0, 1)} == partner
+
+    out = run_ranks(_node_save_job, 2, root, "l1c", 201, True, timeout=240)
+    assert [o[0] for o in out] == [None, None]
+    for n in (0, 1):
+        assert save_id(f"{root}/n{n}/partner/step-1") == out[0][1]
+    # Node 1 is replaced: its files come back from node 0's copies of the new save.
+    shutil.rmtree(tmp_path / "n1")
+    assert run_ranks(_node_load_job, 2, root, "l1c", timeout=240) == [(1, 201, None)] * 2
+
+
+@pytest.mark.multiprocess
+def test_a_restore_never_writes_into_another_saves_step_on_a_node(tmp_path):
+    from _dist import run_ranks
+
+    root = str(tmp_path)
+    out = run_ranks(_node_save_job, 2, root, "l1", 1, False, timeout=240)
+    assert [o[0] for o in out] == [None, None]
+    # Node 1 is replaced by a machine whose disk holds step 1 of another run.
+    shutil.rmtree(tmp_path / "n1")
+    other = CheckpointManager([Level(str(tmp_path / "other"))])
+    other.save(state(77), step=1)
+    other.close()
+    shutil.copytree(tmp_path / "other" / "step-1", tmp_path / "n1" / "l1" / "step-1")
+    before = snapshot(str(tmp_path / "n1"))
+    stale, wanted = save_id(str(tmp_path / "other" / "step-1")), out[0][1]
+
+    out = run_ranks(_node_load_job, 2, root, "l1", timeout=240)
+    url = f"file://{root}/n1/l1/step-1"
+    expected = (
+        f"CheckpointExistsError: Checkpoint already exists at {url} (node 1's first level "
+        f"holds step 1 as save {stale}); restoring save {wanted} of step 1 there would "
+        "replace it, so the restore stops before anything moves. Move that step aside on "
+        "that node (it may be the only copy of an earlier run), then load again."
+    )
+    assert out == [(None, None, expected)] * 2
+    assert snapshot(str(tmp_path / "n1")) == before
+    # Moved aside, the step restores.
+    shutil.move(tmp_path / "n1" / "l1" / "step-1", tmp_path / "stale-step-1")
+    assert run_ranks(_node_load_job, 2, root, "l1", timeout=240) == [(1, 1, None)] * 2
+
+
+def _erasure_save_job(rank: int, world: int, root: str, first: str, v: int, overwrite: bool
+                      ) -> str | None:  # fmt: skip
+    os.environ["DCP_ML_NODE"] = str(rank)
+    levels = [
+        Level(f"{root}/n{{node}}/{first}"),
+        Level(f"erasure:{root}/n{{node}}/erasure", data=2, parity=1, overwrite=overwrite),
+    ]
+    mgr = CheckpointManager(levels, drain_policy="wait")  # fmt: skip
+    mgr.save(state(v), step=1)
+    try:
+        mgr.wait()
+        return None
+    except DrainError as e:
+        return str(e)
+    finally:
+        mgr.close()
+
+
+def _erasure_load_job(rank: int, world: int, root: str, first: str) -> tuple[int | None, int]:
+    os.environ["DCP_ML_NODE"] = str(rank)
+    levels = [Level(f"{root}/n{{node}}/{first}"),
+              Level(f"erasure:{root}/n{{node}}/erasure", data=2, parity=1)]  # fmt: skip
+    mgr = CheckpointManager(levels)
+    loaded = blank()
+    step = mgr.load_latest(loaded)
+    mgr.close()
+    check(loaded, int(loaded["v"]))
+    return step, int(loaded["v"])
+
+
+@pytest.mark.multiprocess
+def test_an_erasure_drain_refuses_or_replaces_with_parity_of_its_own(tmp_path):
+    from _dist import run_ranks
+
+    root = str(tmp_path)
+    assert run_ranks(_erasure_save_job, 3, root, "l1a", 1, False, timeout=300) == [None] * 3
+    parity = {n: snapshot(f"{root}/n{n}/erasure") for n in range(3)}
+    errors = run_ranks(_erasure_save_job, 3, root, "l1b", 101, False, timeout=300)
+    assert all("step 1 is committed on level erasure:" in e and "would replace it" in e
+               for e in errors), errors  # fmt: skip
+    assert {n: snapshot(f"{root}/n{n}/erasure") for n in range(3)} == parity
+
+    assert run_ranks(_erasure_save_job, 3, root, "l1c", 201, True, timeout=300) == [None] * 3
+    # The new save's blocks and descriptions have names of their own; the old ones went.
+    names = sorted(p.name for p in (tmp_path / "n2/erasure/step-1/parity").iterdir())
+    assert len(names) == 3 and not set(names) & {"0-2.bin", "group-0.json", "group-1.json"}
+    assert all(re.fullmatch(r"(0-2|group-[01])\.[0-9a-f]{12}\.(bin|json)", n) for n in names)
+    # Node 0 is replaced: its files are rebuilt from the new save's parity.
+    shutil.rmtree(tmp_path / "n0")
+    assert run_ranks(_erasure_load_job, 3, root, "l1c", timeout=300) == [(1, 201)] * 3

@@ -210,10 +210,11 @@ class LevelDriver(abc.ABC):
         None (the default) for a level that holds whole files only."""
         return None
 
-    def held_save(self, step: int, link: DrainLink) -> str | None:
+    def held_save(self, step: int, link: DrainLink, incoming: str) -> str | None:
         """The ``save_id`` of the committed ``step`` on this level (None: not committed),
         the same on every rank of the drain: rank 0 looks and tells the others through
-        ``link`` (a node-local kind asks every node, ``node_local.py``).
+        ``link`` (a node-local kind asks every node, ``node_local.py``, and returns a
+        save other than ``incoming``, the drain's, where some node holds one).
 
         Raises:
             DrainError: the level could not be read (on every rank).
@@ -242,13 +243,17 @@ class LevelDriver(abc.ABC):
             )
         return found["save_id"]
 
-    def refuse_replacing(self, job: DrainJob, manifest: Manifest, link: DrainLink) -> None:
+    def refuse_replacing(self, job: DrainJob, manifest: Manifest, link: DrainLink) -> bool:
         """Raise :class:`DrainError` (every rank alike) when ``job.step`` is committed on
         this level as another save than ``manifest``'s and the level does not say
-        ``overwrite=True``; a drain calls it before it writes anything. Collective."""
-        held = self.held_save(job.step, link)
+        ``overwrite=True``; a drain calls it before it writes anything. Collective.
+
+        Returns:
+            True when the drain replaces another save (``overwrite=True``).
+        """
+        held = self.held_save(job.step, link, manifest.save_id)
         if held is None or held == manifest.save_id:
-            return
+            return False
         if not self.level.overwrite:
             raise DrainError(
                 f"step {job.step} is committed on level {self.url} as save {held}; the drain "
@@ -260,6 +265,7 @@ class LevelDriver(abc.ABC):
             "dcp_multilevel: replacing step %d on %s (save %s) with save %s (overwrite=True)",
             job.step, self.url, held, manifest.save_id,
         )  # fmt: skip
+        return True
 
     @abc.abstractmethod
     def drain(self, job: DrainJob, manifest: Manifest, link: DrainLink) -> DrainResult:

@@ -19,6 +19,12 @@ On each node, below its directory (``node_local.py``)::
                                           one checksum per parity chunk), on
                                           every node of the group
 
+A drain that replaces a node's step of another save (``overwrite=True``)
+names its blocks and descriptions ``<group>-<block>.<tag>.bin`` and
+``group-<group>.<tag>.json`` (``erasure_blocks.save_tag``): the old ones stay
+whole, and the old step restorable, until the node's new manifest commits;
+then every parity file of another save goes (:meth:`ErasureLevel.after_commit`).
+
 One drain, group after group, chunk by chunk (every rank walks the same
 order, so the blocking sends never deadlock): each member node's lowest rank
 streams its member, verified item by item, to the *encoder* (the lowest rank
@@ -36,6 +42,7 @@ written.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,6 +55,7 @@ from .erasure_blocks import (
     description_path,
     member_chunks,
     parity_path,
+    save_tag,
     send_block,
 )
 from .erasure_code import CHUNK, ErasureCode, stripe_length
@@ -59,6 +67,8 @@ from .topology import Topology
 from .wire import OutStream, receive, recv_file, status
 
 __all__ = ["ErasureLevel", "group_layout"]
+
+logger = logging.getLogger(__name__)
 
 
 def group_layout(nodes: Sequence[int], data: int, parity: int) -> list[tuple[list[int], list[int]]]:
@@ -124,6 +134,7 @@ class ErasureLevel(NodeLocalLevel):
                 "coder": ErasureCode(len(members), self.parity).coder,
                 "stripe": stripe_length(sizes, CHUNK), "members": described,
                 "parity_nodes": parity_nodes, "save_id": manifest.save_id,
+                **({"tag": save_tag(manifest.save_id)} if self.replacing else {}),
             })  # fmt: skip
         return out
 
@@ -147,7 +158,7 @@ class ErasureLevel(NodeLocalLevel):
                 stored += self._encode(desc, senders, keepers, target, link)
             elif rank in keepers:
                 b = k + keepers.index(rank)
-                path = parity_path(g, b)
+                path = parity_path(g, b, desc.get("tag"))
                 if not recv_file(target.store, path, stripe, keepers[0], self.group, CHUNK):
                     raise DrainError(f"group {g} of step {job.step}: the encoder failed")
                 stored += stripe
@@ -168,7 +179,7 @@ class ErasureLevel(NodeLocalLevel):
         checksums: dict[str, list[str]] = {str(k + j): [] for j in range(self.parity)}
         ok = False
         try:
-            with target.store.open_write(parity_path(g, k)) as mine:
+            with target.store.open_write(parity_path(g, k, desc.get("tag"))) as mine:
                 for _ in range(stripe // CHUNK):
                     pieces = [next(s) for s in streams]
                     for j, piece in enumerate(code.encode_chunk(pieces)):
@@ -196,7 +207,30 @@ class ErasureLevel(NodeLocalLevel):
                 if not coded["ok"]:
                     raise DrainError(f"group {desc['group']} of step {job.step} was not encoded")
                 desc["checksums"] = coded["checksums"]
-                out[description_path(desc["group"])] = json.dumps(desc).encode()
+                out[description_path(desc["group"], desc.get("tag"))] = json.dumps(desc).encode()
+        return out
+
+    def after_commit(self, job: DrainJob, manifest: Manifest, target: StoredCheckpoint) -> None:
+        """Remove the parity files of this node's part that the committed save does not
+        name (another save's, replaced); never raises."""
+        keep = {name.rsplit("/", 1)[-1] for name in self._names_of(self.groups(manifest))}
+        for name in target.store.listdir(PARITY_DIR):
+            if name not in keep:
+                try:
+                    target.store.remove_tree(f"{PARITY_DIR}/{name}")
+                except OSError as e:  # committed already: leftovers only cost space
+                    logger.warning("could not delete stale %s/%s in %s: %s",
+                                   PARITY_DIR, name, target.url, e)  # fmt: skip
+
+    @staticmethod
+    def _names_of(groups: list[dict[str, Any]]) -> list[str]:
+        """Every parity block's and description's path of ``groups``."""
+        out = []
+        for desc in groups:
+            tag = desc.get("tag")
+            out.append(description_path(desc["group"], tag))
+            out += [parity_path(desc["group"], b, tag)
+                    for b in range(desc["data"], desc["data"] + desc["parity"])]  # fmt: skip
         return out
 
     def holdings(self, step: int) -> dict[str, Any]:
@@ -204,14 +238,17 @@ class ErasureLevel(NodeLocalLevel):
         (``LevelDriver.holdings``)."""
         ckpt = self.checkpoint(step)
         names = set(ckpt.store.listdir(PARITY_DIR))
+        save_id = ckpt.manifest().save_id
         groups: dict[str, Any] = {}
         parity: list[list[Any]] = []
         for name in sorted(names):
             if name.startswith("group-") and name.endswith(".json"):
                 desc = json.loads(ckpt.store.read_bytes(f"{PARITY_DIR}/{name}"))
-                groups[desc["group"]] = desc
+                # A replacing drain that stopped before its commit left another save's.
+                if desc.get("save_id") == save_id:
+                    groups[desc["group"]] = desc
         for g, desc in groups.items():
             for b in range(desc["data"], desc["data"] + desc["parity"]):
-                if f"{g}-{b}.bin" in names:
+                if parity_path(g, b, desc.get("tag")).rsplit("/", 1)[-1] in names:
                     parity.append([g, b])
         return {"groups": groups, "parity": parity}

@@ -11,6 +11,7 @@ checking every rebuilt item before a file is kept.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from contextlib import ExitStack
@@ -33,6 +34,7 @@ __all__ = [
     "parity_path",
     "rebuild",
     "rechunk",
+    "save_tag",
     "send_block",
 ]
 
@@ -42,14 +44,26 @@ logger = logging.getLogger(__name__)
 PARITY_DIR = "parity"
 
 
-def parity_path(group: str, block: int) -> str:
-    """Where a node keeps parity block ``block`` of group ``group``."""
-    return f"{PARITY_DIR}/{group}-{block}.bin"
+def parity_path(group: str, block: int, tag: str | None = None) -> str:
+    """Where a node keeps parity block ``block`` of group ``group`` (``tag``: the
+    description's, see :func:`save_tag`)."""
+    return f"{PARITY_DIR}/{group}-{block}{_suffix(tag)}.bin"
 
 
-def description_path(group: str) -> str:
+def description_path(group: str, tag: str | None = None) -> str:
     """Where every node of a group keeps the group's description."""
-    return f"{PARITY_DIR}/group-{group}.json"
+    return f"{PARITY_DIR}/group-{group}{_suffix(tag)}.json"
+
+
+def save_tag(save_id: str) -> str:
+    """What a drain that replaces another save's step adds to the names of its parity
+    blocks and descriptions (``desc["tag"]``): the old ones, of fixed names, stay
+    whole beside them until the node's new manifest commits."""
+    return hashlib.sha256(save_id.encode()).hexdigest()[:12]
+
+
+def _suffix(tag: str | None) -> str:
+    return f".{tag}" if tag else ""
 
 
 # --------------------------------------------------------------------------- streams
@@ -93,7 +107,7 @@ def parity_chunks(ckpt: StoredCheckpoint, desc: dict[str, Any], block: int
     sums = desc["checksums"][str(block)]
     chunk = desc["chunk"]
     buf = memoryview(bytearray(chunk))
-    with ckpt.store.open_read(parity_path(desc["group"], block)) as handle:
+    with ckpt.store.open_read(parity_path(desc["group"], block, desc.get("tag"))) as handle:
         if handle.size != desc["stripe"] or len(sums) * chunk != desc["stripe"]:
             raise CorruptCheckpointError(
                 f"parity block {block} of group {desc['group']} in {ckpt.url} is "

@@ -109,6 +109,9 @@ class NodeLocalLevel(LevelDriver):
         super().__init__(level, CheckpointRoot(path, level.storage_options))
         self.topology: Topology | None = None
         self.group: Any = None
+        #: Whether the running drain replaces another save (``overwrite=True``): a kind
+        #: whose files have fixed names writes them under new ones then.
+        self.replacing = False
 
     def _check_options(self) -> None:
         extra = set(self.level.kind_options()) - set(self.options)
@@ -136,10 +139,11 @@ class NodeLocalLevel(LevelDriver):
                 "this level."
             )
 
-    def held_save(self, step: int, link: DrainLink) -> str | None:
+    def held_save(self, step: int, link: DrainLink, incoming: str) -> str | None:
         """The ``save_id`` of ``step`` where some node holds it committed (None: no node
         does), the same on every rank: each node's lowest rank looks at its own part,
-        rank 0 takes the first other save found (else any), and tells everyone.
+        rank 0 takes a save other than ``incoming`` if any node holds one (else the
+        one held), and tells everyone.
 
         Raises:
             DrainError: a node's part could not be read (on every rank).
@@ -147,7 +151,7 @@ class NodeLocalLevel(LevelDriver):
         topology = self.topology
         assert topology is not None
         if link.world_size == 1:
-            return super().held_save(step, link)
+            return super().held_save(step, link, incoming)
         rank = link.rank
         if topology.leads(rank) and rank != 0:
             link.put(f"held/{rank}", self._held_here(step))
@@ -156,10 +160,11 @@ class NodeLocalLevel(LevelDriver):
             return self._verdict(verdict, step)
         leaders = sorted({topology.leader(n) for n in topology.node_ids} - {0})
         seen = [self._held_here(step), *link.get([f"held/{r}" for r in leaders])]
-        # An error first (nothing may be replaced unseen), then a save that is there.
+        # An error first (nothing may be replaced unseen), then another save, then this one.
         verdict = next((s for s in seen if "error" in s), None)
-        if verdict is None:
-            verdict = next((s for s in seen if s["save_id"] is not None), {"save_id": None})
+        for wanted in (lambda held: held not in (None, incoming), lambda held: held is not None):
+            verdict = verdict or next((s for s in seen if wanted(s["save_id"])), None)
+        verdict = verdict or {"save_id": None}
         link.put("held", verdict)
         return self._verdict(verdict, step)
 
@@ -169,6 +174,11 @@ class NodeLocalLevel(LevelDriver):
     ) -> dict[str, int]:
         """This rank's transfers of one drain; returns byte counts for the metrics
         (``bytes_stored``: new bytes on this node's disk, ``bytes_sent``)."""
+
+    def after_commit(self, job: DrainJob, manifest: Manifest, target: StoredCheckpoint) -> None:
+        """The node's lowest rank, after the node's commit: remove what an earlier save
+        left that the commit's own sweep does not (default: nothing). Never raises."""
+        return None
 
     def sidecars(self, job: DrainJob, manifest: Manifest, link: DrainLink) -> dict[str, bytes]:
         """Files the node's lowest rank writes before the manifest (default: the placement)."""
@@ -189,7 +199,8 @@ class NodeLocalLevel(LevelDriver):
             )  # fmt: skip
             result.skipped = True
             return result
-        self.refuse_replacing(job, manifest, link)  # before anything moves
+        # Before anything moves. Drains of one level run one at a time (one lane).
+        self.replacing = self.refuse_replacing(job, manifest, link)
         rank = _dist.rank()
         target = self.checkpoint(job.step)
         counts = self.exchange(job, manifest, target, link)
@@ -203,6 +214,7 @@ class NodeLocalLevel(LevelDriver):
                 target.store.write_atomic(name, data)
             target.commit_manifest(job.source.manifest_bytes())
             target.sweep(manifest.files)
+            self.after_commit(job, manifest, target)
         result.bytes_stored = counts.get("bytes_stored", 0)
         result.details = {"bytes_sent": counts.get("bytes_sent", 0), "bytes_linked": linked}
         if rank != 0:

@@ -29,6 +29,12 @@ copy*: ``<first-level step>/.parts``, a directory with the step's manifest
 range it does not hold can never be read as data. The first level's own
 files stay whole: the inventory lists them as copies other nodes may take.
 
+A node whose first level holds the step committed as another save (a disk
+from an earlier run) is never written to: before anything moves, every
+node's lowest rank compares, and the restore fails on every rank with
+:class:`~dcp_multilevel.errors.CheckpointExistsError` naming the node, the
+step and both saves (:func:`refuse_replacing`).
+
 Collective: every function that says so is called by every rank in the
 same order, on the main thread.
 """
@@ -44,7 +50,7 @@ from typing import Any
 
 from .. import _dist
 from ..checkpoint import StoredCheckpoint
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, DcpMultilevelError
 from ..format import DATA_DIR, Manifest
 from ..levels.base import LevelDriver
 from ..levels.node_local import link_or_copy
@@ -53,7 +59,14 @@ from .actions import BlockFault, Copy, CopyFault, Fault, Inventory, Link, Rebuil
 from .plan import RestorePlan, group_descriptions
 from .ring import my_hops, received_around
 
-__all__ = ["PARTS_DIR", "RestoreReport", "execute", "parts_copy", "set_aside_damaged"]
+__all__ = [
+    "PARTS_DIR",
+    "RestoreReport",
+    "execute",
+    "parts_copy",
+    "refuse_replacing",
+    "set_aside_damaged",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +183,7 @@ def execute(
 
     into = at(0)
     files = into.manifest().files
+    refuse_replacing(drivers[0], step, into.manifest().save_id, inventories)
     parts: StoredCheckpoint | None = None  # this node's parts copy, once it receives one
     bad: list[Fault] = []
     descs = group_descriptions(inventories)
@@ -222,6 +236,37 @@ def execute(
     if parts is not None:
         parts.commit_manifest(manifest_bytes)  # last: the copy exists
     return bad
+
+
+def refuse_replacing(
+    first: LevelDriver, step: int, save_id: str, inventories: Sequence[Inventory]
+) -> None:
+    """Raise :class:`CheckpointExistsError` on every rank when some node's first level
+    holds ``step`` committed as another save than ``save_id`` (each node's lowest
+    rank looks at its own disk). Collective."""
+    me = _dist.rank()
+    node = next((inv.node for inv in inventories if inv.rank == me), None)
+    lowest = min((inv.rank for inv in inventories if inv.node == node), default=me)
+    found: tuple[int | None, str, str] | None = None
+    if me == lowest:
+        ckpt = first.checkpoint(step)
+        try:
+            held = ckpt.held_save_id()
+        except (DcpMultilevelError, OSError) as e:
+            held = f"unreadable ({type(e).__name__}: {e})"
+        if held is not None and held != save_id:
+            found = (node, ckpt.url, held)
+    conflicts = [f for f in _dist.all_gather_object(found) if f is not None]
+    if not conflicts:
+        return
+    where, url, held = conflicts[0]
+    raise CheckpointExistsError(
+        f"Checkpoint already exists at {url} (node {where}'s first level holds step {step} "
+        f"as save {held}); restoring save {save_id} of step {step} there would replace it, "
+        "so the restore stops before anything moves. Move that step aside on that node "
+        "(it may be the only copy of an earlier run), then load again.",
+        checkpoint=url,
+    )
 
 
 def _open_parts(first: StoredCheckpoint, manifest_bytes: bytes) -> StoredCheckpoint:
