@@ -89,7 +89,8 @@ BENCH := $(VENV)/bin/python benchmarks
 figures: bench-setup
 	$(BENCH)/bench_save_load.py --repeat 3
 	$(BENCH)/bench_planner.py --skip-e2e --repeat 3
-	$(BENCH)/bench_codecs.py --repeat 3
+	$(BENCH)/bench_codecs.py --repeat 3 --threads 2 --codecs stock-zstd,zipnn,ours-bytegroup \
+		--savers 'stock,stock+ZStandard,ours codec=None,ours codec=bytegroup'
 	$(BENCH)/bench_async.py --gb 1.5 --saves 5 --repeats 3
 	$(BENCH)/bench_manager.py --remotes s3 --codec none --saves 5
 	$(BENCH)/bench_nodeloss.py --repeat 3 --saves 2 --step-seconds 1 --code-repeat 5

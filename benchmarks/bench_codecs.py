@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _cli import add_results, add_root, add_seed, add_wait_idle, names, parser, quiet_dcp_warnings
 from _codecs_report import CodecResult, SaveResult, codec_table, details, goals, save_table
-from _contenders import CODECS, SAVERS, Codec, Saver, make_saver
+from _contenders import CODECS, SAVERS, THREADS, Codec, Saver, make_saver
 from _data import (
     FLOAT_SETS,
     BertConfig,
@@ -208,6 +208,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--level", type=int, default=None, help="our codecs' level (default: theirs)")
     p.add_argument("--chunk-mib", type=float, default=None,
                    help="our codecs' chunk size (default: theirs)")
+    p.add_argument("--threads", default="1,2",
+                   help="thread counts the codecs are measured with; default 1,2")
     p.add_argument("--save-threads", type=int, default=2,
                    help="Compression(threads=...) of our codecs inside dcp.save; default 2")
     # fmt: on
@@ -218,6 +220,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sets = sorted(names(p, args.sets, FLOAT_SETS, "set", families=True), key=FLOAT_SETS.index)
     args.codecs = names(p, args.codecs, list(CODECS), "codec")
     args.savers = names(p, args.savers, SAVERS, "saver")
+    known = [str(t) for t in THREADS]
+    args.threads = [int(t) for t in names(p, args.threads, known, "thread count", required=True)]
     if args.quick:
         args.repeat = 1
     if args.repeat < 1 or args.scale <= 0 or args.save_threads < 1:
@@ -268,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         tensors = list(state.values())
         per_codec = codec_res.setdefault(set_name, {})
         for rep, c in rounds(codecs, args.repeat):
-            for t in c.threads:
+            for t in (t for t in c.threads if t in args.threads):
                 r = per_codec.setdefault(c.name, CodecResult())
                 measure_codec(timer, c, tensors, t, r)
                 print(

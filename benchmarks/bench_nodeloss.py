@@ -30,9 +30,9 @@ one disk every simulated node writes to it: this VM writes new files at about
 400 MB/s, 100 MB/s per node of 4, half of each node's link to the remote,
 where real nodes each have their own NVMe; ``--root /dev/shm/...`` gives the
 nodes storage faster than their remote link (the nodes' files then live in
-memory, beside the ranks'). The node-local levels keep 2 checkpoints, the remote 1, and L1 every save of a round (no L1
-retention: with two ranks per node it races, each rank deleting the node's
-same step directory).
+memory, beside the ranks'). The node-local levels keep 2 checkpoints, the
+remote 1, and L1 every save of a round (no L1 retention: with two ranks per
+node it races, each rank deleting the node's same step directory).
 
 The ranks run every configuration in turn, in an order rotated every round
 (``--repeat`` rounds): the machine is noisy, so configurations alternate and
