@@ -6,7 +6,7 @@ wrong values from intact data. So a manifest ends with one more field, the
 xxh3-64 of every byte before that field's value::
 
     {"format":"dcp_multilevel", ... ,"items":[...],"digest":"xxh3_64:<16 hex>"}
-    \\____________________ hashed _________________________/
+    \\_______________________ hashed ________________________/
 
 The field is the document's last bytes, exactly as above, so the digest
 covers the file as written (whitespace and key order included) and a reader
