@@ -131,8 +131,15 @@ def new_group(timeout_s: float) -> Any:
 
 
 def send_bytes(buf: memoryview | bytearray, dst: int, group: Any) -> None:
-    """Send ``buf`` to rank ``dst`` over ``group`` (blocks until it is received)."""
+    """Send ``buf`` to rank ``dst`` over ``group`` (blocks until it is received).
+
+    Pass a writable buffer: a read-only one (``bytes``) is copied first, since
+    torch sends tensors, and a tensor over read-only memory is one torch warns
+    about (the warning would reach the user's log).
+    """
     if len(buf):
+        if memoryview(buf).readonly:
+            buf = bytearray(buf)
         dist.send(torch.frombuffer(buf, dtype=torch.uint8), dst, group=group)
 
 

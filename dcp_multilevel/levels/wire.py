@@ -91,9 +91,13 @@ class OutStream:
         view = memoryview(view).cast("B")
         block = len(self._buf)
         # Whole blocks (and the stream's last bytes) go out from the caller's buffer:
-        # copying them into ours first would cost a pass over every byte.
-        while not self._fill and (
-            len(view) >= block or (view and self.sent + len(view) == self.length)
+        # copying them into ours first would cost a pass over every byte. Not from
+        # a read-only one (bytes): torch wraps what it sends as a tensor, which
+        # may be written, and warns into the user's log; those go through ours.
+        while (
+            not self._fill
+            and not view.readonly
+            and (len(view) >= block or (view and self.sent + len(view) == self.length))
         ):
             n = min(block, len(view))
             if self.sent + n > self.length:
@@ -124,7 +128,7 @@ class OutStream:
         self._flush()
         if self.sent < self.length:
             ok = False  # a short stream is never vouched for
-            zeros = bytes(len(self._buf))
+            zeros = memoryview(bytearray(len(self._buf)))  # writable: sent as it is
             while self.sent < self.length:
                 self.write(zeros[: self.length - self.sent])
         _dist.send_bytes(bytearray(_OK if ok else _BAD), self.dst, self.group)
