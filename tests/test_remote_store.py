@@ -61,9 +61,9 @@ def faulty(root: str, *, retries: int = 3, backoff: float = 0.0, **faults) -> Re
     )
 
 
-def fs_of(tier: RemoteStore) -> FaultyFileSystem:
-    assert isinstance(tier.fs, FaultyFileSystem)
-    return tier.fs
+def fs_of(store: RemoteStore) -> FaultyFileSystem:
+    assert isinstance(store.fs, FaultyFileSystem)
+    return store.fs
 
 
 # ---------------------------------------------------------------- conformance suite
@@ -72,44 +72,44 @@ def fs_of(tier: RemoteStore) -> FaultyFileSystem:
 class RemoteStoreTests(StoreTests):
     """Object stores list a key when asked for its "directory": check that is hidden."""
 
-    def test_listdir_of_a_file_is_empty(self, tier):
-        tier.write_atomic("top.bin", b"x")
-        assert tier.listdir("top.bin") == []
+    def test_listdir_of_a_file_is_empty(self, store):
+        store.write_atomic("top.bin", b"x")
+        assert store.listdir("top.bin") == []
 
-    def test_listdir_of_a_directory_holding_its_namesake(self, tier):
-        tier.write_atomic("d/d", b"x")
-        assert tier.listdir("d") == ["d"]
-        assert tier.listdir("d/d") == []
+    def test_listdir_of_a_directory_holding_its_namesake(self, store):
+        store.write_atomic("d/d", b"x")
+        assert store.listdir("d") == ["d"]
+        assert store.listdir("d/d") == []
 
 
 class TestMemoryStore(RemoteStoreTests):
     @pytest.fixture
-    def tier(self, memory_root) -> Store:
+    def store(self, memory_root) -> Store:
         return RemoteStore(f"memory://{memory_root}", backoff=0)
 
     def test_url_and_no_atomic_rename(self, memory_root):
-        tier = RemoteStore(f"memory://{memory_root}/")
-        assert tier.url == f"memory://{memory_root}"
-        assert not tier.supports_atomic_rename
-        assert repr(tier) == f"RemoteStore('memory://{memory_root}')"
+        store = RemoteStore(f"memory://{memory_root}/")
+        assert store.url == f"memory://{memory_root}"
+        assert not store.supports_atomic_rename
+        assert repr(store) == f"RemoteStore('memory://{memory_root}')"
 
 
 class TestS3Store(RemoteStoreTests):
     @pytest.fixture
-    def tier(self, s3_server: S3Server, s3_bucket: str) -> Store:
+    def store(self, s3_server: S3Server, s3_bucket: str) -> Store:
         return RemoteStore(f"s3://{s3_bucket}/root", **s3_server.storage_options)
 
-    def test_objects_land_under_the_prefix(self, tier, s3_server, s3_bucket):
-        tier.write_atomic("a/x.bin", b"1")
-        with tier.open_write("a/y.bin") as f:
+    def test_objects_land_under_the_prefix(self, store, s3_server, s3_bucket):
+        store.write_atomic("a/x.bin", b"1")
+        with store.open_write("a/y.bin") as f:
             f.write(b"22")
         assert s3_server.keys(s3_bucket) == ["root/a/x.bin", "root/a/y.bin"]
 
     def test_credentials_and_endpoint_from_the_environment(self, s3_env, s3_bucket):
-        tier = store_for(f"s3://{s3_bucket}/env", sync=False)
-        assert type(tier) is RemoteStore
-        tier.write_atomic("m.json", b"{}")
-        assert tier.read_bytes("m.json") == b"{}"
+        store = store_for(f"s3://{s3_bucket}/env", sync=False)
+        assert type(store) is RemoteStore
+        store.write_atomic("m.json", b"{}")
+        assert store.read_bytes("m.json") == b"{}"
         assert s3_env.keys(s3_bucket) == ["env/m.json"]
 
 
@@ -117,16 +117,16 @@ class TestFlakyStore(RemoteStoreTests):
     """Every operation fails 30% of the time; retries hide it completely."""
 
     @pytest.fixture
-    def tier(self, memory_root) -> Store:
+    def store(self, memory_root) -> Store:
         rates = dict.fromkeys(OPERATIONS, 0.3)
         return faulty(memory_root, retries=12, fail_rate=rates, seed=1)
 
-    def test_faults_were_really_injected(self, tier):
+    def test_faults_were_really_injected(self, store):
         for i in range(10):
-            tier.write_atomic(f"{i}.bin", b"x")
-            assert tier.read_bytes(f"{i}.bin") == b"x"
-        assert fs_of(tier).injected["pipe_file"] > 0
-        assert fs_of(tier).injected["cat_file"] > 0
+            store.write_atomic(f"{i}.bin", b"x")
+            assert store.read_bytes(f"{i}.bin") == b"x"
+        assert fs_of(store).injected["pipe_file"] > 0
+        assert fs_of(store).injected["cat_file"] > 0
 
 
 # ---------------------------------------------------------------- registry and options
@@ -138,9 +138,9 @@ def test_remote_schemes_are_registered_through_the_entry_point_group(scheme):
 
 
 def test_tier_for_builds_a_remote_tier_and_ignores_sync(memory_root):
-    tier = store_for(f"memory://{memory_root}", sync=False)
-    assert type(tier) is RemoteStore
-    assert tier.url == f"memory://{memory_root}"
+    store = store_for(f"memory://{memory_root}", sync=False)
+    assert type(store) is RemoteStore
+    assert store.url == f"memory://{memory_root}"
 
 
 def test_missing_fsspec_backend_says_what_to_install():
@@ -187,45 +187,45 @@ def test_invalid_options(options, message):
 # ---------------------------------------------------------------- retries
 
 
-def _upload(tier):
-    with tier.open_write("d/a.bin") as f:
+def _upload(store):
+    with store.open_write("d/a.bin") as f:
         f.write(b"spooled")
     return "d/a.bin", b"spooled"
 
 
-def _write_atomic(tier):
-    tier.write_atomic("d/a.bin", b"manifest")
+def _write_atomic(store):
+    store.write_atomic("d/a.bin", b"manifest")
     return "d/a.bin", b"manifest"
 
 
-def _check_read_bytes(tier, clean):
+def _check_read_bytes(store, clean):
     clean.write_atomic("d/a.bin", b"whole")
-    assert tier.read_bytes("d/a.bin") == b"whole"
+    assert store.read_bytes("d/a.bin") == b"whole"
 
 
-def _check_read_into(tier, clean):
+def _check_read_into(store, clean):
     clean.write_atomic("d/a.bin", b"0123456789")
-    with tier.open_read("d/a.bin") as r:
+    with store.open_read("d/a.bin") as r:
         buf = bytearray(4)
         assert r.read_into(3, memoryview(buf)) == 4
     assert buf == b"3456"
 
 
-def _check_exists(tier, clean):
+def _check_exists(store, clean):
     clean.write_atomic("d/a.bin", b"x")
-    assert tier.exists("d/a.bin")
-    assert tier.exists("d")
+    assert store.exists("d/a.bin")
+    assert store.exists("d")
 
 
-def _check_listdir(tier, clean):
+def _check_listdir(store, clean):
     clean.write_atomic("d/b.bin", b"x")
     clean.write_atomic("d/a.bin", b"x")
-    assert tier.listdir("d") == ["a.bin", "b.bin"]
+    assert store.listdir("d") == ["a.bin", "b.bin"]
 
 
-def _check_remove_tree(tier, clean):
+def _check_remove_tree(store, clean):
     clean.write_atomic("d/a.bin", b"x")
-    tier.remove_tree("d")
+    store.remove_tree("d")
     assert not clean.exists("d/a.bin")
 
 
@@ -235,10 +235,10 @@ def _check_remove_tree(tier, clean):
     ids=["open_write-upload", "write_atomic-put", "write_atomic-size-check"],
 )
 def test_transient_upload_failures_are_retried_as_whole_uploads(memory_root, failing, write):
-    tier = faulty(memory_root, retries=3, fail_first={failing: 3})
-    path, data = write(tier)
+    store = faulty(memory_root, retries=3, fail_first={failing: 3})
+    path, data = write(store)
     assert RemoteStore(f"memory://{memory_root}").read_bytes(path) == data
-    assert fs_of(tier).injected[failing] == 3
+    assert fs_of(store).injected[failing] == 3
 
 
 @pytest.mark.parametrize(
@@ -254,10 +254,10 @@ def test_transient_upload_failures_are_retried_as_whole_uploads(memory_root, fai
     ids=["read_bytes", "read_into", "open_read-stat", "exists", "listdir", "remove_tree"],
 )
 def test_transient_failures_of_every_operation_are_retried(memory_root, failing, check):
-    tier = faulty(memory_root, retries=3, fail_first={failing: 3})
-    check(tier, RemoteStore(f"memory://{memory_root}"))
-    assert fs_of(tier).injected[failing] >= 3
-    assert fs_of(tier).calls[failing] > fs_of(tier).injected[failing]
+    store = faulty(memory_root, retries=3, fail_first={failing: 3})
+    check(store, RemoteStore(f"memory://{memory_root}"))
+    assert fs_of(store).injected[failing] >= 3
+    assert fs_of(store).calls[failing] > fs_of(store).injected[failing]
 
 
 @pytest.mark.parametrize(
@@ -272,9 +272,9 @@ def test_transient_failures_of_every_operation_are_retried(memory_root, failing,
     ids=["ConnectionError", "TimeoutError", "OSError-5xx", "botocore-connect", "botocore-read"],
 )
 def test_transient_error_kinds(memory_root, error):
-    tier = faulty(memory_root, retries=2, fail_first={"pipe_file": 2}, error=error)
-    tier.write_atomic("m.json", b"{}")
-    assert fs_of(tier).calls["pipe_file"] == 3
+    store = faulty(memory_root, retries=2, fail_first={"pipe_file": 2}, error=error)
+    store.write_atomic("m.json", b"{}")
+    assert fs_of(store).calls["pipe_file"] == 3
 
 
 @pytest.mark.parametrize(
@@ -288,31 +288,31 @@ def test_transient_error_kinds(memory_root, error):
     ids=["PermissionError", "FileNotFoundError", "ValueError", "OSError-EINVAL"],
 )
 def test_errors_retrying_cannot_fix_are_raised_at_once_unchanged(memory_root, error):
-    tier = faulty(memory_root, retries=5, fail_first={"pipe_file": 1}, error=error)
+    store = faulty(memory_root, retries=5, fail_first={"pipe_file": 1}, error=error)
     expected = type(error("probe"))
     with pytest.raises(expected) as info:
-        tier.write_atomic("m.json", b"{}")
+        store.write_atomic("m.json", b"{}")
     assert type(info.value) is expected
-    assert fs_of(tier).calls["pipe_file"] == 1
+    assert fs_of(store).calls["pipe_file"] == 1
 
 
 def test_missing_object_is_file_not_found_naming_its_url_without_retries(memory_root):
-    tier = faulty(memory_root, retries=5)
+    store = faulty(memory_root, retries=5)
     url = f"faulty://{memory_root}/nope.bin"
-    for action in (tier.read_bytes, lambda p: tier.open_read(p).__enter__()):
+    for action in (store.read_bytes, lambda p: store.open_read(p).__enter__()):
         with pytest.raises(FileNotFoundError) as info:
             action("nope.bin")
         assert str(info.value) == f"[Errno 2] no such object: '{url}'"
-    assert not tier.exists("nope.bin")
-    assert fs_of(tier).calls["info"] == 2
-    assert fs_of(tier).calls["cat_file"] == 1
+    assert not store.exists("nope.bin")
+    assert fs_of(store).calls["info"] == 2
+    assert fs_of(store).calls["cat_file"] == 1
 
 
 def test_a_retry_is_logged(memory_root, caplog):
-    tier = faulty(memory_root, retries=1, fail_first={"cat_file": 1})
+    store = faulty(memory_root, retries=1, fail_first={"cat_file": 1})
     RemoteStore(f"memory://{memory_root}").write_atomic("m.json", b"{}")
     with caplog.at_level(logging.WARNING, logger="dcp_multilevel.stores.remote"):
-        assert tier.read_bytes("m.json") == b"{}"
+        assert store.read_bytes("m.json") == b"{}"
     assert caplog.messages == [
         f"remote store: read faulty://{memory_root}/m.json failed (attempt 1 of 2: "
         f"ConnectionError: injected fault: cat_file call 1 ({memory_root}/m.json)); "
@@ -321,17 +321,17 @@ def test_a_retry_is_logged(memory_root, caplog):
 
 
 def test_backoff_doubles_with_jitter_up_to_the_cap():
-    tier = RemoteStore("memory://x", backoff=0.2, backoff_max=1.0)
+    store = RemoteStore("memory://x", backoff=0.2, backoff_max=1.0)
     for attempt, cap in [(1, 0.2), (2, 0.4), (3, 0.8), (4, 1.0), (30, 1.0)]:
-        delays = [tier._retry_delay(attempt) for _ in range(200)]
+        delays = [store._retry_delay(attempt) for _ in range(200)]
         assert all(cap / 2 <= d <= cap for d in delays), attempt
         assert len(set(delays)) > 1  # jittered
 
 
 def test_retries_really_wait(memory_root):
-    tier = faulty(memory_root, retries=2, backoff=0.05, fail_first={"pipe_file": 2})
+    store = faulty(memory_root, retries=2, backoff=0.05, fail_first={"pipe_file": 2})
     start = time.monotonic()
-    tier.write_atomic("m.json", b"{}")
+    store.write_atomic("m.json", b"{}")
     # Waits of at least 0.025 s and 0.05 s (half of 0.05 and 0.1, the jitter floor).
     assert time.monotonic() - start >= 0.075
 
@@ -340,8 +340,8 @@ def test_retries_really_wait(memory_root):
 
 
 def test_remote_that_stays_down_raises_after_all_attempts_and_leaves_nothing(memory_root):
-    tier = faulty(memory_root, retries=2, fail_first={"put_file": 10**9})
-    with pytest.raises(RemoteStoreError) as info, tier.open_write("d/x.bin") as f:
+    store = faulty(memory_root, retries=2, fail_first={"put_file": 10**9})
+    with pytest.raises(RemoteStoreError) as info, store.open_write("d/x.bin") as f:
         f.write(b"abc")
     url = f"faulty://{memory_root}/d/x.bin"
     assert str(info.value) == (
@@ -353,7 +353,7 @@ def test_remote_that_stays_down_raises_after_all_attempts_and_leaves_nothing(mem
     assert isinstance(err, OSError)
     assert isinstance(err, DcpMultilevelError)
     assert isinstance(err.__cause__, ConnectionError)
-    assert fs_of(tier).calls["put_file"] == 3
+    assert fs_of(store).calls["put_file"] == 3
     clean = RemoteStore(f"memory://{memory_root}")
     assert not clean.exists("d/x.bin")
     assert clean.listdir("d") == []
@@ -369,9 +369,9 @@ def test_remote_that_stays_down_raises_after_all_attempts_and_leaves_nothing(mem
     ],
 )
 def test_every_operation_gives_up_with_one_error_class(memory_root, operation, failing, action):
-    tier = faulty(memory_root, retries=0, fail_first={failing: 1})
+    store = faulty(memory_root, retries=0, fail_first={failing: 1})
     with pytest.raises(RemoteStoreError) as info:
-        action(tier)
+        action(store)
     path = "" if operation == "list" else "/m.json"
     target = memory_root + path
     assert str(info.value) == (
@@ -381,14 +381,14 @@ def test_every_operation_gives_up_with_one_error_class(memory_root, operation, f
 
 
 def test_upload_failure_on_s3_leaves_no_object(s3_server, s3_bucket):
-    tier = faulty(
+    store = faulty(
         f"{s3_bucket}/root",
         retries=1,
         fail_first={"put_file": 10**9},
         target_protocol="s3",
         target_options=s3_server.storage_options,
     )
-    with pytest.raises(RemoteStoreError), tier.open_write("data/0.bin") as f:
+    with pytest.raises(RemoteStoreError), store.open_write("data/0.bin") as f:
         f.write(b"x" * 1000)
     assert s3_server.keys(s3_bucket) == []
 
@@ -397,16 +397,16 @@ def test_upload_failure_on_s3_leaves_no_object(s3_server, s3_bucket):
 
 
 def test_truncated_upload_is_detected_and_uploaded_again(memory_root):
-    tier = faulty(memory_root, retries=2, truncate_puts=1)
-    with tier.open_write("a.bin") as f:
+    store = faulty(memory_root, retries=2, truncate_puts=1)
+    with store.open_write("a.bin") as f:
         f.write(b"0123456789")
     assert RemoteStore(f"memory://{memory_root}").read_bytes("a.bin") == b"0123456789"
-    assert fs_of(tier).calls["put_file"] == 2
+    assert fs_of(store).calls["put_file"] == 2
 
 
 def test_upload_that_stays_truncated_fails_and_removes_the_object_on_s3(s3_server, s3_bucket):
     """A proxy that always drops the last byte: every stored object is one byte short."""
-    tier = faulty(
+    store = faulty(
         f"{s3_bucket}/root",
         retries=1,
         truncate_puts=10**9,
@@ -414,13 +414,13 @@ def test_upload_that_stays_truncated_fails_and_removes_the_object_on_s3(s3_serve
         target_options=s3_server.storage_options,
     )
     with pytest.raises(RemoteStoreError) as info:
-        tier.write_atomic("manifest.json", b"0123456789")
+        store.write_atomic("manifest.json", b"0123456789")
     url = f"faulty://{s3_bucket}/root/manifest.json"
     assert str(info.value) == (
         f"remote store: upload {url} failed after 2 attempts; last error: {url} holds 9 "
         f"bytes after its upload, but 10 bytes were written. {ADVICE}"
     )
-    assert fs_of(tier).calls["pipe_file"] == 2
+    assert fs_of(store).calls["pipe_file"] == 2
     assert s3_server.keys(s3_bucket) == []
 
 
@@ -429,31 +429,31 @@ def test_upload_that_stays_truncated_fails_and_removes_the_object_on_s3(s3_serve
 
 def test_writes_spool_locally_and_leave_no_spool_files(memory_root, tmp_path):
     spool_dir = tmp_path / "spool"  # created on first use
-    tier = faulty(memory_root, retries=0, spool_dir=spool_dir, fail_first={"put_file": 1})
-    with pytest.raises(RemoteStoreError), tier.open_write("failed-upload.bin") as f:
+    store = faulty(memory_root, retries=0, spool_dir=spool_dir, fail_first={"put_file": 1})
+    with pytest.raises(RemoteStoreError), store.open_write("failed-upload.bin") as f:
         f.write(b"x")
-    with pytest.raises(RuntimeError, match="boom"), tier.open_write("failed-caller.bin") as f:
+    with pytest.raises(RuntimeError, match="boom"), store.open_write("failed-caller.bin") as f:
         f.write(b"x")
         raise RuntimeError("boom")
-    with tier.open_write("ok.bin") as f:
+    with store.open_write("ok.bin") as f:
         f.write(b"x" * 100)
         (spool,) = spool_dir.iterdir()
         assert spool.name.startswith(SPOOL_PREFIX)
         assert spool.stat().st_size == 100
     assert list(spool_dir.iterdir()) == []
-    assert tier.listdir("") == ["ok.bin"]
+    assert store.listdir("") == ["ok.bin"]
 
 
 def test_large_reads_are_split_into_ranged_requests(memory_root, monkeypatch):
     monkeypatch.setattr(remote_mod, "_READ_CHUNK", 7)
-    tier = faulty(memory_root)
+    store = faulty(memory_root)
     data = bytes(range(100))
-    tier.write_atomic("a.bin", data)
-    with tier.open_read("a.bin") as r:
+    store.write_atomic("a.bin", data)
+    with store.open_read("a.bin") as r:
         buf = bytearray(60)
         assert r.read_into(3, memoryview(buf)) == 60
         assert buf == data[3:63]
-        assert fs_of(tier).calls["cat_file"] == 9  # ceil(60 / 7)
+        assert fs_of(store).calls["cat_file"] == 9  # ceil(60 / 7)
         assert r.read_into(95, memoryview(buf)) == 5  # short only at the end
         assert buf[:5] == data[95:]
         assert r.read_into(100, memoryview(buf)) == 0

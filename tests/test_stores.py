@@ -26,7 +26,7 @@ from dcp_multilevel.testing import StoreTests
 
 class TestLocalStore(StoreTests):
     @pytest.fixture
-    def tier(self, tmp_path) -> Store:
+    def store(self, tmp_path) -> Store:
         return LocalStore(tmp_path / "root")
 
     def test_url_and_file_scheme(self, tmp_path):
@@ -38,7 +38,7 @@ class TestLocalStoreThroughThePageCache(StoreTests):
     """The same suite with ordinary writes (``direct_io=False``)."""
 
     @pytest.fixture
-    def tier(self, tmp_path) -> Store:
+    def store(self, tmp_path) -> Store:
         return LocalStore(tmp_path / "root", direct_io=False)
 
 
@@ -76,12 +76,12 @@ def test_local_files_ask_for_writeback_stride_by_stride_when_they_are_fsynced(
 
     monkeypatch.setattr(_writeback, "start_writeback", spy)
     monkeypatch.setattr(_writeback, "WRITEBACK_STRIDE", 1 << 16)
-    tier = LocalStore(tmp_path, sync=sync, direct_io=False)  # direct writes skip the cache
+    store = LocalStore(tmp_path, sync=sync, direct_io=False)  # direct writes skip the cache
     block = bytes(range(256)) * 100  # 25,600 B: strides end mid-write
-    with tier.open_write("data.bin") as f:
+    with store.open_write("data.bin") as f:
         for _ in range(20):
             f.write(block)
-    assert tier.read_bytes("data.bin") == block * 20
+    assert store.read_bytes("data.bin") == block * 20
     if not sync or not _writeback.available():
         assert asked == []  # scratch files (no fsync) are left to the kernel
         return
@@ -117,8 +117,8 @@ def test_synced_local_files_bypass_the_page_cache_unless_turned_off(tmp_path):
         pytest.skip("the temporary directory is in memory (tmpfs): no cache to bypass")
     data = np.random.default_rng(0).integers(0, 256, (8 << 20) + 1234, dtype=np.uint8).tobytes()
     for direct_io in (None, False):
-        tier = LocalStore(tmp_path / str(direct_io), direct_io=direct_io)
-        with tier.open_write("data.bin") as f:
+        store = LocalStore(tmp_path / str(direct_io), direct_io=direct_io)
+        with store.open_write("data.bin") as f:
             for i in range(0, len(data), 3 << 20):  # pieces that straddle the bounce buffer
                 f.write(data[i : i + (3 << 20)])
         path = tmp_path / str(direct_io) / "data.bin"
