@@ -37,6 +37,7 @@ levels.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import signal
 import threading
@@ -104,6 +105,13 @@ class CheckpointManager:
         staging: the async saves' staging (:class:`~dcp_multilevel.StagingConfig`).
         restore_whole_files: a restore after a node loss brings whole files, not
             only the byte ranges the node's ranks read.
+        overwrite: ``Level(overwrite=True)`` for every level: a save or drain of a
+            step a level holds committed as another save replaces it atomically
+            (the old one stays loadable until the new manifest commits). False
+            (the default): each level's own ``overwrite`` decides, and a drain
+            that would replace another save fails (:meth:`wait` raises
+            :class:`~dcp_multilevel.DrainError` naming the level, the step and
+            both saves) with the level's step kept as it is.
     """
 
     def __init__(
@@ -123,7 +131,13 @@ class CheckpointManager:
         async_save: bool = False,
         staging: StagingConfig | None = None,
         restore_whole_files: bool = False,
+        overwrite: bool = False,
     ) -> None:
+        if overwrite and levels is not None:
+            levels = [
+                dataclasses.replace(lv, overwrite=True) if isinstance(lv, Level) else lv
+                for lv in levels
+            ]
         ladder = Ladder.build(levels, topology, drain_timeout_s)  # collective
         self.levels, self.drivers, self.topology = ladder.levels, ladder.drivers, ladder.topology
         self.schedule = schedule if schedule is not None else FixedInterval()

@@ -145,25 +145,44 @@ def test_overwrite_replaces_the_remotes_step_atomically(tmp_path, remote_url):
     check(loaded, 104)
 
 
-def test_a_replacing_drain_stopped_before_its_commit_leaves_the_old_step(tmp_path):
-    remote_dir = tmp_path / "remote"
-    first = run(tmp_path / "a", Level(str(remote_dir), every=2), {2: 2, 4: 4})
+def test_a_manager_that_says_overwrite_replaces_on_every_level(tmp_path):
+    url = str(tmp_path / "remote")
+    first = run(tmp_path / "a", Level(url, every=2), {2: 2})
     first.wait()
     first.close()
-    before = snapshot(str(remote_dir / "step-4"))
-    # The same folder through a store whose manifest uploads fail: every data file
+    mgr = CheckpointManager([Level(str(tmp_path / "b")), Level(url, every=2)], overwrite=True)
+    assert [lv.overwrite for lv in mgr.levels] == [True, True]
+    mgr.save(state(102), step=2)
+    mgr.save(state(202), step=2)  # the first level's own step too, atomically
+    results = mgr.wait()  # each drain replaced the step there (or was superseded)
+    assert {r.step for r in results if r.committed} == {2}
+    assert [r.error for r in results] == [None] * len(results)
+    mgr.close()
+    step, loaded, _ = load_remote(tmp_path, Level(url))
+    assert step == 2
+    check(loaded, 202)
+
+
+def test_a_replacing_drain_stopped_before_its_commit_leaves_the_old_step(tmp_path, remote_url):
+    url, options = remote_url
+    first = run(tmp_path / "a", Level(url, every=2, storage_options=options), {2: 2, 4: 4})
+    first.wait()
+    first.close()
+    before = snapshot(f"{url}/step-4", options)
+    # The same place through a store whose manifest uploads fail: every data file
     # of the new save arrives, its commit never does.
-    broken = dict(target_protocol="file", retries=0, skip_instance_cache=True,
-                  fail_first={"pipe_file": 10**9})  # fmt: skip
-    remote = Level(f"faulty://{remote_dir}", every=2, storage_options=broken, overwrite=True)
+    protocol, _, path = url.rpartition("://")
+    broken = dict(target_protocol=protocol or "file", target_options=options, retries=0,
+                  skip_instance_cache=True, fail_first={"pipe_file": 10**9})  # fmt: skip
+    remote = Level(f"faulty://{path}", every=2, storage_options=broken, overwrite=True)
     second = run(tmp_path / "b", remote, {4: 104})
     with pytest.raises(DrainError, match="RemoteStoreError"):
         second.wait()
     second.close()
-    after = snapshot(str(remote_dir / "step-4"))
+    after = snapshot(f"{url}/step-4", options)
     assert {k: v for k, v in after.items() if k in before} == before  # nothing old touched
     assert len(set(after) - set(before)) >= 1  # the new save's files, never committed
-    step, loaded, _ = load_remote(tmp_path, Level(str(remote_dir), every=2))
+    step, loaded, _ = load_remote(tmp_path, Level(url, every=2, storage_options=options))
     assert step == 4
     check(loaded, 4)
 
