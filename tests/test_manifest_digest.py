@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_multilevel import (
     CheckpointManager,
+    CheckpointNotFoundError,
     Level,
     ManifestDigestError,
     ManifestError,
@@ -207,21 +208,45 @@ def test_an_edited_manifest_sends_the_load_to_the_next_copy(tmp_path, caplog):
     ]
 
 
-def test_load_latest_refuses_an_edited_first_level_manifest_as_any_invalid_one(tmp_path):
-    # As for a manifest that does not decode at all: the manager stops with the
-    # error naming the file, never loads what the edited manifest describes.
+def test_load_latest_passes_over_an_edited_first_level_manifest_for_the_next_copy(tmp_path, caplog):
+    # The first level's copy is damaged: the step loads, bit-exact, from the
+    # level above, and the log names the file passed over. Never what the edited
+    # manifest describes.
     levels = [Level(str(tmp_path / "l1")), Level(str(tmp_path / "l2"))]
     mgr = CheckpointManager(levels)
     mgr.save(make_state(), step=4)
     mgr.close()
     step = tmp_path / "l1" / "step-4"
     edited = _float32_to_int32(step)
+    caplog.set_level(logging.WARNING, logger="dcp_multilevel")
     mgr = CheckpointManager(levels)
-    with pytest.raises(ManifestDigestError) as info:
+    out = zeros_like_state(make_state())
+    assert mgr.load_latest(out) == 4
+    mgr.close()
+    assert_state_equal(out, make_state())
+    passed_over = f"dcp_multilevel: {_mismatch(f'file://{step}/manifest.json', edited)}"
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("dcp_multilevel")] == [
+        f"{passed_over} Passing over this copy of step 4."
+    ]
+
+
+def test_load_latest_with_no_other_copy_refuses_an_edited_manifest_naming_it(tmp_path):
+    # As for a manifest that does not decode at all: no step is loaded, and the
+    # error says which file is damaged.
+    levels = [Level(str(tmp_path / "l1"))]
+    mgr = CheckpointManager(levels)
+    mgr.save(make_state(), step=4)
+    mgr.close()
+    step = tmp_path / "l1" / "step-4"
+    edited = _float32_to_int32(step)
+    mgr = CheckpointManager(levels)
+    with pytest.raises(CheckpointNotFoundError) as info:
         mgr.load_latest(zeros_like_state(make_state()))
-    assert str(info.value) == _mismatch(f"file://{step}/manifest.json", edited)
+    assert f"({_mismatch(f'file://{step}/manifest.json', edited)}; step 4: some rank " in str(
+        info.value
+    )
     (step / "manifest.json").write_text("[]")
-    with pytest.raises(ManifestError, match="the top level must be an object"):
+    with pytest.raises(CheckpointNotFoundError, match="the top level must be an object"):
         mgr.load_latest(zeros_like_state(make_state()))
     mgr.close()
 

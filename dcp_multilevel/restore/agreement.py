@@ -4,7 +4,8 @@ Each rank lists what it sees on every level (a node-local first level shows
 each node only its own files, and only rank 0's node the manifests). The
 ranks exchange their views; for a candidate step, the manifest comes from
 the lowest rank that sees it on the first level (else on a node-local level,
-which keeps the same bytes), sent to all. Then every rank says what its node
+which keeps the same bytes), sent to all; a copy that does not decode (its
+digest does not match) is passed over for the next one. Then every rank says what its node
 holds and what its load needs, and the step is restorable when every node can
 have every file it needs: on its own disk, copied or rebuilt from other
 nodes (``execute.py``), or from a store level that holds the whole step.
@@ -16,12 +17,13 @@ thread (they use the trainer's process group through ``_dist``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .. import _dist
 from ..checkpoint import decoded_manifest
+from ..errors import ManifestError
 from ..format import Manifest
 from ..levels.base import LevelDriver
 from .inventory import gather_inventories, split_needs, take_inventory
@@ -126,18 +128,22 @@ def restorable(
     node holds and needs (``restore.gather_inventories``; bytes per rank in
     ``docs/scale.md``); ``part_share``: see ``plan_restore``.
     """
-    source = _manifest_source(step, drivers, views)
     whole = [
         i for i in range(1, len(drivers)) if not drivers[i].node_local and step in views.mine[i]
     ]
     raw: bytes | None = None
-    if source is not None:
-        rank, level = source
+    damaged: list[str] = []
+    # The first holder whose copy decodes; one broadcast unless a copy is damaged.
+    for rank, level in _manifest_sources(step, drivers, views):
         mine = _read_manifest(drivers[level], step) if _dist.rank() == rank else None
-        raw = _dist.broadcast_object(mine, rank)
-    if raw is None:  # only store levels above the first hold it
+        raw, why = _dist.broadcast_object(mine, rank)
+        if raw is not None:
+            break
+        if why is not None:
+            damaged.append(why)
+    if raw is None:  # only store levels above the first hold it (or a whole copy)
         ok = all(_dist.all_gather_object(bool(whole)))
-        why = () if ok else (f"step {step}: some rank sees it on no level it can read",)
+        why = () if ok else (*damaged, f"step {step}: some rank sees it on no level it can read")
         return Restore(step, tuple(whole), None, reasons=why)
     manifest = decoded_manifest(raw, drivers[0].checkpoint(step).url)
     inventory = take_inventory(
@@ -158,21 +164,31 @@ def restorable(
     return Restore(step, levels, raw, plan, tuple(everyone), plan.reasons, inventory)
 
 
-def _manifest_source(
+def _manifest_sources(
     step: int, drivers: Sequence[LevelDriver], views: Views
-) -> tuple[int, int] | None:
-    """(rank, level) to read the step's first-level manifest from: the first level's
-    holder, else a node-local level's (the same bytes), else None."""
+) -> Iterator[tuple[int, int]]:
+    """(rank, level) holders of the step's first-level manifest, in the order to read
+    them: the first level's holders, then a node-local level's (the same bytes)."""
     for level in [0] + [i for i, d in enumerate(drivers) if i > 0 and d.node_local]:
         for rank, view in enumerate(views.everyone):
             if step in view[level]:
-                return rank, level
-    return None
+                yield rank, level
 
 
-def _read_manifest(driver: LevelDriver, step: int) -> bytes | None:
+def _read_manifest(driver: LevelDriver, step: int) -> tuple[bytes | None, str | None]:
+    """The manifest's bytes once they decode, else None and why (None: it is gone).
+
+    Decoded here, on its holder, so that a damaged copy (its digest does not
+    match) sends every rank on to the next copy instead of stopping the load."""
+    checkpoint = driver.checkpoint(step)
     try:
-        return driver.checkpoint(step).manifest_bytes()
+        raw = checkpoint.manifest_bytes()
     except OSError as e:  # deleted since listing: this step is not on that level
         logger.warning("dcp_multilevel: cannot read the manifest of step %d: %s", step, e)
-        return None
+        return None, None
+    try:
+        decoded_manifest(raw, checkpoint.url)
+    except ManifestError as e:
+        logger.warning("dcp_multilevel: %s Passing over this copy of step %d.", e, step)
+        return None, str(e)
+    return raw, None
