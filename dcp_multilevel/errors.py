@@ -80,7 +80,7 @@ class ConvertError(DcpMultilevelError, ValueError):
 
 
 class NotStockCheckpointError(DcpMultilevelError, ValueError):
-    """A stock DCP reader opened one of our checkpoints (raised by its opt-in ``.metadata``,
+    """A stock DCP reader opened one of our checkpoints (raised by its ``.metadata`` hint,
     ``format/stock_hint.py``)."""
 
 
