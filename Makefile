@@ -105,11 +105,12 @@ bench-setup: setup
 # The measured tables of README.md and docs/benchmarks.md (between their
 # <!-- figures:begin/end --> markers) from benchmarks/results/*.json; CI runs
 # `make tables-check`: fails if a table differs from its files or a figure is stale.
-tables: setup
-	$(VENV)/bin/python benchmarks/tables.py
+# The standard library is enough: no virtual environment needed.
+tables:
+	$(PYTHON) benchmarks/tables.py
 
-tables-check: setup
-	$(VENV)/bin/python benchmarks/tables.py --check
+tables-check:
+	$(PYTHON) benchmarks/tables.py --check
 
 # Device state round trips bit-exact, then step-time inflation of saves against stock
 # DCP, loads, and memory over 20 saves (benchmarks/gpu_check.py). On a machine with
