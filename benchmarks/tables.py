@@ -326,20 +326,24 @@ def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
                           text=True)  # fmt: skip
 
 
+def _files(paths: list[str]) -> str:
+    return f"{len(paths)} file{'s' if len(paths) != 1 else ''}"
+
+
 def stale(src: Source, repo: Path) -> str | None:
     """Why ``src``'s figures are not the code at HEAD's, or None."""
     commit = src.doc["commit"]
     if _git(repo, "cat-file", "-e", f"{commit}^{{commit}}").returncode:
         return f"{src.path}: commit {commit[:10]} is not in this repository's history"
     if dirty := src.doc.get("dirty_code"):
-        return (f"{src.path}: measured with uncommitted changes in {len(dirty)} files of "
+        return (f"{src.path}: measured with uncommitted changes in {_files(dirty)} of "
                 f"dcp_multilevel/ (e.g. {dirty[0]}): commit, then rerun it")  # fmt: skip
     changed = _git(repo, "diff", "--name-only", commit, "HEAD", "--", "dcp_multilevel/")
     if changed.stdout.strip():
         files = changed.stdout.split()
         return (
             f"{src.path}: measured at {commit[:10]}; dcp_multilevel/ changed since "
-            f"({len(files)} files, e.g. {files[0]}): rerun `make figures`"
+            f"({_files(files)}, e.g. {files[0]}): rerun `make figures`"
         )
     return None
 

@@ -184,8 +184,9 @@ def test_check_fails_on_stale_figures(paths, capsys):
     assert _run(results, readme, docs, "--check") == 1
     assert capsys.readouterr().err.splitlines() == [
         f"tables --check: {results / 'codecs.json'}: measured at {before[:10]}; dcp_multilevel/ "
-        f"changed since ({len(changed)} files, e.g. {changed[0]}): rerun `make figures`",
-        f"tables --check: {results / 'async.json'}: measured with uncommitted changes in 1 files "
+        f"changed since ({len(changed)} file{'s' * (len(changed) != 1)}, e.g. {changed[0]}): "
+        "rerun `make figures`",
+        f"tables --check: {results / 'async.json'}: measured with uncommitted changes in 1 file "
         "of dcp_multilevel/ (e.g. dcp_multilevel/writer.py): commit, then rerun it",
         f"tables --check: {results / 'manager.json'}: commit 0000000000 is not in this "
         "repository's history",
