@@ -743,7 +743,7 @@ static const int PLANE_PARAMS[][2] = {
  * _PLANE_PARAMS and writes other (equally valid) frames. Measured on MiniLM
  * fine-tuning XOR deltas (fp32, 90 MB, one thread): coding 103 -> 80 ms,
  * decoding 54 -> 46 ms, 0.7 % smaller; whole checkpoints within the noise,
- * the same sizes (docs/benchmarks-log.md). */
+ * the same sizes. */
 static const int PLANE_FAST[][2] = {{106, 128}, {1002, 1}};
 
 static void free_cctx(void *cctx) { zstd_free(cctx); }

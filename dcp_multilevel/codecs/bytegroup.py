@@ -28,7 +28,7 @@ split comes out as small as zstd on the whole plane, or smaller, and coding
 it costs a fraction of the time. Measured per 1 MiB chunk on MiniLM and
 1-layer BERT-large + AdamW: plane 0 at 0.7500 / 0.7084 of its bytes against
 zstd's 0.7504 / 0.7086; whole chunks code 1.3-1.9x faster on one thread
-(``benchmarks/bench_chunk_coding.py``, docs/benchmarks-log.md). Where the
+(``benchmarks/bench_chunk_coding.py``). Where the
 mantissa's low bits carry structure (values that came from a narrower
 float, e.g. MiniLM's untrained embedding rows), zstd stays the better choice;
 the judge picks per chunk. The packing (``_planes.c``: split_plane) cuts the

@@ -5,7 +5,7 @@ their coding, or the coding of ``chunk XOR reference`` (frame method
 :data:`~dcp_multilevel.format.frames.METHOD_DELTA`). XOR, not subtraction:
 measured on MiniLM and the demo model's weights under AdamW, XOR deltas coded
 0.05-0.09 of the full size smaller than integer subtraction of the bit
-patterns (``benchmarks/bench_delta.py``, docs/benchmarks-log.md): between
+patterns (``benchmarks/bench_delta.py``): between
 nearby checkpoints the sign, exponent and top mantissa bits mostly agree, so
 the XOR's top byte planes are nearly all zeros, which the byte-plane coder
 shrinks to almost nothing. XOR is its own inverse, so decoding is the same

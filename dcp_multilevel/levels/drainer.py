@@ -122,7 +122,7 @@ class Drainer:
         nice: the lanes' threads run at this nice value (Linux; threads they start
             inherit it), so that on a node whose cores are busy the training loop
             could win the CPU from a drain. 0 (the default): unchanged; nice 10
-            made no difference to ``save()`` on 2 cores (docs/benchmarks-log.md).
+            made no difference to ``save()`` on 2 cores.
     """
 
     def __init__(

@@ -15,8 +15,8 @@ stays at ``data + parity`` chunks whatever the members' sizes, and every
 parity chunk carries its own xxh3 checksum, so a damaged parity chunk is
 named and not used.
 
-Which coder (:attr:`ErasureCode.coder`, measured in ``benchmarks/bench_erasure.py``,
-figures in ``docs/benchmarks-log.md``): with one parity block the code is plain
+Which coder (:attr:`ErasureCode.coder`, measured in
+``benchmarks/bench_erasure.py``): with one parity block the code is plain
 XOR (numpy, about 7x faster than zfec's general code on the same bytes; the
 parity a ``ReduceOp.BXOR`` would compute); with two or more, zfec, a
 maintained C implementation of Rizzo's Reed-Solomon (Vandermonde over

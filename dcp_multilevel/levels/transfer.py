@@ -75,7 +75,7 @@ logger = logging.getLogger(__name__)
 #: is uploaded before the first output is encoded: with outputs of 64 MiB from
 #: the start, a drain of one step of MiniLM fine-tuning (90 MB, coded as deltas,
 #: to a 200 MB/s remote) took 0.25-0.29 s, with outputs growing from 8 MiB
-#: 0.20-0.23 s (docs/benchmarks-log.md).
+#: 0.20-0.23 s (``benchmarks/bench_delta_io.py``).
 PART_FIRST = 8 << 20
 
 #: Raw bytes per output file at most (an item bigger than that is one output):

@@ -37,7 +37,7 @@ class Schedule:
         half of that). This minimises COCI's cost, which counts seconds spent
         saving plus the *value* of the progress a failure discards. It is off
         by default. Measured in the failure simulator
-        (``docs/benchmarks-log.md``), it costs less than Young/Daly under that
+        (``benchmarks/bench_schedule.py``), it costs less than Young/Daly under that
         accounting but more plain time: more seconds blocked early, more work
         recomputed on the plateau. Plain time is what a job pays in GPU-hours,
         so turn it on only when early progress is worth more to you than the

@@ -4,8 +4,7 @@ and the scenarios of the scheduling benchmark.
 Costs (seconds per rank; ``benchmarks/bench_manager.py --remotes throttled
 --codec none --root /dev/shm/<dir>``: one process, a BERT-large shaped fp32
 state of 0.41 GB, the first level on tmpfs, the remote a directory behind a
-200 MB/s link; the median of three quiet runs' medians, git 58f89bf; see
-docs/benchmarks-log.md, "Scheduling"):
+200 MB/s link; the median of three quiet runs' medians, git 58f89bf):
 
 * first level: the save call blocks :data:`FIRST_BLOCKED_S`; a restarted
   process on the same node loads the newest checkpoint from it in
