@@ -1,4 +1,4 @@
-"""Bool tensors keep their bytes on every save path, strided views included.
+"""Bool tensors keep their bytes on every save path and into every load destination.
 
 A bool tensor viewed from raw bytes may hold bytes other than 0 and 1; torch's
 bool copy kernels (``contiguous()``, ``copy_`` between strided bools) rewrite
@@ -66,3 +66,16 @@ def test_value_tensor_and_fingerprint_of_a_strided_bool_are_of_its_bytes():
     assert _bytes(value_tensor(t)) == _bytes(t)
     assert fingerprint(t) == fingerprint(t.view(torch.uint8).contiguous().view(torch.bool))
     assert fingerprint(t) != fingerprint(t.contiguous())  # the bool copy's 0s and 1s
+
+
+def test_a_load_into_strided_bool_destinations_keeps_the_bytes(tmp_path):
+    # The destination is not the read buffer: the bytes land in scratch memory and
+    # are copied into it, which must not be a bool copy.
+    state = _raw_bools()
+    want = {k: _bytes(v) for k, v in state.items()}
+    dcp.save(state, storage_writer=MultiLevelWriter(tmp_path / "c"))
+    out = {k: torch.zeros(v.shape[::-1], dtype=torch.bool).t() for k, v in state.items()}
+    assert all(not t.is_contiguous() for t in out.values() if t.dim() == 2 and t.numel() > 1)
+    dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c"))
+    for k in state:
+        assert _bytes(out[k]) == want[k], k

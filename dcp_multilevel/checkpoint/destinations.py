@@ -193,7 +193,11 @@ def destination(
         src = scratch.view(dtype).reshape(chunk_sizes)
         for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
             src = src.narrow(dim, start, length)
-        target.copy_(src, non_blocking=on_cuda)
+        if dtype == torch.bool and target.dtype == torch.bool:
+            # As bytes: a bool copy kernel rewrites bytes other than 0 and 1.
+            target.view(torch.uint8).copy_(src.view(torch.uint8), non_blocking=on_cuda)
+        else:
+            target.copy_(src, non_blocking=on_cuda)
         planner.commit_tensor(req, target)
 
     return Landing(commit_tensor, out=byte_view(scratch))
