@@ -69,7 +69,7 @@ import dcp_multilevel
 from click.testing import CliRunner
 from dcp_multilevel import CheckpointManager
 from dcp_multilevel.cli import main
-from dcp_multilevel.config import Level
+from dcp_multilevel import Level
 from dcp_multilevel.levels import driver_for
 
 def count():

@@ -79,7 +79,7 @@ from _measure import cpu_snapshot, median, other_cpu_fraction, rotated
 from _report import command, markdown_table, verdict
 from bench_planner import _per_rank, _ratio
 from dcp_multilevel import BalancedSavePlanner
-from dcp_multilevel.planner import drop_cached_plans, write_item_nbytes
+from dcp_multilevel.plugin.planner import drop_cached_plans, write_item_nbytes
 
 PLANNERS = {"stock": DefaultSavePlanner, "ours": BalancedSavePlanner}
 MB = 1e6

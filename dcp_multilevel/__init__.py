@@ -10,7 +10,7 @@ Use with DCP as usual::
 """
 
 from ._version import __version__
-from .config import Compression, Level
+from .codecs import Compression
 from .errors import (
     AsyncSaveError,
     BrokenChainError,
@@ -35,14 +35,12 @@ from .errors import (
     UnsupportedFormatVersionError,
     UnsupportedStateError,
 )
-from .levels import DrainResult
-from .manager import CheckpointManager, SaveMetrics
-from .planner import BalancedSavePlanner
+from .levels import DrainResult, Level
+from .manage.manager import CheckpointManager, SaveMetrics
 from .planning import CostModel
-from .reader import MultiLevelReader
+from .plugin import BalancedSavePlanner, MultiLevelReader, MultiLevelWriter
 from .schedule import FixedInterval, SavePolicy, Schedule
 from .staging import StagingConfig
-from .writer import MultiLevelWriter
 
 __all__ = [
     "AsyncSaveError",

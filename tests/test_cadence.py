@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_multilevel import BalancedSavePlanner, CheckpointManager, Level
 from dcp_multilevel.checkpoint import CheckpointRoot, StoredCheckpoint
-from dcp_multilevel.manager import SCHEDULE_KEY
+from dcp_multilevel.manage.manager import SCHEDULE_KEY
 from dcp_multilevel.schedule import (
     ConvergenceAware,
     FailureModel,

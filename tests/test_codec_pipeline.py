@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from test_codecs import _decode, _encode, _structured
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_multilevel import MultiLevelReader, MultiLevelWriter, RegistryError
+from dcp_multilevel import Compression, MultiLevelReader, MultiLevelWriter, RegistryError
 from dcp_multilevel.codecs import (
     CODECS,
     MIN_SPLIT_CHUNK,
@@ -32,7 +32,6 @@ from dcp_multilevel.codecs import (
     encode_items,
 )
 from dcp_multilevel.codecs.bytegroup import ByteGroupCodec
-from dcp_multilevel.config import Compression
 from dcp_multilevel.format import frames
 from dcp_multilevel.format.tensor_bytes import byte_view
 

@@ -18,7 +18,13 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_multilevel import ConfigError, CorruptCheckpointError, MultiLevelReader, MultiLevelWriter
+from dcp_multilevel import (
+    Compression,
+    ConfigError,
+    CorruptCheckpointError,
+    MultiLevelReader,
+    MultiLevelWriter,
+)
 from dcp_multilevel.codecs import (
     CODECS,
     bytegroup,
@@ -32,7 +38,6 @@ from dcp_multilevel.codecs.extension import (
     extension_registry,
 )
 from dcp_multilevel.codecs.zstd import ZstdCodec
-from dcp_multilevel.config import Compression
 from dcp_multilevel.format import frames
 from dcp_multilevel.format.tensor_bytes import byte_view
 

@@ -68,7 +68,7 @@ def test_a_failed_round_trip_fails_the_check(tmp_path: Path) -> None:
     hook = tmp_path / "sitecustomize.py"
     hook.write_text(
         "import torch\n"
-        "import dcp_multilevel.reader as r\n"
+        "import dcp_multilevel.plugin.reader as r\n"
         "orig = r.MultiLevelReader.read_data\n"
         "def read_data(self, plan, planner):\n"
         "    fut = orig(self, plan, planner)\n"

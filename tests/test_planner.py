@@ -394,7 +394,7 @@ def test_saves_of_one_planner_store_each_saves_values_dtypes_and_grads(tmp_path,
     import torch.distributed.checkpoint as dcp
 
     from dcp_multilevel import MultiLevelReader, MultiLevelWriter
-    from dcp_multilevel.planner import drop_cached_plans
+    from dcp_multilevel.plugin.planner import drop_cached_plans
 
     planner = BalancedSavePlanner(enable_plan_caching=caching)
     state = _layout_state()
@@ -446,7 +446,7 @@ def test_stock_plan_caching_after_a_dtype_change_is_refused_saying_what_to_use(t
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from dcp_multilevel import MultiLevelWriter
-    from dcp_multilevel.planner import drop_cached_plans
+    from dcp_multilevel.plugin.planner import drop_cached_plans
 
     planner = DefaultSavePlanner(enable_plan_caching=True)
     drop_cached_plans(planner._cached_plans_key)  # stock's cache is per class

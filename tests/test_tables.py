@@ -178,7 +178,7 @@ def test_check_fails_on_stale_figures(paths, capsys):
     changed = _git("diff", "--name-only", before, "HEAD", "--", "dcp_multilevel/").split()
     write_results(results, "codecs", commit=before)
     write_results(results, "manager", commit="0" * 40)
-    write_results(results, "async", dirty_code=["dcp_multilevel/writer.py"])
+    write_results(results, "async", dirty_code=["dcp_multilevel/plugin/writer.py"])
     assert _run(results, readme, docs) == 0
     capsys.readouterr()
     assert _run(results, readme, docs, "--check") == 1
@@ -187,7 +187,7 @@ def test_check_fails_on_stale_figures(paths, capsys):
         f"changed since ({len(changed)} file{'s' * (len(changed) != 1)}, e.g. {changed[0]}): "
         "rerun `make figures`",
         f"tables --check: {results / 'async.json'}: measured with uncommitted changes in 1 file "
-        "of dcp_multilevel/ (e.g. dcp_multilevel/writer.py): commit, then rerun it",
+        "of dcp_multilevel/ (e.g. dcp_multilevel/plugin/writer.py): commit, then rerun it",
         f"tables --check: {results / 'manager.json'}: commit 0000000000 is not in this "
         "repository's history",
     ]

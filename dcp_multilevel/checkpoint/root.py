@@ -1,6 +1,6 @@
 """The checkpoints below one root: ``<root>/step-<N>/``, listed, opened and swept.
 
-A level of a :class:`~dcp_multilevel.manager.CheckpointManager` keeps its
+A level of a :class:`~dcp_multilevel.CheckpointManager` keeps its
 checkpoints below one root (``format/layout.py`` names them). A
 :class:`CheckpointRoot` answers what a process sees there: which steps are
 committed, and which step directories hold no manifest (abandoned by a save

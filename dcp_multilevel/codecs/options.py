@@ -1,4 +1,4 @@
-"""How a writer compresses: the :class:`Compression` option (re-exported by ``config``)."""
+"""How a writer compresses: the :class:`Compression` option (re-exported by the package)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from ..checkpoint import StoredCheckpoint
 from ..codecs import codec_for
-from ..config import Compression
+from ..codecs.options import Compression
 from ..errors import CheckpointExistsError, ConfigError, ConvertError
 from .detect import OURS, STOCK_DCP, TORCH_SAVE, detect_source, is_url, local_path
 from .progress import Progress, ProgressCallback
@@ -89,7 +89,7 @@ def convert(
             ``FileSystemWriter`` directory) or ``"ours"`` (a dcp_multilevel
             checkpoint).
         codec: for ``to="ours"``: ``None``, ``"zstd"``, ``"bytegroup"`` or a
-            :class:`~dcp_multilevel.config.Compression`.
+            :class:`~dcp_multilevel.Compression`.
         storage_options: options for the store of ``src`` (our checkpoints only).
         dst_storage_options: options for the store of ``dst`` (``to="ours"`` only).
         progress: called as ``progress(done_bytes, total_bytes)`` while it runs;

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ..errors import ConvertError, UnsafeObjectError
-from ..reader import MultiLevelReader
+from ..plugin import MultiLevelReader
 from ._dcp_errors import unwrapped
 from .detect import OURS, STOCK_DCP, TORCH_SAVE, local_path
 from .progress import Progress

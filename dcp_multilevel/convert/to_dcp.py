@@ -17,8 +17,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from ..config import Compression
-from ..writer import MultiLevelWriter
+from ..codecs.options import Compression
+from ..plugin import MultiLevelWriter
 from ._dcp_errors import unwrapped
 from .progress import Progress
 

@@ -44,8 +44,8 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
 
-from dcp_multilevel import MultiLevelReader, MultiLevelWriter
-from dcp_multilevel.format.stock_hint import STOCK_METADATA_NAME
+from ..format.stock_hint import STOCK_METADATA_NAME
+from ..plugin import MultiLevelReader, MultiLevelWriter
 
 __all__ = ["MultiLevelAccelerator", "multilevel_fsdp_checkpoints"]
 

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from dcp_multilevel import MultiLevelReader, MultiLevelWriter
+from ..plugin import MultiLevelReader, MultiLevelWriter
 
 __all__ = [
     "MultiLevelFSDPStrategy",

@@ -81,22 +81,13 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 
-from dcp_multilevel import (
-    BalancedSavePlanner,
-    CheckpointNotFoundError,
-    ConfigError,
-    ConvertError,
-    FixedInterval,
-    Level,
-    MultiLevelReader,
-    MultiLevelWriter,
-    SavePolicy,
-    StagingConfig,
-)
-from dcp_multilevel import (
-    CheckpointManager as LevelsManager,
-)
-from dcp_multilevel.convert import detect_source
+from ..convert import detect_source
+from ..errors import CheckpointNotFoundError, ConfigError, ConvertError
+from ..levels import Level
+from ..manage.manager import CheckpointManager as LevelsManager
+from ..plugin import BalancedSavePlanner, MultiLevelReader, MultiLevelWriter
+from ..schedule import FixedInterval, SavePolicy
+from ..staging import StagingConfig
 
 __all__ = ["MultiLevelCheckpointManager"]
 

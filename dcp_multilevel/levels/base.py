@@ -1,6 +1,6 @@
 """The level interface: what one rung of the multi-level ladder does with checkpoints.
 
-A :class:`~dcp_multilevel.config.Level` says where a level is, how often it
+A :class:`~dcp_multilevel.Level` says where a level is, how often it
 takes a save, how many it keeps and how it codes them. Its
 :class:`LevelDriver` says *who sends which bytes where* to bring a
 committed first-level checkpoint onto it (a drain), and where a load finds

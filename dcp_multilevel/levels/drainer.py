@@ -5,7 +5,7 @@ A drain brings one committed checkpoint of the first level onto a higher
 level; *how* is the level's driver's (``LevelDriver.drain``); this module
 runs drains, one at a time per level, and keeps their outcomes.
 
-Call order (driven by :class:`~dcp_multilevel.manager.CheckpointManager`)::
+Call order (driven by :class:`~dcp_multilevel.CheckpointManager`)::
 
     every rank, main thread   drainer.submit(job)       after the first level's commit,
                                                          in the same order on every rank

@@ -1,6 +1,6 @@
 """A level's configuration: :class:`Level`.
 
-Re-exported by ``dcp_multilevel.config`` and the package; defined here so
+Re-exported by the package; defined here so
 that levels, schedules and the manager depend down on it.
 """
 
@@ -20,7 +20,7 @@ __all__ = ["Level", "check_codec"]
 
 @dataclass(frozen=True)
 class Level:
-    """One level of a :class:`~dcp_multilevel.manager.CheckpointManager`: where, how often,
+    """One level of a :class:`~dcp_multilevel.CheckpointManager`: where, how often,
     how many kept, how coded.
 
     What a level does with a checkpoint (who sends which bytes where) is its

@@ -20,9 +20,9 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from .. import _dist
-from ..config import Level
 from ..errors import DcpMultilevelError
 from ..levels import LevelDriver
+from ..levels.options import Level
 from .keyframes import next_reference
 
 __all__ = ["DeltaChains"]

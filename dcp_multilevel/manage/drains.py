@@ -29,10 +29,10 @@ from typing import Any
 
 from .. import _dist
 from ..checkpoint import decoded_manifest
-from ..config import Level
 from ..errors import DrainError
 from ..levels import Drainer, DrainJob, DrainResult, LevelDriver, Topology
 from ..levels.node_local import rank_files
+from ..levels.options import Level
 from .chains import DeltaChains
 from .holdings import Holdings
 from .metrics import MetricsSink, SaveMetrics

@@ -34,8 +34,8 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from .. import _dist
-from ..config import Level
 from ..levels import Drainer, DrainJob, LevelDriver, Topology
+from ..levels.options import Level
 from ..schedule import SavePolicy
 from .chains import DeltaChains
 from .retention import RetentionRules, not_yet_above

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _dist
-from ..config import Level
 from ..errors import ConfigError
 from ..levels import LEVEL_KINDS, LevelDriver, driver_for, level_kind
 from ..levels.base import LevelContext
-from ..levels.options import check_codec
+from ..levels.options import Level, check_codec
 from ..levels.topology import NODE_FIELD, Topology, expand_node, node_from_env
 from ..stores.location import parse_location
 

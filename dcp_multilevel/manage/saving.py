@@ -1,7 +1,7 @@
 """The save flow: one checkpoint onto the first level, coded against the right reference.
 
 :class:`FirstLevelSaves` writes each save to the first level with DCP and a
-:class:`~dcp_multilevel.writer.MultiLevelWriter`, choosing the step a delta
+:class:`~dcp_multilevel.MultiLevelWriter`, choosing the step a delta
 level codes it against (``chains.py``), and saves it whole when that
 reference fails while the save reads it (every rank sees the same failure).
 
@@ -38,11 +38,11 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from .. import _dist
 from ..checkpoint import StoredCheckpoint
-from ..config import Level
 from ..errors import BrokenChainError, ConfigError, CorruptCheckpointError, DcpMultilevelError
 from ..levels import LevelDriver
+from ..levels.options import Level
+from ..plugin import MultiLevelWriter
 from ..staging import StagingConfig
-from ..writer import MultiLevelWriter
 from .chains import DeltaChains
 from .metrics import SaveMetrics
 

@@ -36,7 +36,7 @@ from ..errors import CheckpointNotFoundError, DcpMultilevelError
 from ..format import MANIFEST_NAME, Manifest
 from ..levels import Drainer, LevelDriver
 from ..levels.topology import Topology
-from ..reader import MultiLevelReader
+from ..plugin import MultiLevelReader
 from .actions import CopyFault, Fault
 from .agreement import Restore, Views, restorable
 from .execute import RestoreReport, execute, parts_copy, set_aside_damaged

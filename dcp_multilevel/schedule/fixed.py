@@ -11,7 +11,7 @@ __all__ = ["FixedInterval"]
 class FixedInterval(SavePolicy):
     """A step goes to a level when it is a multiple of that level's ``every``.
 
-    The default policy of :class:`~dcp_multilevel.manager.CheckpointManager`;
+    The default policy of :class:`~dcp_multilevel.CheckpointManager`;
     what torchtitan's ``interval`` and Orbax's ``save_interval_steps`` do.
     """
 

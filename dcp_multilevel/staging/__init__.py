@@ -11,16 +11,19 @@ explicitly (order of calls and threads: :mod:`.stager`)::
 
 Modules: :mod:`.config` (:class:`StagingConfig`), :mod:`.stager` (the
 stager: tickets, in-flight policy, budget waves, failure reporting),
+:mod:`.background` (:class:`BackgroundSave`, what a background step sees of it),
 :mod:`.buffers` (the host buffer pool), :mod:`.copies` (the copy into it, now or
 behind the fence), :mod:`.live` (the over-budget handshake), and the private
-``_tickets``, ``_failures``, ``_priority``, ``_steps`` (optimizer steps wait
+``_state`` (its state in the training process), ``_tickets``, ``_failures``,
+``_messages`` (its errors' words), ``_priority``, ``_steps`` (optimizer steps wait
 for the fence) and ``_pinned`` (page-locked sets of their exact size;
 :func:`registered_bytes` counts them) it uses, and :mod:`.device` (a copy of
 the state on its GPU, for the fence).
 """
 
 from ._pinned import registered_bytes
+from .background import BackgroundSave
 from .config import StagingConfig
-from .stager import BackgroundSave, Stager
+from .stager import Stager
 
 __all__ = ["BackgroundSave", "Stager", "StagingConfig", "registered_bytes"]

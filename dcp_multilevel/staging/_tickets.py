@@ -25,7 +25,7 @@ from typing import Any
 
 from .buffers import iter_tensors, pool_source
 
-__all__ = ["POLL_S", "StagedDict", "Ticket", "uncopied_storages"]
+__all__ = ["POLL_S", "StagedDict", "Ticket", "claimed_by", "mark_dropped", "uncopied_storages"]
 
 #: Poll interval while waiting for a ticket that no thread has claimed yet.
 POLL_S = 0.005
@@ -120,3 +120,15 @@ def uncopied_storages(state: Any, staged: Any) -> frozenset[int]:
     kept = [src if (src := pool_source(t)) is not None else t
             for t in iter_tensors(staged) if id(t) in live]  # fmt: skip
     return frozenset(t.untyped_storage().data_ptr() for t in kept if t.numel())
+
+
+def claimed_by(tickets: list[Ticket], thread: threading.Thread) -> Ticket | None:
+    """The ticket among ``tickets`` that ``thread`` claimed and DCP has not dropped."""
+    # A save DCP dropped is over even if its thread lives on (an executor that
+    # reused its thread for the next save would otherwise find the old ticket).
+    return next((t for t in tickets if t.thread is thread and not t.dropped), None)
+
+
+def mark_dropped(ticket: Ticket) -> None:
+    """The staged dict's finalizer: DCP dropped it, so no save follows."""
+    ticket.dropped = True

@@ -59,94 +59,30 @@ import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 
-from ..errors import AsyncSaveError, ConfigError, SaveInFlightError
+from ..errors import ConfigError, SaveInFlightError
 from ._failures import FailureRecord
+from ._messages import busy_message, never_began_message, raise_failure
 from ._priority import lower_thread_priority
+from ._state import StagingState
 from ._steps import StepFence
-from ._tickets import POLL_S, StagedDict, Ticket, uncopied_storages
+from ._tickets import POLL_S, StagedDict, Ticket, claimed_by, mark_dropped, uncopied_storages
+from .background import BackgroundSave
 from .buffers import BufferSet, HostBufferPool, iter_tensors, select_wave, staged_nbytes
 from .config import StagingConfig
 from .copies import Copies, check_live, plan_copies, run_copies, stream_marks
-from .device import DeviceSnapshot
-from .live import LiveCountdown, LiveFence, live_items
+from .live import LiveFence
 
-__all__ = ["BackgroundSave", "Stager"]
+__all__ = ["Stager"]
 
 #: Longest the overlap thread waits for ``async_save`` to arm a save's fence before
 #: it copies anyway (a caller of ``stage`` other than DCP may never arm it).
 _ARMED_WAIT_S = 0.02
-
-
-class BackgroundSave:
-    """What one background step (``write_data``, ``finish``) sees of its save's staging.
-
-    Handed out by :meth:`Stager.background`. For a synchronous save, or a
-    save in DCP's daemon process, there are no live tensors.
-    """
-
-    def __init__(self, ticket: Ticket | None) -> None:
-        self._ticket = ticket
-
-    @property
-    def live_storages(self) -> frozenset[int]:
-        """Storage pointers of the live tensors this save writes through (over budget)."""
-        return self._ticket.live if self._ticket is not None else frozenset()
-
-    def live_written(self) -> None:
-        """Every live tensor is in its data file: ``async_save`` may return (any thread).
-
-        Raises:
-            StagingFenceError: with the fence check, a live tensor changed
-                before it was written (the save then fails).
-        """
-        if self._ticket is not None:
-            if self._ticket.check_live is not None:
-                self._ticket.check_live()
-            self._ticket.released.set()
-
-    def live_items(self, items: Iterable[WriteItem], planner: SavePlanner) -> set[MetadataIndex]:
-        """The indexes of ``items`` this save writes from the live state (write them first)."""
-        return live_items(items, planner, self.live_storages)
-
-    def countdown(self, live: set[MetadataIndex]) -> LiveCountdown:
-        """Counts the ``live`` items down as they are written; calls :meth:`live_written`."""
-        return LiveCountdown(live, self.live_written)
-
-
-class _Staging:
-    """A stager's state in the training process, made by its first ``stage``."""
-
-    def __init__(self, config: StagingConfig) -> None:
-        pin = config.pin_memory if config.pin_memory is not None else torch.cuda.is_available()
-        self.pool = HostBufferPool(config.budget_bytes, pin=pin, shared=config.shared_memory)
-        # Guards tickets and the pool (stage and close, on the training thread,
-        # against claim, on background threads).
-        self.lock = threading.Lock()
-        self.tickets: list[Ticket] = []
-        self.seq = 0
-        # copy_ releases the GIL: while the training thread waits for staging anyway,
-        # more cores copy (threads exit with the process).
-        self.copier = (
-            ThreadPoolExecutor(config.copy_threads, thread_name_prefix="dcp-ml-stage")
-            if config.copy_threads > 1
-            else None
-        )
-        # overlap: one thread runs each save's copies, in order, behind its fence.
-        self.overlapper = (
-            ThreadPoolExecutor(1, thread_name_prefix="dcp-ml-overlap") if config.overlap else None
-        )
-        # GPU memory for the state's copy on its device (guarded by ``lock`` for close).
-        self.device = (
-            DeviceSnapshot(config.device_snapshot_bytes) if config.device_snapshot_bytes else None
-        )
 
 
 class Stager:
@@ -158,7 +94,7 @@ class Stager:
 
     def __init__(self, config: StagingConfig | None = None) -> None:
         self.config = config or StagingConfig()
-        self._staging: _Staging | None = None  # made by the first stage()
+        self._staging: StagingState | None = None  # made by the first stage()
         self._failures: FailureRecord | None = None  # made with it; shared with the daemon
         self._in_daemon = False  # this is the copy in DCP's daemon process
         self._last: Ticket | None = None  # the last staged save (for synchronize)
@@ -192,9 +128,9 @@ class Stager:
             raise ConfigError("a daemon-process copy of the writer cannot stage")
         st = self._staging
         if st is None:
-            st = self._staging = _Staging(self.config)
+            st = self._staging = StagingState(self.config)
             self._failures = FailureRecord()
-        self._raise_failure(checkpoint_id)
+        raise_failure(self._failures, checkpoint_id)
         cfg = self.config
         deadline = time.monotonic() + cfg.wait_timeout_s
         # The saves before must have begun in the background before this one is
@@ -203,7 +139,7 @@ class Stager:
         # at most one ticket unclaimed, the one the next background thread takes.
         for t in list(st.tickets):
             if not t.wait_claimed(deadline):
-                raise SaveInFlightError(self._never_began_message(checkpoint_id))
+                raise SaveInFlightError(never_began_message(checkpoint_id, self.config))
         st.seq += 1
         ticket = Ticket(st.seq, checkpoint_id)
         with st.lock:
@@ -293,13 +229,13 @@ class Stager:
                 earlier = next((t for t in st.tickets if t.seq < ticket.seq), None)
             if cfg.in_flight == "raise":
                 raise SaveInFlightError(
-                    self._busy_message(ticket.checkpoint_id, "is still being written")
+                    busy_message(ticket.checkpoint_id, "is still being written", self.config)
                 )
             if earlier is None:
                 time.sleep(POLL_S)
             if (earlier is None or not earlier.wait_done(deadline)) and time.monotonic() > deadline:
                 raise SaveInFlightError(
-                    self._busy_message(ticket.checkpoint_id, "did not finish in time")
+                    busy_message(ticket.checkpoint_id, "did not finish in time", self.config)
                 )
 
     def _behind_the_fence(
@@ -342,7 +278,7 @@ class Stager:
                     break
                 if not ticket.claimed and time.monotonic() > deadline:
                     fence.set_exception(
-                        SaveInFlightError(self._never_began_message(ticket.checkpoint_id))
+                        SaveInFlightError(never_began_message(ticket.checkpoint_id, self.config))
                     )
                     return
             fence.complete()
@@ -352,7 +288,7 @@ class Stager:
 
     def _staged(self, copied: dict[str, Any], ticket: Ticket) -> StagedDict:
         staged = StagedDict(copied, ticket, self._claim_sent)
-        weakref.finalize(staged, _mark_dropped, ticket)
+        weakref.finalize(staged, mark_dropped, ticket)
         return staged
 
     def synchronize(self) -> None:
@@ -373,7 +309,7 @@ class Stager:
             if t.done():
                 return
             if not t.claimed and time.monotonic() > deadline:
-                raise SaveInFlightError(self._never_began_message(t.checkpoint_id))
+                raise SaveInFlightError(never_began_message(t.checkpoint_id, self.config))
 
     def close(self) -> None:
         """Free the buffers no save is using, and the device snapshot's; optimizer
@@ -404,7 +340,7 @@ class Stager:
             return
         me = threading.current_thread()
         with st.lock:
-            mine = _claimed_by(st.tickets, me)
+            mine = claimed_by(st.tickets, me)
             if mine is None:
                 oldest = next((t for t in st.tickets if not t.claimed and not t.done()), None)
                 if oldest is not None and oldest.stager_thread is not me:
@@ -455,7 +391,7 @@ class Stager:
         if st is None:
             return None
         with st.lock:
-            return _claimed_by(st.tickets, threading.current_thread())
+            return claimed_by(st.tickets, threading.current_thread())
 
     def _wait_for_earlier(self, ticket: Ticket | None, checkpoint_id: str) -> None:
         st = self._staging
@@ -464,37 +400,9 @@ class Stager:
             earlier = [t for t in st.tickets if ticket is None or t.seq < ticket.seq]
         for t in earlier:
             if not t.wait_done(deadline):
-                raise SaveInFlightError(self._busy_message(checkpoint_id, "did not finish in time"))
-
-    # -- failures and messages
-
-    def _raise_failure(self, checkpoint_id: str) -> None:
-        text = self._failures.take() if self._failures is not None else None
-        if text is not None:
-            raise AsyncSaveError(
-                f"the previous async save with this writer failed in the background ({text}); "
-                "nothing of it was committed. Fix the cause and save again; this error is "
-                "raised once.",
-                checkpoint=checkpoint_id,
-            )
-
-    def _busy_message(self, checkpoint_id: str, what: str) -> str:
-        cfg = self.config
-        return (
-            f"async save to {checkpoint_id}: an earlier save with this writer {what} (policy "
-            f"in_flight={cfg.in_flight!r}, wait_timeout_s={cfg.wait_timeout_s}); at most one "
-            "save is written and one queued per writer. Wait for the returned future before "
-            'saving again, or use StagingConfig(in_flight="wait").'
-        )
-
-    def _never_began_message(self, checkpoint_id: str) -> str:
-        return (
-            f"async save to {checkpoint_id}: an earlier async save with this writer did not "
-            f"begin writing within wait_timeout_s={self.config.wait_timeout_s}: DCP's "
-            "background thread failed before its first call to the writer (in PROCESS mode: "
-            "DCP's daemon process did not start). That save's future holds the error; drop "
-            "the future to free its buffers, then save again."
-        )
+                raise SaveInFlightError(
+                    busy_message(checkpoint_id, "did not finish in time", self.config)
+                )
 
     # -- pickling to DCP's daemon process (PROCESS mode)
 
@@ -509,13 +417,3 @@ class Stager:
         # A writer that never staged (DCP was given another async_stager) has no
         # record: its copy treats saves as synchronous, as the original does.
         self._in_daemon = self._failures is not None
-
-
-def _claimed_by(tickets: list[Ticket], thread: threading.Thread) -> Ticket | None:
-    # A save DCP dropped is over even if its thread lives on (an executor that
-    # reused its thread for the next save would otherwise find the old ticket).
-    return next((t for t in tickets if t.thread is thread and not t.dropped), None)
-
-
-def _mark_dropped(ticket: Ticket) -> None:
-    ticket.dropped = True

@@ -18,9 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..codecs import CODECS, Codec
-from ..config import Compression
-from ..reader import MultiLevelReader
-from ..writer import MultiLevelWriter
+from ..codecs.options import Compression
+from ..plugin import MultiLevelReader, MultiLevelWriter
 
 __all__ = ["CodecTests"]
 

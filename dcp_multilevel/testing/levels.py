@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from .. import _dist
-from ..config import Level
-from ..manager import CheckpointManager
+from ..levels.options import Level
+from ..manage.manager import CheckpointManager
 from .ranks import run_ranks
 
 __all__ = ["LevelTests", "bit_equal"]
@@ -102,7 +102,7 @@ def _load_job(rank: int, world: int, cls: type[LevelTests], root: str) -> tuple[
 
 
 class LevelTests:
-    """A level kind's contract under :class:`~dcp_multilevel.manager.CheckpointManager`.
+    """A level kind's contract under :class:`~dcp_multilevel.CheckpointManager`.
 
     Subclass it in a test module: set :attr:`world` and :attr:`ranks_per_node`
     (enough nodes for the kind), return the level in :meth:`level`, and, if the

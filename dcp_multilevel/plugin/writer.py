@@ -26,9 +26,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, closing
 from typing import Any
 
 import torch
@@ -37,37 +35,32 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     StorageMeta,
 )
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .checkpoint import StoredCheckpoint, new_save_id
-from .checkpoint.pinned import release_pinned
-from .checkpoint.save_reference import SaveReference
-from .checkpoint.sources import object_record, tensor_of
-from .codecs import BufferPool, EncodeJob, codec_for, encode_items, item_layout
-from .config import Compression
-from .errors import (
+from ..checkpoint import StoredCheckpoint, new_save_id
+from ..checkpoint.pinned import release_pinned
+from ..checkpoint.save_reference import SaveReference
+from ..codecs import BufferPool, codec_for
+from ..codecs.options import Compression
+from ..errors import (
     CheckpointExistsError,
     ConfigError,
 )
-from .format import Hasher, ItemLocation, data_file_path, dtype_name
-from .format.tensor_bytes import byte_view
+from ..format import ItemLocation, data_file_path, dtype_name
+from ..planning import balance
+from ..staging import BackgroundSave, Stager, StagingConfig
+from ..staging.buffers import HostBufferPool
+from ..stores import Store, store_for
+from .data_files import write_file
 from .planner import write_item_nbytes
-from .planning import balance
-from .staging import BackgroundSave, Stager, StagingConfig
-from .staging.buffers import HostBufferPool
-from .staging.live import LiveCountdown
-from .stores import Store, store_for
 
 __all__ = ["MultiLevelWriter"]
 
-logger = logging.getLogger(__name__)
-
-#: Chunks in flight per codec thread: enough to keep every thread busy while
-#: the writer thread hashes and writes (a few MiB each; bounds memory).
-_WINDOW_PER_THREAD = 3
+# The logger users configure, named as documented (not after this module).
+logger = logging.getLogger("dcp_multilevel.writer")
 
 
 class MultiLevelWriter(StorageWriter, AsyncStager):
@@ -84,7 +77,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
             manifest that points at data the OS never wrote.
         codec: compress tensor data: ``None`` (default: local disk is faster
             than compression), ``"bytegroup"``, ``"zstd"``, a third-party codec
-            name, or a :class:`~dcp_multilevel.config.Compression` with level,
+            name, or a :class:`~dcp_multilevel.Compression` with level,
             chunk size and threads. Non-tensor values are stored uncompressed.
         storage_options: options for a remote location's store and fsspec
             backend (``retries``, ``spool_dir``, s3fs ``key``/``endpoint_url``...).
@@ -318,11 +311,11 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         # for every object, so that part is serialized.
         lock = threading.Lock()
         if len(jobs) <= 1:
-            results = [r for job in jobs for r in self._write_file(*job, planner, lock, countdown)]
+            results = [r for job in jobs for r in write_file(self, *job, planner, lock, countdown)]
         else:
             with ThreadPoolExecutor(len(jobs), thread_name_prefix="dcp-ml-write") as pool:
                 futures = [
-                    pool.submit(self._write_file, *job, planner, lock, countdown) for job in jobs
+                    pool.submit(write_file, self, *job, planner, lock, countdown) for job in jobs
                 ]
                 results = [r for f in futures for r in f.result()]
         self.bytes_written = sum(r.size_in_bytes for r in results)
@@ -366,81 +359,6 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         return True
 
     # ------------------------------------------------------------------ internals
-
-    def _write_file(
-        self,
-        path: str,
-        items: list[WriteItem],
-        planner: SavePlanner,
-        lock: threading.Lock,
-        countdown: LiveCountdown,
-    ) -> list[WriteResult]:
-        """Write ``items`` to one data file, coding ahead in the pool while writing.
-
-        ``encode_items`` keeps a window of chunks from this item and the next
-        ones in the codec pool, so coding overlaps the hashing and writing
-        done here; memory stays bounded by that window.
-        """
-        results = []
-        c = self.compression
-        pool = self._pool()
-        streams = ExitStack()  # the reference's data files, while their items are coded
-        coded = encode_items(
-            self._jobs(path, items, planner, lock, streams), self._codec,
-            chunk_size=c.chunk_size if c else 0, pool=pool,
-            window=_WINDOW_PER_THREAD * c.threads if c and pool else 1,
-            buffers=self._payload_buffers,
-        )  # fmt: skip
-        with self.store.open_write(path) as out, streams, closing(coded):
-            pad_for = getattr(out, "pad_for", None)  # a direct-I/O file (stores/_direct.py)
-            for job, parts in coded:
-                if pad_for is not None and job.layout is None:
-                    pad_for(job.view)  # a big tensor then goes to the disk uncopied
-                start = out.tell()
-                hasher = Hasher()
-                for piece in parts:
-                    hasher.update(piece)
-                    out.write(piece)
-                length = out.tell() - start
-                transforms = () if job.layout is None else (self._codec.descriptor,)  # type: ignore[union-attr]
-                raw = len(job.view)
-                src = job.reference
-                ref = src.loc.checksum if src is not None and src.used else None  # type: ignore[attr-defined]
-                loc = ItemLocation(path, start, length, raw, hasher.hexdigest(), transforms, ref)
-                results.append(
-                    WriteResult(index=job.key.index, size_in_bytes=length, storage_data=loc)
-                )
-                countdown.written(job.key.index)
-        return results
-
-    def _jobs(
-        self,
-        path: str,
-        items: list[WriteItem],
-        planner: SavePlanner,
-        lock: threading.Lock,
-        streams: ExitStack,
-    ) -> Iterator[EncodeJob]:
-        """Each item's bytes and how to store them, resolved as the coder asks for them.
-
-        A framed item the reference holds alike gets its reference stream
-        (opened here, closed by ``streams`` at the latest).
-        """
-        for item in items:
-            if item.type == WriteItemType.BYTE_IO:
-                record = object_record(planner, item, lock)
-                yield EncodeJob(item, record, None, f"item {item.index.fqn!r} of {path}")
-            else:
-                tensor = tensor_of(item, planner.resolve_data(item))
-                view = byte_view(tensor)
-                layout = item_layout(view, tensor.dtype, self._codec, self.compression)
-                source = (
-                    self._delta.stream_of(self.checkpoint, item, streams)
-                    if layout is not None and self._delta is not None
-                    else None
-                )
-                name = f"item {item.index.fqn!r} of {path}"
-                yield EncodeJob(item, view, layout, name, source)
 
     def _pool(self) -> ThreadPoolExecutor | None:
         """The codec pool (None: code inline), reused across saves.

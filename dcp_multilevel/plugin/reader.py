@@ -30,7 +30,6 @@ import os
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, closing
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -38,29 +37,22 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .checkpoint import StoredCheckpoint, new_save_id
-from .checkpoint.chain import Failure, Trail, item_name, unusable_copy
-from .checkpoint.destinations import Bounce, destination
-from .checkpoint.pinned import release_pinned
-from .checkpoint.reference_files import ReferenceFiles
-from .errors import (
+from ..checkpoint import StoredCheckpoint, new_save_id
+from ..checkpoint.chain import Failure, Trail, item_name, unusable_copy
+from ..checkpoint.pinned import release_pinned
+from ..errors import (
     ConfigError,
-    CorruptCheckpointError,
     DcpMultilevelError,
     ManifestError,
 )
-from .format import MANIFEST_NAME, ItemLocation, Manifest
-from .stores import Store
+from ..format import MANIFEST_NAME, ItemLocation, Manifest
+from ..stores import Store
+from .read_files import read_file, split_runs
 
 __all__ = ["MultiLevelReader"]
 
-logger = logging.getLogger(__name__)
-
-#: Errors that condemn one copy of an item (or of a whole file) but not the
-#: load: the item is read from the next copy. Corruption and missing files are
-#: OSErrors, and so are I/O failures (EIO, a remote that stays down); a
-#: ManifestError here means the copy's item needs a codec that is not installed.
-_COPY_ERRORS = (OSError, ManifestError)
+# The logger users configure, named as documented (not after this module).
+logger = logging.getLogger("dcp_multilevel.reader")
 
 
 class MultiLevelReader(StorageReader):
@@ -362,67 +354,19 @@ class MultiLevelReader(StorageReader):
                 continue
             per_file[loc.file].append((i, req, loc))
         jobs = [(f, sorted(reqs, key=lambda r: r[2].offset)) for f, reqs in per_file.items()]
-        jobs = _split_runs(jobs, self.thread_count)
+        jobs = split_runs(jobs, self.thread_count)
+        decoding = (self._codec_pool, 2 * self.thread_count)  # pool (made at need), window
         if self.thread_count == 1 or len(jobs) <= 1:
-            results = [self._read_file(copy, *job, planner) for job in jobs]
+            results = [read_file(copy, *job, planner, *decoding) for job in jobs]
         else:
             workers = min(self.thread_count, len(jobs))
             with ThreadPoolExecutor(workers, thread_name_prefix="dcp-ml-read") as pool:
-                futures = [pool.submit(self._read_file, copy, *job, planner) for job in jobs]
+                futures = [pool.submit(read_file, copy, *job, planner, *decoding) for job in jobs]
                 results = [f.result() for f in futures]
         for _, job_failures in results:
             failures.extend(job_failures)
         failures.sort(key=lambda f: f.index)
         return sum(served for served, _ in results), failures
-
-    def _read_file(
-        self,
-        copy: StoredCheckpoint,
-        file: str,
-        reqs: list[tuple[int, ReadItem, ItemLocation]],
-        planner: LoadPlanner,
-    ) -> tuple[int, list[Failure]]:
-        """Read ``reqs`` (sorted by offset) from one data file; (served, failures)."""
-        served = 0
-        failures: list[Failure] = []
-        limit = max(loc.offset + loc.length for _, _, loc in reqs)
-        with ExitStack() as stack:
-            try:
-                handle = stack.enter_context(
-                    copy.open_data(file, reqs[0][1].storage_index.fqn, limit)
-                )
-            except _COPY_ERRORS as e:
-                return 0, [Failure(i, req, file, e, whole_file=True) for i, req, _ in reqs]
-            references = stack.enter_context(closing(ReferenceFiles()))
-            references.plan(copy, [(req.storage_index, loc) for _, req, loc in reqs])
-            bounce = Bounce()  # blocks allocated at its first CUDA item
-            stack.callback(bounce.drain)  # the load ends once its copies are done
-            for n, (i, req, loc) in enumerate(reqs):
-                # Outside the try: a destination of the wrong shape is wrong for
-                # every copy, and so is an object refused by weights_only loading.
-                landing = destination(copy, req, loc, planner, bounce)
-                try:
-                    if landing.out is None:
-                        copy.read_stored(
-                            handle, req.storage_index.fqn, loc, landing.blocks, landing.on_block
-                        )
-                    else:
-                        copy.read_item(
-                            handle, req.storage_index, loc, landing.out,
-                            pool=self._codec_pool(), window=2 * self.thread_count,
-                            references=references,
-                        )  # fmt: skip
-                except _COPY_ERRORS as e:
-                    if isinstance(e, (CorruptCheckpointError, ManifestError)):
-                        failures.append(Failure(i, req, file, e, whole_file=False))
-                        continue
-                    # An I/O error (EIO, a remote that stays down): do not wait out
-                    # the retries of every further item of this file on this copy.
-                    failures += [Failure(j, r, file, e, whole_file=True) for j, r, _ in reqs[n:]]
-                    break
-                landing.commit()
-                served += 1
-        return served, failures
 
     def _codec_pool(self) -> ThreadPoolExecutor | None:
         if self.thread_count == 1:
@@ -432,26 +376,3 @@ class MultiLevelReader(StorageReader):
                 self.thread_count, thread_name_prefix="dcp-ml-decode"
             )
         return self._decode_pool
-
-
-def _split_runs(
-    jobs: list[tuple[str, list[tuple[int, ReadItem, ItemLocation]]]], threads: int
-) -> list[tuple[str, list[tuple[int, ReadItem, ItemLocation]]]]:
-    """``jobs`` (per file, items in offset order) cut into more runs of adjacent items
-    while there are fewer than ``threads``: the largest run is halved by bytes. A
-    checkpoint written as one file per rank is then read by several threads."""
-    jobs = list(jobs)
-    while len(jobs) < threads:
-        splittable = [j for j in range(len(jobs)) if len(jobs[j][1]) > 1]
-        if not splittable:
-            break
-        k = max(splittable, key=lambda j: sum(loc.length for _, _, loc in jobs[j][1]))
-        file, reqs = jobs.pop(k)
-        half, seen, cut = sum(loc.length for _, _, loc in reqs) / 2, 0, 1
-        for n, (_, _, loc) in enumerate(reqs[:-1], start=1):
-            seen += loc.length
-            cut = n
-            if seen >= half:
-                break
-        jobs += [(file, reqs[:cut]), (file, reqs[cut:])]
-    return jobs

@@ -1,4 +1,4 @@
-"""DCP save-plan bookkeeping behind :class:`~dcp_multilevel.planner.BalancedSavePlanner`.
+"""DCP save-plan bookkeeping behind :class:`~dcp_multilevel.BalancedSavePlanner`.
 
 What the planner does with DCP's own types around the pure partitioning of
 ``planning/`` (which knows nothing of DCP):
@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from .errors import PlanningError
-from .planning import Piece, chunk_errors
+from ..errors import PlanningError
+from ..planning import Piece, chunk_errors
 
 __all__ = [
     "KeptLocalPlan",

@@ -35,7 +35,11 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
-from ._plans import (
+from ..errors import PlanningError
+from ..format.tensor_bytes import byte_view, value_tensor
+from ..planning import CostModel, Item, PartitionOptions, Piece, partition
+from ..planning.fingerprint import fingerprint
+from .plans import (
     KeptLocalPlan,
     check_replicas,
     collect,
@@ -44,14 +48,11 @@ from ._plans import (
     piece_order,
     tiling_errors,
 )
-from .errors import PlanningError
-from .format.tensor_bytes import byte_view, value_tensor
-from .planning import CostModel, Item, PartitionOptions, Piece, partition
-from .planning.fingerprint import fingerprint
 
 __all__ = ["BalancedSavePlanner", "parent_group", "write_item_nbytes"]
 
-logger = logging.getLogger(__name__)
+# The logger users configure, named as documented (not after this module).
+logger = logging.getLogger("dcp_multilevel.planner")
 
 
 def parent_group(fqn: str) -> str:
@@ -143,7 +144,7 @@ class BalancedSavePlanner(DefaultSavePlanner):
         """DCP's local plan; with ``verify_replicas``, plus an xxh3 digest of every item.
 
         A state laid out as the last save's gets the last plan again
-        (:class:`~dcp_multilevel._plans.KeptLocalPlan`). Hashing resolves every
+        (:class:`~dcp_multilevel.plugin.plans.KeptLocalPlan`). Hashing resolves every
         item's data once more, on every rank.
         """
         if self.verify_replicas:  # (no plan caching: the digests change every step)

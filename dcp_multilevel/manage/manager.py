@@ -48,25 +48,25 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
-from . import _dist
-from .config import Level
-from .errors import ConfigError
-from .levels import DrainResult
-from .levels.topology import Topology
-from .manage.cadence import Cadence
-from .manage.chains import DeltaChains
-from .manage.drains import Drains, finish_at_exit
-from .manage.holdings import Holdings
-from .manage.ladder import Ladder
-from .manage.metrics import MetricsSink, SaveMetrics
-from .manage.saving import FirstLevelSaves
-from .planner import BalancedSavePlanner
-from .restore import Loader
-from .restore.agreement import Restore, Views, gather_views
-from .restore.execute import RestoreReport
-from .restore.plan import PART_SHARE
-from .schedule import FixedInterval, SavePolicy
-from .staging import StagingConfig
+from .. import _dist
+from ..errors import ConfigError
+from ..levels import DrainResult
+from ..levels.options import Level
+from ..levels.topology import Topology
+from ..plugin import BalancedSavePlanner
+from ..restore import Loader
+from ..restore.agreement import Restore, Views, gather_views
+from ..restore.execute import RestoreReport
+from ..restore.plan import PART_SHARE
+from ..schedule import FixedInterval, SavePolicy
+from ..staging import StagingConfig
+from .cadence import Cadence
+from .chains import DeltaChains
+from .drains import Drains, finish_at_exit
+from .holdings import Holdings
+from .ladder import Ladder
+from .metrics import MetricsSink, SaveMetrics
+from .saving import FirstLevelSaves
 
 __all__ = ["CheckpointManager", "SaveMetrics"]
 
@@ -74,7 +74,8 @@ __all__ = ["CheckpointManager", "SaveMetrics"]
 #: (``cadence.py``: the job's clock, each level's last save, the policy's).
 SCHEDULE_KEY = "dcp_multilevel.schedule"
 
-logger = logging.getLogger(__name__)
+# The logger users configure, named as documented (not after this module).
+logger = logging.getLogger("dcp_multilevel.manager")
 
 
 class CheckpointManager:
