@@ -122,7 +122,7 @@ class KeptLocalPlan:
 
 def _layout_entry(fqn: str, value: Any, path: Any) -> tuple[Any, ...] | None:
     """What DCP's local write items for ``value`` depend on, and the key's ``path``
-    (None: not known here); the branches follow ``planner_helpers._create_write_items``.
+    (None: not known here); the branches follow DCP's own ``_create_write_items``.
     (DCP's plan cache compares plans without their dtypes or paths: a state nested
     otherwise under the same flat keys would have kept its last ``planner_data``.)"""
     if isinstance(value, DTensor):
