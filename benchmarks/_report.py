@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -29,8 +30,28 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 #: Format of a results file; tables.py refuses others.
 RESULTS_VERSION = 1
-#: The 1-minute load average per core above which a run is marked busy.
-BUSY_LOAD_PER_CORE = 0.5
+#: The share of the machine's CPU that other processes used during a run above which
+#: it is marked busy. Measured, not inferred from the load average: that average
+#: decays over minutes, so it still counts the benchmark that ran just before.
+BUSY_OTHERS_SHARE = 0.10
+
+
+def _machine_cpu_s() -> float | None:
+    """CPU seconds every process on the machine has used since boot (Linux), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and of its children that ended (ranks it spawned)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 # --------------------------------------------------------------------------- numbers and goals
@@ -226,6 +247,7 @@ class Results:
         self.load_before = os.getloadavg()
         self.code = code_version()
         self._t0 = time.perf_counter()
+        self._machine_cpu0, self._own_cpu0 = _machine_cpu_s(), _own_cpu_s()
 
     def document(
         self,
@@ -241,7 +263,17 @@ class Results:
         how many such rounds; ``data``: the benchmark's own record of every sample."""
         load_after = os.getloadavg()
         cores = os.cpu_count() or 1
-        busy = self.load_before[0] > BUSY_LOAD_PER_CORE * cores
+        wall = time.perf_counter() - self._t0
+        machine_cpu = _machine_cpu_s()
+        others: float | None = None
+        if machine_cpu is not None and self._machine_cpu0 is not None and wall > 0:
+            used = (machine_cpu - self._machine_cpu0) - (_own_cpu_s() - self._own_cpu0)
+            others = max(0.0, used) / (wall * cores)
+        busy = others > BUSY_OTHERS_SHARE if others is not None else (
+            self.load_before[0] > 0.5 * cores)  # fmt: skip
+        load = f"1-minute load average {self.load_before[0]:.2f} on {cores} cores before the run"
+        share = f"other processes used {others:.0%} of the CPU during the run; " if (
+            others is not None) else ""  # fmt: skip
         return {
             "format": RESULTS_VERSION,
             "benchmark": self.benchmark,
@@ -252,14 +284,9 @@ class Results:
             "machine": machine(),
             "load_before": [round(x, 2) for x in self.load_before],
             "load_after": [round(x, 2) for x in load_after],
+            "others_cpu_share": None if others is None else round(others, 3),
             "busy": busy,
-            "busy_note": (
-                f"busy: 1-minute load average {self.load_before[0]:.2f} on {cores} cores "
-                "before the run (other processes were running)"
-                if busy
-                else f"quiet: 1-minute load average {self.load_before[0]:.2f} on {cores} "
-                "cores before the run"
-            ),
+            "busy_note": f"{'busy' if busy else 'quiet'}: {share}{load}",
             "alternated": list(alternated),
             "rounds": rounds,
             "figures": dict(figures),
