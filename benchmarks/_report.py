@@ -15,10 +15,10 @@ import json
 import math
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -47,11 +47,45 @@ def _machine_cpu_s() -> float | None:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
-def _own_cpu_s() -> float:
-    """CPU seconds of this process and of its children that ended (ranks it spawned)."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+class _JobCpu:
+    """CPU seconds of this run's own processes: every process in its process group,
+    sampled from /proc four times a second (ranks started through a forkserver are not
+    this process's children, so its rusage never counts them). A process that
+    ends loses at most its last quarter second, which counts as another's."""
+
+    def __init__(self) -> None:
+        self._pgrp = os.getpgrp()
+        self._tick = os.sysconf("SC_CLK_TCK")
+        self._first: dict[int, float] = self._sample()
+        self._last: dict[int, float] = dict(self._first)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> dict[int, float]:
+        seen: dict[int, float] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # ended meanwhile
+            if int(fields[2]) == self._pgrp:  # fields[0] is the state: pgrp is 3rd
+                seen[int(entry)] = (int(fields[11]) + int(fields[12])) / self._tick
+        return seen
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            self._last.update(self._sample())
+
+    def seconds(self) -> float:
+        """CPU seconds the job's processes used since this object was made."""
+        self._stop.set()
+        self._thread.join()
+        self._last.update(self._sample())
+        return sum(cpu - self._first.get(pid, 0.0) for pid, cpu in self._last.items())
 
 
 # --------------------------------------------------------------------------- numbers and goals
@@ -247,7 +281,7 @@ class Results:
         self.load_before = os.getloadavg()
         self.code = code_version()
         self._t0 = time.perf_counter()
-        self._machine_cpu0, self._own_cpu0 = _machine_cpu_s(), _own_cpu_s()
+        self._machine_cpu0, self._job = _machine_cpu_s(), _JobCpu()
 
     def document(
         self,
@@ -267,7 +301,7 @@ class Results:
         machine_cpu = _machine_cpu_s()
         others: float | None = None
         if machine_cpu is not None and self._machine_cpu0 is not None and wall > 0:
-            used = (machine_cpu - self._machine_cpu0) - (_own_cpu_s() - self._own_cpu0)
+            used = (machine_cpu - self._machine_cpu0) - self._job.seconds()
             others = max(0.0, used) / (wall * cores)
         busy = others > BUSY_OTHERS_SHARE if others is not None else (
             self.load_before[0] > 0.5 * cores)  # fmt: skip
