@@ -84,7 +84,7 @@ demo-nodeloss: setup-demo
 # configuration, each alternating its configurations over 3 or more rounds and
 # rewriting its results file in benchmarks/results/; then the tables of README.md
 # and docs/benchmarks.md and the plots, from those files. Run it on a quiet machine,
-# after the last change to dcp_multilevel/ (about 25 minutes on 2 cores).
+# after the last change to dcp_multilevel/ (18 minutes on an idle 2-core machine).
 BENCH := $(VENV)/bin/python benchmarks
 figures: bench-setup
 	$(BENCH)/bench_save_load.py --repeat 3
