@@ -3,10 +3,13 @@
 Use with DCP as usual::
 
     import torch.distributed.checkpoint as dcp
-    from dcp_multilevel import MultiLevelReader, MultiLevelWriter
+    import dcp_multilevel
+    from dcp_multilevel import Level, MultiLevelReader, MultiLevelWriter
 
-    dcp.save(state_dict, storage_writer=MultiLevelWriter("/ckpt/step-100"))
-    dcp.load(state_dict, storage_reader=MultiLevelReader("/ckpt/step-100"))
+    levels = [Level("/nvme/run1"), Level("s3://bucket/run1", every=4, codec="bytegroup")]
+    dcp.save(state_dict, storage_writer=MultiLevelWriter("step-100", levels=levels))
+    dcp.load(state_dict, storage_reader=MultiLevelReader("latest", levels=levels))
+    dcp_multilevel.wait()  # every due drain has landed
 """
 
 from ._version import __version__
@@ -35,6 +38,7 @@ from .errors import (
     UnsupportedFormatVersionError,
     UnsupportedStateError,
 )
+from .ladder import wait
 from .levels import DrainResult, Level
 from .manage.manager import CheckpointManager, SaveMetrics
 from .planning import CostModel
@@ -79,4 +83,5 @@ __all__ = [
     "UnsupportedFormatVersionError",
     "UnsupportedStateError",
     "__version__",
+    "wait",
 ]

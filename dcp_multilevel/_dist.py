@@ -32,6 +32,7 @@ __all__ = [
     "rank0_decides",
     "recv_bytes",
     "send_bytes",
+    "store_get_nowait",
     "store_set",
     "store_wait_get",
     "world_size",
@@ -116,6 +117,14 @@ def store_wait_get(keys: list[str], timeout_s: float) -> list[Any]:
     store = _store()
     store.wait(keys, timedelta(seconds=timeout_s))
     return [json.loads(store.get(k)) for k in keys]
+
+
+def store_get_nowait(key: str) -> Any | None:
+    """The JSON value under ``key``, or None when it is not set yet (any thread)."""
+    store = _store()
+    if not store.check([key]):
+        return None
+    return json.loads(store.get(key))
 
 
 def new_group(timeout_s: float) -> Any:

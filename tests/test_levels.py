@@ -25,6 +25,7 @@ from dcp_multilevel import (
 )
 from dcp_multilevel.checkpoint import CheckpointRoot
 from dcp_multilevel.errors import DrainError
+from dcp_multilevel.ladder import retention
 from dcp_multilevel.levels import (
     LEVEL_KINDS,
     Drainer,
@@ -35,7 +36,6 @@ from dcp_multilevel.levels import (
     driver_for,
     level_kind,
 )
-from dcp_multilevel.manage import retention
 
 # --------------------------------------------------------------------------- Level
 

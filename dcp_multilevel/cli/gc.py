@@ -1,6 +1,6 @@
 """``dcp-multilevel gc ROOT --keep N``: retention and debris sweep for one root (level).
 
-The rules are the manager's (``manage/retention.py``: the same
+The rules are the ladder's (``ladder/retention.py``: the same
 :class:`RetentionRules` object), applied to what is in ROOT:
 
 - **expired**: committed checkpoints past the newest ``--keep``; the newest
@@ -44,7 +44,7 @@ import click
 from ..checkpoint import CheckpointRoot
 from ..errors import ConfigError, DcpMultilevelError
 from ..format import step_dir
-from ..manage.retention import RetentionRules, deletion_order
+from ..ladder.retention import RetentionRules, deletion_order
 from ._common import emit_json, json_option, resolve, stdout_console, storage_options_option
 
 __all__ = ["gc", "plan_gc"]

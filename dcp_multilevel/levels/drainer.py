@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -56,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 #: What a save does when its level's previous drain is still running.
 DRAIN_POLICIES = ("latest", "skip", "wait")
+
+#: How many of the newest outcomes :attr:`Drainer.results` keeps.
+RESULTS_KEPT = 64
 
 
 def run_drain(job: DrainJob, *, timeout_s: float) -> DrainResult:
@@ -152,8 +156,10 @@ class Drainer:
         self._cond = threading.Condition()
         self._lanes: dict[LevelDriver, _Lane] = {}
         self._closed = False
-        self.results: list[DrainResult] = []
-        self._unreported: list[DrainResult] = []
+        #: The newest outcomes (bounded: a long run keeps no state per drain; a
+        #: caller that wants them all collects them through ``on_result``).
+        self.results: deque[DrainResult] = deque(maxlen=RESULTS_KEPT)
+        self._unreported: list[DrainResult] = []  # failures wait() has not raised yet
 
     def busy(self, target: LevelDriver) -> bool:
         """True while a drain to ``target`` runs or waits to run."""
@@ -235,12 +241,12 @@ class Drainer:
 
     def wait(self) -> list[DrainResult]:
         """Block until every lane is idle; raise DrainError for any drain that failed
-        since the last call (superseded and skipped steps are not failures)."""
+        since the last call (superseded and skipped steps are not failures). Returns
+        the newest outcomes (:attr:`results`)."""
         with self._cond:
             while any(lane.busy for lane in self._lanes.values()):
                 self._cond.wait()
-            failed = [r for r in self._unreported if r.error]
-            self._unreported.clear()
+            failed, self._unreported = self._unreported, []
             results = list(self.results)
         if failed:
             raise DrainError(
@@ -384,7 +390,8 @@ class Drainer:
     def _record(self, result: DrainResult) -> None:
         with self._cond:
             self.results.append(result)
-            self._unreported.append(result)
+            if result.error:
+                self._unreported.append(result)
         if self._on_result is not None:
             self._on_result(result)
 

@@ -23,9 +23,14 @@ also raise its error if it failed. With ``staging=StagingConfig(overlap=True)``
 they return before the state is copied: call :meth:`wait_for_staging` before
 it next changes (the optimizer step).
 
-The manager is a facade: each part it composes owns one thing (``manage/``,
-whose docstring maps them), the levels are ``levels/``, the load after a loss
-``restore/``.
+The manager is the step and schedule layer on top of the plugin: each save
+is a ``dcp.save`` (or ``dcp.async_save``) with a
+:class:`~dcp_multilevel.MultiLevelWriter` given its levels, each load a
+``dcp.load`` with a :class:`~dcp_multilevel.MultiLevelReader` given them, and
+the drains, retention and restores are the process's ladder for those levels
+(``ladder/``), shared with any writer or reader given the same levels. What
+the manager adds: when to save (``cadence.py``, the schedule), ``step()``,
+SIGTERM, metrics (``metrics.py``).
 
 A checkpoint exists on a level iff its manifest there exists. The first
 level may be node-local: then only rank 0's node has the manifest, and
@@ -36,35 +41,33 @@ levels.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import signal
-import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from .. import _dist
 from ..errors import ConfigError
+from ..format import step_dir
+from ..ladder import LATEST, ladder_for, release
 from ..levels import DrainResult
 from ..levels.options import Level
 from ..levels.topology import Topology
-from ..plugin import BalancedSavePlanner
-from ..restore import Loader
+from ..plugin import BalancedSavePlanner, MultiLevelReader, MultiLevelWriter
 from ..restore.agreement import Restore, Views, gather_views
 from ..restore.execute import RestoreReport
+from ..restore.inventory import needed_ranges
 from ..restore.plan import PART_SHARE
 from ..schedule import FixedInterval, SavePolicy
 from ..staging import StagingConfig
 from .cadence import Cadence
-from .chains import DeltaChains
-from .drains import Drains, finish_at_exit
-from .holdings import Holdings
-from .ladder import Ladder
 from .metrics import MetricsSink, SaveMetrics
 from .saving import FirstLevelSaves
 
@@ -139,38 +142,36 @@ class CheckpointManager:
                 dataclasses.replace(lv, overwrite=True) if isinstance(lv, Level) else lv
                 for lv in levels
             ]
-        ladder = Ladder.build(levels, topology, drain_timeout_s)  # collective
+        # Collective: the process's ladder for these levels (shared with any writer or
+        # reader given them), made the first time.
+        ladder = ladder_for(levels, topology=topology, who="CheckpointManager",
+                            drain_policy=drain_policy, timeout_s=drain_timeout_s,
+                            part_share=0.0 if restore_whole_files else PART_SHARE)  # fmt: skip
+        ladder.holders += 1
+        # A manager dropped without close() lets go of its ladder too (its drains
+        # waited for); at interpreter exit the ladders' own hook does that.
+        self._release = weakref.finalize(self, release, ladder)
+        self._release.atexit = False
+        self._ladder = ladder
+        self._given = list(ladder.given)
+        self._topology = topology
         self.levels, self.drivers, self.topology = ladder.levels, ladder.drivers, ladder.topology
         self.schedule = schedule if schedule is not None else FixedInterval()
-        self._cadence = Cadence(self.schedule, self.levels, ladder.survives(),
+        if ladder.holdings.schedule is None:  # steps no save recorded: this schedule's
+            ladder.holdings.schedule = self.schedule
+        self._cadence = Cadence(self.schedule, self.levels, ladder.binding.survives(),
                                 check_seconds=check_seconds,
                                 save_on_sigterm=save_on_sigterm)  # fmt: skip
         self._sink = MetricsSink(metrics_path, on_metrics, _dist.rank())
-        self._chains = DeltaChains(self.levels, self.drivers)
-        self._holdings = Holdings(self.levels, self.drivers, self.schedule, self._chains,
-                                  self.topology)  # fmt: skip
-        self._drains = Drains(self.levels, self.drivers, self._chains, self._holdings,
-                              self._sink, self.topology, policy=drain_policy,
-                              timeout_s=drain_timeout_s)  # fmt: skip
-        self._holdings.spare(self._drains.drainer)
-        self._loader = Loader(self.drivers, ladder.names, self.topology, ladder.restore_group,
-                              self._drains.drainer,
-                              part_share=0.0 if restore_whole_files else PART_SHARE)  # fmt: skip
-        self._saves = FirstLevelSaves(self.levels[0], self.drivers[0], self._chains,
-                                      planner or BalancedSavePlanner(),
-                                      self._loader.keep_manifest, async_save=async_save,
+        self._drain_results: list[DrainResult] = []
+        self._unlisten = ladder.listen(self._drain_ended)
+        self._saves = FirstLevelSaves(ladder, self._given, topology,
+                                      planner or BalancedSavePlanner(), async_save=async_save,
                                       staging=staging, timeout_s=drain_timeout_s)  # fmt: skip
         self.async_save = async_save
         self.metrics: list[SaveMetrics] = []
         if sweep_older_than_s is not None:
-            ladder.sweep(sweep_older_than_s)
-        # Drains must not be lost silently at exit: wait for them and log failures.
-        # Registered with threading's exit hooks where Python has them: those run
-        # before concurrent.futures refuses new work at shutdown (hooks run newest
-        # first), which a drain still running then needs; atexit runs after it.
-        self._exit_hook = weakref.finalize(self, finish_at_exit, self._drains.drainer)
-        self._exit_hook.atexit = False
-        getattr(threading, "_register_atexit", atexit.register)(self._exit_hook)
+            ladder.binding.sweep(sweep_older_than_s)
 
     # ------------------------------------------------------------------ save
 
@@ -187,7 +188,7 @@ class CheckpointManager:
         for its commit, and raises ``SystemExit(143)`` on every rank.
         """
         _check_step(step)
-        tick = self._cadence.tick(step, loss, self._drains.costs)
+        tick = self._cadence.tick(step, loss, self._ladder.costs)
         try:
             if tick.stop:
                 metrics = self._save(state_dict, step, [])
@@ -200,7 +201,7 @@ class CheckpointManager:
                 raise SystemExit(128 + signal.SIGTERM)
             if tick.decision is None:
                 return None
-            self._holdings.decided(step, tick.decision.levels)
+            self._ladder.holdings.decided(step, tick.decision.levels)
             self._sink.emit({**tick.decision.record(), "step": step, "rank": _dist.rank(),
                              "unix": time.time()})  # fmt: skip
             higher = sorted(i for i in tick.decision.levels if i > 0)
@@ -221,7 +222,7 @@ class CheckpointManager:
         same step).
         """
         _check_step(step)
-        due = [i for i in range(1, len(self.levels)) if self._holdings.due(i, step)]
+        due = [i for i in range(1, len(self.levels)) if self._ladder.holdings.due(i, step)]
         return self._save(state_dict, step, due)
 
     def _save(self, state_dict: dict[str, Any], step: int, due: list[int]) -> SaveMetrics:
@@ -234,10 +235,10 @@ class CheckpointManager:
         extra = {SCHEDULE_KEY: self._cadence.state(step, [0, *due])} if _dist.rank() == 0 else None
         if self.async_save:
             return self._saves.save_async(state_dict, step, extra, due)
-        writer = self._saves.save(state_dict, step, extra)
+        writer = self._saves.save(state_dict, step, extra, due)
         metrics = SaveMetrics(step, self.levels[0].url, writer.bytes_written,
                               time.perf_counter() - t0)  # fmt: skip
-        self._committed(step, due, time.time(), metrics)
+        self._committed(writer, metrics)
         return metrics
 
     def wait_for_staging(self) -> None:
@@ -262,42 +263,49 @@ class CheckpointManager:
         p = self._saves.finish_async()
         if p is None:
             return None
-        self._committed(p.step, p.due, time.time(), p.metrics)
+        self._committed(p.writer, p.metrics)
         if p.from_step:  # the schedule learns where the step went, and what it cost
             started = [i for i in p.due if self.levels[i].url in p.metrics.drains_started]
             self._cadence.saved(p.step, started, None)
             self._cadence.waited(p.metrics.seconds - p.metrics.blocked_seconds)
         return p.metrics
 
-    def _committed(self, step: int, due: list[int], committed: float, metrics: SaveMetrics) -> None:
-        """After the first level committed ``step``: rank 0 decides for every rank which
-        drains run and what retention removes; then the drains start."""
+    def _committed(self, writer: MultiLevelWriter, metrics: SaveMetrics) -> None:
+        """After the first level committed a save: wait until the ladder followed it up
+        (rank 0's decisions for every rank: which drains run, what first-level retention
+        removed), and record where the step went."""
         t0 = time.perf_counter()
-        decision, removed = _dist.rank0_decides(
-            lambda: (self._drains.decide(step, due), self._holdings.retain(0))
-        )
-        self._holdings.removed_on_first(removed)
-        self._drains.submit(step, due, decision, committed, metrics)
+        ticket = writer.ticket
+        assert ticket is not None  # a writer given levels, whose save began
+        self._ladder.commits.settle(ticket)
+        metrics.drains_started = list(ticket.sent.started)
+        metrics.drains_skipped = list(ticket.sent.skipped)
+        metrics.drains_queued = list(ticket.sent.queued)
         metrics.waited_seconds += time.perf_counter() - t0
         self.metrics.append(metrics)
         logger.info(
             "dcp_multilevel: step %d committed on %s in %.3f s (%.2f GB/s on this rank); "
-            "draining to %s", step, metrics.level, metrics.blocked_seconds, metrics.gbps,
+            "draining to %s", metrics.step, metrics.level, metrics.blocked_seconds, metrics.gbps,
             metrics.drains_started or "no level",
         )  # fmt: skip
         self._sink.emit(metrics.record(_dist.rank()))
+
+    def _drain_ended(self, result: DrainResult) -> None:
+        """Every drain of the ladder: kept for :attr:`drain_results`, and a metrics record."""
+        self._drain_results.append(result)
+        self._sink.emit(result.record(_dist.rank()))
 
     # ------------------------------------------------------------------ load
 
     @property
     def last_load_sources(self) -> dict[str, int]:
         """After a load: how many items each copy served on this rank."""
-        return self._loader.last_load_sources
+        return self._ladder.loader.last_load_sources
 
     @property
     def last_restore(self) -> RestoreReport | None:
         """The last load's restore: files brought onto this rank's node, by source."""
-        return self._loader.last_restore
+        return self._ladder.loader.last_restore
 
     def steps(self, level_index: int) -> list[int]:
         """Steps with a complete checkpoint on level ``level_index``, ascending."""
@@ -314,20 +322,9 @@ class CheckpointManager:
         (a drain killed with the previous run) is drained again.
         """
         self.finish_save()
-        views = gather_views(self.drivers)
-        for i in range(1, len(self.levels)):
-            self._holdings.learned(i, views.everyone[0][i])
-        plan = self._loader.load_newest(state_dict, views, planner)
-        if plan is None:
+        if not gather_views(self.drivers).candidates():
             return None
-        self._sink.emit(self._loader.record(plan.step))
-        # Newer steps were not restorable: their files are not all there to drain.
-        self._drains.resume({i: [s for s in steps if s <= plan.step]
-                             for i, steps in views.everyone[0].items()})  # fmt: skip
-        self._drains.reprotect(plan)
-        self._chains.resume_from_levels(plan.step)
-        self._resume_schedule(plan, views)
-        return plan.step
+        return self._load(state_dict, LATEST, planner)
 
     def load(
         self, state_dict: dict[str, Any], step: int, *, planner: LoadPlanner | None = None
@@ -337,10 +334,27 @@ class CheckpointManager:
         Collective.
         """
         self.finish_save()
-        views = gather_views(self.drivers)
-        plan = self._loader.load_step(state_dict, step, views, planner)
-        self._sink.emit(self._loader.record(plan.step))
-        self._resume_schedule(plan, views)
+        self._load(state_dict, step_dir(step), planner)
+
+    def _load(self, state_dict: dict[str, Any], what: str, planner: LoadPlanner | None) -> int:
+        """``dcp.load`` of ``what`` through the levels; the step loaded. Collective."""
+        reader = MultiLevelReader(what, levels=self._given, topology=self._topology)
+        loads = reader.loads
+        assert loads is not None
+        # What each rank reads, from a dry run of the load planner: the restore brings
+        # exactly that, in one round, and damage found while copying it makes the load
+        # go on to an older step.
+        loads.reads = lambda manifest: needed_ranges(state_dict, manifest, planner)
+        try:
+            dcp.load(state_dict, storage_reader=reader, planner=planner)
+        except CheckpointException as e:  # the ranks could not agree on the step, or bring it
+            if loads.failure is not None:
+                raise loads.failure from e
+            raise
+        assert loads.restore is not None and loads.views is not None
+        self._sink.emit(self._ladder.loader.record(loads.restore.step))
+        self._resume_schedule(loads.restore, loads.views)
+        return loads.restore.step
 
     def _resume_schedule(self, plan: Restore, views: Views) -> None:
         """After a load: the schedule goes on from the state the loaded step's manifest
@@ -350,32 +364,34 @@ class CheckpointManager:
             for i in range(len(self.levels))
             if any(s <= plan.step for view in views.everyone for s in view[i])
         }
-        self._cadence.resume(self._loader.kept(plan, SCHEDULE_KEY), plan.step, held)
+        self._cadence.resume(self._ladder.loader.kept(plan, SCHEDULE_KEY), plan.step, held)
 
     # ------------------------------------------------------------------ lifecycle
 
     @property
     def drain_results(self) -> list[DrainResult]:
         """Every drain's outcome on this rank so far (bytes, seconds, lag, errors, skips)."""
-        return list(self._drains.drainer.results)
+        return list(self._drain_results)
 
     def wait(self) -> list[DrainResult]:
         """Finish an async save in flight (:meth:`finish_save`), then wait until the
         newest step due on each level is there (or its drain failed); DrainError if
         any drain failed since the last call."""
         self.finish_save()
-        return self._drains.drainer.wait()
+        self._ladder.wait()
+        return self.drain_results
 
     def close(self) -> None:
-        """Wait for drains (raising their errors), then stop the lanes; restore the
-        SIGTERM handler (``save_on_sigterm``)."""
+        """Wait for drains (raising their errors), then let go of the levels (the last
+        manager over them stops their lanes); restore the SIGTERM handler
+        (``save_on_sigterm``)."""
         try:
             self.wait()
         finally:
             self._cadence.close()
-            self._drains.drainer.close()
             self._saves.close()
-            self._exit_hook.detach()
+            self._unlisten()
+            self._release()
 
 
 def _check_step(step: object) -> None:

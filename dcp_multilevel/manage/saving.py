@@ -1,16 +1,19 @@
-"""The save flow: one checkpoint onto the first level, coded against the right reference.
+"""The manager's saves: plain ``dcp.save`` / ``dcp.async_save`` through the plugin.
 
-:class:`FirstLevelSaves` writes each save to the first level with DCP and a
-:class:`~dcp_multilevel.MultiLevelWriter`, choosing the step a delta
-level codes it against (``chains.py``), and saves it whole when that
-reference fails while the save reads it (every rank sees the same failure).
+Each save is ``dcp.save(state, storage_writer=MultiLevelWriter("step-<N>",
+levels=...))``, the manager's levels and the schedule's decision of where
+the step goes (``due``): the writer commits it on the first level, and the
+process's ladder for the levels (``ladder/``) sends it on in the background.
+A first-level delta whose reference fails while the save reads it is saved
+again whole (every rank sees the same failure; the ladder then drops that
+reference).
 
 Call order (main thread, every rank, collective)::
 
-    saves = FirstLevelSaves(level, driver, chains, planner, keep_manifest)
-    writer = saves.save(state_dict, step, extra)   returns once the first level committed
+    saves = FirstLevelSaves(ladder, levels, topology, planner)
+    writer = saves.save(state_dict, step, extra, due)   returns once the first level committed
 
-With ``async_group`` (``CheckpointManager(async_save=True)``), instead::
+With ``async_save=True`` (``CheckpointManager(async_save=True)``), instead::
 
     metrics = saves.save_async(state_dict, step, extra, due)   returns once staged
                                        (with StagingConfig(overlap=True): at once)
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -37,13 +40,13 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from .. import _dist
-from ..checkpoint import StoredCheckpoint
-from ..errors import BrokenChainError, ConfigError, CorruptCheckpointError, DcpMultilevelError
-from ..levels import LevelDriver
+from ..errors import BrokenChainError, ConfigError, CorruptCheckpointError
+from ..format import step_dir
+from ..ladder import Ladder
+from ..levels import Topology
 from ..levels.options import Level
 from ..plugin import MultiLevelWriter
 from ..staging import StagingConfig
-from .chains import DeltaChains
 from .metrics import SaveMetrics
 
 __all__ = ["FirstLevelSaves", "PendingSave"]
@@ -66,14 +69,12 @@ class PendingSave:
 
 
 class FirstLevelSaves:
-    """Saves onto the first level (see the module docstring).
+    """The manager's saves (see the module docstring).
 
     Args:
-        level, driver: the first level and its driver.
-        chains: the delta histories (which step the save is coded against).
+        ladder: the manager's ladder (``ladder_for(levels)``).
+        levels, topology: as the manager was given them (its writers get the same).
         planner: the save planner, reused so that DCP's plan cache works.
-        keep_manifest: ``keep_manifest(step, manifest_bytes)`` writes a reference's
-            manifest on each node that lacks it (a node-local first level).
         async_save: saves go through :meth:`save_async`; makes the gloo group DCP's
             background thread saves over (collective; never the trainer's group,
             see ``_dist.py``), with ``timeout_s``.
@@ -85,32 +86,35 @@ class FirstLevelSaves:
 
     def __init__(
         self,
-        level: Level,
-        driver: LevelDriver,
-        chains: DeltaChains,
+        ladder: Ladder,
+        levels: Sequence[Level],
+        topology: Topology | None,
         planner: SavePlanner,
-        keep_manifest: Callable[[int, bytes], None],
         *,
         async_save: bool = False,
         staging: StagingConfig | None = None,
         timeout_s: float = 3600.0,
     ) -> None:
-        if async_save and level.deltas:
+        if async_save and ladder.first.deltas:
             raise ConfigError(
-                f"CheckpointManager(async_save=True): the first level {level.url} stores "
+                f"CheckpointManager(async_save=True): the first level {ladder.first.url} stores "
                 "deltas, which async saves do not code; keep deltas on a higher level, or "
                 "save synchronously"
             )
-        self.level = level
-        self.driver = driver
-        self.chains = chains
+        self.ladder = ladder
+        self.levels = list(levels)
+        self.topology = topology
         self.planner = planner
-        self._keep_manifest = keep_manifest
         self._async_group = _dist.new_group(timeout_s) if async_save else None
         self._staging = staging
         self._async_writer: MultiLevelWriter | None = None
         #: The async save in flight (at most one), finished by :meth:`finish_async`.
         self.pending: PendingSave | None = None
+
+    def _writer(self, step: int, due: Sequence[int], **options: Any) -> MultiLevelWriter:
+        """A writer of ``step`` onto the levels (collective)."""
+        return MultiLevelWriter(step_dir(step), levels=self.levels, topology=self.topology,
+                                due=due, **options)  # fmt: skip
 
     def save_async(
         self, state_dict: dict[str, Any], step: int, extra: dict[str, Any] | None, due: list[int]
@@ -120,22 +124,19 @@ class FirstLevelSaves:
         The save before must be finished (:meth:`finish_async`)."""
         assert self.pending is None
         t0 = time.perf_counter()
-        url = self.level.checkpoint_url(step)
         writer = self._async_writer
         if writer is None:
-            writer = self._async_writer = MultiLevelWriter(
-                url, codec=self.level.codec, storage_options=self.level.storage_options,
-                staging=self._staging, overwrite=self.level.overwrite,
-            )  # fmt: skip
-        writer.extra = dict(extra or {})  # the save before has committed: not read any more
+            writer = self._async_writer = self._writer(step, due, staging=self._staging)
+        writer.due = list(due)  # the save before has committed: not read any more
+        writer.extra = dict(extra or {})
         future = dcp.async_save(
-            state_dict, storage_writer=writer, checkpoint_id=url, planner=self.planner,
-            process_group=self._async_group,
+            state_dict, storage_writer=writer, checkpoint_id=step_dir(step),
+            planner=self.planner, process_group=self._async_group,
         )  # fmt: skip
         fence = None
         if isinstance(future, AsyncSaveResponse):  # overlap: the copies run behind a fence
             fence, future = future.staging_completion, future.upload_completion
-        metrics = SaveMetrics(step, self.level.url, 0, time.perf_counter() - t0)
+        metrics = SaveMetrics(step, self.ladder.first.url, 0, time.perf_counter() - t0)
         pool = writer.staging_pool
         if pool is not None:
             metrics.staging_bytes, metrics.staging_peak_bytes = pool.held_bytes, pool.peak_bytes
@@ -162,7 +163,6 @@ class FirstLevelSaves:
         p.future.result()
         p.metrics.waited_seconds = time.perf_counter() - t0  # training waited for the write
         p.metrics.bytes_written = p.writer.bytes_written
-        self.chains.stored(0, p.step, None)  # a whole checkpoint
         return p
 
     def close(self) -> None:
@@ -171,75 +171,33 @@ class FirstLevelSaves:
             self._async_writer.close()
 
     def save(
-        self, state_dict: dict[str, Any], step: int, extra: dict[str, Any] | None
+        self, state_dict: dict[str, Any], step: int, extra: dict[str, Any] | None, due: list[int]
     ) -> MultiLevelWriter:
         """Save ``step`` (``extra`` in its manifest); the writer says what it wrote."""
-        ref = self.chains.reference(0)
-        reference = self._reference(ref)
-        if reference is None:
-            ref = None
-        writer = self._write(state_dict, step, reference, extra)
+        writer = self._write(state_dict, step, extra, due)
         if writer is None:  # the reference failed while the save read it: save whole
-            ref = None
-            writer = self._write(state_dict, step, None, extra)
-        self.chains.stored(0, step, ref)
+            writer = self._write(state_dict, step, extra, due)
+            assert writer is not None  # a whole save has no reference to fail
         return writer
 
     def _write(
-        self,
-        state_dict: dict[str, Any],
-        step: int,
-        reference: StoredCheckpoint | None,
-        extra: dict[str, Any] | None,
+        self, state_dict: dict[str, Any], step: int, extra: dict[str, Any] | None, due: list[int]
     ) -> MultiLevelWriter | None:
-        """``dcp.save`` onto the first level; None when it failed because of its
+        """``dcp.save`` onto the levels; None when it failed because of its first-level
         reference (every rank sees the same failure)."""
-        writer = MultiLevelWriter(
-            self.level.checkpoint_url(step), codec=self.level.codec,
-            storage_options=self.level.storage_options, reference=reference, extra=extra,
-            overwrite=self.level.overwrite,
-        )  # fmt: skip
+        writer = self._writer(step, due, extra=extra)
         try:
             dcp.save(state_dict, storage_writer=writer, planner=self.planner)
         except CheckpointException as e:
-            why = None if reference is None else _reference_failed(e)
+            why = None if writer.reference is None else _reference_failed(e)
             if why is None:
                 raise
             logger.warning(
                 "dcp_multilevel: step %d could not be coded against %s (%s); saving it whole",
-                step, reference.url, why,  # type: ignore[union-attr]
+                step, writer.reference.url, why,  # type: ignore[union-attr]
             )  # fmt: skip
             return None
         return writer
-
-    def _reference(self, step: int | None) -> StoredCheckpoint | None:
-        """The first level's checkpoint of ``step`` as a reference every rank can use.
-
-        Only rank 0's node may hold its manifest (a node-local first level):
-        rank 0 sends it. None on every rank when rank 0 cannot read it.
-        """
-        if step is None:
-            return None
-        ckpt = self.driver.checkpoint(step)
-        if _dist.world_size() == 1:
-            return ckpt
-
-        def read() -> bytes | None:
-            try:
-                return ckpt.manifest_bytes()
-            except (DcpMultilevelError, OSError) as e:
-                logger.warning("dcp_multilevel: no delta against step %d: %s", step, e)
-                return None
-
-        data = _dist.rank0_decides(read)
-        if data is None:
-            return None
-        # The delta's ranks find its reference's manifest beside it later (drains,
-        # loads), on their own node: a node-local first level has it on rank 0's
-        # node only, so each node's lowest rank keeps a copy before any delta
-        # against it exists there.
-        self._keep_manifest(step, data)
-        return self.driver.checkpoint(step, manifest_bytes=data)
 
 
 def _reference_failed(e: CheckpointException) -> str | None:

@@ -18,7 +18,10 @@ Load path::
                   the next copy (its manifest loaded and checked then), and so on.
 
 Each rank chooses copies on its own: the reader runs no collective. Which
-checkpoint every rank loads is the caller's (the manager's) agreement.
+checkpoint every rank loads is the caller's agreement, except with
+``levels``: then the ranks agree on the step, a lost node's files are
+brought back before it is read, and the copies are the levels' (collective:
+``level_reads.py``).
 Non-tensor objects are vetted with ``torch.load(weights_only=True)`` before
 DCP's planner sees them (its ``load_bytes`` unpickles with ``weights_only=False``).
 """
@@ -46,7 +49,11 @@ from ..errors import (
     ManifestError,
 )
 from ..format import MANIFEST_NAME, ItemLocation, Manifest
+from ..ladder import ladder_for
+from ..levels import Topology
+from ..levels.options import Level
 from ..stores import Store
+from .level_reads import LevelLoads
 from .read_files import read_file, split_runs
 
 __all__ = ["MultiLevelReader"]
@@ -62,7 +69,16 @@ class MultiLevelReader(StorageReader):
         path: the fastest copy of the checkpoint (directory path or URL, e.g.
             node-local ``/nvme/run1/step-100``). May be replaced per load by
             ``dcp.load(..., checkpoint_id=...)`` (only by another spelling of
-            the same location when ``fallbacks`` are given).
+            the same location when ``fallbacks`` are given). With ``levels``:
+            the step, ``"step-<N>"`` (or that name below the first level's
+            root), or ``"latest"`` / None: the newest step every rank can read.
+        levels: load from several levels (:class:`~dcp_multilevel.Level`, the
+            writer's; ``docs/levels.md``): the ranks agree on the step, files a
+            node lacks (a lost node) are brought back from the partner or
+            erasure level first, then each item is read from the fastest level
+            whose copy checks out. Construction and ``dcp.load`` are then
+            collective (every rank).
+        topology: with ``levels``: which node each rank is on (as the writer's).
         fallbacks: other copies of the SAME checkpoint on slower levels, in the
             order to try them (e.g. ``["s3://bucket/run1/step-100"]``). They may
             use other codecs and file layouts; their DCP metadata must equal
@@ -94,8 +110,10 @@ class MultiLevelReader(StorageReader):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None = None,
         *,
+        levels: Sequence[Level] | None = None,
+        topology: Topology | None = None,
         fallbacks: Sequence[str | os.PathLike[str]] = (),
         thread_count: int = 1,
         storage_options: dict[str, Any] | None = None,
@@ -129,8 +147,20 @@ class MultiLevelReader(StorageReader):
         self.last_load_sources: dict[str, int] = {}
         self._copies: list[StoredCheckpoint] = []
         self._primary_manifest = primary_manifest
-        self._primary_url = StoredCheckpoint.at(path, self.storage_options).url
-        self._set_path(path)
+        #: With ``levels``: the loads through them (``loads.restore.step``: the step
+        #: agreed; ``loads.last_restore``: what was brought onto this rank's node).
+        self.loads: LevelLoads | None = None
+        if levels is not None:
+            LevelLoads.refuse(fallbacks, primary_manifest)
+            ladder = ladder_for(levels, topology=topology, who="MultiLevelReader")
+            self.loads = LevelLoads(ladder, path)
+            self.path = self.loads.location
+            self._new_load()
+        elif path is None:
+            raise ConfigError("MultiLevelReader needs a path (or levels=[...])")
+        else:
+            self._primary_url = StoredCheckpoint.at(path, self.storage_options).url
+            self._set_path(path)
         self._new_load_id()
 
     def _set_path(self, path: str | os.PathLike[str]) -> None:
@@ -157,7 +187,7 @@ class MultiLevelReader(StorageReader):
         for copy in self._copies:
             copy.forget()
         self._base: int | None = None  # index of the copy whose manifest steers the load
-        self._trail = Trail(self._copies[0].url)
+        self._trail = Trail(self._copies[0].url if self._copies else self.path)
         self.metadata_source: str | None = None
 
     def _new_load_id(self) -> None:
@@ -186,7 +216,11 @@ class MultiLevelReader(StorageReader):
         Raises:
             ConfigError: with fallbacks, ``checkpoint_id`` names another checkpoint.
         """
-        if checkpoint_id:
+        if checkpoint_id and self.loads is not None:
+            self.loads.aim(checkpoint_id)
+            self.path = self.loads.location
+            self._new_load()
+        elif checkpoint_id:
             self._set_path(checkpoint_id)
         else:
             self._new_load()
@@ -207,6 +241,10 @@ class MultiLevelReader(StorageReader):
             ManifestError: a copy's manifest is invalid (and no copy is usable).
             OSError: a copy's storage could not be read (and no copy is usable).
         """
+        if self.loads is not None:  # collective: the step agreed, what a node lacks back
+            copies, self._primary_manifest = self.loads.prepare()
+            self._copies = self.loads.checkpoints(copies, self._copies, self._primary_manifest)
+            self.path = self.loads.location
         self._new_load()
         for i, copy in enumerate(self._copies):
             try:
@@ -251,6 +289,10 @@ class MultiLevelReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan``, each from the first copy that has it intact.
 
+        With ``levels`` (collective): what this rank reads of other ranks' files is
+        brought first, and a read that fails on damaged first-level files is tried
+        once more after intact copies were fetched from other nodes.
+
         Raises:
             CorruptCheckpointError, OSError, ManifestError: an item could not be
                 read from any copy; the error is the last copy's (with fallbacks,
@@ -259,6 +301,36 @@ class MultiLevelReader(StorageReader):
         """
         if self._base is None:
             raise ConfigError("MultiLevelReader.read_data called before read_metadata")
+        levels = self.loads
+        if levels is None:
+            self._read_items(plan, planner)
+        else:
+            if self._primary_manifest is not None:  # the step is on the first level
+                indices = [req.storage_index for req in plan.items]
+                self._copies = levels.checkpoints(levels.complete(indices), self._copies)
+            with levels.ladder.loader.phase("read"):
+                failed = self._try_read(plan, planner)
+                if levels.repaired(failed is not None) and failed is not None:
+                    failed = self._try_read(plan, planner)
+            levels.finished(failed is None, self.last_load_sources)
+            if failed is not None:
+                raise failed
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _try_read(self, plan: LoadPlan, planner: LoadPlanner) -> Exception | None:
+        """:meth:`_read_items`, its error returned: every rank must go on to the next
+        collective whatever its read did."""
+        try:
+            self._read_items(plan, planner)
+        except Exception as e:  # noqa: BLE001 - raised after the collectives
+            return e
+        return None
+
+    def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Read every item of ``plan`` from the copies, in order (see :meth:`read_data`)."""
+        assert self._base is not None
         self.last_load_sources = {}
         self._trail.items.clear()
         pending = list(enumerate(plan.items))
@@ -290,9 +362,6 @@ class MultiLevelReader(StorageReader):
                 self._copies[0].url,
                 ", ".join(f"{n} from {url}" for url, n in self.last_load_sources.items()),
             )
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

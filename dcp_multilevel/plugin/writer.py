@@ -17,6 +17,10 @@ chunk being coded, never whole (``checkpoint/reference.py``, ``docs/delta.md``).
 
 DCP calls ``finish`` only when ``write_data`` succeeded on every rank, so a
 failure anywhere leaves no new manifest, and the old one (if any) untouched.
+
+With ``levels``, the path names a step (``step-<N>``): the writer writes and
+commits it on the first level, and the process's ladder for those levels
+sends it on to the others in the background (``level_saves.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -50,11 +55,15 @@ from ..errors import (
     ConfigError,
 )
 from ..format import ItemLocation, data_file_path, dtype_name
+from ..ladder.commits import SaveTicket
+from ..levels import Topology
+from ..levels.options import Level
 from ..planning import balance
 from ..staging import BackgroundSave, Stager, StagingConfig
 from ..staging.buffers import HostBufferPool
 from ..stores import Store, store_for
 from .data_files import write_file
+from .level_saves import LevelSaves
 from .planner import write_item_nbytes
 
 __all__ = ["MultiLevelWriter"]
@@ -67,8 +76,23 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
     """Write a DCP checkpoint to ``path`` as raw bytes + a JSON manifest.
 
     Args:
-        path: checkpoint location (a directory path or ``file://`` URL). May be
-            replaced per save by ``dcp.save(..., checkpoint_id=...)``.
+        path: checkpoint location (a directory path or URL). May be replaced per
+            save by ``dcp.save(..., checkpoint_id=...)``. With ``levels``: the
+            step, ``"step-<N>"`` (the same name below every level's root), or
+            that name below the first level's root.
+        levels: save to several levels (:class:`~dcp_multilevel.Level`, fastest
+            first; ``docs/levels.md``): ``dcp.save`` returns once the first level
+            committed the step; the others receive it in the background, each
+            every ``every``-th save of this level list (partner copies, parity,
+            remote drains; deltas, retention). Writers and readers given the same
+            levels share them, in the whole process; ``dcp_multilevel.wait()``
+            waits for the drains. Construction is then collective (every rank, in
+            the same order). The first level's ``codec``, ``storage_options`` and
+            ``overwrite`` are the writer's.
+        topology: with ``levels``: which node each rank is on (default: each
+            rank's environment, ``DCP_ML_NODE`` or the host name).
+        due: with ``levels``: the higher levels each save goes to (indices into
+            ``levels``), instead of their ``every``.
         overwrite: allow replacing a committed checkpoint at ``path``. The old
             one stays loadable until the new one commits (atomic manifest swap).
         thread_count: data files written in parallel per rank.
@@ -105,8 +129,11 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None = None,
         *,
+        levels: Sequence[Level] | None = None,
+        topology: Topology | None = None,
+        due: Sequence[int] | None = None,
         overwrite: bool = False,
         thread_count: int = 1,
         sync_files: bool = True,
@@ -118,7 +145,17 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         extra: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        self._levels = LevelSaves.of(
+            levels, topology, due, path, codec=codec, storage_options=storage_options,
+            reference=reference,
+        )  # fmt: skip
+        if self._levels is not None:  # the first level's options are the writer's
+            first = self._levels.ladder.first
+            codec, storage_options = first.codec, first.storage_options
+            overwrite = overwrite or first.overwrite
         self.extra = dict(extra or {})
+        #: With ``levels``: the higher levels the next save goes to (None: their ``every``).
+        self.due = None if due is None else list(due)
         try:  # the coordinator writes it into the manifest at the commit
             json.dumps(self.extra, allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -149,7 +186,14 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         # Coded-chunk payloads, reused across chunks and saves: each part is
         # written (copied by the store) before the next one is coded into it.
         self._payload_buffers = BufferPool() if self._codec is not None else None
-        self._set_path(path)
+        self.path: str | None = None
+        if path is not None:
+            self._set_path(path)
+        if self._levels is not None:  # after the path: a reference is the step's sibling
+            reference = self._levels.reference()  # collective
+            if reference is not None:
+                self.reference = reference
+                self._delta = SaveReference(reference, self.storage_options)
         #: The id of the save being made (or last made): DCP's ``storage_meta().save_id``,
         #: the manifest's ``save_id`` and the reader's ``storage_meta.save_id``.
         self.save_id = new_save_id()
@@ -192,6 +236,8 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         # The types the caller allowed for weights_only loading, as of this save: in
         # PROCESS mode the value check runs in DCP's daemon, which has not got them.
         self._allowed_globals = list(torch.serialization.get_safe_globals())
+        if self._levels is not None:
+            self._levels.staging(self._delta is not None)
         return self._stager.stage(state_dict, checkpoint_id=self.checkpoint_id)
 
     def synchronize_staging(self) -> None:
@@ -207,8 +253,20 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
     # ------------------------------------------------------------------ lifecycle
 
     def _set_path(self, path: str | os.PathLike[str]) -> None:
+        if self._levels is not None:
+            step = self._levels.step
+            path = self._levels.location(path)
+            if step is not None and self._levels.step != step and self._delta is not None:
+                # The reference was chosen for the step this writer was built for.
+                self.reference = self._delta = None
+                self._levels.reference_step = None
         self.path = os.fspath(path)
         self.checkpoint = StoredCheckpoint.at(self.path, self.storage_options, sync=self.sync_files)
+
+    @property
+    def ticket(self) -> SaveTicket | None:
+        """With ``levels``: the last save's ticket (``ladder/commits.py``)."""
+        return self._levels.ticket if self._levels is not None else None
 
     @property
     def store(self) -> Store:
@@ -217,8 +275,8 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
 
     @property
     def checkpoint_id(self) -> str:
-        """The location this writer saves to."""
-        return self.path
+        """The location this writer saves to (with levels: on the first level)."""
+        return self.path or ""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a save (at ``checkpoint_id``, when given); claims an async save's staging."""
@@ -254,6 +312,8 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
             # ours names one save (copies between levels and delta references match
             # saves by it), so the next save gets its own.
             self.save_id = new_save_id()
+        if self._levels is not None:
+            self._levels.begin(self.extra, self.due)
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -280,14 +340,22 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         return plans
 
     def _check_reference(self) -> None:
-        if self._delta is not None:
+        if self._delta is not None and self.path is not None:
             self._delta.name_for(self.checkpoint)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items to its own data files; the future is complete."""
         # An async save's thread writes at background priority; failures are recorded.
-        with self._stager.background("write_data", rank=self.rank) as save:
-            return self._write_data(plan, planner, save)
+        try:
+            with self._stager.background("write_data", rank=self.rank) as save:
+                written = self._write_data(plan, planner, save)
+        except BaseException as e:
+            if self._levels is not None:
+                self._levels.failed(e)
+            raise
+        if self._levels is not None:
+            self._levels.written()
+        return written
 
     def _write_data(
         self, plan: SavePlan, planner: SavePlanner, save: BackgroundSave
@@ -326,8 +394,15 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit (coordinator): the manifest written last, then stale files swept."""
-        with self._stager.background("finish", rank=self.rank):
-            self._finish(metadata, results)
+        try:
+            with self._stager.background("finish", rank=self.rank):
+                self._finish(metadata, results)
+        except BaseException as e:
+            if self._levels is not None:
+                self._levels.failed(e)
+            raise
+        if self._levels is not None:
+            self._levels.committed()
 
     def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """The commit: the manifest, written last; then the sweep of stale files."""

@@ -14,10 +14,12 @@ In the order a load runs them:
 - ``order.py``: :class:`TransferOrder`, the order that keeps every rank busy;
 - ``simulate.py``: a plan's cost on paper (tests, benchmarks, the choice of a ring);
 - ``execute.py``: carrying a plan out over the restore's gloo group;
-- ``loader.py``: :class:`Loader`, the manager's load path (the newest
-  restorable step or a given one; re-plans around damaged sources).
+- ``transfers.py``: :class:`Transfers`, a restore carried out in rounds that
+  re-plan around damaged sources;
+- ``loader.py``: :class:`Loader`, what a reader given levels does (the newest
+  restorable step or a given one, then what each rank reads).
 """
 
-from .loader import Loader
+from .loader import Loader, Needs
 
-__all__ = ["Loader"]
+__all__ = ["Loader", "Needs"]

@@ -1,4 +1,4 @@
-"""The manager's delta chains: per level, what it stored there and what the next
+"""A ladder's delta chains: per level, what it stored there and what the next
 save there is coded against (``keyframes.py`` holds the rules).
 
 Every rank keeps the same history: it records the decisions every rank took
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from .. import _dist
 from ..errors import DcpMultilevelError
@@ -80,6 +80,27 @@ class DeltaChains:
         if index in self._history:
             with self._lock:
                 self._gone[index].update(steps)
+                self._prune(index, lambda s: s not in self._gone[index])
+
+    def retained(self, index: int, steps: Iterable[int]) -> None:
+        """Retention left ``steps`` on level ``index``: forget what is known of the
+        others, so the books grow with what a level holds, not with the run."""
+        keep = set(steps)
+        with self._lock:
+            if index in self._read:
+                self._read[index] = {s: r for s, r in self._read[index].items() if s in keep}
+            if index in self._history:
+                self._prune(index, keep.__contains__)
+
+    def _prune(self, index: int, holds: Callable[[int], bool]) -> None:
+        """Under the lock: drop the history before its last keyframe of steps the level
+        no longer ``holds``. :func:`next_reference` reads only from the last keyframe
+        on, so every rank's next reference stays the same whichever ranks prune."""
+        history = self._history[index]
+        keyframes = [k for k, (_, ref) in enumerate(history) if ref is None]
+        start = keyframes[-1] if keyframes else 0
+        history[:] = [(s, r) for k, (s, r) in enumerate(history) if k >= start or holds(s)]
+        self._gone[index] &= {s for s, _ in history}
 
     def resume(self, index: int, history: Sequence[tuple[int, int | None]]) -> None:
         """Start level ``index``'s history over from what it holds (after a restart:

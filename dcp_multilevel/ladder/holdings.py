@@ -1,6 +1,6 @@
-"""What each level holds, as the manager knows it, and the retention that follows.
+"""What each level holds, as the ladder knows it, and the retention that follows.
 
-:class:`Holdings` is the one owner of the manager's books: the levels each
+:class:`Holdings` is the one owner of the ladder's books: the levels each
 step was decided for, the steps known committed on each higher level (from
 drains and from listings at load time), and the steps a level will not get
 (skipped, or superseded by a newer due step). First-level retention reads
@@ -15,7 +15,10 @@ during I/O or while waiting for a drain (a lane's callback would wait for it,
 and the next ``save`` behind the lane). Each level's retention runs in one
 thread only, so its listing and its deletions never race.
 
-Call order (the manager makes every call)::
+The books keep no state per save beyond the steps still on the first level:
+what retention removes there is forgotten (a long run's books stay flat).
+
+Call order (the ladder makes every call)::
 
     holdings.spare(drainer)            construction: what retention must not delete
     holdings.decided(step, levels)     main thread, when the schedule sent a step
@@ -49,8 +52,9 @@ class Holdings:
     """The manager's books and its retention (see the module docstring).
 
     Args:
-        levels: the manager's levels; ``drivers`` their drivers.
-        schedule: decides the steps no decision was recorded for (fixed policies).
+        levels: the ladder's levels; ``drivers`` their drivers.
+        schedule: decides the steps no decision was recorded for (fixed policies;
+            None: only recorded decisions count, see :meth:`due`).
         chains: the levels' delta histories (references retention keeps).
         topology: which node each rank is on (None: unknown).
     """
@@ -59,7 +63,7 @@ class Holdings:
         self,
         levels: Sequence[Level],
         drivers: Sequence[LevelDriver],
-        schedule: SavePolicy,
+        schedule: SavePolicy | None,
         chains: DeltaChains,
         topology: Topology | None,
     ) -> None:
@@ -98,6 +102,8 @@ class Holdings:
             decided = self._decided.get(step)
         if decided is not None:
             return index in decided
+        if self.schedule is None:
+            return False
         try:
             return self.schedule.due(index, self.levels[index], step)
         except NotImplementedError:  # an adaptive policy: only its recorded decisions count
@@ -147,10 +153,26 @@ class Holdings:
         for step in doomed:
             driver.delete(step)
             logger.info("dcp_multilevel: retention removed step %d from %s", step, level.url)
+        kept = [s for s in complete if s not in doomed]
+        self.chains.retained(index, kept)
+        if index == 0:
+            self._forget_below(min(kept, default=None))
         # (Higher levels' removals are not recorded in the delta history: only rank 0
         # sees them, and every rank must choose a drain's reference alike. A drain
         # whose reference retention removed stores its step whole, on every rank.)
         return doomed
+
+    def _forget_below(self, oldest: int | None) -> None:
+        """Drop the books of steps older than ``oldest``, the oldest step left on the
+        first level: no drain can start from them any more, and no retention or
+        restart asks about them (None: the first level holds nothing; keep all)."""
+        if oldest is None:
+            return
+        with self._lock:
+            for books in (*self._known.values(), *self._dropped.values()):
+                books.difference_update([s for s in books if s < oldest])
+            for step in [s for s in self._decided if s < oldest]:
+                del self._decided[step]
 
     def _first_level_protected(self, complete: Sequence[int]) -> set[int]:
         """First-level steps a higher level still needs from there: due and not known

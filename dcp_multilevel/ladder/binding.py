@@ -1,10 +1,10 @@
-"""The manager's levels, checked and bound: which node each rank is on, each level's
-driver, the group restores move bytes over.
+"""A level list, checked and bound: which node each rank is on, each level's driver,
+the group restores move bytes over.
 
 Call order (construction, every rank, collective)::
 
-    ladder = Ladder.build(levels, topology, timeout_s)
-    ladder.sweep(older_than_s)     crash leftovers on every level
+    binding = Binding.build(levels, topology, timeout_s)
+    binding.sweep(older_than_s)     crash leftovers on every level
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from ..levels.options import Level, check_codec
 from ..levels.topology import NODE_FIELD, Topology, expand_node, node_from_env
 from ..stores.location import parse_location
 
-__all__ = ["Ladder"]
+__all__ = ["Binding", "root_of"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Ladder:
-    """The levels of one manager, fastest first, ready to use."""
+class Binding:
+    """The levels of one ladder, fastest first, ready to use."""
 
     levels: list[Level]  # {node} replaced by this rank's node
     names: list[str]  # the levels as the user wrote them ({node} kept)
@@ -46,7 +46,7 @@ class Ladder:
         levels: Sequence[Level] | None,
         topology: Topology | None,
         timeout_s: float,
-    ) -> Ladder:
+    ) -> Binding:
         """Check the levels and bind their drivers (collective: every rank).
 
         Raises:
@@ -111,7 +111,9 @@ class Ladder:
 def _levels_argument(levels: Sequence[Level] | None) -> list[Level]:
     out = list(levels or ())
     if not out or not all(isinstance(lv, Level) for lv in out):
-        raise ConfigError("CheckpointManager needs a non-empty list of Level(...) objects")
+        raise ConfigError(
+            f"levels must be a non-empty list of dcp_multilevel.Level(...) objects, got {levels!r}"
+        )
     return out
 
 
@@ -127,7 +129,7 @@ def _on_node(level: Level, node: int) -> Level:
 _SCHEME_ALIASES = {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az"}
 
 
-def _root(url: str, kind: str | None) -> tuple[str, str] | None:
+def root_of(url: str, kind: str | None) -> tuple[str, str] | None:
     """``(scheme, normalized path)`` of the root a level's url names (its kind stripped).
 
     Plain paths and ``file://`` URLs are made absolute and normalized; other
@@ -162,7 +164,7 @@ def _check_roots(levels: Sequence[Level], topology: Topology | None) -> None:
     nodes = sorted(set(topology.nodes)) if topology is not None else [None]
     for node in nodes:
         urls = [lv.url if node is None else expand_node(lv.url, node) for lv in levels]
-        roots = [_root(url, level_kind(lv)) for url, lv in zip(urls, levels, strict=True)]
+        roots = [root_of(url, level_kind(lv)) for url, lv in zip(urls, levels, strict=True)]
         for i, root_i in enumerate(roots):
             for j in range(i + 1, len(roots)):
                 root_j = roots[j]

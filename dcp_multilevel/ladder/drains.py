@@ -1,6 +1,6 @@
 """Drain coordination: which drains a save starts, after a restart, and after a restore.
 
-:class:`Drains` builds the drain jobs the manager's saves need (a first-level
+:class:`Drains` builds the drain jobs a ladder's saves need (a first-level
 step onto each higher level due, after the references a level between nodes
 lacks), names them alike on every rank, takes rank 0's decisions where the
 policy needs one, and hands them to the lanes (``levels/drainer.py``). It
@@ -11,8 +11,8 @@ Call order (main thread, every rank, the same arguments everywhere)::
 
     decision = drains.decide(step, due)    rank 0 (inside rank0_decides): what to
                                            skip ("skip"), what to send first
-    drains.submit(step, due, decision,     every rank: one job per due level
-                  committed, metrics)
+    sent = drains.submit(step, due,        every rank: one job per due level
+                         decision, committed)
     drains.resume(view)                    after load_latest: drains a crash left
     drains.reprotect(plan)                 after a restore onto a replaced node
     drains.wait() / drains.close()
@@ -20,31 +20,23 @@ Call order (main thread, every rank, the same arguments everywhere)::
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _dist
 from ..checkpoint import decoded_manifest
-from ..errors import DrainError
 from ..levels import Drainer, DrainJob, DrainResult, LevelDriver, Topology
 from ..levels.node_local import rank_files
 from ..levels.options import Level
 from .chains import DeltaChains
 from .holdings import Holdings
-from .metrics import MetricsSink, SaveMetrics
 
-__all__ = ["DrainDecision", "Drains", "finish_at_exit"]
+__all__ = ["DrainDecision", "Drains", "Sent"]
 
 logger = logging.getLogger(__name__)
-
-#: Numbers the coordinators of this process: drain ids key values in the c10d
-#: store that every manager of the process group shares, and managers are built
-#: collectively, in the same order on every rank: the same number everywhere.
-_INSTANCES = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -54,6 +46,26 @@ class DrainDecision:
     skip: tuple[int, ...] = ()  # levels the step is not sent to (policy "skip", busy)
     #: level -> first-level steps to drain there first (references it lacks)
     before: dict[int, list[int]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """As a JSON value (rank 0 publishes it through the c10d store)."""
+        return {"skip": list(self.skip), "before": {str(i): s for i, s in self.before.items()}}
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> DrainDecision:
+        """The decision :meth:`to_json` wrote."""
+        before = {int(i): [int(s) for s in steps] for i, steps in value["before"].items()}
+        return cls(tuple(int(i) for i in value["skip"]), before)
+
+
+@dataclass
+class Sent:
+    """Where one save's step went: the URLs of the levels its drain started on, was
+    skipped on (policy ``"skip"``), or waits behind a running drain (``"latest"``)."""
+
+    started: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    queued: list[str] = field(default_factory=list)
 
 
 class Drains:
@@ -65,19 +77,22 @@ class Drains:
         drivers: Sequence[LevelDriver],
         chains: DeltaChains,
         holdings: Holdings,
-        sink: MetricsSink,
         topology: Topology | None,
         *,
         policy: str,
         timeout_s: float,
+        instance: int,
+        on_result: Callable[[DrainResult], None] | None = None,
     ) -> None:
         self.levels = list(levels)
         self.drivers = list(drivers)
         self.chains = chains
         self.holdings = holdings
         self.topology = topology
-        self._sink = sink
-        self._instance = next(_INSTANCES)
+        self._on_result = on_result
+        # Drain ids key values in the c10d store, shared by every ladder of the
+        # process group: ``instance`` numbers this one, the same on every rank.
+        self._instance = instance
         self._generation = 0
         self.drainer = Drainer(
             policy=policy, timeout_s=timeout_s, on_committed=holdings.committed,
@@ -105,9 +120,9 @@ class Drains:
         due: Sequence[int],
         decision: DrainDecision,
         committed_unix: float,
-        metrics: SaveMetrics,
-    ) -> None:
+    ) -> Sent:
         """Every rank: start (or queue, or skip) the drain of ``step`` to each due level."""
+        sent = Sent()
         self._generation += 1
         for i in due:
             skip = i in decision.skip
@@ -118,12 +133,13 @@ class Drains:
             queued = self.drainer.busy(self.drivers[i])
             if self.drainer.submit(job, skip=skip) is None:
                 self.holdings.dropped(i, step)
-                metrics.drains_skipped.append(url)
+                sent.skipped.append(url)
                 continue
             self.chains.stored(i, step, ref)
-            metrics.drains_started.append(url)
+            sent.started.append(url)
             if queued:
-                metrics.drains_queued.append(url)
+                sent.queued.append(url)
+        return sent
 
     def _missing_references(self, index: int, step: int) -> list[int]:
         """Rank 0: the references of first-level ``step`` (its chain, oldest first) that
@@ -170,7 +186,8 @@ class Drains:
         if result.superseded:
             index = next(i for i, d in enumerate(self.drivers) if d.url == result.level)
             self.holdings.dropped(index, result.step)
-        self._sink.emit(result.record(_dist.rank()))
+        if self._on_result is not None:
+            self._on_result(result)
 
     # ------------------------------------------------------------------ restarts
 
@@ -262,14 +279,3 @@ class Drains:
                     break
         busy = {i for i, d in enumerate(self.drivers) if i > 0 and self.drainer.busy(d)}
         return drains, busy
-
-
-def finish_at_exit(drainer: Drainer) -> None:
-    """At interpreter exit (or when a manager is collected): wait for ``drainer``'s
-    drains, log their failures, stop its lanes."""
-    try:
-        drainer.wait()
-    except DrainError as e:
-        logger.error("dcp_multilevel: at exit, checkpoint drains had failed: %s", e)
-    finally:
-        drainer.close()

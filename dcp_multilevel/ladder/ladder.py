@@ -1,0 +1,289 @@
+"""One level list, bound in this process: :class:`Ladder`.
+
+Every :class:`~dcp_multilevel.MultiLevelWriter` and
+:class:`~dcp_multilevel.MultiLevelReader` given the same ``levels`` (and the
+:class:`~dcp_multilevel.CheckpointManager` over them) uses one ladder of the
+process (``registry.py``), whatever the number of writers a training stack
+builds: one view of what each level holds, one lane of drains per level. It
+composes the parts, each owning one thing:
+
+- ``binding.py``: the levels checked, their drivers bound, the topology;
+- ``commits.py``: what follows each save's commit, on every rank, in order;
+- ``drains.py``: which drains a save starts, after a restart, after a restore;
+- ``holdings.py``: what each level holds, and the retention that follows;
+- ``chains.py`` / ``keyframes.py``: the delta histories;
+- ``restore/loader.py``: loads through the levels, a lost node's files back first.
+
+Call order (every rank; the reader's and writer's calls, see ``plugin/``)::
+
+    ladder = ladder_for(levels)                  registry.py; collective
+    ref = ladder.first_reference()               a writer of a first level with deltas
+    ticket = ladder.begin(step, due)             as DCP starts a save (any thread)
+    ... write_data, finish: the ticket's outcome (commits.py) ...
+    restore = ladder.loader.choose(views, step)  a reader's read_metadata, collective
+    ladder.loaded(restore, views)                after every rank read it, collective
+    ladder.wait()                                every due drain landed (DrainError)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .. import _dist
+from ..checkpoint import StoredCheckpoint
+from ..errors import DcpMultilevelError
+from ..levels import DrainResult
+from ..levels.options import Level
+from ..restore import Loader
+from ..restore.agreement import Restore, Views
+from .binding import Binding
+from .chains import DeltaChains
+from .commits import Commits, SaveTicket
+from .drains import DrainDecision, Drains
+from .holdings import Holdings
+
+__all__ = ["LEVELS_KEY", "Ladder"]
+
+logger = logging.getLogger(__name__)
+
+#: The manifest's ``extra`` key under which each save keeps what the ladder decided:
+#: ``{"save": n, "due": [level URLs]}`` (the n-th save of the level list; the higher
+#: levels it was due on, as the user wrote them). A restart goes on from there.
+LEVELS_KEY = "dcp_multilevel.levels"
+
+
+class Ladder:
+    """One level list, bound in this process (see the module docstring).
+
+    Args:
+        given: the levels as the user passed them (``{node}`` kept).
+        binding: the same levels checked and bound (``Binding.build``, collective).
+        key: what the registry knows the ladder by (see ``registry.py``).
+        instance: numbers the ladder's values in the c10d store: ladders are made
+            collectively, in the same order on every rank, so the same everywhere.
+        policy, timeout_s: the drains' (``levels/drainer.py``).
+        part_share: a restore's threshold for copying items rather than files.
+    """
+
+    def __init__(
+        self,
+        given: Sequence[Level],
+        binding: Binding,
+        *,
+        key: str,
+        instance: int,
+        policy: str,
+        timeout_s: float,
+        part_share: float,
+    ) -> None:
+        self.given = list(given)
+        self.binding = binding
+        self.levels, self.drivers = binding.levels, binding.drivers
+        self.topology = binding.topology
+        self.key = key
+        self.policy = policy
+        self.timeout_s = timeout_s
+        self.part_share = part_share
+        self.chains = DeltaChains(self.levels, self.drivers)
+        self.holdings = Holdings(self.levels, self.drivers, None, self.chains, self.topology)
+        self.drains = Drains(self.levels, self.drivers, self.chains, self.holdings,
+                             self.topology, policy=policy, timeout_s=timeout_s,
+                             instance=instance, on_result=self._drain_ended)  # fmt: skip
+        self.holdings.spare(self.drains.drainer)
+        self.loader = Loader(self.drivers, binding.names, self.topology, binding.restore_group,
+                             self.drains.drainer, part_share=part_share)  # fmt: skip
+        self.commits = Commits(f"L{instance}", timeout_s, self._decide, self._apply)
+        # The race: a lane reports a drain while the main thread adds a listener.
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[DrainResult], None]] = []
+        self._saves = 0  # saves begun in this process: each level's ``every`` counts them
+        #: Managers using the ladder (``registry.release`` closes it after the last).
+        self.holders = 0
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"Ladder({[level.url for level in self.given]})"
+
+    @property
+    def first(self) -> Level:
+        """The first level, ``{node}`` filled in for this rank."""
+        return self.levels[0]
+
+    # ------------------------------------------------------------------ saves
+
+    def begin(self, step: int, due: Sequence[int] | None = None,
+              reference: int | None = None) -> SaveTicket:  # fmt: skip
+        """A save of ``step`` starts (every rank, as DCP starts it): its ticket.
+
+        ``due``: the higher levels it goes to (indices); None: each level whose
+        ``every`` divides the number of saves of this level list so far.
+        """
+        with self._lock:
+            self._saves += 1
+            count = self._saves
+        if due is None:
+            due = [i for i in range(1, len(self.levels)) if count % self.levels[i].every == 0]
+        due = tuple(sorted(set(due)))
+        bad = [i for i in due if not 0 < i < len(self.levels)]
+        if bad:
+            raise DcpMultilevelError(f"due levels {bad} are not higher levels of {self!r}")
+        self.holdings.decided(step, frozenset((0, *due)))
+        return self.commits.begin(step, due, reference, count)
+
+    def record(self, ticket: SaveTicket) -> dict[str, Any]:
+        """What the save's manifest keeps under :data:`LEVELS_KEY`."""
+        return {"save": ticket.count, "due": [self.given[i].url for i in ticket.due]}
+
+    def first_reference(self) -> tuple[int, StoredCheckpoint] | None:
+        """The first level's step the next save codes its deltas against and its
+        checkpoint, readable by every rank (None: save it whole). Collective.
+
+        Only rank 0's node may hold its manifest (a node-local first level): rank 0
+        sends it, and each node's lowest rank keeps a copy beside the step before any
+        delta against it exists there (drains and loads find it on their own node).
+        """
+        self.commits.settle()  # the saves before are in the delta history
+        step = self.chains.reference(0)
+        if step is None:
+            return None
+        driver = self.drivers[0]
+        if _dist.world_size() == 1:
+            return step, driver.checkpoint(step)
+
+        def read() -> bytes | None:
+            try:
+                return driver.checkpoint(step).manifest_bytes()
+            except (DcpMultilevelError, OSError) as e:
+                logger.warning("dcp_multilevel: no delta against step %d: %s", step, e)
+                return None
+
+        data = _dist.rank0_decides(read)
+        if data is None:
+            return None
+        self.loader.transfers.keep_manifest(step, data)
+        return step, driver.checkpoint(step, manifest_bytes=data)
+
+    def _decide(self, ticket: SaveTicket) -> dict[str, Any]:
+        """Rank 0, after ``ticket``'s commit: which drains, what retention removes."""
+        decision = self.drains.decide(ticket.step, ticket.due)
+        try:
+            removed = self.holdings.retain(0)
+        except OSError as e:  # housekeeping: the save itself succeeded
+            logger.warning("dcp_multilevel: retention on %s failed: %s", self.first.url, e)
+            removed = []
+        return {"drains": decision.to_json(), "removed": removed}
+
+    def _apply(self, ticket: SaveTicket, decision: dict[str, Any] | None) -> None:
+        """Every rank, once ``ticket``'s outcome is known (in save order)."""
+        if ticket.state == "failed":
+            if ticket.reference_failed and ticket.reference is not None:
+                # Every rank alike: the next save is whole, not coded against it again.
+                self.chains.removed(0, [ticket.reference])
+            return
+        if decision is None:  # dropped: no outcome
+            return
+        if "error" in decision:
+            logger.error("dcp_multilevel: step %d is committed on %s, but no drain was started "
+                         "for it: %s", ticket.step, self.first.url, decision["error"])  # fmt: skip
+            return
+        self.holdings.removed_on_first(decision["removed"])
+        self.chains.stored(0, ticket.step, ticket.reference)
+        ticket.sent = self.drains.submit(ticket.step, ticket.due,
+                                         DrainDecision.from_json(decision["drains"]),
+                                         ticket.committed_unix)  # fmt: skip
+        logger.info("dcp_multilevel: step %d committed on %s; draining to %s", ticket.step,
+                    self.first.url, ticket.sent.started or "no level")  # fmt: skip
+
+    # ------------------------------------------------------------------ loads
+
+    def loaded(self, restore: Restore, views: Views) -> None:
+        """After every rank loaded ``restore``'s step: the books learn what the levels
+        hold, the due steps a crash left undrained are drained again, a replaced node's
+        copies made again, the delta chains and the count of saves resumed. Collective."""
+        for i in range(1, len(self.levels)):
+            self.holdings.learned(i, views.everyone[0][i])
+        record = self.loader.kept(restore, LEVELS_KEY)
+        if isinstance(record, dict) and isinstance(record.get("save"), int):
+            with self._lock:
+                self._saves = max(self._saves, record["save"])
+        # Newer steps were not restorable: their files are not all there to drain.
+        view = {i: [s for s in steps if s <= restore.step]
+                for i, steps in views.everyone[0].items()}  # fmt: skip
+        self._recall_due(view)
+        self.drains.resume(view)
+        self.drains.reprotect(restore)
+        self.chains.resume_from_levels(restore.step)
+
+    def _recall_due(self, view: dict[int, list[int]]) -> None:
+        """The higher levels each first-level step newer than those levels' newest was due
+        on, as its manifest recorded it (rank 0 reads; every rank takes the same), for the
+        steps the books know nothing of (saved before a restart). Collective."""
+        newest = min((max(view[i], default=-1) for i in range(1, len(self.levels))), default=-1)
+        steps = [s for s in view[0] if s > newest]
+        if not steps:
+            return
+        index = {level.url: i for i, level in enumerate(self.given)}
+
+        def read() -> dict[int, list[int]]:
+            out = {}
+            for step in steps:
+                try:
+                    extra = self.drivers[0].checkpoint(step).manifest().extra
+                except (DcpMultilevelError, OSError):
+                    continue
+                record = extra.get(LEVELS_KEY)
+                if isinstance(record, dict) and isinstance(record.get("due"), list):
+                    out[step] = [index[u] for u in record["due"] if u in index]
+            return out
+
+        for step, due in _dist.rank0_decides(read).items():
+            self.holdings.decided(step, frozenset((0, *due)))
+
+    # ------------------------------------------------------------------ drains
+
+    def listen(self, listener: Callable[[DrainResult], None]) -> Callable[[], None]:
+        """Call ``listener`` with every drain's outcome (from the thread that decided
+        it); returns the call that stops it."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def stop() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return stop
+
+    def _drain_ended(self, result: DrainResult) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(result)
+
+    def costs(self) -> tuple[dict[int, float], set[int]]:
+        """The last drain's seconds per higher level, and the busy levels (schedules)."""
+        return self.drains.costs()
+
+    def wait(self) -> list[DrainResult]:
+        """Wait until every save begun is followed up and every due drain has landed.
+
+        A synchronous save of the calling thread that got no outcome is over (see
+        ``commits.py``). Raises DrainError for the drains that failed since the last
+        call; returns the newest outcomes.
+        """
+        self.commits.abandon()
+        self.commits.settle()
+        return self.drains.drainer.wait()
+
+    def unfinished(self) -> list[str]:
+        """What is left undone: saves with no outcome yet (for the exit's log)."""
+        return [f"step {t.step} (no outcome yet from its save)" for t in self.commits.pending()]
+
+    def close(self) -> None:
+        """Stop the follower and the lanes (call :meth:`wait` first for errors)."""
+        self.closed = True
+        self.commits.close()
+        self.drains.drainer.close()

@@ -1,0 +1,125 @@
+"""What a :class:`~dcp_multilevel.MultiLevelWriter` given ``levels`` does around DCP's calls.
+
+The writer writes the first level itself (``<first level>/step-<N>``, the
+commit in ``finish``); :class:`LevelSaves` ties each save to the process's
+ladder for the levels (``ladder/``), which sends it on to the higher levels
+in the background once it committed::
+
+    all ranks     MultiLevelWriter(path, levels=...)  ladder_for (collective); the step
+                                   the path names; the first level's delta reference
+    all ranks     reset(checkpoint_id)     the step it names
+    all ranks     storage_meta             saves.begin(): the save's ticket (``every``
+                                           counts it); what the manifest records
+    all ranks     write_data               saves.written() / saves.failed(error)
+    coordinator   finish                   saves.committed() after the commit (failed() if
+                                           it fails): every rank's follower takes it from
+                                           there (``ladder/commits.py``)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from ..checkpoint import StoredCheckpoint
+from ..errors import ConfigError
+from ..ladder import LEVELS_KEY, Ladder, ladder_for, step_of
+from ..ladder.commits import SaveTicket
+from ..levels import Topology
+from ..levels.options import Level
+
+__all__ = ["LevelSaves"]
+
+
+class LevelSaves:
+    """One writer's saves onto a ladder (see the module docstring).
+
+    Args:
+        ladder: the process's ladder for the writer's levels.
+    """
+
+    def __init__(self, ladder: Ladder) -> None:
+        self.ladder = ladder
+        self.step: int | None = None
+        #: The first-level step this writer's saves code deltas against (None: whole).
+        self.reference_step: int | None = None
+        self.ticket: SaveTicket | None = None
+
+    @classmethod
+    def of(
+        cls,
+        levels: Sequence[Level] | None,
+        topology: Topology | None,
+        due: Sequence[int] | None,
+        path: str | os.PathLike[str] | None,
+        **first_level: Any,
+    ) -> LevelSaves | None:
+        """A writer's ``levels`` (None: none), checked against its other arguments
+        (``first_level``: those the first level sets instead). Collective with levels.
+
+        Raises:
+            ConfigError: what is wrong, and what to pass instead.
+        """
+        if levels is None:
+            if topology is not None or due is not None:
+                raise ConfigError("MultiLevelWriter: topology and due go with levels=[...]")
+            if path is None:
+                raise ConfigError("MultiLevelWriter needs a path (or levels=[...])")
+            return None
+        named = [k for k, v in first_level.items() if v is not None]
+        if named:
+            raise ConfigError(
+                f"MultiLevelWriter(levels=...) takes {', '.join(named)} from the first level: "
+                "set them on it (Level(..., codec=..., storage_options=...); deltas: "
+                "keyframe_every)"
+            )
+        return cls(ladder_for(levels, topology=topology, who="MultiLevelWriter"))
+
+    def staging(self, deltas: bool) -> None:
+        """An async save begins staging (the training thread)."""
+        if deltas:
+            raise ConfigError(
+                f"dcp.async_save with MultiLevelWriter(levels=...): the first level "
+                f"{self.ladder.first.url} stores deltas, which async saves do not code; keep "
+                "deltas on a higher level, or save with dcp.save"
+            )
+
+    def location(self, path: str | os.PathLike[str]) -> str:
+        """Where the first level holds the step ``path`` names (ConfigError otherwise)."""
+        self.step = step_of(path, self.ladder.first, self.ladder.given[0])
+        return self.ladder.first.checkpoint_url(self.step)
+
+    def reference(self) -> StoredCheckpoint | None:
+        """The first level's delta reference for this writer's saves (collective)."""
+        if not self.ladder.first.deltas:
+            return None
+        found = self.ladder.first_reference()
+        self.reference_step = None if found is None else found[0]
+        return None if found is None else found[1]
+
+    def begin(self, extra: dict[str, Any], due: Sequence[int] | None) -> None:
+        """DCP starts a save (every rank): its ticket; ``extra`` gets the ladder's record.
+        ``due``: the higher levels it goes to (None: their ``every``)."""
+        if self.step is None:
+            raise ConfigError(
+                "MultiLevelWriter(levels=...) was given no step: pass 'step-<N>' as its path "
+                "or as dcp.save(..., checkpoint_id='step-<N>')"
+            )
+        self.ticket = self.ladder.begin(self.step, due, self.reference_step)
+        extra[LEVELS_KEY] = self.ladder.record(self.ticket)
+
+    def written(self) -> None:
+        """This rank's part of the save is written."""
+        if self.ticket is not None:
+            self.ladder.commits.written(self.ticket)
+
+    def failed(self, error: BaseException) -> None:
+        """This rank's part failed (before it raises)."""
+        if self.ticket is not None:
+            self.ladder.commits.failed(self.ticket, error)
+
+    def committed(self) -> None:
+        """The coordinator committed the save on the first level."""
+        if self.ticket is not None:
+            self.ladder.commits.committed(self.ticket)
