@@ -17,18 +17,21 @@ it twice over::
 
 ``save``: every rank trains the same small MLP with AdamW (the replicas of
 data parallelism) and, after each of ``--steps`` steps, saves model,
-optimizer and plain values through a :class:`~dcp_multilevel.CheckpointManager`
-with two levels: a first level on each node's own disk, and the partner (or
-erasure) level, which copies (or codes) each step onto the other nodes in the
-background. Rank 0 then shows which files each node holds.
+optimizer and plain values with a plain ``dcp.save`` and a new
+``MultiLevelWriter(f"step-{step}", levels=...)`` (as training stacks build a
+writer per save), over two levels: a first level on each node's own disk,
+and the partner (or erasure) level, which copies (or codes) each step onto
+the other nodes in the background; ``dcp_multilevel.wait()`` waits for those
+copies. Rank 0 then shows which files each node holds.
 
-``restore``: a fresh model (another random init) loads the newest checkpoint
-with ``load_latest``. The ranks of the replaced node find their directory
-empty; the manager brings every file they need onto their node first (copied
-from another node, or rebuilt from the surviving blocks of an erasure group),
-then DCP loads. Rank 0 prints, per rank, the step, where the files its node
-lacked came from and how long it took, and everything loaded is checked bit
-for bit against a replay of the same training steps.
+``restore``: a fresh model (another random init) loads with a plain
+``dcp.load`` and ``MultiLevelReader("latest", levels=...)``. The ranks agree
+on the newest step every rank can read; the ranks of the replaced node find
+their directory empty, and the files they need are brought onto their node
+first (copied from another node, or rebuilt from the surviving blocks of an
+erasure group), then DCP loads. Rank 0 prints, per rank, the step, where the
+files its node lacked came from and how long it took, and everything loaded
+is checked bit for bit against a replay of the same training steps.
 
 The exit status is non-zero, on every rank, when the restored state is not
 bit-exact, when it is not the newest step saved, or when the checkpoint
@@ -47,10 +50,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from dcp_multilevel import CheckpointManager, DcpMultilevelError, Level
+import dcp_multilevel
+from dcp_multilevel import BalancedSavePlanner, Level, MultiLevelReader, MultiLevelWriter
 
 # The bit-for-bit state check, size formatting and exit of the main demo (this
 # directory is the script's own, first on sys.path under torchrun).
@@ -176,29 +182,35 @@ def describe(received: dict[str, int], names: dict[str, str]) -> str:
 
 
 def save(args: argparse.Namespace, rank: int) -> bool:
-    mgr = CheckpointManager(levels(args), drain_policy="wait")  # "wait": every step drains
     model, optim = build(args.seed)
+    planner = BalancedSavePlanner()  # reused: DCP's plan cache works across saves
     losses: list[float] = []
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
         losses.append(train_step(model, optim, step))
-        mgr.save(snapshot(model, optim, step, losses), step=step)
-    mgr.close()  # waits for the background copies; raises DrainError if one failed
+        # A new writer per save; every writer given these levels shares their drains.
+        writer = MultiLevelWriter(f"step-{step}", levels=levels(args))
+        t_save = time.perf_counter()
+        dcp.save(snapshot(model, optim, step, losses), storage_writer=writer, planner=planner)
+        blocked = time.perf_counter() - t_save
+    # The copies run in the background; this waits for them (DrainError if one failed).
+    drained = dcp_multilevel.wait()
     seconds = time.perf_counter() - t0
     if rank == 0:
-        m = mgr.metrics[-1]
+        reached = sorted({r.step for r in drained if r.committed})
         world, per_node = dist.get_world_size(), args.ranks_per_node
         print(
             f"dcp_multilevel node-loss demo ({args.level} level): {world} ranks on "
             f"{world // per_node} simulated nodes of {per_node}"
         )
         print(
-            f"  saved     steps 1..{args.steps} (trained and saved in {seconds:.2f} s), each "
-            f"drained to the {args.level} level"
+            f"  saved     steps 1..{args.steps} (trained and saved in {seconds:.2f} s); "
+            f"steps {reached} reached the {args.level} level (a newer step replaces one "
+            "that waits behind a running copy)"
         )
         print(
-            f"            step {args.steps}: first level committed in "
-            f"{m.blocked_seconds * 1000:.0f} ms ({human(m.bytes_written)} from rank 0)"
+            f"            step {args.steps}: dcp.save returned once the first level committed, "
+            f"in {blocked * 1000:.0f} ms ({human(writer.bytes_written)} from rank 0)"
         )
         print(f"  on disk   ({args.out}/node<k>/<level>/step-<N>/data, newest step):")
         for line in holdings(Path(args.out)):
@@ -215,27 +227,31 @@ def restore(args: argparse.Namespace, rank: int) -> bool:
     lost = sorted({n for n, gone in zip(node_of_ranks(world, args), empty, strict=True) if gone})
     names = dict(zip((lv.url for lv in levels(args)), (FIRST, args.level), strict=True))
 
-    mgr = CheckpointManager(levels(args))
     model, optim = build(args.seed + 1)  # another init: the load must overwrite every bit
     state = snapshot(model, optim, -1, [])
+    reader = MultiLevelReader("latest", levels=levels(args))
+    loads = reader.loads
+    assert loads is not None
     t0 = time.perf_counter()
     try:
-        step = mgr.load_latest(state)
-    except DcpMultilevelError as e:
-        # Every rank reaches the same verdict (the plan is agreed collectively).
+        dcp.load(state, storage_reader=reader)
+    except CheckpointException as e:
+        # Every rank reaches the same verdict (the step is agreed collectively).
         if rank == 0:
-            print(f"RESTORE FAILED: {e}", file=sys.stderr, flush=True)
+            print(f"RESTORE FAILED: {loads.failure or e}", file=sys.stderr, flush=True)
         return False
     load_s = time.perf_counter() - t0
-    report = mgr.last_restore
+    step = loads.restore.step if loads.restore is not None else None
+    report = loads.last_restore
     received = report.received if report is not None else {}
     sources = describe(received, names)
     restore_s = report.seconds if report is not None else 0.0
-    mgr.close()
+    # A restore onto a replaced node makes the copies it held for the others again.
+    dcp_multilevel.wait()
 
     problems = []
     if step is None:
-        problems.append("no checkpoint on any node: load_latest returned None (a fresh start)")
+        problems.append("no checkpoint on any node")
     elif step != args.steps:
         problems.append(f"restored step {step}, the newest saved is {args.steps}")
     if step is not None:

@@ -7,6 +7,7 @@ in the background once it committed::
 
     all ranks     MultiLevelWriter(path, levels=...)  ladder_for (collective); the step
                                    the path names; the first level's delta reference
+                                   (policy "wait": the saves before followed up first)
     all ranks     reset(checkpoint_id)     the step it names
     all ranks     storage_meta             saves.begin(): the save's ticket (``every``
                                            counts it); what the manifest records
@@ -91,7 +92,12 @@ class LevelSaves:
         return self.ladder.first.checkpoint_url(self.step)
 
     def reference(self) -> StoredCheckpoint | None:
-        """The first level's delta reference for this writer's saves (collective)."""
+        """The first level's delta reference for this writer's saves (collective).
+
+        Under ``drain_policy="wait"`` the saves before are followed up first: their
+        drains have started, so this save waits for a level still busy with one."""
+        if self.ladder.policy == "wait":
+            self.ladder.commits.settle()
         if not self.ladder.first.deltas:
             return None
         found = self.ladder.first_reference()
