@@ -312,3 +312,33 @@ def test_a_level_writer_takes_what_the_first_level_sets_from_it(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"^MultiLevelWriter needs a path \(or levels=\[...\]\)$"):
         MultiLevelWriter()
+
+
+RANKS_CHILD = """
+import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from dcp_multilevel import Level, MultiLevelWriter
+root, rank = sys.argv[1], int(os.environ["RANK"])
+os.environ["DCP_ML_NODE"] = str(rank)
+dist.init_process_group("gloo")
+levels = [Level(f"{root}/n{{node}}/l1"), Level(f"partner:{root}/n{{node}}/partner"),
+          Level(f"{root}/remote")]
+for step in (1, 2):
+    state = {"w": torch.full((256, 256), float(step + rank))}
+    dcp.save(state, storage_writer=MultiLevelWriter(f"step-{step}", levels=levels))
+# exits right after its last save: no dcp_multilevel.wait(), no destroy_process_group
+"""
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_exit_right_after_their_last_save_finish_every_levels_copy(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(RANKS_CHILD)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    done = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node=2", str(script), str(tmp_path)],
+        capture_output=True, text=True, timeout=180, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    for level in ("n0/partner", "n1/partner", "remote"):
+        assert (tmp_path / level / "step-2" / "manifest.json").exists(), level
