@@ -154,9 +154,14 @@ def wait() -> list[DrainResult]:
     return results
 
 
-def release(ladder: Ladder) -> None:
-    """A manager is done with ``ladder``: after the last one, wait for its drains (their
-    failures logged) and forget it, so another level list may use its first root."""
+def release(ladder: Ladder, *, quiet: bool = False) -> None:
+    """A manager is done with ``ladder``: after the last one, wait for its drains and
+    forget it, so another level list may use its first root.
+
+    Raises:
+        DrainError: drains that failed since the last wait (``quiet``: logged instead,
+            for a manager collected without ``close()``).
+    """
     with _LOCK:
         ladder.holders -= 1
         if ladder.holders > 0 or ladder.closed:
@@ -166,6 +171,10 @@ def release(ladder: Ladder) -> None:
                 del _LADDERS[root]
     try:
         ladder.wait()
+    except DrainError as e:
+        if not quiet:
+            raise
+        logger.error("dcp_multilevel: checkpoint drains had failed: %s", e)
     finally:
         ladder.close()
 

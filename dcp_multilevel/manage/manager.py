@@ -150,7 +150,7 @@ class CheckpointManager:
         ladder.holders += 1
         # A manager dropped without close() lets go of its ladder too (its drains
         # waited for); at interpreter exit the ladders' own hook does that.
-        self._release = weakref.finalize(self, release, ladder)
+        self._release = weakref.finalize(self, release, ladder, quiet=True)
         self._release.atexit = False
         self._ladder = ladder
         self._given = list(ladder.given)
@@ -391,7 +391,8 @@ class CheckpointManager:
             self._cadence.close()
             self._saves.close()
             self._unlisten()
-            self._release()
+            if self._release.detach() is not None:  # once, however often close() is called
+                release(self._ladder)
 
 
 def _check_step(step: object) -> None:
