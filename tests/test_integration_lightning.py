@@ -5,11 +5,17 @@ subclasses: fit two epochs, checkpoint, then a new Trainer resumes with
 ``fit(ckpt_path=...)``; its losses must equal, bit for bit, those of one
 uninterrupted run. Lightning finds the ranks through ``LOCAL_RANK`` (its
 ``LightningEnvironment``) and reuses the process group ``run_ranks`` opened.
+
+With ``levels=``, each rank is a simulated node (a directory, ``DCP_ML_NODE``,
+``{node}`` in the level paths); the resume runs in new processes after one
+node's directory (or both) was deleted.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import warnings
 
 import pytest
@@ -18,8 +24,10 @@ pytest.importorskip("lightning", minversion="2.6")
 
 import torch
 
-from dcp_multilevel import MultiLevelReader
+from dcp_multilevel import Level, ManifestError, MultiLevelReader
 from dcp_multilevel.testing import run_ranks
+
+pytest_plugins = ["_s3"]
 
 WORLD = 2
 BATCHES_PER_EPOCH = 3  # per rank
@@ -191,3 +199,140 @@ def _check_resumed(results: list[dict], world: int) -> None:
         # for bit: Python floats compare exactly.
         assert r["resumed"] == r["whole"][2 * per_epoch :], rank
         assert r["global_step"] == 3 * per_epoch, rank
+
+
+def _levels(root: str, remote: str, remote_options: dict) -> list:
+    return [
+        Level(f"{root}/n{{node}}/l1", keep=2),
+        Level(f"partner:{root}/n{{node}}/partner", keep=2),
+        Level(remote, every=2, keep=2, codec="bytegroup", storage_options=remote_options),
+    ]
+
+
+def _level_strategy(levels: list):
+    from dcp_multilevel.integrations.lightning import MultiLevelModelParallelStrategy
+
+    return MultiLevelModelParallelStrategy(
+        data_parallel_size=WORLD, tensor_parallel_size=1, levels=levels
+    )
+
+
+def _as_node(rank: int) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ["LOCAL_RANK"] = str(rank)  # Lightning: processes launched externally
+    os.environ["NODE_RANK"] = "0"
+    os.environ["DCP_ML_NODE"] = str(rank)  # one simulated node per rank
+
+
+def _fit_to_levels(rank: int, world: int, root: str, levels: list) -> dict:
+    """Uninterrupted 3 epochs; then 2 epochs saved to the levels by ModelCheckpoint:
+    a top-k checkpoint and ``last.ckpt`` at every epoch's step (the same step twice),
+    the previous top-k one removed."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    _as_node(rank)
+    whole = _module("fsdp2")
+    _trainer(_strategy("fsdp2"), os.path.join(root, "whole"), 3).fit(whole)
+    first = _module("fsdp2")
+    callback = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), filename="{epoch}-{step}",
+                               save_last=True, save_on_train_epoch_end=True)  # fmt: skip
+    _trainer(_level_strategy(levels), os.path.join(root, "first"), 2, [callback]).fit(first)
+    return {"whole": whole.losses, "first": first.losses}
+
+
+def _resume_from_levels(rank: int, world: int, root: str, levels: list, ckpt_path: str) -> dict:
+    _as_node(rank)
+    resumed = _module("fsdp2")
+    trainer = _trainer(_level_strategy(levels), os.path.join(root, "resumed"), 3)
+    trainer.fit(resumed, ckpt_path=ckpt_path)
+    return {"resumed": resumed.losses, "global_step": trainer.global_step}
+
+
+def _markers(ckpt_dir) -> dict:
+    """Each checkpoint Lightning kept: the files in it, and the step its marker names."""
+    out = {}
+    for name in sorted(os.listdir(ckpt_dir)):
+        files = sorted(os.listdir(ckpt_dir / name))
+        out[name] = (files, json.loads((ckpt_dir / name / files[0]).read_text())["step"])
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("remote_kind", "lost", "ckpt_path"),
+    [
+        # node 1's disk is gone: its files come back from node 0's partner copies
+        pytest.param("folder", ["n1"], "ckpt/last.ckpt", id="partner-last.ckpt"),
+        # both nodes' disks are gone: the step comes back from S3 alone
+        pytest.param("s3", ["n0", "n1"], "latest", id="s3-latest"),
+    ],
+)
+def test_levels_resume_after_a_lost_node_is_bit_exact(
+    tmp_path, request, remote_kind, lost, ckpt_path
+):
+    root = str(tmp_path)
+    if remote_kind == "s3":
+        server = request.getfixturevalue("s3_server")
+        bucket = server.new_bucket()
+        remote, remote_options = f"s3://{bucket}/run", server.storage_options
+    else:
+        remote, remote_options = f"{root}/remote", {}
+    levels = _levels(root, remote, remote_options)
+    first = run_ranks(_fit_to_levels, WORLD, root, levels, timeout=120)
+    # Lightning's paths hold markers only; the step was saved once (top-k, then last).
+    step_dir = "step-6"
+    assert _markers(tmp_path / "ckpt") == {
+        "epoch=1-step=6.ckpt": (["dcp_multilevel_step.json"], 6),
+        "last.ckpt": (["dcp_multilevel_step.json"], 6),
+    }
+    for node in (0, 1):
+        assert sorted(os.listdir(tmp_path / f"n{node}" / "l1")) == ["step-3", step_dir]
+        assert sorted(os.listdir(tmp_path / f"n{node}" / "partner")) == ["step-3", step_dir]
+    # teardown waited for the drains: step 6 (the 2nd save, every=2) is on the remote
+    if remote_kind == "s3":
+        assert f"run/{step_dir}/manifest.json" in server.keys(bucket)
+    else:
+        assert os.listdir(tmp_path / "remote") == [step_dir]
+
+    for node in lost:
+        shutil.rmtree(tmp_path / node)
+    path = str(tmp_path / ckpt_path) if ckpt_path.endswith(".ckpt") else ckpt_path
+    resumed = run_ranks(_resume_from_levels, WORLD, root, levels, path, timeout=120)
+    results = [{**a, **b} for a, b in zip(first, resumed, strict=True)]
+    _check_resumed(results, WORLD)
+    if remote_kind == "folder":  # node 1's rank's files came back onto its first level
+        files = os.listdir(tmp_path / "n1" / "l1" / step_dir / "data")
+        assert any(f.startswith("1-") for f in files), files
+    # With both nodes lost, the load read every item from S3.
+
+
+def test_level_targets_of_lightning_paths(tmp_path):
+    from dcp_multilevel.integrations._lightning_levels import (
+        LevelStep,
+        level_target,
+        write_marker,
+    )
+
+    stock = tmp_path / "stock.ckpt"  # a sharded checkpoint of Lightning's: not a level step
+    stock.mkdir()
+    (stock / "meta.pt").write_bytes(b"")
+    assert level_target(stock) is None
+    assert level_target(tmp_path / "missing.ckpt") is None
+    assert level_target("latest") == LevelStep("latest")
+    assert level_target("step-7") == LevelStep("step-7") and LevelStep("step-7").step == 7
+    write_marker(stock, 9)  # saving over it: the sharded checkpoint gives way
+    assert os.listdir(stock) == ["dcp_multilevel_step.json"]
+    assert level_target(stock) == LevelStep("step-9")
+    link = tmp_path / "last.ckpt"  # save_last="link": the link is replaced, not followed
+    link.symlink_to(stock)
+    write_marker(link, 12)
+    assert level_target(stock) == LevelStep("step-9")
+    assert level_target(link) == LevelStep("step-12") and not link.is_symlink()
+    (stock / "dcp_multilevel_step.json").write_text('{"step": 3}')
+    with pytest.raises(ManifestError) as info:
+        level_target(stock)
+    assert str(info.value) == (
+        f"rank 0: {stock}/dcp_multilevel_step.json is not a dcp_multilevel Lightning step "
+        'marker (expected {"format": "dcp_multilevel.lightning-step", "step": <int>}): '
+        "restore it, or pass ckpt_path='step-<N>' or 'latest' to load from the levels"
+    )

@@ -19,6 +19,41 @@ does), and ``load_checkpoint`` reads a folder that holds our manifest with
 checkpoint, a stock DCP folder from before the switch) goes to Lightning's
 own code, so existing checkpoints keep loading.
 
+With ``levels=[Level(...), ...]`` a checkpoint is a level step instead
+(``docs/levels.md``): partner copies on other nodes, parity, remote stores
+(``s3://`` included, which Lightning's own ``pathlib.Path`` handling of the
+checkpoint path cannot carry)::
+
+    levels = [Level("/nvme/run"), Level("partner:/nvme/partner"),
+              Level("s3://bucket/run", every=4, keep=3)]
+    strategy = MultiLevelModelParallelStrategy(levels=levels, ...)
+    trainer.fit(model, ckpt_path="ckpt/last.ckpt")  # also "latest" or "step-<N>"
+
+- ``save_checkpoint`` saves the weights, the optimizer states and Lightning's
+  ``meta.pt`` content (as its ``torch.save`` bytes, one ``io.BytesIO`` value
+  that our reader hands back unpickled) as step ``step-<global step>`` with
+  ``MultiLevelWriter(levels=...)`` and ``dcp.save``: a lost node takes
+  nothing of the checkpoint with it. At Lightning's path rank 0 writes only a
+  marker folder naming the step (``_lightning_levels.py``), so Lightning's
+  callbacks (top-k, ``last.ckpt``, ``remove_checkpoint``) handle markers,
+  and the levels' ``keep`` decides what is retained.
+- Lightning saves one global step twice (a top-k checkpoint, then
+  ``last.ckpt``): the step is saved once, the second save writes its marker
+  only, so ``last.ckpt`` holds the first save's ``meta.pt`` content (the
+  callbacks' state as of that save). A full save after a weights-only one of
+  the same step is refused: it would lose the optimizer states.
+- ``load_checkpoint`` finds the step from the marker (the first rank, in rank
+  order, that can read it: a node that lost its disk cannot), ``"latest"`` or
+  ``"step-<N>"``; the reader agrees on it across ranks and brings back a lost
+  node's files from the other levels first. A path that holds a checkpoint of
+  another kind loads as without levels. (Lightning's ``ckpt_path="last"``
+  looks for ``last.ckpt`` on each rank's own disk: pass the path, or "latest".)
+- ``teardown`` waits for the drains (``dcp_multilevel.wait()``; a failed one
+  is a :class:`~dcp_multilevel.DrainError`), unless the run failed: then the
+  exit hook finishes and logs them.
+
+Lightning has no asynchronous save for sharded checkpoints; neither have these.
+
 Tested with ``lightning==2.6.6`` (``tests/test_integration_lightning.py``).
 Besides its public classes this module uses two Lightning internals, pinned
 by that version: ``lightning.fabric.utilities.load._METADATA_FILENAME``
@@ -28,8 +63,9 @@ by that version: ``lightning.fabric.utilities.load._METADATA_FILENAME``
 
 from __future__ import annotations
 
+import io
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +85,19 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+from ..errors import ConfigError
+from ..ladder import wait
+from ..levels.options import Level
 from ..plugin import MultiLevelReader, MultiLevelWriter
+from ._lightning_levels import (
+    META_KEY,
+    HeldStep,
+    LevelStep,
+    level_target,
+    pack_meta,
+    unpack_meta,
+    write_marker,
+)
 
 __all__ = [
     "MultiLevelFSDPStrategy",
@@ -64,14 +112,19 @@ class MultiLevelStorage:
     Args:
         writer_options: keyword arguments of :class:`~dcp_multilevel.MultiLevelWriter`
             for every save (``codec``, ``thread_count``, ``storage_options``...).
-            ``overwrite`` defaults to True here: Lightning saves over a path it
-            saved before (``last.ckpt``), as stock DCP does; the old checkpoint
-            stays loadable until the new manifest commits.
+            ``overwrite`` defaults to True here without levels: Lightning saves over
+            a path it saved before (``last.ckpt``), as stock DCP does; the old
+            checkpoint stays loadable until the new manifest commits. With levels,
+            the first level sets ``codec``, ``storage_options`` and ``overwrite``.
         reader_options: keyword arguments of :class:`~dcp_multilevel.MultiLevelReader`
-            for every load (``fallbacks``, ``thread_count``...).
+            for every load (``fallbacks``, ``thread_count``...; with levels, not
+            ``fallbacks``: the levels name the copies).
         planner: the ``SavePlanner`` of every save (e.g.
             :class:`~dcp_multilevel.BalancedSavePlanner`); one instance is reused
             across saves, so its plan cache works. ``None``: DCP's default.
+        levels: save each checkpoint as a level step on these levels
+            (:class:`~dcp_multilevel.Level`, fastest first); None: one checkpoint
+            folder where Lightning asks.
     """
 
     def __init__(
@@ -79,27 +132,49 @@ class MultiLevelStorage:
         writer_options: Mapping[str, Any] | None = None,
         reader_options: Mapping[str, Any] | None = None,
         planner: SavePlanner | None = None,
+        levels: Sequence[Level] | None = None,
     ) -> None:
-        self.writer_options = {"overwrite": True, **(writer_options or {})}
+        self.levels = None if levels is None else list(levels)
+        # With levels a step saved before is never saved over (the second save of a
+        # global step writes its marker only); the first level's overwrite stands.
+        default = {} if self.levels is not None else {"overwrite": True}
+        self.writer_options = {**default, **(writer_options or {})}
         self.reader_options = dict(reader_options or {})
         self.planner = planner
 
     def holds(self, path: str | os.PathLike[str]) -> bool:
-        """Whether ``path`` holds a committed dcp_multilevel checkpoint."""
+        """Whether ``path`` holds a committed dcp_multilevel checkpoint folder."""
         return MultiLevelReader.validate_checkpoint_id(path)
 
-    def save(self, state: dict[str, Any], path: Path) -> None:
-        """``dcp.save`` of ``state`` to ``path`` through our writer (every rank)."""
-        writer = MultiLevelWriter(path, **self.writer_options)
+    def save(self, state: dict[str, Any], where: Path | LevelStep) -> None:
+        """``dcp.save`` of ``state`` through our writer (every rank): to the folder
+        ``where``, or as the level step ``where``."""
+        if isinstance(where, LevelStep):
+            writer = MultiLevelWriter(where.location, levels=self._levels(), **self.writer_options)
+        else:
+            writer = MultiLevelWriter(where, **self.writer_options)
         dcp.save(state, storage_writer=writer, planner=self.planner)
 
-    def load(self, state: dict[str, Any], path: Path) -> None:
-        """``dcp.load`` into ``state`` (in place) from ``path`` through our reader."""
-        dcp.load(state, storage_reader=self.reader(path))
+    def load(self, state: dict[str, Any], where: Path | LevelStep) -> Path | LevelStep:
+        """``dcp.load`` into ``state`` (in place) through our reader; where the rest of
+        the same checkpoint is (``"latest"`` resolved to the step this load read)."""
+        reader = self.reader(where)
+        dcp.load(state, storage_reader=reader)
+        if reader.loads is None or reader.loads.restore is None:
+            return where
+        return LevelStep.of(reader.loads.restore.step)
 
-    def reader(self, path: Path) -> MultiLevelReader:
-        """A reader of ``path`` with this storage's options."""
-        return MultiLevelReader(path, **self.reader_options)
+    def reader(self, where: Path | LevelStep) -> MultiLevelReader:
+        """A reader of the folder or level step ``where`` with this storage's options
+        (collective for a level step)."""
+        if isinstance(where, LevelStep):
+            return MultiLevelReader(where.location, levels=self._levels(), **self.reader_options)
+        return MultiLevelReader(where, **self.reader_options)
+
+    def _levels(self) -> list[Level]:
+        if self.levels is None:
+            raise ConfigError("MultiLevelStorage: a level step needs levels=[...]")
+        return self.levels
 
 
 def _prepare_folder(path: Path) -> None:
@@ -132,8 +207,9 @@ def _refuse_storage_options(strategy: object, storage_options: Any) -> None:
 
 class _OurStorage:
     """What both strategies share: the constructor (the strategy's own arguments, plus
-    ours), the save through our writer and the load through our reader (each
-    strategy's ``_load_ours`` puts the state into its model and optimizers)."""
+    ours), the save through our writer, the load through our reader (each strategy's
+    ``_load_ours`` puts the state into its model and optimizers) and, with levels,
+    the drains waited for at teardown."""
 
     def __init__(
         self,
@@ -141,48 +217,116 @@ class _OurStorage:
         writer_options: Mapping[str, Any] | None = None,
         reader_options: Mapping[str, Any] | None = None,
         planner: SavePlanner | None = None,
+        levels: Sequence[Level] | None = None,
         storage: MultiLevelStorage | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.storage = storage or MultiLevelStorage(writer_options, reader_options, planner)
+        if storage is not None and levels is not None:
+            raise ConfigError(
+                f"{type(self).__name__}: pass levels=[...] or a storage, not both "
+                "(MultiLevelStorage(levels=...) takes them)"
+            )
+        self.storage = storage or MultiLevelStorage(writer_options, reader_options, planner, levels)
+        #: With levels: the step this process last saved or loaded (saved once per step).
+        self.held_step: HeldStep | None = None
+        self._failed = False
 
     def _save_ours(
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], model_key: str
     ) -> None:
-        """Weights and optimizer states with our writer, then ``meta.pt`` (rank 0)."""
+        """Weights and optimizer states with our writer, then ``meta.pt`` (rank 0); with
+        levels, all three as a level step, then the marker (rank 0)."""
         # Rank 0's path, as Lightning: every rank must write the same checkpoint.
         path = Path(self.broadcast(filepath))  # type: ignore[attr-defined]
+        if self.storage.levels is not None:
+            return self._save_step(checkpoint, path, model_key)
         _prepare_folder(path)
         self.storage.save(_sharded_state(checkpoint, model_key), path)
         if self.global_rank == 0:  # type: ignore[attr-defined]
             torch.save(checkpoint, path / _METADATA_FILENAME)
 
+    def _save_step(self, checkpoint: dict[str, Any], path: Path, model_key: str) -> None:
+        # global_step is the same on every rank, so every rank takes the same branch.
+        step = int(checkpoint["global_step"])
+        full = "optimizer_states" in checkpoint
+        state = _sharded_state(checkpoint, model_key)
+        held = self.held_step
+        if held is None or held.step != step:
+            state[META_KEY] = pack_meta(checkpoint)
+            self.storage.save(state, LevelStep.of(step))
+            self.held_step = HeldStep(step, full)
+        elif full and not held.full:
+            raise ConfigError(
+                f"{type(self).__name__}: step {step} was saved weights-only to the levels; "
+                f"a full save of the same step ({path}) would lose its optimizer states. "
+                "Save full checkpoints first, or use save_weights_only=True on every "
+                "ModelCheckpoint of the step"
+            )
+        if self.global_rank == 0:  # type: ignore[attr-defined]
+            write_marker(path, step)
+
     def load_checkpoint(
         self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Load our checkpoint into the model and optimizers (``_load_ours``); return
-        ``meta.pt``. A path that holds no dcp_multilevel checkpoint goes to Lightning's
-        loader."""
+        ``meta.pt``'s content. With levels, a marker, ``"latest"`` or ``"step-<N>"``
+        loads a level step. A path that holds no dcp_multilevel checkpoint goes to
+        Lightning's loader."""
+        if self.storage.levels is not None:
+            target = level_target(checkpoint_path)  # collective
+            if target is not None:
+                return self._load_step(target, weights_only)
         path = Path(self.broadcast(checkpoint_path))  # type: ignore[attr-defined]
         if not self.storage.holds(path):
             return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
         assert self.model is not None and self.lightning_module is not None  # type: ignore[attr-defined]
-        self._load_ours(path)
+        self._load_ours(path, {})
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
-    def _load_ours(self, path: Path) -> None:
+    def _load_step(self, target: LevelStep, weights_only: bool | None) -> dict[str, Any]:
+        assert self.model is not None and self.lightning_module is not None  # type: ignore[attr-defined]
+        extra: dict[str, Any] = {META_KEY: io.BytesIO()}
+        loaded = self._load_ours(target, extra)
+        assert isinstance(loaded, LevelStep) and loaded.step is not None
+        self.held_step = HeldStep(loaded.step, full=bool(self.optimizers))  # type: ignore[attr-defined]
+        return unpack_meta(extra[META_KEY], weights_only)
+
+    def _load_ours(self, where: Path | LevelStep, extra: dict[str, Any]) -> Path | LevelStep:
+        """Load the checkpoint at ``where`` into the model and optimizers, and the items
+        ``extra`` names into it (with the model's); return where the rest is."""
         raise NotImplementedError
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Lightning's hook, before ``teardown``: a failed run does not wait for drains
+        (another rank may be gone; the exit hook finishes and logs them)."""
+        self._failed = True
+        super().on_exception(exception)  # type: ignore[misc]
+
+    def teardown(self) -> None:
+        """With levels, wait for every due drain (``dcp_multilevel.wait()``), then
+        Lightning's teardown.
+
+        Raises:
+            DrainError: drains that failed (the first level still holds their steps).
+        """
+        try:
+            if self.storage.levels is not None and not self._failed:
+                wait()
+        finally:
+            self._failed = False  # the next run of this strategy starts afresh
+            super().teardown()  # type: ignore[misc]
 
 
 class MultiLevelModelParallelStrategy(_OurStorage, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallel) saving through us.
 
-    Takes every argument of ``ModelParallelStrategy`` plus the three of
+    Takes every argument of ``ModelParallelStrategy`` plus those of
     :class:`MultiLevelStorage` (or a ``storage``). With
     ``save_distributed_checkpoint=True`` (the default) a checkpoint path is a
-    folder holding our checkpoint and Lightning's ``meta.pt``; with False,
-    Lightning's single-file save is used unchanged.
+    folder holding our checkpoint and Lightning's ``meta.pt`` or, with
+    ``levels``, a marker naming the level step that holds both (see the module
+    docstring); with False, Lightning's single-file save is used unchanged.
 
     Runs wherever ``ModelParallelStrategy`` does, CPU with gloo included.
     """
@@ -193,37 +337,42 @@ class MultiLevelModelParallelStrategy(_OurStorage, ModelParallelStrategy):
         filepath: str | os.PathLike[str],
         storage_options: Any | None = None,
     ) -> None:
-        """Save weights and optimizer states with our writer, the rest as ``meta.pt``."""
+        """Save weights and optimizer states with our writer, the rest as ``meta.pt``
+        (with levels: all of it as a level step, and a marker at ``filepath``)."""
         _refuse_storage_options(self, storage_options)
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath)
         return self._save_ours(checkpoint, filepath, "state_dict")
 
-    def _load_ours(self, path: Path) -> None:
+    def _load_ours(self, where: Path | LevelStep, extra: dict[str, Any]) -> Path | LevelStep:
         """Our checkpoint into the model and optimizers: the same steps as Lightning's
         own sharded load (fabric's _load_checkpoint)."""
-        module_state = {"state_dict": get_model_state_dict(self.model)}
-        self.storage.load(module_state, path)
+        module_state = {"state_dict": get_model_state_dict(self.model), **extra}
+        where = self.storage.load(module_state, where)
+        extra.update({key: module_state[key] for key in extra})
         self.model.load_state_dict(
             module_state["state_dict"], strict=self.lightning_module.strict_loading
         )
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"
             optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
-            self.storage.load(optim_state, path)
+            self.storage.load(optim_state, where)
             set_optimizer_state_dict(
                 self.model,
                 optimizer,
                 optim_state_dict=optim_state[key],
                 options=StateDictOptions(cpu_offload=True),
             )
+        return where
 
 
 class MultiLevelFSDPStrategy(_OurStorage, FSDPStrategy):
     """Lightning's ``FSDPStrategy`` (FSDP1) saving its sharded checkpoints through us.
 
-    Takes every argument of ``FSDPStrategy`` plus the three of
-    :class:`MultiLevelStorage` (or a ``storage``). ``state_dict_type`` defaults
+    Takes every argument of ``FSDPStrategy`` plus those of
+    :class:`MultiLevelStorage` (or a ``storage``); with ``levels``, a checkpoint
+    path holds a marker naming a level step, as for
+    :class:`MultiLevelModelParallelStrategy`. ``state_dict_type`` defaults
     to ``"sharded"`` here (Lightning's default is ``"full"``, a single file):
     only sharded checkpoints go through us; ``"full"`` is Lightning's
     single-file save, unchanged.
@@ -242,18 +391,20 @@ class MultiLevelFSDPStrategy(_OurStorage, FSDPStrategy):
         filepath: str | os.PathLike[str],
         storage_options: Any | None = None,
     ) -> None:
-        """Save weights and optimizer states with our writer, the rest as ``meta.pt``."""
+        """Save weights and optimizer states with our writer, the rest as ``meta.pt``
+        (with levels: all of it as a level step, and a marker at ``filepath``)."""
         _refuse_storage_options(self, storage_options)
         if self._state_dict_type != "sharded":
             return super().save_checkpoint(checkpoint, filepath)
         return self._save_ours(checkpoint, filepath, "model")
 
-    def _load_ours(self, path: Path) -> None:
+    def _load_ours(self, where: Path | LevelStep, extra: dict[str, Any]) -> Path | LevelStep:
         """Our checkpoint into the model and optimizers: the same steps as
         FSDPStrategy.load_checkpoint's sharded branch."""
         with _get_sharded_state_dict_context(self.model):
-            module_state = {"model": self.model.state_dict()}
-            self.storage.load(module_state, path)
+            module_state = {"model": self.model.state_dict(), **extra}
+            where = self.storage.load(module_state, where)
+            extra.update({key: module_state[key] for key in extra})
             self.model.load_state_dict(
                 module_state["model"], strict=self.lightning_module.strict_loading
             )
@@ -263,9 +414,10 @@ class MultiLevelFSDPStrategy(_OurStorage, FSDPStrategy):
                     optim_state = load_sharded_optimizer_state_dict(
                         model_state_dict=module_state["model"],
                         optimizer_key=key,
-                        storage_reader=self.storage.reader(path),
+                        storage_reader=self.storage.reader(where),
                     )
                     flattened = FSDP.optim_state_dict_to_load(
                         optim_state_dict=optim_state[key], model=self.model, optim=optimizer
                     )
                     optimizer.load_state_dict(flattened)
+        return where
