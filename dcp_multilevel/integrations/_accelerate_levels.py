@@ -1,0 +1,247 @@
+"""Accelerate's ``save_state`` / ``load_state`` on levels: where each part goes, which step
+a folder holds.
+
+With FSDP and ``SHARDED_STATE_DICT``, one ``save_state(output_dir)`` makes one DCP
+save per model (``<output_dir>/pytorch_model_fsdp_<i>``) and one per optimizer
+(``<output_dir>/optimizer_<i>``). With levels, each of these parts is a checkpoint
+of its own, on a level list of its own: every level's URL with the part's name
+appended (``Level("/nvme/run")`` holds the first model's step N in
+``/nvme/run/pytorch_model_fsdp_0/step-<N>/``). A list per part because DCP
+commits each save alone and a process keeps one level list per first root:
+each part drains, is retained and is restored on its own, all under the same N.
+
+N is ``Accelerator.save_iteration`` when ``save_state`` is called (Accelerate's
+count of saves, which also numbers its ``checkpoint_<N>`` folders). What ties
+``output_dir`` to N is :class:`StepMarker`, ``dcp_multilevel_levels.json`` in
+``output_dir``, written once every part committed on its first level and
+Accelerate's own files are written: a folder without it holds no finished save
+on levels. ``load_state(input_dir)`` has rank 0 read it and tells every rank
+(a node that lost its disk may not see it); a folder without it is loaded as
+before levels (our single-level checkpoint, or stock DCP's).
+
+Call order, every rank, one :class:`LevelRoutes` per ``save_state`` / ``load_state``::
+
+    LevelRoutes(levels, step, ...)
+    save: writer(path)   each DCP save Accelerate makes: our writer of the part
+          commit(writes) after save_state: the marker, by the ranks that write
+                         Accelerate's shared files
+    load: reader(path)   each DCP load: the marker (rank 0 reads, collective), our
+                         reader of the part at its step; no marker: ``fallback``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from ..errors import ConfigError, ManifestError
+from ..ladder.naming import describe
+from ..levels import Topology
+from ..levels.options import Level
+from ..plugin import MultiLevelReader, MultiLevelWriter
+
+__all__ = ["MARKER_NAME", "LevelRoutes", "PartLevels", "Routes", "StepMarker"]
+
+#: The file in ``output_dir`` naming the step its parts are on the levels.
+MARKER_NAME = "dcp_multilevel_levels.json"
+_MARKER_FORMAT = "dcp_multilevel.accelerate.levels/1"
+
+
+class Routes(Protocol):
+    """What a routing window builds in place of ``FileSystemWriter`` / ``FileSystemReader``.
+
+    Each method gets the folder Accelerate passes and returns a callable that
+    builds ours, or None where stock DCP's class is to be built.
+    """
+
+    def writer(self, path: str | os.PathLike[str]) -> Callable[[], Any] | None:
+        """What builds the writer of ``path`` (None: stock's)."""
+
+    def reader(self, path: str | os.PathLike[str]) -> Callable[[], Any] | None:
+        """What builds the reader of ``path`` (None: stock's)."""
+
+
+@dataclass(frozen=True)
+class StepMarker:
+    """What ``save_state`` left in its folder: the step its parts are on the levels.
+
+    Attributes:
+        step: the step of every part (``step-<N>`` on each part's levels).
+        parts: the parts' folder names (``pytorch_model_fsdp_0``, ``optimizer_0``).
+        levels: the levels, as written in messages (without their storage options).
+    """
+
+    step: int
+    parts: tuple[str, ...]
+    levels: str
+
+    def write(self, folder: str | os.PathLike[str]) -> None:
+        """Write the marker into ``folder``, atomically (a load sees the old one or this)."""
+        doc = {"format": _MARKER_FORMAT, "step": self.step, "parts": list(self.parts),
+               "levels": self.levels}  # fmt: skip
+        final = os.path.join(os.fspath(folder), MARKER_NAME)
+        temporary = f"{final}.{uuid.uuid4().hex}.tmp"
+        with open(temporary, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())  # the marker commits the save: its data first
+        os.replace(temporary, final)
+
+    @classmethod
+    def read(cls, folder: str | os.PathLike[str]) -> StepMarker | None:
+        """The marker in ``folder`` (None: there is none).
+
+        Raises:
+            ManifestError: the file is there but is no marker of ours.
+        """
+        path = os.path.join(os.fspath(folder), MARKER_NAME)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            doc = json.loads(text)
+            if doc["format"] != _MARKER_FORMAT:
+                raise ValueError(f"format {doc['format']!r}")
+            marker = cls(int(doc["step"]), tuple(str(p) for p in doc["parts"]),
+                         str(doc["levels"]))  # fmt: skip
+        except (ValueError, KeyError, TypeError) as e:
+            raise ManifestError(
+                f"{path} is not a dcp_multilevel step marker ({type(e).__name__}: {e}); it names "
+                "the step a save_state with levels= wrote. Load the step from the levels "
+                f"with dcp.load and MultiLevelReader('step-<N>', levels=...) instead",
+                checkpoint=os.fspath(folder),
+            ) from None
+        return marker
+
+
+@dataclass(frozen=True)
+class PartLevels:
+    """An accelerator's levels and topology, and each part's level list.
+
+    Attributes:
+        levels: the levels as the user gave them, fastest first.
+        topology: which node each rank is on (None: each rank's environment).
+    """
+
+    levels: tuple[Level, ...]
+    topology: Topology | None = None
+
+    @classmethod
+    def of(cls, levels: Sequence[Level], topology: Topology | None) -> PartLevels:
+        """Checked ``levels``.
+
+        Raises:
+            ConfigError: not a non-empty list of ``Level``.
+        """
+        given = tuple(levels) if isinstance(levels, (list, tuple)) else ()
+        if not given or not all(isinstance(level, Level) for level in given):
+            raise ConfigError(
+                "MultiLevelAccelerator(levels=...) needs a non-empty list of "
+                f"dcp_multilevel.Level(...) objects, got {levels!r}"
+            )
+        return cls(given, topology)
+
+    def of_part(self, part: str) -> list[Level]:
+        """The level list of ``part``: each level's URL with the part's folder name appended."""
+        return [dataclasses.replace(level, url=f"{level.url.rstrip('/')}/{part}")
+                for level in self.levels]  # fmt: skip
+
+
+class LevelRoutes:
+    """The writers and readers of one ``save_state`` or ``load_state`` with levels.
+
+    Args:
+        levels: the accelerator's levels.
+        step: the step a save writes (``save_iteration``).
+        writer_options: keyword arguments of every writer (``thread_count``...).
+        reader_options: keyword arguments of every reader.
+        fallback: the reader of a folder without a marker (saved without levels).
+    """
+
+    def __init__(
+        self,
+        levels: PartLevels,
+        step: int,
+        writer_options: Mapping[str, Any],
+        reader_options: Mapping[str, Any],
+        fallback: Routes,
+    ) -> None:
+        self.levels = levels
+        self.step = step
+        self.writer_options = dict(writer_options)
+        self.reader_options = dict(reader_options)
+        self.fallback = fallback
+        #: The folders this save wrote parts into, each with its parts, in order.
+        self.saved: dict[str, list[str]] = {}
+        #: The markers read by this load, by folder (rank 0's: the same on every rank).
+        self.markers: dict[str, StepMarker | None] = {}
+        #: The step this load read (None: none on levels).
+        self.loaded_step: int | None = None
+
+    def writer(self, path: str | os.PathLike[str]) -> Callable[[], Any]:
+        """Our writer of the part ``path`` names, at this save's step, on its levels."""
+        folder, part = _split(path)
+        self.saved.setdefault(folder, []).append(part)
+        return functools.partial(MultiLevelWriter, f"step-{self.step}",
+                                 levels=self.levels.of_part(part), topology=self.levels.topology,
+                                 **self.writer_options)  # fmt: skip
+
+    def reader(self, path: str | os.PathLike[str]) -> Callable[[], Any] | None:
+        """Our reader of the part ``path`` names, at the step its folder's marker names;
+        the fallback's where there is no marker. Collective."""
+        folder, part = _split(path)
+        if folder not in self.markers:
+            self.markers[folder] = _rank0_marker(folder)
+        marker = self.markers[folder]
+        if marker is None:
+            return self.fallback.reader(path)
+        self.loaded_step = marker.step
+        return functools.partial(MultiLevelReader, f"step-{marker.step}",
+                                 levels=self.levels.of_part(part), topology=self.levels.topology,
+                                 **self.reader_options)  # fmt: skip
+
+    def commit(self, writes: bool) -> None:
+        """After ``save_state``: mark each folder it saved parts into with the step (where
+        ``writes``: the ranks that write Accelerate's files into a shared folder)."""
+        if not writes:
+            return
+        for folder, parts in self.saved.items():
+            StepMarker(self.step, tuple(parts), describe(self.levels.levels)).write(folder)
+
+
+def _split(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """``<output_dir>/<part>`` as (output_dir, part)."""
+    folder, part = os.path.split(os.fspath(path).rstrip("/"))
+    return folder, part
+
+
+def _rank0_marker(folder: str) -> StepMarker | None:
+    """Rank 0's marker of ``folder``, on every rank (collective): all ranks load the same
+    step, and a rank whose node lost its disk (or never saw the folder) learns it too."""
+    found: StepMarker | None = None
+    error: str | None = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            found = StepMarker.read(folder)
+        except ManifestError as e:
+            error = str(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # Plain values only: rank 0's failure reaches every rank, none waits for it.
+        box = [None if found is None else dataclasses.asdict(found), error]
+        dist.broadcast_object_list(box, src=0)
+        doc, error = box
+        found = None if doc is None else StepMarker(doc["step"], tuple(doc["parts"]),
+                                                    doc["levels"])  # fmt: skip
+    if error is not None:
+        raise ManifestError(error, checkpoint=folder)
+    return found
