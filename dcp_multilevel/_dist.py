@@ -32,6 +32,8 @@ __all__ = [
     "rank0_decides",
     "recv_bytes",
     "send_bytes",
+    "store_add",
+    "store_delete",
     "store_get_nowait",
     "store_set",
     "store_wait_get",
@@ -125,6 +127,16 @@ def store_get_nowait(key: str) -> Any | None:
     if not store.check([key]):
         return None
     return json.loads(store.get(key))
+
+
+def store_add(key: str, amount: int) -> int:
+    """Add ``amount`` to the counter under ``key`` (made at 0); its new value (any thread)."""
+    return int(_store().add(key, amount))
+
+
+def store_delete(key: str) -> None:
+    """Remove ``key`` from the store, if it is there (any thread)."""
+    _store().delete_key(key)
 
 
 def new_group(timeout_s: float) -> Any:

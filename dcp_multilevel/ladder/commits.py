@@ -22,6 +22,10 @@ thread per ladder (the follower):
   applies it (``apply``), so the same drains are submitted in the same order
   everywhere.
 
+Each rank counts itself under ``.../<n>/applied`` once it applied a save;
+rank 0 removes the save's values from the store once every rank has, so the
+store keeps none per save.
+
 A ticket whose save ended without an outcome (planning failed on every rank,
 or a peer failed outside the writer) is dropped once its DCP call is known
 to be over: when the next save begins, or at :meth:`Commits.abandon` for the
@@ -58,8 +62,9 @@ __all__ = ["Commits", "SaveTicket"]
 
 logger = logging.getLogger(__name__)
 
-#: How often, at most, the follower looks for an outcome another rank publishes.
-_POLL_MAX_S = 0.2
+#: How often, at most, the follower looks for an outcome another rank publishes (a
+#: store ``wait`` that times out would log a warning from c10d every time).
+_POLL_MAX_S = 0.05
 
 
 @dataclass(eq=False)
@@ -119,6 +124,7 @@ class Commits:
         self._seq = 0
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._unswept: deque[SaveTicket] = deque()  # rank 0: applied, values still stored
 
     @property
     def _shared(self) -> bool:
@@ -235,6 +241,8 @@ class Commits:
             except Exception as e:  # noqa: BLE001 - the follower must go on to the next save
                 logger.error("dcp_multilevel: after step %d: %s: %s", ticket.step,
                              type(e).__name__, e)  # fmt: skip
+            if self._shared:
+                self._sweep(ticket)
             with self._cond:
                 ticket.outcome = outcome
                 ticket.seconds = time.perf_counter() - t0
@@ -265,6 +273,26 @@ class Commits:
                     return "dropped"
                 self._cond.wait(delay)
             delay = min(delay * 2, _POLL_MAX_S)
+
+    def _sweep(self, ticket: SaveTicket) -> None:
+        """Count ``ticket`` applied on this rank; rank 0 removes the values of the saves
+        every rank has applied (none of them reads those any more)."""
+        try:
+            _dist.store_add(self._path(ticket, "applied"), 1)
+            if _dist.rank() != 0:
+                return
+            self._unswept.append(ticket)
+            world = _dist.world_size()
+            while (
+                self._unswept
+                and _dist.store_add(self._path(self._unswept[0], "applied"), 0) >= world
+            ):
+                old = self._unswept.popleft()
+                for what in ("end", "decision", "applied"):
+                    _dist.store_delete(self._path(old, what))
+        except RuntimeError as e:  # housekeeping: a store that cannot delete keeps them
+            logger.debug("dcp_multilevel: the store keeps the values of step %d: %s",
+                         ticket.step, e)  # fmt: skip
 
     def _decision(self, ticket: SaveTicket) -> dict[str, Any]:
         """Rank 0's decision for a committed save, on every rank."""

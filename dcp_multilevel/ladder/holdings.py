@@ -23,8 +23,10 @@ Call order (the ladder makes every call)::
     holdings.spare(drainer)            construction: what retention must not delete
     holdings.decided(step, levels)     main thread, when the schedule sent a step
     holdings.due(index, step)          any thread
-    holdings.retain(0) -> removed      rank 0, main thread, after a first-level save
-    holdings.removed_on_first(removed) every rank: its node's copies of rank 0's removals
+    holdings.retain(0) -> removed      rank 0, after a first-level save (holdings.oldest: the
+                                       oldest step left there)
+    holdings.removed_on_first(removed, oldest)   every rank: its node's copies of rank 0's
+                                       removals; the books forget what is older
     holdings.committed(job)            a lane, after a drain committed (retention there)
     holdings.dropped(index, step)      when a step will not reach a level
     holdings.learned(index, steps)     main thread, from a listing at load time
@@ -74,6 +76,8 @@ class Holdings:
         self.topology = topology
         self._drainer: Drainer | None = None
         self._rules = [RetentionRules(level.keep) for level in self.levels]
+        #: Rank 0, after :meth:`retain` of the first level: the oldest step left there.
+        self.oldest: int | None = None
         n = len(self.levels)
         # The race: a lane adds a commit or a superseded step while the main
         # thread's first-level retention reads the same sets.
@@ -156,7 +160,8 @@ class Holdings:
         kept = [s for s in complete if s not in doomed]
         self.chains.retained(index, kept)
         if index == 0:
-            self._forget_below(min(kept, default=None))
+            self.oldest = min(kept, default=None)
+            self._forget_below(self.oldest)
         # (Higher levels' removals are not recorded in the delta history: only rank 0
         # sees them, and every rank must choose a drain's reference alike. A drain
         # whose reference retention removed stores its step whole, on every rank.)
@@ -187,13 +192,15 @@ class Holdings:
                 protected.add(ref)
         return protected
 
-    def removed_on_first(self, removed: Sequence[int]) -> None:
+    def removed_on_first(self, removed: Sequence[int], oldest: int | None = None) -> None:
         """Every rank, after rank 0's first-level retention: each node removes the same
-        steps from its own view (one rank per node), and the chains forget them."""
+        steps from its own view (one rank per node), the chains forget them, and the
+        books the steps older than ``oldest``, the oldest step rank 0 kept there."""
         if _dist.world_size() > 1 and self._deletes_for_node():
             for step in removed:
                 self.drivers[0].delete(step)
         self.chains.removed(0, removed)
+        self._forget_below(oldest)
 
     def _deletes_for_node(self) -> bool:
         """True on the rank that applies rank 0's first-level retention to its node's

@@ -174,7 +174,8 @@ class Ladder:
         except OSError as e:  # housekeeping: the save itself succeeded
             logger.warning("dcp_multilevel: retention on %s failed: %s", self.first.url, e)
             removed = []
-        return {"drains": decision.to_json(), "removed": removed}
+        return {"drains": decision.to_json(), "removed": removed,
+                "oldest": self.holdings.oldest}  # fmt: skip
 
     def _apply(self, ticket: SaveTicket, decision: dict[str, Any] | None) -> None:
         """Every rank, once ``ticket``'s outcome is known (in save order)."""
@@ -189,7 +190,7 @@ class Ladder:
             logger.error("dcp_multilevel: step %d is committed on %s, but no drain was started "
                          "for it: %s", ticket.step, self.first.url, decision["error"])  # fmt: skip
             return
-        self.holdings.removed_on_first(decision["removed"])
+        self.holdings.removed_on_first(decision["removed"], decision.get("oldest"))
         self.chains.stored(0, ticket.step, ticket.reference)
         ticket.sent = self.drains.submit(ticket.step, ticket.due,
                                          DrainDecision.from_json(decision["drains"]),
