@@ -5,7 +5,9 @@ Every figure in those two tables comes from a results file in
 a figure cannot drift from its source. Each row names its file, with the commit
 and date it was measured at; the footnotes give each file's command, machine and
 load. The tables are written between the markers ``<!-- figures:begin -->`` and
-``<!-- figures:end -->``, and nothing else in either file is touched.
+``<!-- figures:end -->``, and nothing else in either file is touched. A file
+of ``FILES`` that is missing stops the build; one of ``OPTIONAL`` adds its
+rows when it is there and is left out, with a note, while it is not.
 
 ``--check`` writes nothing: it fails if a table differs from what the files
 give, or if a figure is stale (its commit has changes under ``dcp_multilevel/``
@@ -31,6 +33,9 @@ BEGIN, END = "<!-- figures:begin -->", "<!-- figures:end -->"
 FORMAT = 1  # _report.RESULTS_VERSION
 #: The results files the tables read, in the order of their rows.
 FILES = ("save_load", "planner", "codecs", "async", "manager", "nodeloss")
+#: Results files whose rows (docs/benchmarks.md only) follow when the file is there,
+#: and are left out, with a note, while it is not.
+OPTIONAL = ("plugin_levels",)
 
 
 class TablesError(Exception):
@@ -265,9 +270,39 @@ def nodeloss(s: Source) -> tuple[list[Row], list[Row]]:
     return [row], [row, blocked]
 
 
+def plugin_levels(s: Source) -> tuple[list[Row], list[Row]]:
+    mb = s.med("state_bytes") / 1e6
+    a, b = s.med("first-level.blocked_s"), s.med("three-levels.blocked_s")
+    stock = f"{s.med('stock.blocked_s'):.2f} s: `FileSystemWriter`, one copy on the same disk"
+    blocked = (
+        f"blocked per `dcp.save` with three levels (2 ranks, {mb:.0f} MB each: first level, "
+        "partner copies, a folder as the remote)",
+        stock if s.has("stock.blocked_s") else "-",
+        f"**{b:.2f} s**; the first level alone {a:.2f} s ({x(b, a, 2)})",
+    )
+    wp, wm = s.med("three-levels.wait_s"), s.med("manager.wait_s")
+    wait = (
+        "`dcp_multilevel.wait()` after the last save (its drains)",
+        "no drains",
+        f"{wp:.2f} s; `CheckpointManager.wait()` {wm:.2f} s ({x(wp, wm, 2)})",
+    )
+    docs = [blocked, wait]
+    if s.has("memory.traced_per_save"):
+        n = int(s.med("memory.saves"))
+        flat = s.doc["figures"]["memory.books_flat"]["min"] == 1.0
+        docs.append((
+            f"memory per save over {n} saves through the plugin (three levels, 2 ranks)",
+            "-",
+            f"{s.med('memory.traced_per_save'):.0f} B Python-level, "
+            f"{s.med('memory.rss_per_save') / 1024:.1f} KiB RSS (saves {n // 2} to {n}); "
+            f"the ladder's books {'flat' if flat else '**grew**'}",
+        ))  # fmt: skip
+    return [], docs
+
+
 BUILDERS: dict[str, Callable[[Source], tuple[list[Row], list[Row]]]] = {
     "save_load": save_load, "planner": planner, "codecs": codecs, "async": async_,
-    "manager": manager, "nodeloss": nodeloss,
+    "manager": manager, "nodeloss": nodeloss, "plugin_levels": plugin_levels,
 }  # fmt: skip
 
 #: Rows no benchmark measures: what the format does, and the test that shows it.
@@ -290,6 +325,7 @@ def _table(rows: list[tuple[str, ...]], head: tuple[str, ...]) -> list[str]:
 def build(results: Path) -> tuple[str, str, list[Source]]:
     """The README's table and docs/benchmarks.md's, and the files they read."""
     sources = [Source.load(results, n) for n in FILES]
+    sources += [Source.load(results, n) for n in OPTIONAL if (results / f"{n}.json").exists()]
     readme, docs = [], []
     for src in sources:
         short, long = BUILDERS[src.name](src)
@@ -364,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     except TablesError as e:
         print(f"tables: {e}", file=sys.stderr)
         return 2
+    for name in OPTIONAL:
+        if not (args.results / f"{name}.json").exists():
+            print(f"tables: {args.results / name}.json is not there: its rows are left out "
+                  "(its benchmark writes it)")  # fmt: skip
     if not args.check:
         for path, old, new in edits:
             if new != old:
