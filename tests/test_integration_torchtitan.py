@@ -1,17 +1,24 @@
-"""torchtitan's checkpointer machinery saving and loading through dcp_multilevel.
+"""torchtitan's checkpointer machinery saving and loading through dcp_multilevel's plugin.
 
 Each job is a torchtitan-style training loop on 2 real gloo ranks: a small model,
 torchtitan's ``OptimizersContainer`` (AdamW), ``LRSchedulersContainer``,
 ``ParallelAwareDataloader`` (a ``StatefulDataLoader``) and a train state, all
 handed to :class:`MultiLevelCheckpointManager`, built from its ``Config`` the
 way torchtitan's ``Trainer`` builds its checkpointer, and driven as
-``Trainer.train`` drives it (``load(step=load_step)``, then ``save(step,
-last_step=...)`` after every step). Each rank is a simulated node
-(``DCP_ML_NODE``); losing a node is deleting its folder.
+``Trainer.train`` drives it (``load(step=load_step)``, then
+``maybe_wait_for_staging()`` before each optimizer step and ``save(step,
+last_step=...)`` after it). Each rank is a simulated node (``DCP_ML_NODE``);
+losing a node is deleting its folder.
+
+torchtitan's ``Trainer`` itself does not run here: on a CPU-only torch it
+selects CUDA (``torchtitan/tools/utils.py``), and its Llama 3 attention cannot
+train on CPU (the adapter's module docstring names each obstacle).
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
 import shutil
 from dataclasses import dataclass
@@ -30,6 +37,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
+from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.optimizer import (
     LRSchedulersContainer,
@@ -38,7 +46,9 @@ from torchtitan.components.optimizer import (
 )
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
-from dcp_multilevel import Level
+import dcp_multilevel
+import dcp_multilevel.integrations.torchtitan as adapter
+from dcp_multilevel import ConfigError, FixedInterval, Level, Schedule
 from dcp_multilevel.convert import convert
 from dcp_multilevel.integrations.torchtitan import MultiLevelCheckpointManager
 from dcp_multilevel.testing import run_ranks
@@ -166,7 +176,9 @@ def _job(
     )
     dataloader = ParallelAwareDataloader(Tokens(rank, world), rank, world, batch_size=4)
     train_state = TrainState()
-    config = MultiLevelCheckpointManager.Config(enable=True, **options)
+    stock = options.pop("stock", False)  # torchtitan's own checkpointer (saves stock DCP)
+    kind = CheckpointManager if stock else MultiLevelCheckpointManager
+    config = kind.Config(enable=True, **options)
     checkpointer = config.build(
         dataloader=dataloader, model_parts=[model], optimizers=optimizers,
         lr_schedulers=lr_schedulers, states={"train_state": train_state},
@@ -179,8 +191,8 @@ def _job(
             return out
         out["load_returned"] = checkpointer.load(step=config.load_step)
         out["loaded"] = train_state.step
-        out["restore"] = dict(checkpointer.multilevel.last_restore.received) if (
-            checkpointer.multilevel.last_restore is not None) else {}  # fmt: skip
+        report = None if stock else checkpointer.last_restore
+        out["restore"] = dict(report.received) if report is not None else {}
         out["snapshots"]["loaded"] = _snapshot(model, optimizers, lr_schedulers, train_state)
         batches = iter(dataloader)
         while train_state.step < run_to:
@@ -193,10 +205,10 @@ def _job(
             for p in model.parameters():  # data parallel: average the gradients
                 dist.all_reduce(p.grad)
                 p.grad /= world
-            pending = checkpointer.multilevel._saves.pending  # the last save, if in flight
-            checkpointer.maybe_wait_for_staging()
-            if pending is not None and pending.fence is not None:  # async_with_pinned_mem
-                assert pending.fence.done()  # the fence held before the optimizer step
+            fence = checkpointer.staging_future  # async_with_pinned_mem: the copies' fence
+            checkpointer.maybe_wait_for_staging()  # as Trainer.train_step, before the step
+            if fence is not None:
+                assert fence.done()  # the fence held before the optimizer step
                 out["fenced"] = out.get("fenced", 0) + 1
             optimizers.step()
             lr_schedulers.step()
@@ -208,9 +220,12 @@ def _job(
                 )
             if checkpointer.save(train_state.step, last_step=train_state.step == total):
                 out["saved"].append(train_state.step)
-                out["held"][train_state.step] = checkpointer.multilevel.steps(0)
-        checkpointer.multilevel.wait()
-        out["levels"] = [checkpointer.multilevel.steps(i) for i in range(len(checkpointer.levels))]
+                out["held"][train_state.step] = [] if stock else checkpointer.steps(0)
+        checkpointer.maybe_wait_for_saving()  # the async save in flight commits
+        dcp_multilevel.wait()  # ... and every due drain and retention follows it
+        levels = [] if stock else checkpointer.levels
+        out["levels"] = [checkpointer.steps(i) for i in range(len(levels))]
+        out["purge_thread"] = checkpointer.purge_thread is not None
     finally:
         checkpointer.close()
     return out
@@ -273,18 +288,20 @@ def test_saves_at_interval_first_step_and_last_step(interval_runs):
 
 def test_keep_latest_k_is_the_levels_retention(interval_runs):
     root, first, _ = interval_runs
-    # async_mode="async": a save commits in the background and is finished (retention
-    # applied) by the next one, so right after each save the level holds at most
-    # keep_latest_k=2 finished steps, plus the step whose commit may just have landed;
-    # the model-only last step (6) is an export, not a step of the level; the close
-    # finishes step 4 (below: 2 and 4 kept).
+    # keep_latest_k=2 is the level's keep, applied in the background as each save
+    # commits (async_mode="async": the save returns once staged, and commits before the
+    # next save starts). Right after a save the level holds committed steps only, at
+    # most keep_latest_k of them plus the newest commit whose retention may not have
+    # run yet; the model-only last step (6) is an export, not a step of the level.
     held = first[0]["held"]
     assert sorted(held) == [1, 2, 4, 6]
     for step, steps in held.items():
         assert set(steps) <= {s for s in (1, 2, 4) if s <= step} and len(steps) <= 3, held
-    assert held[4][:2] == [1, 2] and held[6][:2] == [1, 2], held
+    # Once the drains and retention followed the last save: the 2 newest.
+    assert first[0]["levels"] == [[2, 4]] and first[1]["levels"] == [[2, 4]]
     assert sorted(p.name for p in (root / "checkpoint").iterdir()
                   if p.name.startswith("step-")) == ["step-2", "step-4"]  # fmt: skip
+    assert not first[0]["purge_thread"]  # torchtitan's own purge is off
 
 
 def test_restart_resumes_bit_exact(interval_runs):
@@ -389,3 +406,54 @@ def test_seed_checkpoint_then_training_starts_from_it(tmp_path):
     loaded = load_file(out)
     expected = run[0]["snapshots"][3]["model"]
     assert {k: Tensor.of(v) for k, v in loaded.items()} == expected
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_a_schedule_deciding_every_step_is_refused():
+    with pytest.raises(ConfigError) as info:
+        MultiLevelCheckpointManager.Config(enable=True, schedule=Schedule.auto(mtbf_hours=24))
+    schedule = info.value.args[0].split("checkpoint.schedule=", 1)[1].split(": torchtitan", 1)[0]
+    assert str(info.value) == (
+        f"checkpoint.schedule={schedule}: torchtitan decides when to save (interval), so the "
+        "schedule only says which levels take each step and must decide from the step alone "
+        "(FixedInterval(), or a SavePolicy with deterministic=True and due()); a schedule that "
+        "decides at every training step (Schedule.auto) needs "
+        "dcp_multilevel.CheckpointManager.step()"
+    )
+    MultiLevelCheckpointManager.Config(enable=True, schedule=FixedInterval())  # deterministic
+
+
+def test_the_adapter_uses_one_private_torchtitan_name():
+    # A private name is torchtitan's when the adapter reads it without defining it, or
+    # defines it over torchtitan's (an override); the module docstring names each one.
+    tree = ast.parse(inspect.getsource(adapter))
+    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+            and n.attr.startswith("_") and not n.attr.startswith("__")}  # fmt: skip
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    defined |= {t.attr for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                if isinstance(t, ast.Attribute)}  # fmt: skip
+    overridden = {n for n in defined if n.startswith("_") and not n.startswith("__")
+                  and hasattr(CheckpointManager, n)}  # fmt: skip
+    private = (used - defined) | overridden
+    assert private == {"_states_to_load"}, private
+    assert all(hasattr(CheckpointManager, name) for name in private)
+    assert "one, ``CheckpointManager._states_to_load``" in adapter.__doc__
+
+
+def test_a_stock_checkpoint_saved_before_the_switch_resumes(tmp_path):
+    # torchtitan's own checkpointer saved stock DCP at folder/step-N; the same job,
+    # switched to ours, finds no step on its levels and resumes through torchtitan's
+    # own load, then saves its steps as ours.
+    options = {"interval": 2, "last_save_model_only": False}
+    stock = _run(tmp_path, {**options, "stock": True}, run_to=2, total=4, snapshot_at=[2])
+    assert stock[0]["saved"] == [2]
+    assert (tmp_path / "checkpoint" / "step-2" / ".metadata").is_file()
+    ours = _run(tmp_path, options, run_to=4, total=4)
+    for rank in range(WORLD):
+        assert ours[rank]["loaded"] == 2 and ours[rank]["saved"] == [4]
+        _assert_same(ours[rank]["snapshots"]["loaded"], stock[rank]["snapshots"][2])
+    assert ours[0]["levels"] == [[4]]  # step 2 is stock: not a step of the level
+    assert (tmp_path / "checkpoint" / "step-4" / "manifest.json").is_file()

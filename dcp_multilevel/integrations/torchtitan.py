@@ -1,9 +1,8 @@
 """A torchtitan checkpointer whose checkpoints are dcp_multilevel checkpoints on several levels.
 
 torchtitan (0.3.0) saves with ``dcp.save(state, checkpoint_id=folder/step-N)``
-and finds a checkpoint to resume from by looking for ``.metadata`` in
-``folder/step-N``; it has no ``storage_writer`` option. Its plugin point is the
-checkpointer class the job config names. One config change selects this one::
+and has no ``storage_writer`` option; its plugin point is the checkpointer
+class the job config names. One config change selects this one::
 
     from dcp_multilevel import Level
     from dcp_multilevel.integrations.torchtitan import MultiLevelCheckpointManager
@@ -20,50 +19,70 @@ checkpointer class the job config names. One config change selects this one::
         codec="bytegroup",  # the first level's codec (partner copies carry its bytes)
     )
 
-:class:`MultiLevelCheckpointManager` is a subclass of torchtitan's
-``CheckpointManager``: torchtitan's own code decides when to save (``interval``,
-``enable_first_step_checkpoint``, ``load_only``, the last step), which states
-(model, optimizer, lr scheduler, dataloader, train state), what to load
-(``load_step``, ``exclude_from_loading``, model-only step 0) and the HF
-safetensors export; the saves and loads themselves go through one
-:class:`dcp_multilevel.CheckpointManager`:
+The subclass keeps torchtitan's ``save()``: torchtitan decides when to save
+(``interval``, ``enable_first_step_checkpoint``, ``load_only``, the last
+step), which states, the async waits (``maybe_wait_for_saving`` before a save,
+``maybe_wait_for_staging`` before the optimizer step) and the HF export. Only
+``dcp_save``, through which that ``save()`` makes every save, changes: it
+writes ``folder/step-N`` as step N of the levels, with plain ``dcp.save`` /
+``dcp.async_save`` and a :class:`~dcp_multilevel.MultiLevelWriter` given them:
 
-- a save is ``CheckpointManager.save(state, step)``: it returns once the first
-  level committed; the levels above drain in the background (their ``every``
-  counts steps, as ``interval`` does); the last step of a run (a full save,
-  ``last_save_model_only=False``) is due on every level;
-- ``keep_latest_k`` is the ``keep`` of every level that sets none (0: keep all);
-  torchtitan's own purge thread is not started;
-- resuming (``load_step=-1``) is ``CheckpointManager.load_latest``: the newest
-  step every rank can read on any level, after bringing back what a lost node
-  held from the partner or erasure level (or reading it from a store level);
-  ``load_step=N`` is ``CheckpointManager.load(state, N)``;
-- a model-only last step (``last_save_model_only=True``, torchtitan's default)
-  is an export, not a step to resume from: it goes to ``export_folder/step-N``
-  (a checkpoint of ours, or HF safetensors with ``last_save_in_hf`` through
-  torchtitan's own ``HuggingFaceStorageWriter`` and state dict adapter);
-- ``initial_load_path`` may be one of our checkpoints (read with
-  :class:`~dcp_multilevel.MultiLevelReader`), a stock DCP folder or, with
-  ``initial_load_in_hf``, HF safetensors (torchtitan's own reader).
+- the save returns once the first level committed the step (async: once
+  staged); the process's ladder for the levels sends it on in the background
+  and applies each level's ``keep`` as each save commits. ``keep_latest_k``
+  is the ``keep`` of every level that sets none (0: all); torchtitan's own
+  purge is off (its ``keep_latest_k`` attribute is 0);
+- the higher levels a step goes to are ``schedule.due(...)`` (default
+  :class:`~dcp_multilevel.FixedInterval`: a level's ``every`` counts steps, as
+  ``interval`` does); the last full step (``last_save_model_only=False``) and
+  the seed (step 0) go to every level;
+- a model-only last step (torchtitan's default) is an export, not a step to
+  resume from: ``export_folder/step-N``, a checkpoint of ours, or HF
+  safetensors (``last_save_in_hf``) written by torchtitan's own ``dcp_save``;
+- ``async_mode="async"``: ``dcp.async_save`` over torchtitan's gloo group with
+  one writer reused for every save (its staging buffers too);
+  ``"async_with_pinned_mem"`` also overlaps the copies with the next forward
+  and backward (``StagingConfig(overlap=True)``): that writer is torchtitan's
+  ``stager``, and ``maybe_wait_for_staging`` waits for the fence DCP returns.
+  No daemon process (torchtitan's own uses DCP's PROCESS executor).
 
-``async_mode``: ``"disabled"`` saves the first level before ``save`` returns;
-``"async"`` and ``"async_with_pinned_mem"`` are
-``CheckpointManager(async_save=True)``: ``save`` returns once the state is
-staged into reused host buffers (page-locked whenever CUDA is there), DCP's
-background thread writes the first level, and the next save (or the close)
-finishes it and starts the drains. With ``"async_with_pinned_mem"``, as with
-torchtitan's own, the copies overlap the next forward and backward
-(``StagingConfig(overlap=True)``): ``save`` returns before they are made, and
-``maybe_wait_for_staging``, which torchtitan's trainer calls before the
-optimizer step, waits for them (``CheckpointManager.wait_for_staging``). There
-is no daemon process (torchtitan's pinned mode uses DCP's PROCESS executor;
-ours stays in a thread of the trainer). See ``docs/integrations.md``.
+``load()`` is collective: every rank lists what each level holds, so a node
+that lost its disk still takes part. When a rank sees a step, ``load(-1)``
+reads ``MultiLevelReader("latest", levels=...)`` (``"step-0"``, model only,
+when the seed is the newest): the ranks agree on the newest step every rank
+can read, a lost node's files come back from the partner or erasure level,
+and each item is read from the fastest level holding it; ``load(N)`` reads
+``"step-N"``. When no level holds it, torchtitan's own ``load`` runs
+(``initial_load_path``: ours through :meth:`~MultiLevelCheckpointManager.dcp_load`,
+stock DCP or HF; a stock ``folder/step-N``; or a fresh start). ``close()``
+waits for the async save in flight and every due drain (``dcp_multilevel.wait()``).
+
+Not kept: a schedule deciding at every training step (``Schedule.auto``)
+needs ``dcp_multilevel.CheckpointManager.step()``; here torchtitan decides
+when, so ``schedule`` must decide from the step alone (``FixedInterval``).
 
 Tested with ``torchtitan==0.3.0`` on torch 2.13 CPU
-(``tests/test_integration_torchtitan.py``). Besides its public classes this
-module relies on these torchtitan methods, pinned by that version:
-``CheckpointManager._should_save``, ``_states_to_load``,
-``_flattened_model_states_sd``, ``dcp_save`` (the HF export) and ``dcp_load``.
+(``tests/test_integration_torchtitan.py``: its checkpointer, optimizers, lr
+schedulers and dataloader driven as ``Trainer.train`` drives them, 2 gloo
+ranks). Its ``Trainer`` does not run on a CPU-only torch:
+``torchtitan/tools/utils.py:55`` sets ``device_type =
+_get_available_device_type() or "cuda"``, and ``Trainer.__init__``
+(``torchtitan/trainer.py:301``) calls ``torch.cuda.set_device``:
+``AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'``; no
+option selects the CPU. With the device patched, ``DeviceMemoryMonitor``
+(``components/metrics.py:42``) needs ``get_device_name``; past it no Llama 3
+attention trains on CPU: ``flex`` raises ``NotImplementedError: FlexAttention
+does not support backward on CPU`` (``torch/nn/attention/flex_attention.py:2082``),
+``varlen`` calls ``aten::_flash_attention_forward`` (no CPU kernel), and
+``sdpa`` is refused (``models/common/config_utils.py:98``).
+
+Private torchtitan names used: one, ``CheckpointManager._states_to_load``,
+torchtitan's choice of the states to load (model only for step 0 and initial
+loads, ``exclude_from_loading``), so that our loads restore what its own
+would. Conventions relied on: ``save()`` makes every save through
+``dcp_save(state, folder/step-N, async_mode)``, builds a ``DefaultStager``
+only while ``stager`` is None, and keeps the async futures in
+``save_future`` / ``staging_future``.
 """
 
 from __future__ import annotations
@@ -71,6 +90,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -78,14 +98,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
+from torchtitan.tools.utils import GarbageCollection
 
 from ..convert import detect_source
 from ..errors import CheckpointNotFoundError, ConfigError, ConvertError
+from ..format.layout import parse_step_dir, step_dir
+from ..ladder import LATEST, Ladder, ladder_for, wait
 from ..levels import Level
-from ..manage.manager import CheckpointManager as LevelsManager
 from ..plugin import BalancedSavePlanner, MultiLevelReader, MultiLevelWriter
+from ..restore.execute import RestoreReport
 from ..schedule import FixedInterval, SavePolicy
 from ..staging import StagingConfig
 
@@ -97,27 +122,20 @@ logger = logging.getLogger(__name__)
 PLANNERS = ("balanced", "default")
 
 
-class _LastStepDue(FixedInterval):
-    """Each level's ``every``, and the run's last step on every level: a run's final
-    full checkpoint reaches the remote level even when ``every`` does not divide it."""
-
-    def __init__(self) -> None:
-        self.last_step: int | None = None
-
-    def due(self, index: int, level: Level, step: int) -> bool:
-        return step == self.last_step or super().due(index, level, step)
-
-    def __repr__(self) -> str:
-        return f"FixedInterval(last_step={self.last_step})"
-
-
 class MultiLevelCheckpointManager(CheckpointManager):
     """torchtitan's ``CheckpointManager``, saving and loading through dcp_multilevel levels.
 
-    Built by torchtitan from :class:`Config` (``config.checkpoint.build(...)``),
-    with the same arguments as its base class. Every option of torchtitan's
-    ``CheckpointManager.Config`` keeps its meaning (see the module docstring
-    for how each maps onto levels).
+    Built by torchtitan from :class:`Config` (``config.checkpoint.build(...)``,
+    on every rank: construction is collective), with the same arguments as its
+    base class. Every option of torchtitan's ``CheckpointManager.Config`` keeps
+    its meaning (see the module docstring for how each maps onto levels).
+
+    Attributes:
+        levels: the levels, ``keep_latest_k`` and ``codec`` filled in.
+        ladder: the process's ladder for them (shared with any writer or reader
+            given the same levels).
+        schedule: which higher levels each step goes to.
+        export_folder: where a model-only last step goes.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -138,14 +156,14 @@ class MultiLevelCheckpointManager(CheckpointManager):
         spread over ranks); ``"default"``: DCP's ``DefaultSavePlanner``."""
 
         schedule: SavePolicy | None = None
-        """Which levels take each save (``dcp_multilevel.Schedule``); None: each
-        level's ``every`` in steps, and the last step on every level. A policy
-        that is not deterministic (``Schedule.auto``) decides every step itself,
-        in place of ``interval``."""
+        """Which higher levels take each step (a deterministic
+        ``dcp_multilevel.SavePolicy``); None: ``FixedInterval()``, each level's
+        ``every`` in steps. The last full step and the seed go to every level."""
 
         drain_policy: Literal["latest", "skip", "wait"] = "latest"
         """What a save due on a level still draining an earlier one does there
-        (``dcp_multilevel.CheckpointManager``)."""
+        (``"latest"``: waits in the level's one slot, replaced by a newer step;
+        ``"skip"``: not sent there; ``"wait"``: the save waits for the level)."""
 
         export_folder: str = "export"
         """Where a model-only last step goes (``export_folder/step-N``), relative to
@@ -161,180 +179,208 @@ class MultiLevelCheckpointManager(CheckpointManager):
                 raise ConfigError(
                     f"checkpoint.planner must be one of {PLANNERS}, got {self.planner!r}"
                 )
-            if self.schedule is not None and not isinstance(self.schedule, SavePolicy):
+            if self.schedule is not None and not (
+                isinstance(self.schedule, SavePolicy) and self.schedule.deterministic
+            ):
                 raise ConfigError(
-                    "checkpoint.schedule must be None or a dcp_multilevel SavePolicy "
-                    f"(Schedule.auto(...), FixedInterval()), got {self.schedule!r}"
+                    f"checkpoint.schedule={self.schedule!r}: torchtitan decides when to save "
+                    "(interval), so the schedule only says which levels take each step and must "
+                    "decide from the step alone (FixedInterval(), or a SavePolicy with "
+                    "deterministic=True and due()); a schedule that decides at every training "
+                    "step (Schedule.auto) needs dcp_multilevel.CheckpointManager.step()"
                 )
             if not self.export_folder.strip():
                 raise ConfigError("checkpoint.export_folder cannot be empty")
 
     def __init__(self, config: Config, *, base_folder: str = "", **components: Any) -> None:
-        # torchtitan's purge thread deletes folder/step-N directories itself: our
-        # levels apply the retention (keep_latest_k becomes their keep), so the base
-        # class is built without one.
+        # The levels apply the retention (keep_latest_k becomes their keep): the base
+        # class is built with keep_latest_k=0, so its purge thread never starts and
+        # its save() purges nothing.
         super().__init__(
             dataclasses.replace(config, keep_latest_k=0), base_folder=base_folder, **components
         )
+        self._open = False
         if not self.enable:
             return
-        self.keep_latest_k = config.keep_latest_k
         self.export_folder = filesystem.join(base_folder, config.export_folder)
-        self.levels = self._levels(config)
-        self._last_step_due = _LastStepDue() if config.schedule is None else None
-        self.schedule = config.schedule or self._last_step_due
-        self._adaptive = not self.schedule.deterministic
-        planner = BalancedSavePlanner() if config.planner == "balanced" else DefaultSavePlanner()
-        # async / async_with_pinned_mem: our staging (reused buffers, page-locked
-        # where CUDA is), then DCP's background thread writes the first level. The
-        # pinned mode's copies overlap training until maybe_wait_for_staging.
-        overlap = self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
-        # Collective (every rank, as torchtitan builds its checkpointer).
-        self.multilevel = LevelsManager(
-            self.levels, schedule=self.schedule, planner=planner,
-            drain_policy=config.drain_policy,
-            async_save=self.async_mode != AsyncMode.DISABLED,
-            staging=StagingConfig(overlap=True) if overlap else None,
-        )  # fmt: skip
-
-    def _levels(self, config: Config) -> list[Level]:
-        """The configured levels, each with ``keep_latest_k`` where it sets no ``keep``,
-        the first with ``codec`` where it sets none."""
-        keep = config.keep_latest_k or None
-        levels = list(config.levels) or [Level(self.folder)]
-        levels = [lvl if lvl.keep is not None else dataclasses.replace(lvl, keep=keep)
-                  for lvl in levels]  # fmt: skip
-        if config.codec is not None and levels[0].codec is None:
-            levels[0] = dataclasses.replace(levels[0], codec=config.codec)
-        return levels
+        self.levels = _levels(config, self.folder)
+        self.schedule = config.schedule or FixedInterval()
+        self.planner = (
+            BalancedSavePlanner() if config.planner == "balanced" else DefaultSavePlanner()
+        )
+        # Collective (every rank, as torchtitan builds its checkpointer): the ladder is
+        # made here, with the drain policy, which writers cannot pass.
+        self.ladder: Ladder = ladder_for(self.levels, who="MultiLevelCheckpointManager",
+                                         drain_policy=config.drain_policy)  # fmt: skip
+        #: One writer for every async save: its staging buffers are reused.
+        self._async_writer: MultiLevelWriter | None = None
+        if self.async_mode != AsyncMode.DISABLED:
+            self._async_writer = self._async_saves()
+        #: Set by save() around torchtitan's own: dcp_save tells the last step by it.
+        self._saving_last = False
+        self._open = True
 
     # ------------------------------------------------------------------ save
 
+    def save(self, curr_step: int, last_step: bool = False) -> bool:
+        """torchtitan's ``save``: it decides whether and what to save; the save itself
+        is :meth:`dcp_save`. True when a checkpoint was saved (or staged)."""
+        self._saving_last = last_step
+        try:
+            return super().save(curr_step, last_step)
+        finally:
+            self._saving_last = False
+
     @torch.no_grad()
-    def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        """Save ``curr_step`` when torchtitan's policy (or an adaptive schedule) says so."""
-        if self.load_only:
-            return False
-        forced = last_step or (curr_step == 1 and self.enable_first_step_checkpoint)
-        if self._adaptive and not forced:
-            # The schedule decides every step (collective at its check steps).
-            return self.multilevel.step(self._flattened_model_states_sd(), curr_step) is not None
-        if not self._should_save(curr_step, last_step):
-            return False
-        if last_step and curr_step > 0 and self.last_save_model_only:
-            self._export_model(curr_step)
-            return True
-        if last_step and curr_step == 0:  # the seed checkpoint (create_seed_checkpoint)
-            states = self._model_states() if self.last_save_model_only else None
+    def dcp_save(
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_id: str,
+        async_mode: AsyncMode,
+        enable_garbage_collection: bool = False,
+        to_hf: bool = False,
+    ) -> Future | AsyncSaveResponse | None:
+        """Save ``state_dict`` as torchtitan asks: ``folder/step-N`` is step N of the levels.
+
+        A model-only last step goes to ``export_folder/step-N``; a location that is
+        not ``folder/step-N`` is torchtitan's own ``dcp_save``. Returns what
+        torchtitan's returns: None (saved), DCP's future (``async``) or its
+        ``AsyncSaveResponse`` (``async_with_pinned_mem``).
+        """
+        step = self._step_of(checkpoint_id)
+        if step is None:
+            return super().dcp_save(state_dict, checkpoint_id, async_mode,
+                                    enable_garbage_collection, to_hf)  # fmt: skip
+        if self._saving_last and step > 0 and self.last_save_model_only:
+            self._export(state_dict, step, to_hf)
+        elif async_mode == AsyncMode.DISABLED:
+            writer = MultiLevelWriter(step_dir(step), levels=self.levels, due=self._due(step))
+            dcp.save(state_dict, storage_writer=writer, planner=self.planner)
+            logger.info("dcp_multilevel: step %d committed on %s", step, self.levels[0].url)
         else:
-            states = None
-        if last_step and self._last_step_due is not None:
-            self._last_step_due.last_step = curr_step
-        metrics = self.multilevel.save(
-            states if states is not None else self._flattened_model_states_sd(), step=curr_step
-        )
-        logger.info(
-            "dcp_multilevel: step %d saved to %s in %.2f s; draining to %s",
-            curr_step, metrics.level, metrics.seconds, metrics.drains_started or "no level",
+            return self._save_async(state_dict, step, async_mode)
+        if enable_garbage_collection:
+            GarbageCollection.collect("GC collection invoked by checkpointer.")
+        return None
+
+    def _async_saves(self) -> MultiLevelWriter:
+        """The writer of every async save (collective). In ``async_with_pinned_mem`` it
+        is also torchtitan's ``stager``: torchtitan then builds no ``DefaultStager``
+        (whose non-blocking copies need an accelerator) and closes ours."""
+        if self.ladder.first.deltas:
+            raise ConfigError(
+                f"checkpoint.async_mode={self.async_mode.value!r}: the first level "
+                f"{self.ladder.first.url} stores deltas, which async saves do not code; keep "
+                "deltas on a higher level, or set async_mode='disabled'"
+            )
+        overlap = self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
+        staging = StagingConfig(overlap=True) if overlap else None
+        writer = MultiLevelWriter(levels=self.levels, staging=staging)
+        if overlap:
+            self.stager = writer
+        return writer
+
+    def _save_async(
+        self, state_dict: dict[str, Any], step: int, async_mode: AsyncMode
+    ) -> Future | AsyncSaveResponse:
+        """``dcp.async_save`` of ``step`` with the reused writer; torchtitan waited for
+        the save before (``maybe_wait_for_saving``), so at most one is in flight."""
+        writer = self._async_writer
+        if writer is None or async_mode != self.async_mode:
+            raise ConfigError(
+                f"dcp_save(async_mode={async_mode.value!r}) on a checkpointer configured "
+                f"with async_mode={self.async_mode.value!r}"
+            )
+        writer.due = self._due(step)  # the save before has committed: not read any more
+        return dcp.async_save(
+            state_dict, storage_writer=writer, checkpoint_id=step_dir(step),
+            planner=self.planner, process_group=self.pg,
         )  # fmt: skip
-        return True
 
-    def _model_states(self) -> dict[str, Any]:
-        """The model's state in ``export_dtype`` (torchtitan's model-only last step)."""
-        dtype = self.export_dtype
-        return {
-            k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-            for k, v in self.states[MODEL].state_dict().items()
-        }
+    def _step_of(self, checkpoint_id: str) -> int | None:
+        """The step ``checkpoint_id`` names when it is ``folder/step-N`` (None otherwise)."""
+        step = parse_step_dir(os.path.basename(os.fspath(checkpoint_id).rstrip("/")))
+        if step is None or checkpoint_id != filesystem.join(self.folder, step_dir(step)):
+            return None
+        return step
 
-    def _export_model(self, step: int) -> None:
+    def _due(self, step: int) -> list[int]:
+        """The higher levels ``step`` goes to: every one for the last full step and the
+        seed (a save torchtitan makes as its last step), else the schedule's."""
+        higher = range(1, len(self.levels))
+        if self._saving_last:
+            return list(higher)
+        return [i for i in higher if self.schedule.due(i, self.levels[i], step)]
+
+    def _export(self, state_dict: dict[str, Any], step: int, to_hf: bool) -> None:
         """A model-only last step: HF safetensors or one checkpoint of ours, outside the levels."""
-        path = filesystem.join(self.export_folder, f"step-{step}")
-        states = self._model_states()
-        if self.last_save_in_hf:
+        path = filesystem.join(self.export_folder, step_dir(step))
+        if to_hf:
             # torchtitan's own path: its state dict adapter and HuggingFaceStorageWriter.
-            self.dcp_save(states, checkpoint_id=path, async_mode=AsyncMode.DISABLED, to_hf=True)
+            super().dcp_save(state_dict, checkpoint_id=path, async_mode=AsyncMode.DISABLED,
+                             to_hf=True)  # fmt: skip
         else:
             writer = MultiLevelWriter(path, overwrite=True, codec=self.levels[0].codec)
-            dcp.save(states, storage_writer=writer)
+            dcp.save(state_dict, storage_writer=writer)
         logger.info("dcp_multilevel: model-only step %d exported to %s", step, path)
 
     # ------------------------------------------------------------------ load
 
     @torch.no_grad()
-    def _load(self, step: int = -1) -> bool:
-        """Load ``step`` (-1: the newest every rank can read), else torchtitan's
-        initial load; False on a fresh start."""
-        if step != -1:
-            self._load_step(step)
-            return True
-        newest = self._newest_step()
-        if newest == 0:  # only a seed checkpoint: torchtitan loads its model alone
-            self._load_step(0)
-            return True
-        if newest > 0:
-            states = self._states_to_load(model_only=False)
-            loaded = self.multilevel.load_latest(states)
-            if loaded is not None:
-                self._model_loaded(states)
-                logger.info("dcp_multilevel: resumed from step %d", loaded)
-                return True
-        return self._initial_load()
+    def load(self, step: int = -1) -> bool:
+        """Load ``step`` (-1: the newest every rank can read) from the levels; when no
+        level holds it, torchtitan's own ``load`` (initial load, fresh start). Collective.
 
-    def _load_step(self, step: int) -> None:
+        Returns:
+            Whether a checkpoint was loaded (False: a fresh start).
+
+        Raises:
+            CheckpointNotFoundError: steps exist but none every rank can read.
+        """
+        if not self.enable:
+            return False
+        held = self._held_steps()
+        if (step == -1 and not held) or (step != -1 and step not in held):
+            return super().load(step)
+        if step == -1 and max(held) == 0:  # only the seed: torchtitan loads its model alone
+            step = 0
         states = self._states_to_load(model_only=step == 0)
-        self.multilevel.load(states, step)
-        self._model_loaded(states)
-        logger.info("dcp_multilevel: loaded step %d", step)
-
-    def _model_loaded(self, states: dict[str, Any]) -> None:
+        reader = MultiLevelReader(LATEST if step == -1 else step_dir(step), levels=self.levels)
+        try:
+            dcp.load(states, storage_reader=reader)
+        except CheckpointException as e:  # the ranks could not agree on the step, or bring it
+            if reader.loads is not None and reader.loads.failure is not None:
+                raise reader.loads.failure from e
+            raise
         # The model's tensors are flattened into ``states`` and were loaded in place;
-        # torchtitan's ModelWrapper then loads them into the modules (as dcp_load does).
-        if MODEL in self.states:
-            self.states[MODEL].load_state_dict(states)
+        # torchtitan's ModelWrapper then loads them into the modules (as its dcp_load does).
+        self.states[MODEL].load_state_dict(states)
+        GarbageCollection.collect("GC collection for checkpoint loading.")
+        assert reader.loads is not None and reader.loads.restore is not None
+        logger.info("dcp_multilevel: loaded step %d", reader.loads.restore.step)
+        return True
 
-    def _find_load_step(self, folder: str = "") -> int:
-        """The newest step any level lists on this rank (-1: none); ``folder`` is ignored
-        (our levels say where checkpoints are). Not collective: see :meth:`_newest_step`."""
-        steps = [s for i in range(len(self.levels)) for s in self.multilevel.steps(i)]
-        return max(steps, default=-1)
-
-    def _newest_step(self) -> int:
-        """The newest step listed on any level of any rank (-1: none). Collective.
+    def _held_steps(self) -> set[int]:
+        """Every step some rank lists on some level. Collective.
 
         A node that lost its disk lists nothing; the others' listings still show
-        that checkpoints exist, and ``load_latest`` restores that node's files.
+        that checkpoints exist, and the reader brings that node's files back.
         """
-        mine = self._find_load_step()
+        mine = sorted({s for i in range(len(self.levels)) for s in self.steps(i)})
         if not (dist.is_available() and dist.is_initialized()):
-            return mine
+            return set(mine)
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-        return max(everyone)
+        return {s for steps in everyone for s in steps}
 
-    def _initial_load(self) -> bool:
-        """torchtitan's initial load (``initial_load_path`` / HF assets), or a fresh start."""
-        from_hf = self.initial_load_in_hf
-        if self.initial_load_path:
-            path = self.initial_load_path
-        elif from_hf:
-            adapter = self.sd_adapter
-            if adapter is None or not adapter.hf_assets_path:
-                raise ValueError("from_hf=True requires sd_adapter and hf_assets_path.")
-            path = adapter.hf_assets_path
-        else:
-            logger.info("No checkpoint was provided, this is a fresh start.")
-            return False
-        if not filesystem.is_remote(path) and not filesystem.isdir(path):
-            raise ValueError(f"Checkpoint.initial_load_path is invalid: {path}")
-        logger.info("Loading the initial checkpoint from %s.", path)
-        self.dcp_load(
-            self._states_to_load(self.initial_load_model_only),
-            checkpoint_id=path,
-            from_hf=from_hf,
-            from_quantized=self.initial_load_in_hf_quantized,
-        )
-        return True
+    def steps(self, level_index: int) -> list[int]:
+        """Steps committed on level ``level_index`` as this rank sees it, ascending."""
+        return self.ladder.drivers[level_index].steps()
+
+    @property
+    def last_restore(self) -> RestoreReport | None:
+        """The last load's restore: files brought onto this rank's node, by source."""
+        return self.ladder.loader.last_restore
 
     def dcp_load(
         self,
@@ -343,46 +389,50 @@ class MultiLevelCheckpointManager(CheckpointManager):
         from_hf: bool,
         from_quantized: bool,
     ) -> None:
-        """torchtitan's ``dcp_load``, reading a checkpoint of ours with our reader.
-
-        A stock DCP folder or HF safetensors goes to torchtitan's own code.
-        """
+        """torchtitan's ``dcp_load`` (its initial load), reading a checkpoint of ours
+        with our reader; a stock DCP folder or HF safetensors goes to torchtitan's own."""
         if not _is_ours(checkpoint_id):
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
         if from_hf:
             # A checkpoint of ours holding HF names (e.g. an HF model converted to ours).
-            assert self.sd_adapter is not None, "from_hf=True requires an sd_adapter"
+            if self.sd_adapter is None:
+                raise ConfigError(f"loading {checkpoint_id} with from_hf needs an sd_adapter")
             hf_state_dict = self.sd_adapter.to_hf(state_dict)
             dcp.load(hf_state_dict, storage_reader=MultiLevelReader(checkpoint_id))
             self.states[MODEL].load_state_dict(self.sd_adapter.from_hf(hf_state_dict))
             return
         dcp.load(state_dict, storage_reader=MultiLevelReader(checkpoint_id))
-        self._model_loaded(state_dict)
+        if MODEL in self.states:
+            self.states[MODEL].load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _purge_stale_checkpoints(self) -> None:
-        """Nothing: each level applies its own retention (``keep``)."""
-
-    def _maybe_wait_for_staging(self) -> None:
-        """The fence of ``async_with_pinned_mem``: the last save's copies are made.
-
-        torchtitan's trainer calls it before the optimizer step.
-        """
-        super()._maybe_wait_for_staging()
-        if self.multilevel is not None:
-            self.multilevel.wait_for_staging()
-
-    def _close(self) -> None:
-        """Wait for the drains (raising their errors), then torchtitan's own close."""
-        manager = getattr(self, "multilevel", None)
+    def close(self) -> None:
+        """Wait for the async save in flight and every due drain (raising their
+        errors), then torchtitan's own close. Collective, like the drains."""
         try:
-            if manager is not None:
-                self.multilevel = None
-                manager.close()
+            if getattr(self, "_open", False):
+                self._open = False  # torchtitan's __del__ calls close() again
+                self.maybe_wait_for_saving()
+                wait()
         finally:
-            super()._close()
+            writer = getattr(self, "_async_writer", None)
+            if writer is not None and writer is not getattr(self, "stager", None):
+                writer.close()  # its idle staging buffers (torchtitan closes its stager)
+            super().close()
+
+
+def _levels(config: MultiLevelCheckpointManager.Config, folder: str) -> list[Level]:
+    """The configured levels (default: one at ``folder``), each with ``keep_latest_k``
+    where it sets no ``keep``, the first with ``codec`` where it sets none."""
+    keep = config.keep_latest_k or None
+    levels = list(config.levels) or [Level(folder)]
+    levels = [lvl if lvl.keep is not None else dataclasses.replace(lvl, keep=keep)
+              for lvl in levels]  # fmt: skip
+    if config.codec is not None and levels[0].codec is None:
+        levels[0] = dataclasses.replace(levels[0], codec=config.codec)
+    return levels
 
 
 def _is_ours(path: str) -> bool:
