@@ -39,6 +39,7 @@ from ..levels import DrainResult
 from ..levels.options import Level
 from ..restore import Loader
 from ..restore.agreement import Restore, Views
+from ..restore.transfers import Transfers
 from .binding import Binding
 from .chains import DeltaChains
 from .commits import Commits, SaveTicket
@@ -93,8 +94,9 @@ class Ladder:
                              self.topology, policy=policy, timeout_s=timeout_s,
                              instance=instance, on_result=self._drain_ended)  # fmt: skip
         self.holdings.spare(self.drains.drainer)
-        self.loader = Loader(self.drivers, binding.names, self.topology, binding.restore_group,
-                             self.drains.drainer, part_share=part_share)  # fmt: skip
+        transfers = Transfers(self.drivers, binding.names, self.topology, binding.restore_group,
+                              self.drains.drainer, part_share)  # fmt: skip
+        self.loader = Loader(transfers)
         self.commits = Commits(f"L{instance}", timeout_s, self._decide, self._apply)
         # The race: a lane reports a drain while the main thread adds a listener.
         self._lock = threading.Lock()
@@ -133,6 +135,13 @@ class Ladder:
         self.holdings.decided(step, frozenset((0, *due)))
         return self.commits.begin(step, due, reference, count)
 
+    def follow_up(self) -> None:
+        """Wait until every save begun so far is followed up. The calling thread's
+        saves are over (its ``dcp.save`` calls have returned): one of them that got no
+        outcome never will (``commits.py``); an async save's is waited for."""
+        self.commits.abandon()
+        self.commits.settle()
+
     def record(self, ticket: SaveTicket) -> dict[str, Any]:
         """What the save's manifest keeps under :data:`LEVELS_KEY`."""
         return {"save": ticket.count, "due": [self.given[i].url for i in ticket.due]}
@@ -145,7 +154,7 @@ class Ladder:
         sends it, and each node's lowest rank keeps a copy beside the step before any
         delta against it exists there (drains and loads find it on their own node).
         """
-        self.commits.settle()  # the saves before are in the delta history
+        self.follow_up()  # the saves before are in the delta history
         step = self.chains.reference(0)
         if step is None:
             return None
@@ -275,8 +284,7 @@ class Ladder:
         ``commits.py``). Raises DrainError for the drains that failed since the last
         call; returns the newest outcomes.
         """
-        self.commits.abandon()
-        self.commits.settle()
+        self.follow_up()
         return self.drains.drainer.wait()
 
     def unfinished(self) -> list[str]:

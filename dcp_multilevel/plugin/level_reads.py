@@ -93,9 +93,7 @@ class LevelLoads:
         Raises:
             CheckpointNotFoundError: the step (or any) cannot be loaded by every rank.
         """
-        commits = self.ladder.commits
-        commits.abandon()  # this thread's saves are over: their outcomes are known
-        commits.settle()  # what they sent is in the books before the levels are listed
+        self.ladder.follow_up()  # what the saves sent is in the books before levels are listed
         self.views = gather_views(self.ladder.drivers)
         self.failure = None
         try:

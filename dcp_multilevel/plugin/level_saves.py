@@ -11,16 +11,17 @@ in the background once it committed::
     all ranks     reset(checkpoint_id)     the step it names
     all ranks     storage_meta             saves.begin(): the save's ticket (``every``
                                            counts it); what the manifest records
-    all ranks     write_data               saves.written() / saves.failed(error)
-    coordinator   finish                   saves.committed() after the commit (failed() if
-                                           it fails): every rank's follower takes it from
-                                           there (``ladder/commits.py``)
+    all ranks     write_data               within reporting(saves, "written"): its outcome
+    coordinator   finish                   within reporting(saves, "committed"): the commit's
+                                           (or its failure's): every rank's follower takes
+                                           it from there (``ladder/commits.py``)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..checkpoint import StoredCheckpoint
@@ -30,7 +31,7 @@ from ..ladder.commits import SaveTicket
 from ..levels import Topology
 from ..levels.options import Level
 
-__all__ = ["LevelSaves"]
+__all__ = ["LevelSaves", "reporting"]
 
 
 class LevelSaves:
@@ -97,7 +98,7 @@ class LevelSaves:
         Under ``drain_policy="wait"`` the saves before are followed up first: their
         drains have started, so this save waits for a level still busy with one."""
         if self.ladder.policy == "wait":
-            self.ladder.commits.settle()
+            self.ladder.follow_up()
         if not self.ladder.first.deltas:
             return None
         found = self.ladder.first_reference()
@@ -115,17 +116,23 @@ class LevelSaves:
         self.ticket = self.ladder.begin(self.step, due, self.reference_step)
         extra[LEVELS_KEY] = self.ladder.record(self.ticket)
 
-    def written(self) -> None:
-        """This rank's part of the save is written."""
-        if self.ticket is not None:
-            self.ladder.commits.written(self.ticket)
+    @contextlib.contextmanager
+    def reporting(self, outcome: str) -> Iterator[None]:
+        """Around this rank's part of the save (``write_data``; the coordinator's
+        ``finish``): tell the ladder it failed (before it raises), or its
+        ``outcome``: ``"written"`` or ``"committed"``."""
+        ticket = self.ticket
+        try:
+            yield
+        except BaseException as e:
+            if ticket is not None:
+                self.ladder.commits.failed(ticket, e)
+            raise
+        if ticket is not None:
+            commits = self.ladder.commits
+            (commits.written if outcome == "written" else commits.committed)(ticket)
 
-    def failed(self, error: BaseException) -> None:
-        """This rank's part failed (before it raises)."""
-        if self.ticket is not None:
-            self.ladder.commits.failed(self.ticket, error)
 
-    def committed(self) -> None:
-        """The coordinator committed the save on the first level."""
-        if self.ticket is not None:
-            self.ladder.commits.committed(self.ticket)
+def reporting(saves: LevelSaves | None, outcome: str) -> contextlib.AbstractContextManager:
+    """:meth:`LevelSaves.reporting` of a writer's levels (nothing without levels)."""
+    return saves.reporting(outcome) if saves is not None else contextlib.nullcontext()

@@ -63,7 +63,7 @@ from ..staging import BackgroundSave, Stager, StagingConfig
 from ..staging.buffers import HostBufferPool
 from ..stores import Store, store_for
 from .data_files import write_file
-from .level_saves import LevelSaves
+from .level_saves import LevelSaves, reporting
 from .planner import write_item_nbytes
 
 __all__ = ["MultiLevelWriter"]
@@ -346,16 +346,11 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items to its own data files; the future is complete."""
         # An async save's thread writes at background priority; failures are recorded.
-        try:
-            with self._stager.background("write_data", rank=self.rank) as save:
-                written = self._write_data(plan, planner, save)
-        except BaseException as e:
-            if self._levels is not None:
-                self._levels.failed(e)
-            raise
-        if self._levels is not None:
-            self._levels.written()
-        return written
+        with (
+            reporting(self._levels, "written"),
+            self._stager.background("write_data", rank=self.rank) as save,
+        ):
+            return self._write_data(plan, planner, save)
 
     def _write_data(
         self, plan: SavePlan, planner: SavePlanner, save: BackgroundSave
@@ -394,15 +389,11 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit (coordinator): the manifest written last, then stale files swept."""
-        try:
-            with self._stager.background("finish", rank=self.rank):
-                self._finish(metadata, results)
-        except BaseException as e:
-            if self._levels is not None:
-                self._levels.failed(e)
-            raise
-        if self._levels is not None:
-            self._levels.committed()
+        with (
+            reporting(self._levels, "committed"),
+            self._stager.background("finish", rank=self.rank),
+        ):
+            self._finish(metadata, results)
 
     def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """The commit: the manifest, written last; then the sweep of stale files."""

@@ -33,20 +33,17 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import _dist
 from ..checkpoint import decoded_manifest
 from ..errors import CheckpointNotFoundError, DcpMultilevelError
 from ..format import Manifest
-from ..levels import Drainer, LevelDriver
 from ..levels.node_local import rank_files
-from ..levels.topology import Topology
 from .agreement import Restore, Views, restorable
 from .execute import RestoreReport, parts_copy
 from .inventory import whole_files_of
-from .plan import PART_SHARE
 from .transfers import Transfers
 
 __all__ = ["Loader", "Needs"]
@@ -58,21 +55,12 @@ logger = logging.getLogger(__name__)
 
 
 class Loader:
-    """Plans and carries out a ladder's loads (see the module docstring; the arguments
-    are :class:`~dcp_multilevel.restore.transfers.Transfers`')."""
+    """Plans and carries out a ladder's loads (see the module docstring), moving files
+    between nodes with ``transfers``."""
 
-    def __init__(
-        self,
-        drivers: Sequence[LevelDriver],
-        names: Sequence[str],
-        topology: Topology | None,
-        restore_group: Any,
-        drainer: Drainer,
-        part_share: float = PART_SHARE,
-    ) -> None:
-        self.drivers = list(drivers)
-        self.transfers = Transfers(self.drivers, names, topology, restore_group, drainer,
-                                   part_share)  # fmt: skip
+    def __init__(self, transfers: Transfers) -> None:
+        self.transfers = transfers
+        self.drivers = transfers.drivers
         #: After a load: how many items each copy served on this rank.
         self.last_load_sources: dict[str, int] = {}
         #: The last load's restore: files brought onto this rank's node, by source.
