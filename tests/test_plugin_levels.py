@@ -352,3 +352,17 @@ def test_ranks_that_exit_right_after_their_last_save_finish_every_levels_copy(tm
     assert done.returncode == 0, done.stdout + done.stderr
     for level in ("n0/partner", "n1/partner", "remote"):
         assert (tmp_path / level / "step-2" / "manifest.json").exists(), level
+
+
+def test_due_levels_must_be_higher_levels(tmp_path):
+    levels = [Level(str(tmp_path / "l1")), Level(str(tmp_path / "remote"))]
+    with pytest.raises(ConfigError) as info:
+        MultiLevelWriter("step-1", levels=levels, due=[0, 2])
+    assert str(info.value) == (
+        f"due=[0, 2]: [0, 2] are not indices of higher levels of [Level('{tmp_path}/l1'), "
+        f"Level('{tmp_path}/remote')] (1 to 1; the first level takes every save)"
+    )
+    writer = MultiLevelWriter("step-1", levels=levels, due=[])  # the first level alone
+    dcp.save({"w": torch.ones(4)}, storage_writer=writer)
+    dcp_multilevel.wait()
+    assert not (tmp_path / "remote").exists()

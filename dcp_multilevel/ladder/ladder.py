@@ -34,7 +34,7 @@ from typing import Any
 
 from .. import _dist
 from ..checkpoint import StoredCheckpoint
-from ..errors import DcpMultilevelError
+from ..errors import ConfigError, DcpMultilevelError
 from ..levels import DrainResult
 from ..levels.options import Level
 from ..restore import Loader
@@ -45,6 +45,7 @@ from .chains import DeltaChains
 from .commits import Commits, SaveTicket
 from .drains import DrainDecision, Drains
 from .holdings import Holdings
+from .naming import describe
 
 __all__ = ["LEVELS_KEY", "Ladder"]
 
@@ -128,12 +129,21 @@ class Ladder:
             count = self._saves
         if due is None:
             due = [i for i in range(1, len(self.levels)) if count % self.levels[i].every == 0]
-        due = tuple(sorted(set(due)))
-        bad = [i for i in due if not 0 < i < len(self.levels)]
-        if bad:
-            raise DcpMultilevelError(f"due levels {bad} are not higher levels of {self!r}")
+        due = self.check_due(due)
         self.holdings.decided(step, frozenset((0, *due)))
         return self.commits.begin(step, due, reference, count)
+
+    def check_due(self, due: Sequence[int]) -> tuple[int, ...]:
+        """``due`` as the sorted indices of higher levels (ConfigError naming the levels)."""
+        bad = [i for i in due if isinstance(i, bool) or not isinstance(i, int)
+               or not 0 < i < len(self.levels)]  # fmt: skip
+        if bad:
+            raise ConfigError(
+                f"due={list(due)!r}: {bad} are not indices of higher levels of "
+                f"{describe(self.given)} (1 to {len(self.levels) - 1}; the first level takes "
+                "every save)"
+            )
+        return tuple(sorted(set(due)))
 
     def follow_up(self) -> None:
         """Wait until every save begun so far is followed up. The calling thread's

@@ -76,7 +76,10 @@ class LevelSaves:
                 "set them on it (Level(..., codec=..., storage_options=...); deltas: "
                 "keyframe_every)"
             )
-        return cls(ladder_for(levels, topology=topology, who="MultiLevelWriter"))
+        saves = cls(ladder_for(levels, topology=topology, who="MultiLevelWriter"))
+        if due is not None:
+            saves.ladder.check_due(due)
+        return saves
 
     def staging(self, deltas: bool) -> None:
         """An async save begins staging (the training thread)."""
