@@ -7,8 +7,9 @@ Use with DCP as usual::
     from dcp_multilevel import Level, MultiLevelReader, MultiLevelWriter
 
     levels = [Level("/nvme/run1"), Level("s3://bucket/run1", every=4, codec="bytegroup")]
+    if dcp_multilevel.newest_step(levels) is not None:  # None on a fresh start
+        dcp.load(state_dict, storage_reader=MultiLevelReader("latest", levels=levels))
     dcp.save(state_dict, storage_writer=MultiLevelWriter("step-100", levels=levels))
-    dcp.load(state_dict, storage_reader=MultiLevelReader("latest", levels=levels))
     dcp_multilevel.wait()  # every due drain has landed
 """
 
@@ -38,7 +39,7 @@ from .errors import (
     UnsupportedFormatVersionError,
     UnsupportedStateError,
 )
-from .ladder import wait
+from .ladder import newest_step, wait
 from .levels import DrainResult, Level
 from .manage.manager import CheckpointManager, SaveMetrics
 from .planning import CostModel
@@ -83,5 +84,6 @@ __all__ = [
     "UnsupportedFormatVersionError",
     "UnsupportedStateError",
     "__version__",
+    "newest_step",
     "wait",
 ]

@@ -59,6 +59,7 @@ def _save_job(rank: int, world: int, per_node: int, levels: list, steps: list[in
 
 def _load_job(rank: int, world: int, per_node: int, levels: list, path: str | None) -> tuple:
     os.environ["DCP_ML_NODE"] = str(rank // per_node)
+    newest = dcp_multilevel.newest_step(levels)
     state = _blank()
     reader = MultiLevelReader(path, levels=levels)
     dcp.load(state, storage_reader=reader)
@@ -66,7 +67,7 @@ def _load_job(rank: int, world: int, per_node: int, levels: list, path: str | No
     assert reader.loads is not None and reader.loads.restore is not None
     step = reader.loads.restore.step
     received = reader.loads.last_restore.received if reader.loads.last_restore else {}
-    return step, bit_equal(state, _state(step)), received, reader.last_load_sources
+    return step, bit_equal(state, _state(step)), received, reader.last_load_sources, newest
 
 
 @pytest.mark.multiprocess
@@ -92,6 +93,7 @@ def test_plain_dcp_saves_reach_every_level_and_a_lost_node_loads_bit_exact(
     shutil.rmtree(tmp_path / "n1")  # lost; a new, empty node replaces it
     out = run_ranks(_load_job, 4, 2, levels, None, timeout=240)
     assert [o[:2] for o in out] == [(4, True)] * 4, out
+    assert [o[4] for o in out] == [4] * 4  # newest_step: what node 0 lists, on every rank
     partner = f"partner:{root}/n{{node}}/partner (node 0)"
     assert all(partner in o[2] for o in out[2:]), out  # node 1's files from node 0's copies
     # The restore made node 1's copies again: losing node 0 now still loads step 4.
@@ -278,6 +280,7 @@ def test_a_process_that_exits_with_drains_failing_names_what_did_not_land(tmp_pa
 
 def test_reading_the_latest_step_without_any_is_an_error_not_a_fresh_start(tmp_path):
     levels = [Level(str(tmp_path / "l1")), Level(str(tmp_path / "remote"))]
+    assert dcp_multilevel.newest_step(levels) is None  # what a resume asks first
     with pytest.raises(CheckpointException) as info:  # DCP's, quoting the reader's error
         dcp.load(_blank(), storage_reader=MultiLevelReader(levels=levels))
     (failure,) = info.value.failures.values()
@@ -366,3 +369,22 @@ def test_due_levels_must_be_higher_levels(tmp_path):
     dcp.save({"w": torch.ones(4)}, storage_writer=writer)
     dcp_multilevel.wait()
     assert not (tmp_path / "remote").exists()
+
+
+def test_first_level_retention_spares_the_saves_in_progress(tmp_path):
+    # Retention runs in the background after each commit, beside the next save: the
+    # directory of a save in progress (no manifest yet) of a step older than the
+    # newest committed one is not taken for one a crash abandoned.
+    levels = [Level(str(tmp_path / "l1"), keep=1)]
+    for step in (10, 11):
+        dcp.save(_state(step), storage_writer=MultiLevelWriter(f"step-{step}", levels=levels))
+    dcp_multilevel.wait()
+    (ladder,) = [lad for lad in dcp_multilevel.ladder.ladders() if lad.given == levels]
+    ladder.begin(5)  # a save of step 5 has begun: its files are being written
+    (tmp_path / "l1" / "step-5" / "data").mkdir(parents=True)
+    (tmp_path / "l1" / "step-5" / "data" / "0-0.abc.bin").write_bytes(b"x" * 64)
+    (tmp_path / "l1" / "step-3").mkdir()  # a crash's leftover: swept
+    assert ladder.holdings.retain(0) == [3]
+    assert sorted(os.listdir(tmp_path / "l1")) == ["step-11", "step-5"]
+    dcp_multilevel.wait()  # the save of step 5 never ends: its ticket is dropped
+    assert ladder.commits.pending() == []

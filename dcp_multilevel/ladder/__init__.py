@@ -1,7 +1,8 @@
 """The ladder: one level list bound in this process, shared by writers, readers and managers.
 
 - ``registry.py``: :func:`ladder_for` (one ladder per level list, made on
-  first use), :func:`wait` (``dcp_multilevel.wait()``), the exit hook.
+  first use), :func:`wait` (``dcp_multilevel.wait()``), :func:`newest_step`,
+  the exit hook.
 - ``ladder.py``: :class:`Ladder`, composing the parts below.
 - ``binding.py``: the levels checked, their drivers bound, the topology.
 - ``naming.py``: which step a writer's or reader's path names.
@@ -14,6 +15,16 @@
 
 from .ladder import LEVELS_KEY, Ladder
 from .naming import LATEST, step_of
-from .registry import ladder_for, ladders, release, wait
+from .registry import ladder_for, ladders, newest_step, release, wait
 
-__all__ = ["LATEST", "LEVELS_KEY", "Ladder", "ladder_for", "ladders", "release", "step_of", "wait"]
+__all__ = [
+    "LATEST",
+    "LEVELS_KEY",
+    "Ladder",
+    "ladder_for",
+    "ladders",
+    "newest_step",
+    "release",
+    "step_of",
+    "wait",
+]

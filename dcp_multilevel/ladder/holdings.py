@@ -20,7 +20,7 @@ what retention removes there is forgotten (a long run's books stay flat).
 
 Call order (the ladder makes every call)::
 
-    holdings.spare(drainer)            construction: what retention must not delete
+    holdings.spare(drainer, saving)    construction: what retention must not delete
     holdings.decided(step, levels)     main thread, when the schedule sent a step
     holdings.due(index, step)          any thread
     holdings.retain(0) -> removed      rank 0, after a first-level save (holdings.oldest: the
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from .. import _dist
 from ..levels import Drainer, DrainJob, LevelDriver, Topology
@@ -75,6 +75,7 @@ class Holdings:
         self.chains = chains
         self.topology = topology
         self._drainer: Drainer | None = None
+        self._saving: Callable[[], set[int]] | None = None
         self._rules = [RetentionRules(level.keep) for level in self.levels]
         #: Rank 0, after :meth:`retain` of the first level: the oldest step left there.
         self.oldest: int | None = None
@@ -88,10 +89,14 @@ class Holdings:
         # asked again about a past step; retention and resumed drains look here).
         self._decided: dict[int, frozenset[int]] = {}
 
-    def spare(self, drainer: Drainer) -> None:
+    def spare(self, drainer: Drainer, saving: Callable[[], set[int]] | None = None) -> None:
         """Retention spares what ``drainer``'s running and waiting drains read (the
-        drainer reports its commits to :meth:`committed`: it is built after this)."""
+        drainer reports its commits to :meth:`committed`: it is built after this), and
+        on the first level the steps ``saving()`` names: saves in progress, whose
+        directories have no manifest yet (retention runs beside the next save, and
+        would take an older step's for one a crash abandoned)."""
         self._drainer = drainer
+        self._saving = saving
 
     # ------------------------------------------------------------------ books
 
@@ -152,6 +157,8 @@ class Holdings:
             protected = self._drainer.inflight_steps(None if index == 0 else driver)
         if index == 0:
             protected |= self._first_level_protected(complete)
+            if self._saving is not None:
+                protected |= self._saving()
         refs = self.chains.refs(index, complete)
         doomed = self._rules[index].doomed(complete, found.uncommitted, protected, refs)
         for step in doomed:

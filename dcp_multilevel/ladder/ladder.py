@@ -94,11 +94,11 @@ class Ladder:
         self.drains = Drains(self.levels, self.drivers, self.chains, self.holdings,
                              self.topology, policy=policy, timeout_s=timeout_s,
                              instance=instance, on_result=self._drain_ended)  # fmt: skip
-        self.holdings.spare(self.drains.drainer)
         transfers = Transfers(self.drivers, binding.names, self.topology, binding.restore_group,
                               self.drains.drainer, part_share)  # fmt: skip
         self.loader = Loader(transfers)
         self.commits = Commits(f"L{instance}", timeout_s, self._decide, self._apply)
+        self.holdings.spare(self.drains.drainer, lambda: {t.step for t in self.commits.pending()})
         # The race: a lane reports a drain while the main thread adds a listener.
         self._lock = threading.Lock()
         self._listeners: list[Callable[[DrainResult], None]] = []

@@ -40,13 +40,14 @@ from .. import _dist
 from ..errors import ConfigError, DrainError
 from ..levels import LEVEL_KINDS, DrainResult, Topology, level_kind
 from ..levels.options import Level
+from ..restore.agreement import gather_views
 from ..restore.plan import PART_SHARE
 from ..stores.location import parse_location
 from .binding import Binding, root_of
 from .ladder import Ladder
 from .naming import describe
 
-__all__ = ["ladder_for", "ladders", "release", "wait"]
+__all__ = ["ladder_for", "ladders", "newest_step", "release", "wait"]
 
 logger = logging.getLogger("dcp_multilevel.levels")
 
@@ -152,6 +153,24 @@ def wait() -> list[DrainResult]:
     if errors:
         raise DrainError(" ".join(errors))
     return results
+
+
+def newest_step(levels: Sequence[Level], *, topology: Topology | None = None) -> int | None:
+    """The newest step some rank lists on some level of ``levels``; None when no level
+    holds a checkpoint (a fresh start). Collective (every rank).
+
+    For a resume that must not fail on a fresh start::
+
+        if dcp_multilevel.newest_step(levels) is not None:
+            dcp.load(state, storage_reader=MultiLevelReader("latest", levels=levels))
+
+    ``MultiLevelReader("latest")`` then loads the newest step *every* rank can read,
+    which may be older (a lost node's newest files only it held).
+    """
+    ladder = ladder_for(levels, topology=topology, who="newest_step")
+    ladder.follow_up()  # the saves of this process are listed
+    candidates = gather_views(ladder.drivers).candidates()
+    return candidates[-1] if candidates else None
 
 
 def release(ladder: Ladder, *, quiet: bool = False) -> None:

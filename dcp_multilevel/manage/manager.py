@@ -56,12 +56,12 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from .. import _dist
 from ..errors import ConfigError
 from ..format import step_dir
-from ..ladder import LATEST, ladder_for, release
+from ..ladder import LATEST, ladder_for, newest_step, release
 from ..levels import DrainResult
 from ..levels.options import Level
 from ..levels.topology import Topology
 from ..plugin import BalancedSavePlanner, MultiLevelReader, MultiLevelWriter
-from ..restore.agreement import Restore, Views, gather_views
+from ..restore.agreement import Restore, Views
 from ..restore.execute import RestoreReport
 from ..restore.inventory import needed_ranges
 from ..restore.plan import PART_SHARE
@@ -322,7 +322,7 @@ class CheckpointManager:
         (a drain killed with the previous run) is drained again.
         """
         self.finish_save()
-        if not gather_views(self.drivers).candidates():
+        if newest_step(self._given, topology=self._topology) is None:
             return None
         return self._load(state_dict, LATEST, planner)
 
