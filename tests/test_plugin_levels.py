@@ -388,3 +388,32 @@ def test_first_level_retention_spares_the_saves_in_progress(tmp_path):
     assert sorted(os.listdir(tmp_path / "l1")) == ["step-11", "step-5"]
     dcp_multilevel.wait()  # the save of step 5 never ends: its ticket is dropped
     assert ladder.commits.pending() == []
+
+
+def _process_mode_job(rank: int, world: int, root: str) -> str:
+    import multiprocessing
+
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # DCP's daemon rendezvous
+    multiprocessing.current_process().daemon = False  # ranks are daemonic: DCP starts one
+    levels = [Level(f"{root}/l1"), Level(f"{root}/remote")]
+    writer = MultiLevelWriter(levels=levels)
+    future = dcp.async_save(
+        {"w": torch.ones(8)}, storage_writer=writer, checkpoint_id="step-1",
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        future.result()
+    return str(info.value)
+
+
+def test_async_saves_with_levels_refuse_dcps_daemon_process(tmp_path):
+    (message,) = run_ranks(_process_mode_job, 1, str(tmp_path), timeout=180)
+    assert message == (
+        "dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS) with "
+        "MultiLevelWriter(levels=...): the levels' drains run in this process, which DCP's "
+        "daemon would never tell that a save committed; use AsyncCheckpointerType.THREAD "
+        "(the default)"
+    )
+    assert not (tmp_path / "l1" / "step-1" / "manifest.json").exists()

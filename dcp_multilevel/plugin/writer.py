@@ -214,6 +214,13 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
     def __getstate__(self) -> dict[str, Any]:
         # AsyncCheckpointerType.PROCESS pickles the writer to DCP's daemon process:
         # thread pools stay here; the stager pickles only what the daemon needs.
+        if self._levels is not None:
+            raise ConfigError(
+                "dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS) "
+                "with MultiLevelWriter(levels=...): the levels' drains run in this process, "
+                "which DCP's daemon would never tell that a save committed; use "
+                "AsyncCheckpointerType.THREAD (the default)"
+            )
         state = dict(self.__dict__)
         state["_codec_pool"] = None
         state["_payload_buffers"] = None
