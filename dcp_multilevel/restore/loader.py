@@ -153,11 +153,9 @@ class Loader:
         return self._bring_first(plan, views, reads)
 
     @staticmethod
-    def _own_files(manifest: Manifest) -> dict[str, list[list[int]]] | None:
+    def _own_files(manifest: Manifest) -> dict[str, list[list[int]]]:
         """What a rank surely reads of a step saved by as many ranks: the files its own
-        rank wrote, whole (None: every file, when the world size changed)."""
-        if manifest.world_size != _dist.world_size():
-            return None
+        rank wrote, whole."""
         return {f: [[0, manifest.files[f]]] for f in rank_files(manifest, _dist.rank())}
 
     def _bring_first(self, plan: Restore, views: Views, reads: Needs | None) -> Restore:
@@ -174,12 +172,8 @@ class Loader:
         world = decoded_manifest(plan.manifest, f"step {plan.step}").world_size
         if world != _dist.world_size():
             return plan
-        own = self.plan(plan.step, views, self._own_files)
-        if not own.ok:  # not after the plan above: only if a source was lost meanwhile
-            raise CheckpointNotFoundError(
-                f"step {plan.step} cannot be restored: " + "; ".join(own.reasons),
-                checkpoint=self.drivers[0].level.checkpoint_url(plan.step),
-            )
+        # Not after the plan above: only if a source was lost meanwhile.
+        own = self._planned(plan.step, views, self._own_files)
         self._bring(own)
         return own
 
@@ -193,13 +187,7 @@ class Loader:
             CheckpointNotFoundError: not every rank can have what it reads.
         """
         if plan.manifest is not None and reads is not None:
-            again = self.plan(plan.step, views, reads)
-            if not again.ok:
-                raise CheckpointNotFoundError(
-                    f"step {plan.step} cannot be restored: " + "; ".join(again.reasons),
-                    checkpoint=self.drivers[0].level.checkpoint_url(plan.step),
-                )
-            plan = again
+            plan = self._planned(plan.step, views, reads)
             self._bring(plan)
         for ref in plan.chain:
             assert ref.manifest is not None  # plan() keeps only references with one
@@ -209,6 +197,17 @@ class Loader:
         if plan.manifest is not None:
             # A node's lowest rank wrote those manifests: none of its ranks reads before.
             _dist.all_gather_object(None)
+        return plan
+
+    def _planned(self, step: int, views: Views, needs: Needs) -> Restore:
+        """:meth:`plan`, or CheckpointNotFoundError saying why not every rank can have
+        what ``needs`` says it reads. Collective."""
+        plan = self.plan(step, views, needs)
+        if not plan.ok:
+            raise CheckpointNotFoundError(
+                f"step {step} cannot be restored: " + "; ".join(plan.reasons),
+                checkpoint=self.drivers[0].level.checkpoint_url(step),
+            )
         return plan
 
     def _bring(self, plan: Restore) -> None:
