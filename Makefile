@@ -19,7 +19,7 @@ NODELOSS_OUT ?= $(DEMO_OUT)/nodeloss
 # editable install builds the extension in place).
 DEMO_STAMP := $(VENV)/.stamp-demo
 STAMP := $(VENV)/.stamp-setup
-NATIVE_SRC := setup.py dcp_multilevel/codecs/_planes.c
+NATIVE_SRC := setup.py dcp_multilevel/codecs/_planes.c dcp_multilevel/health/_finite.c
 
 .PHONY: setup setup-demo test lint format demo demo-nodeloss bench bench-setup figures tables tables-check gpu-check plots clean
 

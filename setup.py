@@ -1,4 +1,5 @@
-"""Builds the optional native byte-plane kernels; everything else is in pyproject.toml.
+"""Builds the optional native kernels (byte planes, non-finite counts); the rest is in
+pyproject.toml.
 
 ``optional=True``: where no C compiler is at hand the install still succeeds,
 and the bytegroup codec runs its numpy fallback (same bytes, slower with
@@ -20,6 +21,14 @@ setup(
             # dlopen, for libzstd at import (see _planes.c); in libc on recent glibc.
             libraries=[] if sys.platform == "win32" else ["dl"],
             optional=True,
-        )
+        ),
+        # Counting non-finite values where the writer hashes or codes the bytes
+        # (health/finite.py: numpy fallback, and the measurement behind it).
+        Extension(
+            "dcp_multilevel.health._finite",
+            ["dcp_multilevel/health/_finite.c"],
+            extra_compile_args=flags,
+            optional=True,
+        ),
     ]
 )

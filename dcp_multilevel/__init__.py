@@ -39,6 +39,7 @@ from .errors import (
     UnsupportedFormatVersionError,
     UnsupportedStateError,
 )
+from .health import Checks, LossSpike
 from .ladder import newest_step, wait
 from .levels import DrainResult, Level
 from .manage.manager import CheckpointManager, SaveMetrics
@@ -54,6 +55,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "Checks",
     "ChecksumMismatchError",
     "Compression",
     "ConfigError",
@@ -65,6 +67,7 @@ __all__ = [
     "DrainResult",
     "FixedInterval",
     "Level",
+    "LossSpike",
     "ManifestDigestError",
     "ManifestError",
     "MultiLevelReader",

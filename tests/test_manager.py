@@ -600,7 +600,7 @@ def _two_managers_job(rank: int, world: int, root: str) -> list[bool]:
             store.copy_rank_files = lambda *a, copy=copy: (time_.sleep(1.5), copy(*a))[1]
         mgr = CheckpointManager([Level(f"{root}/{name}/l1"), Level(f"{root}/{name}/remote")],
                                 drain_policy="wait")  # fmt: skip
-        mgr.save({"w": torch.full((32, 32), float(rank))}, step=1)
+        mgr.save({"w": torch.full((32, 32), 7.0)}, step=1)  # (replicas: equal)
         done = all(r.committed and r.error is None for r in mgr.wait())
         # A finished drain means "on the level": its manifest is there.
         out.append(done and os.path.exists(f"{root}/{name}/remote/step-1/manifest.json"))

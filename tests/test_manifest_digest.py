@@ -132,7 +132,7 @@ def test_a_damaged_digest_field_is_refused_not_taken_for_an_old_manifest(real_ma
         decode_manifest(renamed, checkpoint="s3://b/run/step-3")
     assert str(info.value) == (
         "manifest s3://b/run/step-3/manifest.json has no digest but has field(s) 'digesu', "
-        f"which only manifests with a digest may have. {WHAT_TO_DO}"
+        f"'health', which only manifests with a digest may have. {WHAT_TO_DO}"
     )
     not_hex = real_manifest[:-3] + b'g"}'
     with pytest.raises(ManifestDigestError) as info:
@@ -156,7 +156,7 @@ def test_seal_manifest_reseals_an_edited_document(real_manifest):
 def test_a_manifest_without_a_digest_loads_with_a_warning(tmp_path, caplog):
     path = saved(tmp_path / "c")
     doc = json.loads((path / "manifest.json").read_text())
-    del doc["digest"]
+    del doc["digest"], doc["health"]
     (path / "manifest.json").write_text(json.dumps(doc))  # as releases before it wrote them
     caplog.set_level(logging.WARNING, logger="dcp_multilevel")
     loaded = zeros_like_state(make_state())

@@ -51,6 +51,7 @@ from ..format import (
     decode_manifest,
     encode_manifest,
 )
+from ..format.health import Health
 from ..format.stock_hint import STOCK_METADATA_NAME, stock_hint_bytes
 from ..stores import ReadHandle, Store, store_for
 from ..stores.coalescing import CoalescingReader
@@ -265,13 +266,15 @@ class StoredCheckpoint:
         reference: Reference | None = None,
         extra: Mapping[str, Any] | None = None,
         stock_hint: bool = True,
+        health: Health | None = None,
     ) -> None:
         """Write the manifest, atomically and last: from now on the checkpoint exists.
 
         Every file ``files`` names must be durable in the store already.
         ``reference``: the sibling checkpoint the delta items are coded against.
         ``extra``: kept with the checkpoint (``Manifest.extra``), plain JSON.
-        ``stock_hint``: see :meth:`commit_manifest`.
+        ``stock_hint``: see :meth:`commit_manifest`. ``health``: what the save's
+        checks found (``format/health.py``).
 
         Raises:
             UnsupportedStateError: the metadata cannot be stored (see ``encode_manifest``).
@@ -279,7 +282,7 @@ class StoredCheckpoint:
         """
         doc = encode_manifest(
             metadata, locations, files, save_id=save_id, world_size=world_size,
-            created_unix=time.time(), reference=reference, extra=extra,
+            created_unix=time.time(), reference=reference, extra=extra, health=health,
         )  # fmt: skip
         self.commit_manifest(doc, stock_hint=stock_hint)
         logger.info(

@@ -208,6 +208,9 @@ class EncodeJob:
     ``name`` says what the item is in error notes (e.g. ``"item 'w' of data/0-0.bin"``).
     ``reference``: the same item's bytes in a reference checkpoint (framed
     items only): each chunk may then be stored as a delta against them.
+    ``observe``: called with each raw chunk of a framed item just before it is
+    coded, on the coding thread (the bytes are then in cache for the coder).
+    ``count_rule``: the caller's, carried along (how it inspects a raw item).
     """
 
     key: Any
@@ -215,6 +218,8 @@ class EncodeJob:
     layout: tuple[int, int] | None
     name: str = "item"
     reference: ReferenceSource | None = None
+    observe: Callable[[memoryview], None] | None = None
+    count_rule: Any = None
 
 
 @dataclass
@@ -295,7 +300,8 @@ def encode_items(
             chunk = item.job.view[start : start + item.starts.step]
             ref = _reference_chunk(item, item.next_chunk, len(chunk))
             args = (codec, chunk, width, rotate, buffers, None, ref, _sure(item.job))
-            item.tasks.append(backlog.submit(encode_chunk, *args))  # type: ignore[union-attr]
+            code = _observed(item.job.observe)
+            item.tasks.append(backlog.submit(code, *args))  # type: ignore[union-attr]
             item.next_chunk += 1
             in_flight += 1
 
@@ -320,7 +326,7 @@ def encode_items(
                     chunk = view[start : start + step]
                     ref = _reference_chunk(item, index, len(chunk))
                     args = (codec, chunk, width, rotate, buffers, None, ref, _sure(item.job))
-                    record, payload, buf = encode_chunk(*args)  # type: ignore[arg-type]
+                    record, payload, buf = _observed(item.job.observe)(*args)  # type: ignore[arg-type]
                 else:
                     record, payload, buf = backlog.result(task)  # type: ignore[union-attr]
             except Exception as e:
@@ -352,6 +358,18 @@ def encode_items(
     finally:
         if backlog is not None:
             backlog.cancel()
+
+
+def _observed(observe: Callable[[memoryview], None] | None) -> Callable[..., Any]:
+    """:func:`encode_chunk`, calling ``observe`` with the raw chunk first (when given)."""
+    if observe is None:
+        return encode_chunk
+
+    def code(codec: Codec, chunk: memoryview, *rest: Any) -> tuple[bytes, Part, np.ndarray | None]:
+        observe(chunk)
+        return encode_chunk(codec, chunk, *rest)
+
+    return code
 
 
 def _sure(job: EncodeJob) -> float:

@@ -5,6 +5,7 @@ Pure data handling: nothing here does I/O or knows about writers and readers.
 
 from .checksum import Hasher, checksum_of
 from .dtypes import dtype_from_name, dtype_name
+from .health import Finding, Health
 from .layout import (
     DATA_DIR,
     MANIFEST_NAME,
@@ -35,7 +36,9 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "TMP_MARKER",
+    "Finding",
     "Hasher",
+    "Health",
     "ItemLocation",
     "Manifest",
     "Reference",

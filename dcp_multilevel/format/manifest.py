@@ -26,6 +26,7 @@ Layout (format version 1; version 2 adds the two delta fields below)::
      "items": [{"fqn": "..", "offsets": [..] | null, "file": "..", "pos": 0,
                 "length": 16, "raw_length": 16, "transforms": [],
                 "checksum": "xxh3_64:<hex>"}],
+     "health": {"checked": [..], "findings": [..]},       (optional, health.py)
      "digest": "xxh3_64:<hex>"}
 
 ``digest``, always the last field, is the xxh3-64 of every byte of the file
@@ -62,6 +63,7 @@ from torch.distributed.checkpoint.metadata import (
 from .._version import __version__
 from ..errors import UnsupportedStateError
 from .dtypes import dtype_name
+from .health import Health
 from .layout import MANIFEST_NAME, parse_step_dir
 from .manifest_digest import DIGEST_FIELD, seal
 
@@ -135,6 +137,13 @@ class Manifest:
     reference: Reference | None = None
     #: The digest the manifest's bytes matched (None: written before manifests had one).
     digest: str | None = None
+    #: What the save's checks found (``health.py``); None: no record, a clean step.
+    health: Health | None = None
+
+    @property
+    def quarantined(self) -> bool:
+        """True when the save's checks found something (``docs/health.md``)."""
+        return self.health is not None and self.health.quarantined
 
     @property
     def reference_step(self) -> int | None:
@@ -156,6 +165,7 @@ def encode_manifest(
     created_unix: float,
     reference: Reference | None = None,
     extra: Mapping[str, Any] | None = None,
+    health: Health | None = None,
 ) -> bytes:
     """Serialize a checkpoint's manifest to UTF-8 JSON bytes, sealed by its digest.
 
@@ -163,6 +173,7 @@ def encode_manifest(
     (format version 2); required when an item has a ``reference`` checksum.
     ``extra``: what a tool keeps with the checkpoint (the manager: its
     schedule's state), plain JSON; no load depends on it.
+    ``health``: what the save's checks found (``health.py``).
 
     Raises UnsupportedStateError when the planner's ``planner_data`` is not
     made of plain strings and ints (it must survive JSON), or an item names a
@@ -213,6 +224,8 @@ def encode_manifest(
             raise UnsupportedStateError(
                 f"the manifest's extra values must be plain JSON (no NaN or infinity): {e}"
             ) from None
+    if health is not None:
+        parts.append(f',"health":{enc(health.to_json())}')
     parts.append("}")
     return seal("".join(parts))
 

@@ -36,6 +36,7 @@ from .._version import __version__
 from ..errors import ManifestError, UnsupportedFormatVersionError
 from .checksum import is_valid_checksum
 from .dtypes import dtype_from_name, dtype_name
+from .health import health_from_json
 from .manifest import (
     DELTA_FORMAT_VERSION,
     FORMAT_NAME,
@@ -155,6 +156,7 @@ def decode_manifest(data: bytes, *, checkpoint: str | None = None) -> Manifest:
         raise c.fail("extra must be an object")
     if reference is None and any(loc.reference is not None for loc in locations.values()):
         raise c.fail("an item is stored as a delta ('ref') but the manifest names no reference")
+    health = health_from_json(doc.get("health"), c.fail)
 
     metadata = Metadata(
         state_dict_metadata=state,
@@ -176,6 +178,7 @@ def decode_manifest(data: bytes, *, checkpoint: str | None = None) -> Manifest:
         extra=extra,
         reference=reference,
         digest=digest,
+        health=health,
     )
     if digest is None:
         logger.warning(

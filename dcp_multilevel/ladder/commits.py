@@ -86,6 +86,7 @@ class SaveTicket:
     outcome: str | None = None  # once settled: "committed", "failed" or "dropped"
     why: str | None = None  # why it failed
     reference_failed: bool = False  # it failed because its delta reference did
+    quarantine: str | None = None  # committed quarantined: why (``format/health.py``)
     committed_unix: float = 0.0
     sent: Sent = field(default_factory=Sent)  # where the follower sent the step
     #: Seconds the follower spent deciding and applying (retention, policy "wait").
@@ -168,8 +169,12 @@ class Commits:
         self._end(ticket, {"end": "failed", "why": why, "reference": reference})
 
     def committed(self, ticket: SaveTicket) -> None:
-        """Rank 0: the first level committed the save."""
-        self._end(ticket, {"end": "committed", "unix": time.time()})
+        """Rank 0: the first level committed the save (quarantined: ``ticket.quarantine``
+        says why, and every rank hears it)."""
+        value: dict[str, Any] = {"end": "committed", "unix": time.time()}
+        if ticket.quarantine is not None:
+            value["quarantine"] = ticket.quarantine
+        self._end(ticket, value)
 
     def _end(self, ticket: SaveTicket, value: dict[str, Any]) -> None:
         if self._shared:
@@ -186,6 +191,7 @@ class Commits:
         ticket.state = value["end"]
         ticket.why = value.get("why")
         ticket.reference_failed = bool(value.get("reference"))
+        ticket.quarantine = value.get("quarantine", ticket.quarantine)
         ticket.committed_unix = float(value.get("unix", time.time()))
 
     # ------------------------------------------------------------------ any thread

@@ -30,6 +30,7 @@ Call order (the ladder makes every call)::
     holdings.committed(job)            a lane, after a drain committed (retention there)
     holdings.dropped(index, step)      when a step will not reach a level
     holdings.learned(index, steps)     main thread, from a listing at load time
+    holdings.quarantined(steps)        any rank: steps whose checks found something
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class Holdings:
         # step -> the levels a decision sent it to (an adaptive policy cannot be
         # asked again about a past step; retention and resumed drains look here).
         self._decided: dict[int, frozenset[int]] = {}
+        # Steps committed quarantined (``format/health.py``): retention counts them last.
+        self._quarantined: set[int] = set()
 
     def spare(self, drainer: Drainer, saving: Callable[[], set[int]] | None = None) -> None:
         """Retention spares what ``drainer``'s running and waiting drains read (the
@@ -122,6 +125,16 @@ class Holdings:
         """A listing shows ``steps`` committed on level ``index``."""
         with self._lock:
             self._known[index].update(steps)
+
+    def quarantined(self, steps: Iterable[int]) -> None:
+        """``steps`` were committed quarantined: retention counts them after clean ones."""
+        with self._lock:
+            self._quarantined.update(steps)
+
+    def is_quarantined(self, step: int) -> bool:
+        """Whether ``step`` is known to be quarantined."""
+        with self._lock:
+            return step in self._quarantined
 
     def dropped(self, index: int, step: int) -> None:
         """``step`` will not reach level ``index`` (skipped, or superseded there): the
@@ -160,7 +173,10 @@ class Holdings:
             if self._saving is not None:
                 protected |= self._saving()
         refs = self.chains.refs(index, complete)
-        doomed = self._rules[index].doomed(complete, found.uncommitted, protected, refs)
+        with self._lock:
+            quarantined = set(self._quarantined)
+        doomed = self._rules[index].doomed(complete, found.uncommitted, protected, refs,
+                                           quarantined)  # fmt: skip
         for step in doomed:
             driver.delete(step)
             logger.info("dcp_multilevel: retention removed step %d from %s", step, level.url)
@@ -185,6 +201,7 @@ class Holdings:
                 books.difference_update([s for s in books if s < oldest])
             for step in [s for s in self._decided if s < oldest]:
                 del self._decided[step]
+            self._quarantined.difference_update([s for s in self._quarantined if s < oldest])
 
     def _first_level_protected(self, complete: Sequence[int]) -> set[int]:
         """First-level steps a higher level still needs from there: due and not known

@@ -187,7 +187,9 @@ class Ladder:
 
     def _decide(self, ticket: SaveTicket) -> dict[str, Any]:
         """Rank 0, after ``ticket``'s commit: which drains, what retention removes."""
-        decision = self.drains.decide(ticket.step, ticket.due)
+        if ticket.quarantine is not None:  # before retention: it counts the step last
+            self._quarantine(ticket)
+        decision = self.drains.decide(ticket.step, () if ticket.quarantine else ticket.due)
         try:
             removed = self.holdings.retain(0)
         except OSError as e:  # housekeeping: the save itself succeeded
@@ -210,12 +212,24 @@ class Ladder:
                          "for it: %s", ticket.step, self.first.url, decision["error"])  # fmt: skip
             return
         self.holdings.removed_on_first(decision["removed"], decision.get("oldest"))
+        if ticket.quarantine is not None:
+            self._quarantine(ticket)
+            logger.warning("dcp_multilevel: step %d is quarantined on %s and goes to no other "
+                           "level: %s", ticket.step, self.first.url, ticket.quarantine)  # fmt: skip
+            return
         self.chains.stored(0, ticket.step, ticket.reference)
         ticket.sent = self.drains.submit(ticket.step, ticket.due,
                                          DrainDecision.from_json(decision["drains"]),
                                          ticket.committed_unix)  # fmt: skip
         logger.info("dcp_multilevel: step %d committed on %s; draining to %s", ticket.step,
                     self.first.url, ticket.sent.started or "no level")  # fmt: skip
+
+    def _quarantine(self, ticket: SaveTicket) -> None:
+        """``ticket``'s step stays on the first level: due nowhere else (so the first
+        level need not keep it for a drain), counted last by retention, and never
+        in the delta history (no clean save is coded against it)."""
+        self.holdings.decided(ticket.step, frozenset((0,)))
+        self.holdings.quarantined([ticket.step])
 
     # ------------------------------------------------------------------ loads
 
@@ -225,6 +239,9 @@ class Ladder:
         copies made again, the delta chains and the count of saves resumed. Collective."""
         for i in range(1, len(self.levels)):
             self.holdings.learned(i, views.everyone[0][i])
+        self.holdings.quarantined(restore.passed_over)
+        for step in restore.passed_over:  # due nowhere: the first level need not keep them
+            self.holdings.decided(step, frozenset((0,)))
         record = self.loader.kept(restore, LEVELS_KEY)
         if isinstance(record, dict) and isinstance(record.get("save"), int):
             with self._lock:

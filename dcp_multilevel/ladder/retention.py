@@ -7,7 +7,11 @@ delta before its reference) and each manifest first, so a crash in the
 middle leaves no half-deleted checkpoint and no delta without its
 reference. A rule added here is run by both. The rules:
 
-- keep the newest ``keep`` complete checkpoints (``None``: all);
+- keep the newest ``keep`` complete clean checkpoints (``None``: all);
+  quarantined ones (``format/health.py``) do not count: they take the places
+  ``keep`` leaves free, newest first, and go first when clean ones need them,
+  but the newest one stays while no clean step is newer (so it can be
+  inspected); poison never pushes a clean step out;
 - never delete the newest complete checkpoint, nor a protected one: one
   being drained, or (on the first level) one a higher level is due to hold
   but is not known to hold yet (a remote outage grows the first level
@@ -43,9 +47,10 @@ class RetentionRules:
         complete: Sequence[int],
         protected: Collection[int] = (),
         refs: Mapping[int, int | None] | None = None,
+        quarantined: Collection[int] = (),
     ) -> list[int]:
         """Committed steps past ``keep`` that nothing kept needs."""
-        return expired(complete, self.keep, protected, refs)
+        return expired(complete, self.keep, protected, refs, quarantined)
 
     def abandoned(
         self, uncommitted: Iterable[int], complete: Sequence[int], protected: Collection[int] = ()
@@ -59,9 +64,10 @@ class RetentionRules:
         uncommitted: Iterable[int],
         protected: Collection[int] = (),
         refs: Mapping[int, int | None] | None = None,
+        quarantined: Collection[int] = (),
     ) -> list[int]:
         """Everything to delete, in the order to delete it (:func:`deletion_order`)."""
-        gone = self.expired(complete, protected, refs)
+        gone = self.expired(complete, protected, refs, quarantined)
         return deletion_order(gone + self.abandoned(uncommitted, complete, protected))
 
 
@@ -70,16 +76,26 @@ def expired(
     keep: int | None,
     protected: Collection[int],
     refs: Mapping[int, int | None] | None = None,
+    quarantined: Collection[int] = (),
 ) -> list[int]:
     """The complete steps (ascending in ``complete``) past ``keep`` that may be deleted.
 
     ``refs``: each delta checkpoint's reference step; what a kept or
-    protected checkpoint needs is kept too.
+    protected checkpoint needs is kept too. ``quarantined``: steps whose checks
+    found something, counted after the clean ones (see the module docstring).
     """
     if not complete:
         return []
-    kept = set(complete[-keep:]) if keep else set(complete)
-    kept.add(max(complete))
+    poisoned = [s for s in complete if s in quarantined]
+    clean = [s for s in complete if s not in quarantined]
+    kept = set(clean[-keep:]) if keep else set(clean)
+    if clean:
+        kept.add(max(clean))
+    if poisoned:
+        room = max(0, keep - len(kept)) if keep else len(poisoned)
+        kept.update(poisoned[-room:] if room else ())
+        if not clean or max(poisoned) > max(clean):  # the poison of now: inspectable
+            kept.add(max(poisoned))
     kept |= set(protected) & set(complete)
     if refs:
         kept = needed(kept, refs)

@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from .. import _dist
 from ..errors import ConfigError
 from ..format import step_dir
+from ..health import Checks
 from ..ladder import LATEST, ladder_for, newest_step, release
 from ..levels import DrainResult
 from ..levels.options import Level
@@ -109,6 +110,11 @@ class CheckpointManager:
         staging: the async saves' staging (:class:`~dcp_multilevel.StagingConfig`).
         restore_whole_files: a restore after a node loss brings whole files, not
             only the byte ranges the node's ranks read.
+        checks: the health checks every save runs (default: all on,
+            :class:`~dcp_multilevel.Checks`; ``docs/health.md``): a step they find
+            poisoned stays on the first level, quarantined, and
+            :meth:`load_latest` passes over it. Its loss rule judges the
+            ``loss`` given to :meth:`step` and :meth:`save`.
         overwrite: ``Level(overwrite=True)`` for every level: a save or drain of a
             step a level holds committed as another save replaces it atomically
             (the old one stays loadable until the new manifest commits). False
@@ -136,6 +142,7 @@ class CheckpointManager:
         staging: StagingConfig | None = None,
         restore_whole_files: bool = False,
         overwrite: bool = False,
+        checks: Checks | None = None,
     ) -> None:
         if overwrite and levels is not None:
             levels = [
@@ -168,6 +175,11 @@ class CheckpointManager:
         self._saves = FirstLevelSaves(ladder, self._given, topology,
                                       planner or BalancedSavePlanner(), async_save=async_save,
                                       staging=staging, timeout_s=drain_timeout_s)  # fmt: skip
+        if checks is not None and not isinstance(checks, Checks):
+            raise ConfigError(f"CheckpointManager(checks=...) takes a Checks, got {checks!r}")
+        #: The health checks every save runs (its loss rule remembers :meth:`step`'s losses).
+        self.checks = checks if checks is not None else Checks()
+        self._saves.checks = self.checks
         self.async_save = async_save
         self.metrics: list[SaveMetrics] = []
         if sweep_older_than_s is not None:
@@ -182,13 +194,15 @@ class CheckpointManager:
 
         Call it after every training step, on every rank (collective at the
         schedule's check steps, see ``manage/cadence.py``). ``loss``: the step's
-        loss (a convergence-aware schedule reads rank 0's). Returns the save's
+        loss (a convergence-aware schedule reads rank 0's; the health checks'
+        loss rule judges each rank's at a save, ``docs/health.md``). Returns the save's
         metrics, or None when nothing was saved. With ``save_on_sigterm``,
         after a SIGTERM on any rank: saves ``step`` to the first level, waits
         for its commit, and raises ``SystemExit(143)`` on every rank.
         """
         _check_step(step)
         tick = self._cadence.tick(step, loss, self._ladder.costs)
+        self._saves.loss = loss  # judged by the save, if one is made
         try:
             if tick.stop:
                 metrics = self._save(state_dict, step, [])
@@ -200,6 +214,8 @@ class CheckpointManager:
                 self._cadence.close()
                 raise SystemExit(128 + signal.SIGTERM)
             if tick.decision is None:
+                if loss is not None and self.checks.loss is not None:
+                    self.checks.loss.observe(loss)
                 return None
             self._ladder.holdings.decided(step, tick.decision.levels)
             self._sink.emit({**tick.decision.record(), "step": step, "rank": _dist.rank(),
@@ -212,18 +228,25 @@ class CheckpointManager:
             self._cadence.saved(step, [0, *started], metrics.seconds)
             return metrics
         finally:
+            self._saves.loss = None
             self._cadence.stepped()
 
-    def save(self, state_dict: dict[str, Any], step: int) -> SaveMetrics:
+    def save(
+        self, state_dict: dict[str, Any], step: int, *, loss: float | None = None
+    ) -> SaveMetrics:
         """Save ``state_dict`` as ``step``; return once the first level has committed it.
 
         The first level takes every ``save`` (its ``every`` is for :meth:`step`);
         higher levels take it when the schedule says so. Collective (every rank,
-        same step).
+        same step). ``loss``: the step's loss, for the health checks' loss rule.
         """
         _check_step(step)
         due = [i for i in range(1, len(self.levels)) if self._ladder.holdings.due(i, step)]
-        return self._save(state_dict, step, due)
+        self._saves.loss = loss
+        try:
+            return self._save(state_dict, step, due)
+        finally:
+            self._saves.loss = None
 
     def _save(self, state_dict: dict[str, Any], step: int, due: list[int]) -> SaveMetrics:
         """The first level's save, then rank 0's decisions for every rank (which drains
@@ -312,19 +335,25 @@ class CheckpointManager:
         return self.drivers[level_index].steps()
 
     def load_latest(
-        self, state_dict: dict[str, Any], *, planner: LoadPlanner | None = None
+        self,
+        state_dict: dict[str, Any],
+        *,
+        planner: LoadPlanner | None = None,
+        allow_quarantined: bool = False,
     ) -> int | None:
-        """Load the newest checkpoint every rank can reach; None if there is none.
+        """Load the newest clean checkpoint every rank can reach; None if there is none.
 
-        Collective. Raises CheckpointNotFoundError when checkpoints exist but
-        none is readable by every rank (never a silent fresh start).
+        Quarantined steps (``docs/health.md``) are passed over and logged, unless
+        ``allow_quarantined``. Collective. Raises CheckpointNotFoundError when
+        checkpoints exist but none is readable by every rank, or every one is
+        quarantined (never a silent fresh start).
         Afterwards, the newest step a higher level is due to hold but does not
         (a drain killed with the previous run) is drained again.
         """
         self.finish_save()
         if newest_step(self._given, topology=self._topology) is None:
             return None
-        return self._load(state_dict, LATEST, planner)
+        return self._load(state_dict, LATEST, planner, allow_quarantined)
 
     def load(
         self, state_dict: dict[str, Any], step: int, *, planner: LoadPlanner | None = None
@@ -336,9 +365,16 @@ class CheckpointManager:
         self.finish_save()
         self._load(state_dict, step_dir(step), planner)
 
-    def _load(self, state_dict: dict[str, Any], what: str, planner: LoadPlanner | None) -> int:
+    def _load(
+        self,
+        state_dict: dict[str, Any],
+        what: str,
+        planner: LoadPlanner | None,
+        allow_quarantined: bool = False,
+    ) -> int:
         """``dcp.load`` of ``what`` through the levels; the step loaded. Collective."""
-        reader = MultiLevelReader(what, levels=self._given, topology=self._topology)
+        reader = MultiLevelReader(what, levels=self._given, topology=self._topology,
+                                  allow_quarantined=allow_quarantined)  # fmt: skip
         loads = reader.loads
         assert loads is not None
         # What each rank reads, from a dry run of the load planner: the restore brings

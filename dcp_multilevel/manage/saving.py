@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from .. import _dist
 from ..errors import BrokenChainError, ConfigError, CorruptCheckpointError
 from ..format import step_dir
+from ..health import Checks
 from ..ladder import Ladder
 from ..levels import Topology
 from ..levels.options import Level
@@ -108,13 +109,17 @@ class FirstLevelSaves:
         self._async_group = _dist.new_group(timeout_s) if async_save else None
         self._staging = staging
         self._async_writer: MultiLevelWriter | None = None
+        #: The health checks each save runs (the manager's), and the next save's loss.
+        self.checks: Checks | None = None
+        self.loss: float | None = None
         #: The async save in flight (at most one), finished by :meth:`finish_async`.
         self.pending: PendingSave | None = None
 
     def _writer(self, step: int, due: Sequence[int], **options: Any) -> MultiLevelWriter:
         """A writer of ``step`` onto the levels (collective)."""
         return MultiLevelWriter(step_dir(step), levels=self.levels, topology=self.topology,
-                                due=due, **options)  # fmt: skip
+                                due=due, checks=self.checks, loss=self.loss,
+                                **options)  # fmt: skip
 
     def save_async(
         self, state_dict: dict[str, Any], step: int, extra: dict[str, Any] | None, due: list[int]
@@ -128,6 +133,7 @@ class FirstLevelSaves:
         if writer is None:
             writer = self._async_writer = self._writer(step, due, staging=self._staging)
         writer.due = list(due)  # the save before has committed: not read any more
+        writer.loss = self.loss
         writer.extra = dict(extra or {})
         future = dcp.async_save(
             state_dict, storage_writer=writer, checkpoint_id=step_dir(step),

@@ -1,37 +1,81 @@
-"""One data file of a :class:`~dcp_multilevel.MultiLevelWriter` save: coded and written.
+"""A rank's data files of a :class:`~dcp_multilevel.MultiLevelWriter` save: coded and written.
 
-The writer's ``write_data`` cuts its rank's items into buckets, one data file
-each; :func:`write_file` writes one of them, coding chunks ahead in the
-writer's codec pool while it hashes and writes (``codecs/pipeline.py``), and
-storing each chunk as raw, coded, or coded XOR the reference's bytes
-(``checkpoint/save_reference.py``). It reads the writer's codec, buffers and
-reference as the writer set them up.
+The writer's ``write_data`` calls :func:`write_rank`, which cuts its rank's
+items into buckets, one data file each; :func:`write_file` writes one of them,
+coding chunks ahead in the writer's codec pool while it hashes and writes
+(``codecs/pipeline.py``), and storing each chunk as raw, coded, or coded XOR
+the reference's bytes (``checkpoint/save_reference.py``). It reads the
+writer's codec, buffers and reference as the writer set them up.
 """
 
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing
 from typing import TYPE_CHECKING
 
-from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+import torch
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..checkpoint.sources import object_record, tensor_of
 from ..codecs import EncodeJob, encode_items, item_layout
-from ..format import Hasher, ItemLocation
+from ..format import Hasher, ItemLocation, data_file_path
 from ..format.tensor_bytes import byte_view
+from ..health import Tally, count, count_on_device, rule_for
+from ..planning import balance
+from ..staging import BackgroundSave
 from ..staging.live import LiveCountdown
+from .planner import write_item_nbytes
 
 if TYPE_CHECKING:
     from .writer import MultiLevelWriter
 
-__all__ = ["write_file"]
+__all__ = ["write_file", "write_rank"]
+
+#: Bytes counted (non-finite values) then hashed at a time: still in cache for the hash.
+_COUNT_SLICE = 1 << 20
 
 #: Chunks in flight per codec thread: enough to keep every thread busy while
 #: the writer thread hashes and writes (a few MiB each; bounds memory).
 _WINDOW_PER_THREAD = 3
+
+
+def write_rank(
+    writer: MultiLevelWriter,
+    plan: SavePlan,
+    planner: SavePlanner,
+    save: BackgroundSave,
+    tally: Tally | None,
+) -> list[WriteResult]:
+    """This rank's part of a save: its items cut into ``writer.thread_count`` data
+    files, written in parallel (:func:`write_file` each)."""
+    # File names come from this rank alone: DCP's plan caching can replay a
+    # cached plan, so storage_data from the coordinator may be stale.
+    token = uuid.uuid4().hex[:16]
+    sizes = [write_item_nbytes(item) for item in plan.items]
+    buckets = [[plan.items[i] for i in group] for group in balance(sizes, writer.thread_count)]
+    # An async save over its staging budget left some tensors live (see
+    # staging/stager.py): write those first, and let training go on once they are.
+    live = save.live_items(plan.items, planner)
+    if live:
+        for bucket in buckets:
+            bucket.sort(key=lambda item: item.index not in live)
+    countdown = save.countdown(live)
+    jobs = [(data_file_path(writer.rank, n, token), b) for n, b in enumerate(buckets)]
+    # resolve_data may be called from several threads; DefaultSavePlanner's
+    # lookup is a dict read, but torch.save of BYTE_IO items is not reentrant-safe
+    # for every object, so that part is serialized.
+    lock = threading.Lock()
+    args = (planner, lock, countdown, tally)
+    if len(jobs) <= 1:
+        return [r for job in jobs for r in write_file(writer, *job, *args)]
+    with ThreadPoolExecutor(len(jobs), thread_name_prefix="dcp-ml-write") as pool:
+        futures = [pool.submit(write_file, writer, *job, *args) for job in jobs]
+        return [r for f in futures for r in f.result()]
 
 
 def write_file(
@@ -41,19 +85,23 @@ def write_file(
     planner: SavePlanner,
     lock: threading.Lock,
     countdown: LiveCountdown,
+    tally: Tally | None = None,
 ) -> list[WriteResult]:
     """Write ``items`` to one data file, coding ahead in the pool while writing.
 
     ``encode_items`` keeps a window of chunks from this item and the next
     ones in the codec pool, so coding overlaps the hashing and writing
-    done here; memory stays bounded by that window.
+    done here; memory stays bounded by that window. With a ``tally``, each
+    floating-point item's non-finite values are counted on the way: a raw
+    item's slice by slice just before the hash reads it, a coded item's chunk by
+    chunk on the coding thread, a CUDA tensor's on its device.
     """
     results = []
     c = writer.compression
     pool = writer._pool()
     streams = ExitStack()  # the reference's data files, while their items are coded
     coded = encode_items(
-        _jobs(writer, path, items, planner, lock, streams), writer._codec,
+        _jobs(writer, path, items, planner, lock, streams, tally), writer._codec,
         chunk_size=c.chunk_size if c else 0, pool=pool,
         window=_WINDOW_PER_THREAD * c.threads if c and pool else 1,
         buffers=writer._payload_buffers,
@@ -65,8 +113,17 @@ def write_file(
                 pad_for(job.view)  # a big tensor then goes to the disk uncopied
             start = out.tell()
             hasher = Hasher()
+            rule = job.count_rule if job.layout is None else None
             for piece in parts:
-                hasher.update(piece)
+                if rule is not None:  # raw: each slice counted, then hashed from cache
+                    n = 0
+                    for at in range(0, len(piece), _COUNT_SLICE):
+                        piece_slice = piece[at : at + _COUNT_SLICE]
+                        n += count(piece_slice, rule)
+                        hasher.update(piece_slice)
+                    tally.add(job.key.index.fqn, n)  # type: ignore[union-attr]
+                else:
+                    hasher.update(piece)
                 out.write(piece)
             length = out.tell() - start
             transforms = () if job.layout is None else (writer._codec.descriptor,)  # type: ignore[union-attr]
@@ -86,18 +143,28 @@ def _jobs(
     planner: SavePlanner,
     lock: threading.Lock,
     streams: ExitStack,
+    tally: Tally | None,
 ) -> Iterator[EncodeJob]:
     """Each item's bytes and how to store them, resolved as the coder asks for them.
 
     A framed item the reference holds alike gets its reference stream
-    (opened here, closed by ``streams`` at the latest).
+    (opened here, closed by ``streams`` at the latest). With a ``tally``: how
+    its non-finite values are counted (see :func:`write_file`).
     """
     for item in items:
         if item.type == WriteItemType.BYTE_IO:
             record = object_record(planner, item, lock)
             yield EncodeJob(item, record, None, f"item {item.index.fqn!r} of {path}")
         else:
-            tensor = tensor_of(item, planner.resolve_data(item))
+            data = planner.resolve_data(item)
+            rule = rule_for(item.tensor_data.properties.dtype) if tally is not None else None
+            counted = None
+            if rule is not None and isinstance(data, torch.Tensor) and data.is_cuda:
+                counted = count_on_device(data)  # before tensor_of's copy waits for the device
+                rule = None
+            tensor = tensor_of(item, data)
+            if counted is not None:
+                tally.add(item.index.fqn, int(counted))  # type: ignore[union-attr]
             view = byte_view(tensor)
             layout = item_layout(view, tensor.dtype, writer._codec, writer.compression)
             source = (
@@ -106,4 +173,13 @@ def _jobs(
                 else None
             )
             name = f"item {item.index.fqn!r} of {path}"
-            yield EncodeJob(item, view, layout, name, source)
+            observe = None
+            if rule is not None and layout is not None:
+                fqn = item.index.fqn
+
+                def observe(
+                    chunk: memoryview, fqn: str = fqn, rule: tuple[int, int] = rule
+                ) -> None:
+                    tally.add(fqn, count(chunk, rule))  # type: ignore[union-attr]
+
+            yield EncodeJob(item, view, layout, name, source, observe, rule)

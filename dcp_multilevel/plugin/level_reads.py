@@ -67,6 +67,8 @@ class LevelLoads:
         #: Why the ranks could not agree on the step or bring it (DCP reports an error in
         #: read_metadata as an AssertionError quoting it): raised again by the manager.
         self.failure: DcpMultilevelError | None = None
+        #: Load a quarantined step when it is the newest (else it is passed over).
+        self.allow_quarantined = False
 
     def aim(self, path: str | os.PathLike[str] | None) -> None:
         """Load the step ``path`` names (None or ``"latest"``: the newest)."""
@@ -97,7 +99,8 @@ class LevelLoads:
         self.views = gather_views(self.ladder.drivers)
         self.failure = None
         try:
-            self.restore = self.ladder.loader.choose(self.views, self.target, self.reads)
+            self.restore = self.ladder.loader.choose(self.views, self.target, self.reads,
+                                                     self.allow_quarantined)  # fmt: skip
             if self.restore is None:
                 names = ", ".join(lv.url for lv in self.ladder.given)
                 raise CheckpointNotFoundError(

@@ -119,6 +119,12 @@ class LevelSaves:
         self.ticket = self.ladder.begin(self.step, due, self.reference_step)
         extra[LEVELS_KEY] = self.ladder.record(self.ticket)
 
+    def quarantined(self, reason: str) -> None:
+        """The coordinator, before its commit is reported: the save's checks found
+        ``reason``; the ladder keeps the step on the first level (``docs/health.md``)."""
+        if self.ticket is not None:
+            self.ticket.quarantine = reason
+
     @contextlib.contextmanager
     def reporting(self, outcome: str) -> Iterator[None]:
         """Around this rank's part of the save (``write_data``; the coordinator's

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from ..errors import PlanningError
+from ..format.health import Finding
 from ..format.tensor_bytes import byte_view, value_tensor
 from ..planning import CostModel, Item, PartitionOptions, Piece, partition
 from ..planning.fingerprint import fingerprint
@@ -89,15 +90,20 @@ class BalancedSavePlanner(DefaultSavePlanner):
         group_key: maps an FQN to its sub-collection (``None``: no grouping).
         verify_replicas: before deduplicating, check that every replicated
             item has the same bytes on every rank that holds it (hashes only
-            travel); raise PlanningError naming the FQN and ranks otherwise.
-            CPU tensors are hashed with xxh3, device tensors fingerprinted on
-            their device (``planning/fingerprint.py``: 16 bytes come back, not
-            the tensor): a replica must live on the same kind of device on
-            every rank.
+            travel; the ``replicas`` health check, ``docs/health.md``). Copies
+            that differ make the save quarantined, naming the items and ranks
+            (:attr:`health_findings`, which ``MultiLevelWriter`` records; the
+            planner logs them for any writer); with three or more copies and a
+            majority, the ranks outvoted do not write them: the majority's
+            bytes are stored. CPU tensors are hashed with xxh3, device tensors
+            fingerprinted on their device (``planning/fingerprint.py``: 16
+            bytes come back, not the tensor): a replica must live on the same
+            kind of device on every rank.
         enable_plan_caching: reuse the global plan while local plans do not
             change (DCP's mechanism), per planner instance: reuse one planner
             across saves to benefit. Turned off by ``verify_replicas``, whose
-            hashes change every step.
+            hashes change every step (the local plan of a state laid out as the
+            last save's is still reused).
         flatten_state_dict, flatten_sharded_tensors: as in DefaultSavePlanner.
     """
 
@@ -109,7 +115,7 @@ class BalancedSavePlanner(DefaultSavePlanner):
         min_chunk_bytes: int | None = None,
         split: bool = True,
         group_key: Callable[[str], str] | None = parent_group,
-        verify_replicas: bool = False,
+        verify_replicas: bool = True,
         enable_plan_caching: bool = True,
         flatten_state_dict: bool = True,
         flatten_sharded_tensors: bool = True,
@@ -136,6 +142,9 @@ class BalancedSavePlanner(DefaultSavePlanner):
         weakref.finalize(self, drop_cached_plans, self._cached_plans_key)
         #: The last partition's loads (cost units), for reports and tests.
         self.last_loads: tuple[int, ...] = ()
+        #: The coordinator, after the last global plan: what the replica check found.
+        self.health_findings: tuple[Finding, ...] = ()
+        self._outvoted: dict[MetadataIndex, frozenset[int]] = {}
         self._kept_local = KeptLocalPlan()
 
     # ------------------------------------------------------------------ local
@@ -148,14 +157,7 @@ class BalancedSavePlanner(DefaultSavePlanner):
         item's data once more, on every rank.
         """
         if self.verify_replicas:  # (no plan caching: the digests change every step)
-            plan = super().create_local_plan()
-            if plan.usable:
-                digests = {item.index: self._digest(item) for item in plan.items}
-                plan = dataclasses.replace(
-                    plan, planner_data=_LocalPlannerData(plan.planner_data, digests)
-                )
-                self.plan = plan
-            return plan
+            return self._plan_with_digests()
         answer = self._answer_from_kept_plan()
         if answer is not None:
             return answer
@@ -165,6 +167,27 @@ class BalancedSavePlanner(DefaultSavePlanner):
         cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
         made = cached if not plan.usable and cached is not None else self.plan
         self._kept_local.keep(self.state_dict, self.is_coordinator, self._paths(), made)
+        return plan
+
+    def _plan_with_digests(self) -> SavePlan:
+        """The local plan (the kept one for a state laid out as the last save's) with
+        an xxh3 digest of every item, for the replica check."""
+        kept = self._kept_local.plan_for(self.state_dict, self.is_coordinator, self._paths())
+        if kept is None:
+            plan = super().create_local_plan()  # (DCP's caching is off: a plan, always)
+            self._kept_local.keep(self.state_dict, self.is_coordinator, self._paths(), plan)
+        else:
+            plan = (
+                dataclasses.replace(kept, planner_data=self.mappings)
+                if self.flatten_state_dict
+                else kept
+            )
+        if plan.usable:
+            digests = {item.index: d for item in plan.items if (d := self._digest(item))}
+            plan = dataclasses.replace(
+                plan, planner_data=_LocalPlannerData(plan.planner_data, digests)
+            )
+        self.plan = plan
         return plan
 
     def _answer_from_kept_plan(self) -> SavePlan | None:
@@ -202,11 +225,21 @@ class BalancedSavePlanner(DefaultSavePlanner):
         """Where each flattened key came from in the nested state (DCP's mappings)."""
         return self.mappings if self.flatten_state_dict else {}
 
-    def _digest(self, item: WriteItem) -> str:
-        data = super().resolve_data(item)
+    def _digest(self, item: WriteItem) -> str | None:
+        """The item's digest; None for a value that does not serialize (the writer
+        reports that, naming it, when it stores the value)."""
+        if item.type == WriteItemType.BYTE_IO:
+            try:
+                data = super().resolve_data(item)
+            except Exception:  # noqa: BLE001 - not this check's to report
+                return None
+        else:
+            data = super().resolve_data(item)
         if isinstance(data, io.BytesIO):
             return xxhash.xxh3_64_hexdigest(data.getbuffer())
         t = data.detach()
+        if t.device.type == "meta":  # no values (a planning dry run): nothing to compare
+            return None
         if t.device.type != "cpu":  # on the device: no whole copy to the host
             return fingerprint(t.resolve_conj().resolve_neg())  # (values, not memory)
         return xxhash.xxh3_64_hexdigest(byte_view(value_tensor(t)))
@@ -234,13 +267,17 @@ class BalancedSavePlanner(DefaultSavePlanner):
             return self._plan_globally(all_plans)
 
     def _plan_globally(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        self.health_findings, self._outvoted = (), {}
         if self.verify_replicas:
-            check_replicas(
+            findings, self._outvoted = check_replicas(
                 [
                     p.planner_data.digests if isinstance(p.planner_data, _LocalPlannerData) else {}
                     for p in all_plans
                 ]
             )
+            self.health_findings = tuple(findings)
+            for f in findings:
+                logger.error("dcp_multilevel: the save is poisoned: %s", f.describe())
         all_plans = [
             dataclasses.replace(p, planner_data=p.planner_data.mappings)
             if isinstance(p.planner_data, _LocalPlannerData)
@@ -274,8 +311,11 @@ class BalancedSavePlanner(DefaultSavePlanner):
         group_key = self.group_key
         tensor = WriteItemType.TENSOR
         items = []
+        outvoted = self._outvoted
         for key, w in enumerate(first):
             holders = owners[key]
+            if outvoted and w.index in outvoted:  # the majority's copies are written
+                holders = tuple(r for r in holders if r not in outvoted[w.index])
             if len(holders) == 1:
                 # Stays with its one holder: no ordering among replicas, no group
                 # (saves building both for each of FSDP's 1.8M shards at 16k ranks).

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.tensor import DTensor
 
 from ..errors import PlanningError
+from ..format.health import Finding
 from ..planning import Piece, chunk_errors
 
 __all__ = [
@@ -326,25 +327,49 @@ def _raise_mismatch(a: WriteItem, b: WriteItem, rank_a: int, rank_b: int) -> Non
     )
 
 
-def check_replicas(digests: list[dict[MetadataIndex, str]]) -> None:
-    """Raise when a replicated item hashes differently on the ranks that hold it."""
+def check_replicas(
+    digests: list[dict[MetadataIndex, str]],
+) -> tuple[list[Finding], dict[MetadataIndex, frozenset[int]]]:
+    """Compare every replicated item's digests across the ranks that hold it.
+
+    Returns the findings (one per kind: outvoted copies, or copies with no
+    majority; ``format/health.py``) and, per item with a strict majority, the
+    ranks outvoted: they must not write it, so the majority's bytes are stored.
+    With no majority (two copies that differ) every holder may write it; the
+    save is quarantined either way.
+    """
     by_index: dict[MetadataIndex, dict[str, list[int]]] = defaultdict(dict)
     for rank, per_item in enumerate(digests):
         for index, digest in per_item.items():
             by_index[index].setdefault(digest, []).append(rank)
-    differing = sorted(
-        ((index, groups) for index, groups in by_index.items() if len(groups) > 1),
-        key=lambda e: (e[0].fqn, tuple(e[0].offset or ())),
-    )
-    if differing:
-        index, groups = differing[0]
-        variants = "; ".join(
-            f"ranks {ranks} hold {digest if digest.startswith('fp64x2:') else 'xxh3 ' + digest}"
-            for digest, ranks in sorted(groups.items(), key=lambda g: g[1])
-        )
-        more = f" ({len(differing) - 1} more items differ)" if len(differing) > 1 else ""
-        raise PlanningError(
-            f"replicated item {index.fqn!r} is not equal on every rank: {variants}{more}. "
-            "Stock DCP would silently keep one copy; make the replicas equal (e.g. broadcast "
-            "from rank 0) or give them distinct names."
-        )
+    outvoted: dict[MetadataIndex, frozenset[int]] = {}
+    minority_items: list[str] = []
+    minority_ranks: set[int] = set()
+    split_items: list[str] = []
+    split_ranks: set[int] = set()
+    for index, groups in by_index.items():
+        if len(groups) < 2:
+            continue
+        holders = sum(len(r) for r in groups.values())
+        largest = max(groups.values(), key=len)
+        if 2 * len(largest) > holders:
+            others = frozenset(r for g in groups.values() if g is not largest for r in g)
+            outvoted[index] = others
+            minority_items.append(index.fqn)
+            minority_ranks |= others
+        else:
+            split_items.append(index.fqn)
+            split_ranks.update(r for g in groups.values() for r in g)
+    findings = []
+    if minority_items:
+        findings.append(Finding(
+            "replicas", "replicated tensors differ from the other ranks' copies; the "
+            "majority's bytes are written", tuple(sorted(set(minority_items))),
+            tuple(sorted(minority_ranks)),
+        ))  # fmt: skip
+    if split_items:
+        findings.append(Finding(
+            "replicas", "replicated tensors differ across ranks with no majority",
+            tuple(sorted(set(split_items))), tuple(sorted(split_ranks)),
+        ))  # fmt: skip
+    return findings, outvoted

@@ -55,6 +55,7 @@ from ..levels.options import Level
 from ..stores import Store
 from .level_reads import LevelLoads
 from .read_files import read_file, split_runs
+from .read_options import checked_fallbacks, warn_if_quarantined
 
 __all__ = ["MultiLevelReader"]
 
@@ -79,6 +80,8 @@ class MultiLevelReader(StorageReader):
             whose copy checks out. Construction and ``dcp.load`` are then
             collective (every rank).
         topology: with ``levels``: which node each rank is on (as the writer's).
+        allow_quarantined: with ``levels`` and no step: load the newest step even
+            when it is quarantined (``docs/health.md``; default: pass over those).
         fallbacks: other copies of the SAME checkpoint on slower levels, in the
             order to try them (e.g. ``["s3://bucket/run1/step-100"]``). They may
             use other codecs and file layouts; their DCP metadata must equal
@@ -114,6 +117,7 @@ class MultiLevelReader(StorageReader):
         *,
         levels: Sequence[Level] | None = None,
         topology: Topology | None = None,
+        allow_quarantined: bool = False,
         fallbacks: Sequence[str | os.PathLike[str]] = (),
         thread_count: int = 1,
         storage_options: dict[str, Any] | None = None,
@@ -123,20 +127,7 @@ class MultiLevelReader(StorageReader):
         super().__init__()
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ConfigError(f"thread_count must be an integer >= 1, got {thread_count!r}")
-        if isinstance(fallbacks, (str, bytes, os.PathLike)):
-            raise ConfigError(
-                f"fallbacks must be a sequence of locations, got the single location "
-                f"{fallbacks!r}; pass fallbacks=[{fallbacks!r}]"
-            )
-        fallbacks = list(fallbacks)
-        if fallback_storage_options is None:
-            fallback_storage_options = [None] * len(fallbacks)
-        fallback_storage_options = list(fallback_storage_options)
-        if len(fallback_storage_options) != len(fallbacks):
-            raise ConfigError(
-                f"fallback_storage_options has {len(fallback_storage_options)} entries for "
-                f"{len(fallbacks)} fallbacks; give one (a dict or None) per fallback"
-            )
+        fallbacks, fallback_storage_options = checked_fallbacks(fallbacks, fallback_storage_options)
         self.thread_count = thread_count
         self.storage_options = dict(storage_options or {})
         self._fallbacks = [
@@ -154,6 +145,7 @@ class MultiLevelReader(StorageReader):
             LevelLoads.refuse(fallbacks, primary_manifest)
             ladder = ladder_for(levels, topology=topology, who="MultiLevelReader")
             self.loads = LevelLoads(ladder, path)
+            self.loads.allow_quarantined = allow_quarantined
             self.path = self.loads.location
             self._new_load()
         elif path is None:
@@ -255,6 +247,8 @@ class MultiLevelReader(StorageReader):
                 continue
             self._base = i
             self.metadata_source = copy.url
+            if self.loads is None:  # (with levels, the ladder chose the step knowingly)
+                warn_if_quarantined(manifest, copy.url)
             md = manifest.metadata
             md.storage_meta = StorageMeta(
                 checkpoint_id=copy.location, save_id=manifest.save_id, load_id=self.load_id

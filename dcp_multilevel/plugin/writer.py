@@ -28,8 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
-import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -54,17 +52,17 @@ from ..errors import (
     CheckpointExistsError,
     ConfigError,
 )
-from ..format import ItemLocation, data_file_path, dtype_name
+from ..format import ItemLocation, dtype_name
+from ..health import Checks, Health, Tally
 from ..ladder.commits import SaveTicket
 from ..levels import Topology
 from ..levels.options import Level
-from ..planning import balance
 from ..staging import BackgroundSave, Stager, StagingConfig
 from ..staging.buffers import HostBufferPool
 from ..stores import Store, store_for
-from .data_files import write_file
+from .data_files import write_rank
 from .level_saves import LevelSaves, reporting
-from .planner import write_item_nbytes
+from .save_health import rank_report, take_reports
 
 __all__ = ["MultiLevelWriter"]
 
@@ -122,6 +120,14 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         extra: plain-JSON values the coordinator records in the manifest
             (``Manifest.extra``; the manager keeps its schedule's state there).
             Loads do not depend on them; drains carry them along.
+        checks: the health checks every save runs (default: all on,
+            :class:`~dcp_multilevel.Checks`; ``Checks.off()``: none). A save
+            they find poisoned is committed *quarantined*: with ``levels``,
+            it stays on the first level, retention counts it last and a
+            load of the newest step passes over it (``docs/health.md``).
+        loss: this save's training loss, judged by ``checks.loss`` (set it per
+            save on a reused writer; keep one ``Checks`` across saves, whose
+            loss rule remembers the losses it saw).
 
     Raises:
         ConfigError: on an invalid option.
@@ -143,8 +149,18 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         stock_hint: bool = True,
         reference: str | os.PathLike[str] | StoredCheckpoint | None = None,
         extra: dict[str, Any] | None = None,
+        checks: Checks | None = None,
+        loss: float | None = None,
     ) -> None:
         super().__init__()
+        if checks is not None and not isinstance(checks, Checks):
+            raise ConfigError(f"MultiLevelWriter(checks=...) takes a Checks, got {checks!r}")
+        #: The health checks every save runs (``docs/health.md``).
+        self.checks = checks if checks is not None else Checks()
+        #: The next save's training loss (judged by ``checks.loss``; None: none given).
+        self.loss = loss
+        #: What the last committed save's checks found (the coordinator's; None before).
+        self.health: Health | None = None
         self._levels = LevelSaves.of(
             levels, topology, due, path, codec=codec, storage_options=storage_options,
             reference=reference,
@@ -363,33 +379,12 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         self, plan: SavePlan, planner: SavePlanner, save: BackgroundSave
     ) -> Future[list[WriteResult]]:
         """This rank's data files; the returned future is complete."""
-        # File names come from this rank alone: DCP's plan caching can replay a
-        # cached plan, so storage_data from the coordinator may be stale.
-        token = uuid.uuid4().hex[:16]
-        sizes = [write_item_nbytes(item) for item in plan.items]
-        buckets = [[plan.items[i] for i in group] for group in balance(sizes, self.thread_count)]
-        # An async save over its staging budget left some tensors live (see
-        # staging/stager.py): write those first, and let training go on once they are.
-        live = save.live_items(plan.items, planner)
-        if live:
-            for bucket in buckets:
-                bucket.sort(key=lambda item: item.index not in live)
-        countdown = save.countdown(live)
-        jobs = [(data_file_path(self.rank, n, token), b) for n, b in enumerate(buckets)]
-        # resolve_data may be called from several threads; DefaultSavePlanner's
-        # lookup is a dict read, but torch.save of BYTE_IO items is not reentrant-safe
-        # for every object, so that part is serialized.
-        lock = threading.Lock()
-        if len(jobs) <= 1:
-            results = [r for job in jobs for r in write_file(self, *job, planner, lock, countdown)]
-        else:
-            with ThreadPoolExecutor(len(jobs), thread_name_prefix="dcp-ml-write") as pool:
-                futures = [
-                    pool.submit(write_file, self, *job, planner, lock, countdown) for job in jobs
-                ]
-                results = [r for f in futures for r in f.result()]
+        tally = Tally() if self.checks.nonfinite else None
+        results = write_rank(self, plan, planner, save, tally)
         self.bytes_written = sum(r.size_in_bytes for r in results)
         self.delta_items = sum(r.storage_data.reference is not None for r in results)
+        results.append(rank_report(self.checks, self.rank, self.is_coordinator, planner,
+                                   self.loss, tally))  # fmt: skip
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -406,18 +401,25 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         """The commit: the manifest, written last; then the sweep of stale files."""
         locations: dict[MetadataIndex, ItemLocation] = {}
         files: dict[str, int] = {}
-        for rank_results in results:
-            for wr in rank_results:
-                loc: ItemLocation = wr.storage_data
-                locations[wr.index] = loc
-                files[loc.file] = max(files.get(loc.file, 0), loc.offset + loc.length)
+        written, health = take_reports(results)
+        for wr in written:
+            loc: ItemLocation = wr.storage_data
+            locations[wr.index] = loc
+            files[loc.file] = max(files.get(loc.file, 0), loc.offset + loc.length)
         self.checkpoint.commit(
             metadata, locations, files, save_id=self.save_id, world_size=len(results),
             reference=self._delta and self._delta.checked(self.checkpoint, locations),
             extra=self.extra,
             stock_hint=self.stock_hint,
+            health=health,
         )  # fmt: skip
         self._committed_id = self.save_id
+        self.health = health
+        if health is not None and health.quarantined:
+            logger.warning("dcp_multilevel: %s is committed QUARANTINED: %s", self.checkpoint.url,
+                           health.reason())  # fmt: skip
+            if self._levels is not None:
+                self._levels.quarantined(health.reason())
         # dcp.save returns this metadata: its storage_meta names the save, as stock's.
         metadata.storage_meta = StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
         self.checkpoint.sweep(keep=files)

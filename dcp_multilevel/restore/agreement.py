@@ -80,6 +80,8 @@ class Restore:
     #: A first-level delta's references, oldest first, each restored before the
     #: step (the reader finds them beside it on the first level).
     chain: tuple[Restore, ...] = ()
+    #: Newer steps a load of the newest step passed over: quarantined.
+    passed_over: tuple[int, ...] = ()
 
     @property
     def ok(self) -> bool:

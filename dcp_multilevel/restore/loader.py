@@ -80,32 +80,49 @@ class Loader:
             self.last_phases[name] = self.last_phases.get(name, 0.0) + time.perf_counter() - t0
 
     def choose(
-        self, views: Views, step: int | None = None, reads: Needs | None = None
+        self,
+        views: Views,
+        step: int | None = None,
+        reads: Needs | None = None,
+        allow_quarantined: bool = False,
     ) -> Restore | None:
-        """Agree on ``step`` (None: the newest every rank can restore) and bring onto each
-        node, whole, the files of its own ranks it lacks; the restore, or None when no
-        level holds a checkpoint (``step`` None only). Collective.
+        """Agree on ``step`` (None: the newest clean step every rank can restore) and
+        bring onto each node, whole, the files of its own ranks it lacks; the restore,
+        or None when no level holds a checkpoint (``step`` None only). Collective.
 
         ``reads``: what each rank's load reads, when the caller knows it (a dry run of
         its load planner): then exactly that is brought, and :meth:`complete` has
-        nothing left to do.
+        nothing left to do. A quarantined step (``format/health.py``) is passed over,
+        logged, unless ``allow_quarantined``; one asked for by its number is loaded
+        with a warning (``Restore.passed_over``: the steps passed over).
 
         Raises:
             CheckpointNotFoundError: no level holds ``step``, or not every rank can
                 restore it; or checkpoints exist, but none can be restored by every
-                rank (never a silent fresh start).
+                rank, or every one is quarantined (never a silent fresh start).
         """
         self.last_phases = {}
         self.last_restore = None
         if step is not None:
-            return self._choose_step(views, step, reads)
+            plan = self._choose_step(views, step, reads)
+            _warn_if_quarantined(plan, "asked for by its number")
+            return plan
         candidates = views.candidates()
         newest: Restore | None = None
+        passed: list[int] = []
         for candidate in reversed(candidates):
             plan = self.plan(candidate, views, reads or _every_file)
             newest = newest or plan
             if not plan.ok:
                 continue
+            why = _quarantine_of(plan)
+            if why is not None and not allow_quarantined:
+                logger.warning("dcp_multilevel: passing over step %d, quarantined: %s",
+                               candidate, why)  # fmt: skip
+                passed.append(candidate)
+                continue
+            if why is not None:
+                _warn_if_quarantined(plan, "allow_quarantined=True")
             try:
                 plan = self._bring_first(plan, views, reads)
             except CheckpointNotFoundError as e:
@@ -115,7 +132,17 @@ class Loader:
                 if newest is plan:
                     newest = dataclasses.replace(plan, reasons=(*plan.reasons, str(e)))
                 continue
-            return plan
+            return dataclasses.replace(plan, passed_over=tuple(passed))
+        if passed:
+            first = self.drivers[0].level
+            raise CheckpointNotFoundError(
+                f"every checkpoint every rank can restore is quarantined (steps "
+                f"{sorted(passed)} on {first.url}: their checks found poisoned state, see "
+                "`dcp-multilevel ls`). Load one deliberately by its number, or with "
+                "MultiLevelReader(..., allow_quarantined=True) / load_latest("
+                "allow_quarantined=True), or start fresh with a new level location.",
+                checkpoint=first.checkpoint_url(max(passed)),
+            )
         if candidates:
             first = self.drivers[0].level
             raise CheckpointNotFoundError(
@@ -342,6 +369,23 @@ class Loader:
             logger.warning("dcp_multilevel: step %d cannot be restored: %s", step,
                            "; ".join(plan.reasons))  # fmt: skip
         return plan
+
+
+def _quarantine_of(plan: Restore) -> str | None:
+    """Why ``plan``'s step is quarantined (its first-level manifest says), else None.
+    Only the first level holds quarantined steps: a step read from higher levels only
+    was drained, so it was clean."""
+    if plan.manifest is None:
+        return None
+    manifest = decoded_manifest(plan.manifest, f"step {plan.step}")
+    return manifest.health.reason() if manifest.quarantined else None  # type: ignore[union-attr]
+
+
+def _warn_if_quarantined(plan: Restore, how: str) -> None:
+    why = _quarantine_of(plan)
+    if why is not None:
+        logger.warning("dcp_multilevel: loading step %d, which is QUARANTINED (%s): %s",
+                       plan.step, how, why)  # fmt: skip
 
 
 def _every_file(manifest: Manifest) -> None:
