@@ -30,7 +30,8 @@ from rich.progress import (
 
 from ..checkpoint import CheckpointRoot, StoredCheckpoint
 from ..errors import CheckpointNotFoundError, DcpMultilevelError
-from ..format import MANIFEST_NAME
+from ..format import MANIFEST_NAME, Health
+from ..format.health import health_from_json
 from ..stores import parse_location
 
 __all__ = [
@@ -40,7 +41,9 @@ __all__ = [
     "emit_json",
     "format_bytes",
     "format_codecs",
+    "format_health",
     "format_time",
+    "health_of",
     "json_option",
     "one_line",
     "open_checkpoint",
@@ -270,3 +273,23 @@ def format_time(unix: float | None) -> str:
     if unix is None:
         return "-"
     return datetime.fromtimestamp(unix, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def health_of(doc: Mapping[str, Any]) -> Health | None:
+    """The health record of a command's JSON entry (its ``health`` value, from a
+    manifest that decoded: valid); None: no record, or no manifest."""
+    return health_from_json(doc.get("health"), ValueError)
+
+
+def format_health(doc: Mapping[str, Any], width: int | None = None) -> str:
+    """A step's health for people, one line: ``QUARANTINED: <reason>`` (the reason cut
+    to ``width`` characters), ``clean``, or ``-`` when unknown (no manifest read)."""
+    if "health" not in doc:
+        return "-"
+    health = health_of(doc)
+    if health is None or not health.quarantined:
+        return "clean"
+    reason = health.reason()
+    if width is not None and len(reason) > width:
+        reason = reason[: width - 1].rstrip() + "…"
+    return f"QUARANTINED: {reason}"

@@ -1,4 +1,5 @@
-"""Facts about one checkpoint computed from its manifest (no data read): sizes, codecs."""
+"""Facts about one checkpoint computed from its manifest (no data read): sizes, codecs,
+health."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 from ..format import Manifest
 
-__all__ = ["codecs_of", "raw_bytes", "stored_bytes", "summary"]
+__all__ = ["codecs_of", "health_facts", "raw_bytes", "stored_bytes", "summary"]
 
 
 def stored_bytes(manifest: Manifest) -> int:
@@ -22,6 +23,16 @@ def raw_bytes(manifest: Manifest) -> int:
 def codecs_of(manifest: Manifest) -> list[str]:
     """The codec descriptors items are stored with (sorted); ``[]`` when none is coded."""
     return sorted({t for loc in manifest.locations.values() for t in loc.transforms})
+
+
+def health_facts(manifest: Manifest) -> dict[str, Any]:
+    """The checkpoint's health as JSON-able values (``ls``, ``inspect`` and ``verify``
+    share them): ``quarantined``, and ``health``, the manifest's record as it is
+    stored (None: no record, a clean step saved without checks)."""
+    return {
+        "quarantined": manifest.quarantined,
+        "health": None if manifest.health is None else manifest.health.to_json(),
+    }
 
 
 def summary(manifest: Manifest) -> dict[str, Any]:
@@ -40,4 +51,5 @@ def summary(manifest: Manifest) -> dict[str, Any]:
         "items": len(manifest.locations),
         # A delta checkpoint needs this sibling to load (docs/delta.md).
         "delta_of": None if manifest.reference is None else manifest.reference.checkpoint,
+        **health_facts(manifest),
     }

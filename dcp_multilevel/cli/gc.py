@@ -6,7 +6,10 @@ The rules are the ladder's (``ladder/retention.py``: the same
 - **expired**: committed checkpoints past the newest ``--keep``; the newest
   committed one is never deleted, nor a checkpoint a kept delta checkpoint
   needs (its reference, and that one's: ``--keep`` counts restorable
-  checkpoints);
+  checkpoints). Quarantined checkpoints (their save's health checks found
+  something: ``format/health.py``) do not count toward ``--keep``: they take
+  the places clean ones leave free and go first, but the newest one stays
+  while no clean checkpoint is newer;
 - **abandoned**: ``step-<N>`` directories without a manifest that are older
   (by step) than the newest committed checkpoint, or whose files were all
   last modified more than ``--older-than`` seconds ago (age is known only on
@@ -19,9 +22,10 @@ The rules are the ladder's (``ladder/retention.py``: the same
 
 Finding what to delete costs per step, never per file: one listing of ROOT
 and one lookup per step for its manifest (nothing inside a step:
-``CheckpointRoot.scan``), the manifests of the kept steps and of what they
-need only, and, for the sweep of a local directory, a listing of each step
-directory but none of the settled directories of committed checkpoints
+``CheckpointRoot.scan``), the manifests only of the kept steps, of what
+they need and of the quarantined steps newer than the kept clean ones, and,
+for the sweep of a local directory, a listing of each step directory but
+none of the settled directories of committed checkpoints
 (``LocalStore.sweep``). Deleting a step is one recursive removal (on S3: a
 listing of its prefix, then up to 1,000 objects per delete request).
 
@@ -68,36 +72,69 @@ def _age(root: CheckpointRoot, name: str, now: float) -> float | None:
     return now - newest
 
 
-class _References(Mapping[int, int | None]):
-    """Each committed step's reference step in ``root`` (None: stored whole), read from
-    its manifest only when asked.
+class _Facts:
+    """What the rules need of each committed step in ``root``: its reference step (None:
+    stored whole) and whether it is quarantined, read from its manifest once, and
+    only when asked.
 
-    The rules ask only for the kept steps and what those need (``keyframes.needed``):
+    The rules ask only for the kept steps, what those need (``keyframes.needed``)
+    and the quarantined steps newer than the kept clean ones (:func:`_quarantined`):
     ``--keep 3`` on a root of 10,000 steps reads a few manifests, not 10,000. A
-    manifest that cannot be read counts as whole: that checkpoint cannot be loaded
-    anyway.
+    manifest that cannot be read counts as whole and clean: that checkpoint cannot
+    be loaded anyway.
     """
 
-    def __init__(self, root: CheckpointRoot, steps: Iterable[int]) -> None:
+    def __init__(self, root: CheckpointRoot) -> None:
         self._root = root
+        self._read: dict[int, tuple[int | None, bool]] = {}
+
+    def __call__(self, step: int) -> tuple[int | None, bool]:
+        """``(reference step, quarantined)`` of the committed step ``step``."""
+        if step not in self._read:
+            try:
+                manifest = self._root.checkpoint(step).manifest()
+                self._read[step] = (manifest.reference_step, manifest.quarantined)
+            except (DcpMultilevelError, OSError):
+                self._read[step] = (None, False)
+        return self._read[step]
+
+
+class _References(Mapping[int, int | None]):
+    """Each committed step's reference step, from its manifest when asked (:class:`_Facts`)."""
+
+    def __init__(self, facts: _Facts, steps: Iterable[int]) -> None:
+        self._facts = facts
         self._steps = frozenset(steps)
-        self._read: dict[int, int | None] = {}
 
     def __getitem__(self, step: int) -> int | None:
         if step not in self._steps:
             raise KeyError(step)
-        if step not in self._read:
-            try:
-                self._read[step] = self._root.checkpoint(step).manifest().reference_step
-            except (DcpMultilevelError, OSError):
-                self._read[step] = None
-        return self._read[step]
+        return self._facts(step)[0]
 
     def __iter__(self) -> Iterator[int]:
         return iter(sorted(self._steps))
 
     def __len__(self) -> int:
         return len(self._steps)
+
+
+def _quarantined(facts: _Facts, complete: list[int], keep: int) -> set[int]:
+    """The quarantined steps from the newest down to the ``keep``-th newest clean one.
+
+    Only their health changes what the rules keep: ``keep`` clean steps fill every
+    place, so a step older than them goes whatever its health (unless a kept delta
+    needs it), and its manifest is not read.
+    """
+    found: set[int] = set()
+    clean = 0
+    for step in reversed(complete):
+        if clean == keep:
+            break
+        if facts(step)[1]:
+            found.add(step)
+        else:
+            clean += 1
+    return found
 
 
 def plan_gc(
@@ -111,10 +148,12 @@ def plan_gc(
     now = time.time()
     found = root.scan()  # one listing of the root; nothing inside a step is listed
     complete, uncommitted = list(found.committed), list(found.uncommitted)
-    refs = _References(root, complete)
+    facts = _Facts(root)
+    quarantined = _quarantined(facts, complete, keep)
     rules = RetentionRules(keep)
-    gone = rules.expired(complete, refs=refs)
-    newest = set(complete[-keep:])
+    gone = rules.expired(complete, refs=_References(facts, complete), quarantined=quarantined)
+    # What --keep alone keeps: the rest of the kept steps are references of kept deltas.
+    by_keep = set(complete) - set(rules.expired(complete, quarantined=quarantined))
     by_step = set(rules.abandoned(uncommitted, complete))
     for step in uncommitted:
         age = _age(root, step_dir(step), now)
@@ -131,8 +170,10 @@ def plan_gc(
         "older_than_s": older_than_s,
         "kept": [s for s in complete if s not in expired],
         # Kept beyond --keep: a kept delta checkpoint needs them.
-        "kept_as_reference": [s for s in complete if s not in expired and s not in newest],
+        "kept_as_reference": [s for s in complete if s not in expired and s not in by_keep],
         "expired": gone,
+        # Kept or expired; not counted toward --keep (see _quarantined for which are read).
+        "quarantined": sorted(quarantined),
         "abandoned": debris,
         "temporaries": sorted(p for p in listed if p.split("/", 1)[0] not in skip),
     }
@@ -164,9 +205,11 @@ def gc(
     """Delete old checkpoints and crash debris below the root ROOT.
 
     Keeps the newest --keep committed checkpoints and what delta checkpoints
-    among them are coded against; removes step-<N> directories
-    without a manifest that are older than the newest committed checkpoint (or
-    untouched for --older-than seconds), and temporary files older than that.
+    among them are coded against; quarantined checkpoints do not count toward
+    --keep and go first (the newest stays while no clean one is newer).
+    Removes step-<N> directories without a manifest that are older than the
+    newest committed checkpoint (or untouched for --older-than seconds), and
+    temporary files older than that.
     """
     target = resolve(root, storage_options)
     if target.is_checkpoint:
@@ -187,10 +230,16 @@ def gc(
         return
     console = stdout_console()
     verb = "would delete" if dry_run else "deleted"
+    quarantined = set(plan["quarantined"])
     lines = [f"{plan['root']}: keeping steps {_steps(plan['kept'])}"]
     if plan["kept_as_reference"]:
         lines[0] += f" ({_steps(plan['kept_as_reference'])}: references of kept deltas)"
-    lines += [f"{verb} step {s} (expired)" for s in plan["expired"]]
+    if kept_quarantined := [s for s in plan["kept"] if s in quarantined]:
+        lines[0] += f" ({_steps(kept_quarantined)}: quarantined)"
+    lines += [
+        f"{verb} step {s} (expired{', quarantined' if s in quarantined else ''})"
+        for s in plan["expired"]
+    ]
     lines += [f"{verb} step {s} (incomplete, abandoned)" for s in plan["abandoned"]]
     lines += [f"{verb} {p} (temporary)" for p in plan["temporaries"]]
     if not (plan["expired"] or plan["abandoned"] or plan["temporaries"]):

@@ -1,4 +1,6 @@
-"""``dcp-multilevel inspect CKPT``: one checkpoint's manifest as tables (no data read)."""
+"""``dcp-multilevel inspect CKPT``: one checkpoint's manifest as tables (no data read),
+its health record included: the checks its save ran and, when it is quarantined,
+every finding (check, message, ranks, items)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from ._common import (
     format_bytes,
     format_codecs,
     format_time,
+    health_of,
     json_option,
     open_checkpoint,
     stdout_console,
@@ -120,8 +123,33 @@ def _header(doc: dict[str, Any]) -> Table:
         deltas = sum(any(c["reference_checksum"] for c in it["chunks"]) for it in doc["items"])
         ref = doc["reference"]
         rows.append(("delta of", f"{ref['checkpoint']} (save {ref['save_id']}): {deltas} items"))
+    rows.append(("health", _health_line(doc)))
     for k, v in rows:
         table.add_row(k, v)
+    return table
+
+
+def _health_line(doc: dict[str, Any]) -> str:
+    """The header's health row: the verdict and the checks that ran."""
+    health = health_of(doc)
+    if health is None:
+        return "clean (no health record: saved without checks)"
+    checked = f"checked: {', '.join(health.checked) or 'none'}"
+    if not health.quarantined:
+        return f"clean ({checked})"
+    n = len(health.findings)
+    return (f"QUARANTINED: {n} finding{'s' if n > 1 else ''} ({checked}); "
+            "not drained to other levels")  # fmt: skip
+
+
+def _findings_table(doc: dict[str, Any]) -> Table:
+    table = Table(title="health findings (why the checkpoint is quarantined)",
+                  title_justify="left")  # fmt: skip
+    for name in ("check", "message", "ranks", "items"):
+        table.add_column(name)
+    for f in doc["health"]["findings"]:
+        table.add_row(f["check"], f["message"], ", ".join(map(str, f["ranks"])) or "-",
+                      ", ".join(f["items"]) or "-")  # fmt: skip
     return table
 
 
@@ -181,7 +209,8 @@ def _ranks_table(doc: dict[str, Any]) -> Table:
 @json_option
 def inspect(ckpt: str, fqn: str | None, storage_options: dict, as_json: bool) -> None:
     """Show the manifest of the checkpoint CKPT: items (FQN, dtype, shape, raw and
-    stored bytes, compression ratio), data files, bytes per rank, versions.
+    stored bytes, compression ratio), data files, bytes per rank, versions, and
+    its health (the checks its save ran; for a quarantined one, what they found).
 
     Reads the manifest only. Exit status 1 when CKPT is not a committed
     checkpoint or --item names no item (the message suggests close names).
@@ -209,6 +238,8 @@ def inspect(ckpt: str, fqn: str | None, storage_options: dict, as_json: bool) ->
         return
     console = stdout_console()
     console.print(_header(doc))
+    if doc["quarantined"]:
+        console.print(_findings_table(doc))
     console.print(_items_table(doc["items"]))
     console.print(_files_table(doc))
     console.print(_ranks_table(doc))

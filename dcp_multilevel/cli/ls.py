@@ -6,7 +6,8 @@ step, whatever the number of files, for the newest :data:`NEWEST` steps (and a
 count of the older ones; ``--all`` reads every one). A ``step-<N>`` directory without a
 committed manifest is listed as incomplete; a manifest that does not decode
 is listed with its error (the listing goes on). A ROOT that is itself one
-checkpoint is listed as that checkpoint.
+checkpoint is listed as that checkpoint. A quarantined step (its save's health
+checks found something: ``format/health.py``) says so, and why.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ._common import (
     emit_json,
     format_bytes,
     format_codecs,
+    format_health,
     format_time,
     json_option,
     one_line,
@@ -37,6 +39,9 @@ __all__ = ["NEWEST", "list_root", "ls"]
 #: Steps ``ls`` describes by default, newest first; the older ones are counted. A
 #: manifest naming 1,000 files takes some 20 ms to decode: 10,000 of them, minutes.
 NEWEST = 50
+
+#: Characters of a quarantined step's reason ``ls`` shows (``inspect`` shows all of it).
+REASON_WIDTH = 60
 
 
 def _entry(step: int | None, ckpt: StoredCheckpoint, committed: bool) -> dict[str, Any]:
@@ -84,6 +89,7 @@ def _table(listing: dict[str, Any]) -> Table:
     for name, justify in [
         ("step", "right"), ("saved (UTC)", "left"), ("on disk", "right"),
         ("raw", "right"), ("codec", "left"), ("world", "right"), ("state", "left"),
+        ("health", "left"),
     ]:  # fmt: skip
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for c in listing["checkpoints"]:
@@ -101,6 +107,7 @@ def _table(listing: dict[str, Any]) -> Table:
             format_codecs(c.get("codecs")),
             str(c.get("world_size", "-")),
             state,
+            format_health(c, REASON_WIDTH),
         )
     return table
 
@@ -119,7 +126,8 @@ def ls(roots: tuple[str, ...], storage_options: dict, every: bool, as_json: bool
     """List the checkpoints below ROOT (several ROOTs: one per level, labelled L1, L2, ...).
 
     For each step: save time, size on disk (stored bytes), raw size, codecs,
-    world size, and whether it is complete (committed); the newest 50 steps,
+    world size, whether it is complete (committed), and its health (clean, or
+    QUARANTINED and why: its save's checks found something); the newest 50 steps,
     and how many older ones there are (``--all``: every one; each costs a
     manifest read). Exit status 1 when a ROOT holds no checkpoint at all.
     """

@@ -5,6 +5,11 @@ level), which stands for every committed checkpoint below it (``--latest``:
 its newest only). So "every level" is one call with each level's root as an
 argument; there is no separate ``--all-levels`` flag. Every bad item is
 reported, not only the first; the exit status is 0 only when all are good.
+
+A quarantined checkpoint (its save's health checks found something:
+``format/health.py``) is reported as such, with every finding, but its exit
+status is its data's: verify checks that the bytes are the ones saved, and a
+quarantined step's are (they hold what the checks found).
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ from dataclasses import asdict
 from typing import Any
 
 import click
+from rich.console import Console
 
 from ..checkpoint import StoredCheckpoint, VerifyResult, verify_checkpoint
 from ._common import (
     CheckFailed,
     emit_json,
     format_bytes,
+    health_of,
     json_option,
     open_checkpoint,
     progress,
@@ -26,6 +33,7 @@ from ._common import (
     stdout_console,
     storage_options_option,
 )
+from ._summary import health_facts
 
 __all__ = ["expand", "verify"]
 
@@ -61,7 +69,16 @@ def _report(ckpt: StoredCheckpoint, result: VerifyResult) -> dict[str, Any]:
             {**asdict(p), "offsets": None if p.offsets is None else list(p.offsets)}
             for p in result.problems
         ],
+        **health_facts(ckpt.manifest()),
     }
+
+
+def _health_lines(report: dict[str, Any]) -> list[str]:
+    """For a quarantined checkpoint, one line per finding (what its checks found)."""
+    health = health_of(report)
+    if health is None or not health.quarantined:
+        return []
+    return [f"  {f.describe()}" for f in health.findings]
 
 
 def _problem_lines(report: dict[str, Any]) -> list[str]:
@@ -74,6 +91,22 @@ def _problem_lines(report: dict[str, Any]) -> list[str]:
             f"{p['error']}: {p['message']}"
         )
     return lines
+
+
+def _print(console: Console, report: dict[str, Any]) -> None:
+    """One checkpoint's verdict: ``ok`` or ``BAD`` and its bad items, then, for a
+    quarantined one, why (its data may verify: the two are separate verdicts)."""
+    if report["ok"]:
+        head = (f"ok   {report['url']}: {report['items']} items, "
+                f"{format_bytes(report['stored_bytes'])} checked")  # fmt: skip
+    else:
+        head = f"BAD  {report['url']}: {len(report['problems'])} of {report['items']} items bad"
+    quarantine = _health_lines(report)
+    if quarantine:
+        head += "; QUARANTINED: its health checks found:"
+    console.print(head, highlight=False, soft_wrap=True)
+    for line in quarantine + _problem_lines(report):
+        console.print(line, highlight=False, soft_wrap=True)
 
 
 @click.command("verify")
@@ -90,7 +123,9 @@ def verify(ckpts: tuple[str, ...], latest: bool, storage_options: dict, as_json:
 
     Every bad item is named with its FQN, data file and byte range. Exit status
     0 only when every item of every checkpoint is good; 1 otherwise, or when an
-    argument holds no committed checkpoint.
+    argument holds no committed checkpoint. A quarantined checkpoint (its save's
+    health checks found something) is named as such with what they found; it
+    fails only if its data does.
     """
     checkpoints = expand(ckpts, storage_options, latest=latest)
     reports = []
@@ -103,19 +138,7 @@ def verify(ckpts: tuple[str, ...], latest: bool, storage_options: dict, as_json:
         report = _report(ckpt, result)
         reports.append(report)
         if console is not None:
-            if result.ok:
-                console.print(
-                    f"ok   {ckpt.url}: {result.items} items, "
-                    f"{format_bytes(result.stored_bytes)} checked",
-                    highlight=False,
-                )
-            else:
-                console.print(
-                    f"BAD  {ckpt.url}: {len(result.problems)} of {result.items} items bad",
-                    highlight=False,
-                )
-                for line in _problem_lines(report):
-                    console.print(line, highlight=False, soft_wrap=True)
+            _print(console, report)
     ok = all(r["ok"] for r in reports)
     if as_json:
         emit_json({"ok": ok, "checkpoints": reports})
