@@ -250,9 +250,11 @@ def _custom_job(rank: int, world: int, root: str) -> dict:
     # With the checks off, the same poison is clean.
     off = MultiLevelWriter("step-4", levels=levels, checks=Checks.off())
     dcp.save(_state(4, poisoned=True), storage_writer=off)
+    only = MultiLevelWriter("step-5", levels=levels, checks=Checks(nonfinite=False))
+    dcp.save(_state(5, poisoned=True), storage_writer=only)
     dcp_multilevel.wait()
     found = {}
-    for step in (1, 2, 3, 4):
+    for step in (1, 2, 3, 4, 5):
         m = StoredCheckpoint.at(f"{root}/l1/step-{step}").manifest()
         found[step] = [(f.check, f.message, f.ranks) for f in m.health.findings]
     return {"found": found, "seen": seen, "remote": _steps(Path(root) / "remote")}
@@ -268,7 +270,8 @@ def test_a_custom_check_and_one_that_raises_quarantine_naming_the_check(tmp_path
         ("exploding", "the check raised RuntimeError: the check broke", (0,))
     ]
     assert out["found"][4] == []  # Checks.off(): the NaN goes unnoticed
-    assert out["remote"] == [1, 4]
+    assert out["found"][5] == []  # and with the non-finite count alone turned off
+    assert out["remote"] == [1, 4, 5]
 
 
 def _async_job(rank: int, world: int, root: str) -> list:
@@ -357,3 +360,27 @@ def test_with_only_quarantined_steps_a_resume_refuses_unless_allowed(tmp_path):
     assert "every checkpoint every rank can restore is quarantined (steps [1, 2]" in refused
     assert "allow_quarantined=True" in refused
     assert step == 2
+
+
+def _restart_save_job(rank: int, world: int, root: str, steps: list, load: bool) -> int | None:
+    levels = [Level(f"{root}/l1", keep=4), Level(f"{root}/remote", keep=5)]
+    mgr = CheckpointManager(levels)
+    loaded = mgr.load_latest(_blank()) if load else None
+    for step in steps:
+        mgr.save(_state(step, poisoned=step == 3), step)
+    mgr.wait()
+    mgr.close()
+    return loaded
+
+
+@pytest.mark.multiprocess
+def test_after_a_restart_retention_still_counts_an_older_quarantined_step_last(tmp_path):
+    root = str(tmp_path)
+    run_ranks(_restart_save_job, 1, root, [1, 2, 3, 4], False, timeout=240)
+    assert _steps(tmp_path / "l1") == [1, 2, 3, 4]  # 3: quarantined, in a free place
+    # A new process: the load learns that step 3, older than the step it loads, is
+    # quarantined (its manifest says so), so the next save's retention keeps step 1.
+    (loaded,) = run_ranks(_restart_save_job, 1, root, [5], True, timeout=240)
+    assert loaded == 4
+    assert _steps(tmp_path / "l1") == [1, 2, 4, 5]
+    assert _steps(tmp_path / "remote") == [1, 2, 4, 5]

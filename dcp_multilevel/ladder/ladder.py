@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import _dist
-from ..checkpoint import StoredCheckpoint
+from ..checkpoint import StoredCheckpoint, decoded_manifest
 from ..errors import ConfigError, DcpMultilevelError
 from ..levels import DrainResult
 from ..levels.options import Level
@@ -239,9 +239,7 @@ class Ladder:
         copies made again, the delta chains and the count of saves resumed. Collective."""
         for i in range(1, len(self.levels)):
             self.holdings.learned(i, views.everyone[0][i])
-        self.holdings.quarantined(restore.passed_over)
-        for step in restore.passed_over:  # due nowhere: the first level need not keep them
-            self.holdings.decided(step, frozenset((0,)))
+        self._recall_quarantine(restore, views.everyone[0][0])
         record = self.loader.kept(restore, LEVELS_KEY)
         if isinstance(record, dict) and isinstance(record.get("save"), int):
             with self._lock:
@@ -251,8 +249,35 @@ class Ladder:
                 for i, steps in views.everyone[0].items()}  # fmt: skip
         self._recall_due(view)
         self.drains.resume(view)
-        self.drains.reprotect(restore)
+        if not self.holdings.is_quarantined(restore.step):  # (never copied to other nodes)
+            self.drains.reprotect(restore)
         self.chains.resume_from_levels(restore.step)
+        # No save is coded against a quarantined step (the loaded one, if it is).
+        self.chains.removed(0, [s for s in view[0] if self.holdings.is_quarantined(s)])
+
+    def _recall_quarantine(self, restore: Restore, first: list[int]) -> None:
+        """The first-level steps saved before a restart that are quarantined: those the
+        load passed over, and the older ones their manifests say so of (rank 0 reads;
+        every rank takes the same), so that retention counts them last. Collective."""
+        older = [s for s in first if s < restore.step]
+
+        def read() -> list[int]:
+            found = []
+            for step in older:
+                try:
+                    if self.drivers[0].checkpoint(step).manifest().quarantined:
+                        found.append(step)
+                except (DcpMultilevelError, OSError):
+                    continue  # not this step's to say: retention sees what is there
+            return found
+
+        steps = [*restore.passed_over, *(_dist.rank0_decides(read) if older else [])]
+        loaded = restore.manifest  # loaded all the same (by its number, or allowed)?
+        if loaded is not None and decoded_manifest(loaded, f"step {restore.step}").quarantined:
+            steps.append(restore.step)
+        self.holdings.quarantined(steps)
+        for step in steps:  # due nowhere: the first level need not keep them for a drain
+            self.holdings.decided(step, frozenset((0,)))
 
     def _recall_due(self, view: dict[int, list[int]]) -> None:
         """The higher levels each first-level step newer than those levels' newest was due
@@ -277,7 +302,8 @@ class Ladder:
             return out
 
         for step, due in _dist.rank0_decides(read).items():
-            self.holdings.decided(step, frozenset((0, *due)))
+            if not self.holdings.is_quarantined(step):  # (due where it was saved for)
+                self.holdings.decided(step, frozenset((0, *due)))
 
     # ------------------------------------------------------------------ drains
 
