@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["NATIVE", "count", "count_on_device", "rule_for"]
+__all__ = ["NATIVE", "DeviceCount", "count", "count_on_device", "rule_for"]
 
 try:
     from . import _finite as _native
@@ -75,14 +75,35 @@ def count(data: memoryview | bytes, rule: tuple[int, int]) -> int:
     return int(np.count_nonzero((values & m) == m))
 
 
-def count_on_device(t: torch.Tensor) -> torch.Tensor | None:
-    """The number of non-finite values of a device tensor, as a 0-d tensor on its
-    device (read it once the copies are done: reading it waits for the device);
-    None for a dtype without non-finite values."""
+class DeviceCount:
+    """The non-finite values of a device tensor, counted on its device (:func:`count_on_device`).
+
+    One reduction is queued on the tensor's stream: the infinity norm, which is
+    NaN or infinite exactly when some value is, and needs no temporary the size
+    of the tensor (a mask of it would take an eighth to a half of its memory
+    again, on a device that may be full). :meth:`result` reads it once the
+    device got there; only a poisoned tensor is counted value by value then.
+    """
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._t = t
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        if t.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+            t = t.float()  # float8: no reduction kernel of its own on every device
+        self._values = t
+        self._norm = torch.linalg.vector_norm(t, float("inf")) if t.numel() else None
+
+    def result(self) -> int:
+        """The count (waits for the device; call it after the copy it rode along with)."""
+        if self._norm is None or bool(torch.isfinite(self._norm)):
+            return 0
+        return int(torch.count_nonzero(~torch.isfinite(self._values)))
+
+
+def count_on_device(t: torch.Tensor) -> DeviceCount | None:
+    """Start counting the non-finite values of a device tensor on its device (before
+    its copy to the host is queued); None for a dtype without non-finite values."""
     if rule_for(t.dtype) is None:
         return None
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    if t.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
-        t = t.float()  # float8: no isfinite kernel of its own on every device
-    return torch.count_nonzero(~torch.isfinite(t))
+    return DeviceCount(t)

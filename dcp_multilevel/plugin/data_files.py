@@ -164,7 +164,7 @@ def _jobs(
                 rule = None
             tensor = tensor_of(item, data)
             if counted is not None:
-                tally.add(item.index.fqn, int(counted))  # type: ignore[union-attr]
+                tally.add(item.index.fqn, counted.result())  # type: ignore[union-attr]
             view = byte_view(tensor)
             layout = item_layout(view, tensor.dtype, writer._codec, writer.compression)
             source = (
