@@ -306,3 +306,22 @@ def test_replica_digests_of_cuda_views_at_odd_byte_offsets(tmp_path):
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(out, storage_reader=MultiLevelReader(tmp_path / "c"))
     assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+@cuda
+@pytest.mark.parametrize("how", ["save", "async"])
+def test_non_finite_values_of_cuda_state_quarantine_the_save(tmp_path, how):
+    state = _state("cuda")
+    state["w3"][5, 7] = float("nan")
+    state["w6"] = state["w6"].bfloat16()
+    state["w6"][0, 0] = float("inf")
+    writer = MultiLevelWriter(tmp_path / "c")
+    if how == "save":  # counted on the device, before the copy to the host
+        dcp.save(state, storage_writer=writer)
+    else:  # counted in the staged copy, as it is written
+        dcp.async_save(state, storage_writer=writer).result()
+    health = StoredCheckpoint.at(tmp_path / "c").manifest().health
+    (finding,) = health.findings
+    assert finding.check == "nonfinite"
+    assert finding.items == ("w3", "w6")
+    assert finding.message == "2 non-finite values in 2 tensors"
