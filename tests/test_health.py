@@ -384,3 +384,28 @@ def test_after_a_restart_retention_still_counts_an_older_quarantined_step_last(t
     assert loaded == 4
     assert _steps(tmp_path / "l1") == [1, 2, 4, 5]
     assert _steps(tmp_path / "remote") == [1, 2, 4, 5]
+
+
+def _rollback_job(rank: int, world: int, root: str, steps: list, poisoned: bool, load: bool):
+    levels = [Level(f"{root}/l1", keep=3), Level(f"{root}/remote", keep=2)]
+    mgr = CheckpointManager(levels)
+    loaded = mgr.load_latest(_blank()) if load else None
+    for step in steps:
+        mgr.save(_state(step, poisoned=poisoned and step >= 3), step)
+    mgr.wait()
+    mgr.close()
+    return loaded
+
+
+@pytest.mark.multiprocess
+def test_a_run_resumed_from_a_clean_step_saves_over_the_quarantined_ones(tmp_path):
+    root = str(tmp_path)
+    run_ranks(_rollback_job, 1, root, [1, 2, 3, 4, 5, 6], True, False, timeout=240)
+    assert _steps(tmp_path / "l1") == [1, 2, 6]
+    # Resumed from step 2, the run saves steps 3 to 6 again, clean: step 6 replaces
+    # the quarantined one (no CheckpointExistsError) and climbs like any clean step.
+    (loaded,) = run_ranks(_rollback_job, 1, root, [3, 4, 5, 6], False, True, timeout=240)
+    assert loaded == 2
+    assert _steps(tmp_path / "l1") == [4, 5, 6]
+    assert not StoredCheckpoint.at(f"{root}/l1/step-6").manifest().quarantined
+    assert _steps(tmp_path / "remote") == [5, 6]

@@ -31,6 +31,7 @@ Call order (the ladder makes every call)::
     holdings.dropped(index, step)      when a step will not reach a level
     holdings.learned(index, steps)     main thread, from a listing at load time
     holdings.quarantined(steps)        any rank: steps whose checks found something
+    holdings.cleared(step)             any rank: a step saved again, clean
 """
 
 from __future__ import annotations
@@ -108,10 +109,14 @@ class Holdings:
         with self._lock:
             self._decided[step] = levels
 
-    def due(self, index: int, step: int) -> bool:
-        """Whether ``step`` was (or, for a fixed policy, is) due on level ``index``."""
+    def due(self, index: int, step: int, *, again: bool = False) -> bool:
+        """Whether ``step`` was (or, for a fixed policy, is) due on level ``index``.
+        ``again``: for a new save of ``step``: a quarantined save of it, due on the
+        first level only, does not decide for the new one."""
         with self._lock:
             decided = self._decided.get(step)
+            if again and step in self._quarantined:
+                decided = None
         if decided is not None:
             return index in decided
         if self.schedule is None:
@@ -130,6 +135,11 @@ class Holdings:
         """``steps`` were committed quarantined: retention counts them after clean ones."""
         with self._lock:
             self._quarantined.update(steps)
+
+    def cleared(self, step: int) -> None:
+        """``step`` was saved again, clean (over a quarantined save of it)."""
+        with self._lock:
+            self._quarantined.discard(step)
 
     def is_quarantined(self, step: int) -> bool:
         """Whether ``step`` is known to be quarantined."""

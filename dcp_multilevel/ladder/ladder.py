@@ -189,6 +189,8 @@ class Ladder:
         """Rank 0, after ``ticket``'s commit: which drains, what retention removes."""
         if ticket.quarantine is not None:  # before retention: it counts the step last
             self._quarantine(ticket)
+        else:  # a step saved again, clean, over a quarantined one (a resumed run)
+            self.holdings.cleared(ticket.step)
         decision = self.drains.decide(ticket.step, () if ticket.quarantine else ticket.due)
         try:
             removed = self.holdings.retain(0)
@@ -212,7 +214,9 @@ class Ladder:
                          "for it: %s", ticket.step, self.first.url, decision["error"])  # fmt: skip
             return
         self.holdings.removed_on_first(decision["removed"], decision.get("oldest"))
-        if ticket.quarantine is not None:
+        if ticket.quarantine is None:
+            self.holdings.cleared(ticket.step)
+        else:
             self._quarantine(ticket)
             logger.warning("dcp_multilevel: step %d is quarantined on %s and goes to no other "
                            "level: %s", ticket.step, self.first.url, ticket.quarantine)  # fmt: skip

@@ -241,7 +241,8 @@ class CheckpointManager:
         same step). ``loss``: the step's loss, for the health checks' loss rule.
         """
         _check_step(step)
-        due = [i for i in range(1, len(self.levels)) if self._ladder.holdings.due(i, step)]
+        holdings = self._ladder.holdings
+        due = [i for i in range(1, len(self.levels)) if holdings.due(i, step, again=True)]
         self._saves.loss = loss
         try:
             return self._save(state_dict, step, due)

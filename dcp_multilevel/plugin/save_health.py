@@ -12,6 +12,7 @@ before it commits::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,9 +20,14 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ..checkpoint import StoredCheckpoint
+from ..errors import DcpMultilevelError
 from ..health import REPORT_FQN, Checks, Health, RankReport, Tally
 
-__all__ = ["rank_report", "take_reports"]
+__all__ = ["rank_report", "replaces_quarantined", "take_reports"]
+
+# The logger users configure, named as documented (the writer's).
+logger = logging.getLogger("dcp_multilevel.writer")
 
 
 def rank_report(
@@ -59,3 +65,18 @@ def take_reports(results: Sequence[Sequence[WriteResult]]) -> tuple[list[Any], H
         return items, None
     checked = [c for r in reports for c in r.checked]
     return items, Health.merged(checked, [f for r in reports for f in r.findings])
+
+
+def replaces_quarantined(checkpoint: StoredCheckpoint) -> bool:
+    """Whether the committed ``checkpoint`` a save is about to replace is quarantined:
+    a run resumed from an older, clean step saves its steps again over the poisoned
+    ones (logged; the manifest swap keeps the old one loadable until the new one
+    commits). False when it is clean, or its manifest cannot be read."""
+    try:
+        manifest = checkpoint.manifest()
+    except (DcpMultilevelError, OSError):
+        return False
+    if manifest.quarantined:
+        logger.warning("dcp_multilevel: replacing %s, quarantined (%s)", checkpoint.url,
+                       manifest.health.reason())  # type: ignore[union-attr]  # fmt: skip
+    return manifest.quarantined

@@ -62,7 +62,7 @@ from ..staging.buffers import HostBufferPool
 from ..stores import Store, store_for
 from .data_files import write_rank
 from .level_saves import LevelSaves, reporting
-from .save_health import rank_report, take_reports
+from .save_health import rank_report, replaces_quarantined, take_reports
 
 __all__ = ["MultiLevelWriter"]
 
@@ -348,8 +348,10 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """The plans unchanged; :class:`CheckpointExistsError` before overwriting unasked."""
-        if self.checkpoint.is_committed() and not self.overwrite:
+        """The plans unchanged; :class:`CheckpointExistsError` before overwriting unasked
+        (a quarantined checkpoint is replaced: a resumed run saves its step again)."""
+        committed = self.checkpoint.is_committed() and not self.overwrite
+        if committed and not replaces_quarantined(self.checkpoint):
             # "Checkpoint already exists": the words stock's FileSystemWriter raises
             # and callers (training stacks) match.
             raise CheckpointExistsError(
