@@ -19,14 +19,20 @@ on levels. ``load_state(input_dir)`` has rank 0 read it and tells every rank
 (a node that lost its disk may not see it); a folder without it is loaded as
 before levels (our single-level checkpoint, or stock DCP's).
 
+A part of step N may be quarantined (``docs/health.md``: its save's checks found
+poisoned state; each part is checked on its own). Then the parts are loaded at
+the newest older step no part of which is quarantined, all at the same step
+(:func:`_clean_step`), unless the load allows quarantined steps.
+
 Call order, every rank, one :class:`LevelRoutes` per ``save_state`` / ``load_state``::
 
     LevelRoutes(levels, step, ...)
     save: writer(path)   each DCP save Accelerate makes: our writer of the part
           commit(writes) after save_state: the marker, by the ranks that write
                          Accelerate's shared files
-    load: reader(path)   each DCP load: the marker (rank 0 reads, collective), our
-                         reader of the part at its step; no marker: ``fallback``
+    load: reader(path)   each DCP load: the marker (rank 0 reads, collective), the
+                         step to load (rank 0 reads the parts' health, collective),
+                         our reader of the part at it; no marker: ``fallback``
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -42,7 +49,9 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from ..errors import ConfigError, ManifestError
+from .. import _dist
+from ..errors import CheckpointNotFoundError, ConfigError, DcpMultilevelError, ManifestError
+from ..ladder import Ladder, ladder_for
 from ..ladder.naming import describe
 from ..levels import Topology
 from ..levels.options import Level
@@ -53,6 +62,8 @@ __all__ = ["MARKER_NAME", "LevelRoutes", "PartLevels", "Routes", "StepMarker"]
 #: The file in ``output_dir`` naming the step its parts are on the levels.
 MARKER_NAME = "dcp_multilevel_levels.json"
 _MARKER_FORMAT = "dcp_multilevel.accelerate.levels/1"
+
+logger = logging.getLogger(__name__)
 
 
 class Routes(Protocol):
@@ -166,6 +177,8 @@ class LevelRoutes:
         writer_options: keyword arguments of every writer (``thread_count``...).
         reader_options: keyword arguments of every reader.
         fallback: the reader of a folder without a marker (saved without levels).
+        allow_quarantined: a load reads the step the marker names even when a part
+            of it is quarantined (the reader warns).
     """
 
     def __init__(
@@ -175,18 +188,24 @@ class LevelRoutes:
         writer_options: Mapping[str, Any],
         reader_options: Mapping[str, Any],
         fallback: Routes,
+        allow_quarantined: bool = False,
     ) -> None:
         self.levels = levels
         self.step = step
         self.writer_options = dict(writer_options)
         self.reader_options = dict(reader_options)
         self.fallback = fallback
+        self.allow_quarantined = allow_quarantined
         #: The folders this save wrote parts into, each with its parts, in order.
         self.saved: dict[str, list[str]] = {}
         #: The markers read by this load, by folder (rank 0's: the same on every rank).
         self.markers: dict[str, StepMarker | None] = {}
+        #: The step each folder's parts are loaded at (its marker's, or older).
+        self.steps: dict[str, int] = {}
         #: The step this load read (None: none on levels).
         self.loaded_step: int | None = None
+        #: The step the marker of the folder this load read names (None: none).
+        self.marked_step: int | None = None
 
     def writer(self, path: str | os.PathLike[str]) -> Callable[[], Any]:
         """Our writer of the part ``path`` names, at this save's step, on its levels."""
@@ -197,16 +216,21 @@ class LevelRoutes:
                                  **self.writer_options)  # fmt: skip
 
     def reader(self, path: str | os.PathLike[str]) -> Callable[[], Any] | None:
-        """Our reader of the part ``path`` names, at the step its folder's marker names;
-        the fallback's where there is no marker. Collective."""
+        """Our reader of the part ``path`` names, at the step its folder's marker names
+        (or the newest older one no part of which is quarantined); the fallback's where
+        there is no marker. Collective."""
         folder, part = _split(path)
         if folder not in self.markers:
-            self.markers[folder] = _rank0_marker(folder)
+            marker = self.markers[folder] = _rank0_marker(folder)
+            if marker is not None:
+                self.steps[folder] = (marker.step if self.allow_quarantined
+                                      else _clean_step(marker, self.levels, folder))  # fmt: skip
         marker = self.markers[folder]
         if marker is None:
             return self.fallback.reader(path)
-        self.loaded_step = marker.step
-        return functools.partial(MultiLevelReader, f"step-{marker.step}",
+        self.marked_step = marker.step
+        self.loaded_step = self.steps[folder]
+        return functools.partial(MultiLevelReader, f"step-{self.loaded_step}",
                                  levels=self.levels.of_part(part), topology=self.levels.topology,
                                  **self.reader_options)  # fmt: skip
 
@@ -245,3 +269,75 @@ def _rank0_marker(folder: str) -> StepMarker | None:
     if error is not None:
         raise ManifestError(error, checkpoint=folder)
     return found
+
+
+def _clean_step(marker: StepMarker, levels: PartLevels, folder: str) -> int:
+    """The step to load ``folder``'s parts at (collective): the marker's, unless a part
+    of it is quarantined (``docs/health.md``); then the newest older step no part of
+    which is, so that every part comes from the same step. Rank 0 decides from the
+    parts' first levels, the only level a quarantined step is on; when it cannot
+    list them, the marker's step is loaded (the reader warns if it is quarantined).
+
+    Raises:
+        CheckpointNotFoundError: every step up to the marker's is quarantined in some part.
+    """
+    ladders = {part: ladder_for(levels.of_part(part), topology=levels.topology,
+                                who="MultiLevelAccelerator.load_state")
+               for part in marker.parts}  # fmt: skip
+
+    def decide() -> tuple[int | None, list[tuple[int, str]], str | None]:
+        try:
+            return (*_newest_clean(marker.step, ladders), None)
+        except (DcpMultilevelError, OSError) as e:
+            return marker.step, [], str(e)
+
+    step, passed, error = _dist.rank0_decides(decide)
+    if error is not None:
+        logger.warning("dcp_multilevel: could not read the health of %s's steps (%s); "
+                       "loading step %d, the one its marker names", folder, error,
+                       marker.step)  # fmt: skip
+    for older, why in passed:
+        logger.warning("dcp_multilevel: passing over step %d of %s, quarantined: %s",
+                       older, folder, why)  # fmt: skip
+    if step is None:
+        first = ladders[marker.parts[0]].given[0].url
+        raise CheckpointNotFoundError(
+            f"every step of {folder}'s parts up to step {marker.step} is quarantined in some "
+            f"part (steps {sorted(s for s, _ in passed)}: their checks found poisoned state, "
+            f"see `dcp-multilevel ls {first}`). Load step {marker.step} deliberately with "
+            "load_state(..., allow_quarantined=True), or start fresh.",
+            checkpoint=folder,
+        )
+    if step != marker.step:
+        logger.warning("dcp_multilevel: loading step %d of the levels, the newest clean one; "
+                       "Accelerate's own files in %s (RNG states, schedulers, samplers) are "
+                       "those of step %d's save", step, folder, marker.step)  # fmt: skip
+    return step
+
+
+def _newest_clean(
+    newest: int, ladders: Mapping[str, Ladder]
+) -> tuple[int | None, list[tuple[int, str]]]:
+    """The newest step up to ``newest`` that every part's levels list (this rank's view)
+    and no part's first level holds quarantined, and each newer step passed over, with
+    why (None: there is none)."""
+    passed: list[tuple[int, str]] = []
+    why = _quarantined_parts(newest, ladders)
+    if why is None:
+        return newest, passed
+    passed.append((newest, why))
+    listed = [{s for driver in ladder.drivers for s in driver.steps()}
+              for ladder in ladders.values()]  # fmt: skip
+    for step in sorted((s for s in set.intersection(*listed) if s < newest), reverse=True):
+        why = _quarantined_parts(step, ladders)
+        if why is None:
+            return step, passed
+        passed.append((step, why))
+    return None, passed
+
+
+def _quarantined_parts(step: int, ladders: Mapping[str, Ladder]) -> str | None:
+    """Why ``step`` is quarantined, part by part (None: in no part)."""
+    found = [f"{part}: {why}" for part, ladder in ladders.items()
+             if (why := ladder.quarantine_of(step)) is not None]  # fmt: skip
+    return "; ".join(found) or None

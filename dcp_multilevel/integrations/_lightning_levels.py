@@ -10,18 +10,23 @@ naming the step::
     ckpt/last.ckpt/dcp_multilevel_step.json   {"format": "dcp_multilevel.lightning-step",
                                                "version": 1, "step": 6}
 
-A load names its step by such a marker, by ``"latest"`` (the newest step every
-rank can load) or by ``"step-<N>"`` (:func:`level_target`, collective).
+A load names its step by such a marker, by ``"latest"`` (the newest clean step
+every rank can load) or by ``"step-<N>"`` (:func:`level_target`, collective). A
+marker naming a quarantined step (``docs/health.md``: its save's checks found
+poisoned state; ``last.ckpt`` after a divergence) resumes from ``"latest"``
+instead (:func:`past_quarantine`).
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +36,9 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from .. import _dist
 from ..errors import ManifestError
 from ..format import parse_step_dir
-from ..ladder import LATEST
+from ..ladder import LATEST, ladder_for
+from ..levels import Topology
+from ..levels.options import Level
 
 __all__ = [
     "MARKER_FILE",
@@ -40,6 +47,7 @@ __all__ = [
     "LevelStep",
     "level_target",
     "pack_meta",
+    "past_quarantine",
     "read_marker",
     "unpack_meta",
     "write_marker",
@@ -52,6 +60,8 @@ META_KEY = "lightning_meta"
 _FORMAT = "dcp_multilevel.lightning-step"
 _VERSION = 1
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class LevelStep:
@@ -60,6 +70,8 @@ class LevelStep:
     takes as its path with levels)."""
 
     location: str
+    #: Named by a marker at a Lightning checkpoint path (not by the caller).
+    marked: bool = field(default=False, compare=False)
 
     @property
     def step(self) -> int | None:
@@ -67,9 +79,9 @@ class LevelStep:
         return parse_step_dir(self.location.rstrip("/").rsplit("/", 1)[-1])
 
     @classmethod
-    def of(cls, step: int) -> LevelStep:
+    def of(cls, step: int, *, marked: bool = False) -> LevelStep:
         """The step ``step`` by name, the same below every level's root."""
-        return cls(f"step-{step}")
+        return cls(f"step-{step}", marked)
 
 
 @dataclass(frozen=True)
@@ -178,6 +190,29 @@ def level_target(path: str | os.PathLike[str]) -> LevelStep | None:
         if isinstance(seen, str):
             raise ManifestError(f"rank {rank}: {seen}", checkpoint=text)
         if seen is not None:
-            return LevelStep.of(seen)
+            return LevelStep.of(seen, marked=True)
     first = everyone[0][1]  # rank 0's, as Lightning's own load takes rank 0's path
     return None if first is None else LevelStep(first)
+
+
+def past_quarantine(
+    target: LevelStep, levels: Sequence[Level], topology: Topology | None = None
+) -> LevelStep:
+    """``target``, or ``"latest"`` (the newest clean step every rank can load) where a
+    marker names a step that is quarantined (``docs/health.md``). Collective.
+
+    A marker is written after every save, so ``last.ckpt`` names the newest step,
+    poisoned or not; a step named by the caller (``"step-<N>"``) is loaded as asked
+    (the reader warns when it is quarantined). Rank 0 reads the step's manifest on
+    the first level, the only level a quarantined step is on.
+    """
+    step = target.step
+    if not target.marked or step is None:
+        return target
+    ladder = ladder_for(levels, topology=topology, who="MultiLevelStorage")
+    why = _dist.rank0_decides(lambda: ladder.quarantine_of(step))
+    if why is None:
+        return target
+    logger.warning("dcp_multilevel: the checkpoint marker names step %d, which is QUARANTINED "
+                   "(%s): resuming from the newest clean step", step, why)  # fmt: skip
+    return LevelStep(LATEST)

@@ -48,7 +48,10 @@ marker naming N. Choices, and why:
   other levels receive it in the background. :meth:`MultiLevelAccelerator.wait_for_checkpoints`
   waits for them (``dcp_multilevel.wait()``), and ``end_training`` does before it
   ends the process group the drains need.
-- ``load_state`` sets ``save_iteration`` to the loaded step + 1, so that the
+- ``load_state`` loads the step the folder's marker names or, where a part of
+  it is quarantined (``docs/health.md``), the newest older step no part of
+  which is (every part from the same step; ``allow_quarantined=True``: the
+  marker's). It sets ``save_iteration`` to the marker's step + 1, so that the
   next ``save_state`` goes on numbering steps (a step already on the levels
   would be refused, and retention follows step order).
 - A folder without the marker (a single-level checkpoint of ours, a stock
@@ -300,24 +303,32 @@ class MultiLevelAccelerator(Accelerator):
         return location
 
     def load_state(
-        self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any
+        self,
+        input_dir: str | None = None,
+        load_kwargs: dict | None = None,
+        *,
+        allow_quarantined: bool = False,
+        **kwargs: Any,
     ) -> None:
         """``Accelerator.load_state`` with FSDP states loaded by our reader.
 
         With ``levels``, a folder ``save_state`` saved on levels is loaded from
         them: each node gets back what it lost from the other levels (partner
         copies, parity, remote), then every item is read from the fastest level
-        holding it; ``save_iteration`` becomes the step loaded + 1. A folder
-        without the marker loads as without levels.
+        holding it; ``save_iteration`` becomes the folder's step + 1. A folder
+        whose step is quarantined in some part (``docs/health.md``) loads the
+        newest older step clean in every part, unless ``allow_quarantined``
+        (then the folder's step, with a warning). A folder without the marker
+        loads as without levels.
         """
         if self.levels is None:
             with multilevel_fsdp_checkpoints(self.writer_options, self.reader_options):
                 return super().load_state(input_dir, load_kwargs, **kwargs)
-        routes = self._level_routes("load_state")
+        routes = self._level_routes("load_state", allow_quarantined)
         with _routed(routes):
             super().load_state(input_dir, load_kwargs, **kwargs)
-        if routes.loaded_step is not None:
-            self.project_configuration.iteration = routes.loaded_step + 1
+        if routes.marked_step is not None:
+            self.project_configuration.iteration = routes.marked_step + 1
         return None
 
     def wait_for_checkpoints(self) -> list[DrainResult]:
@@ -341,7 +352,7 @@ class MultiLevelAccelerator(Accelerator):
             super().end_training()
         return None
 
-    def _level_routes(self, call: str) -> LevelRoutes:
+    def _level_routes(self, call: str, allow_quarantined: bool = False) -> LevelRoutes:
         """The routes of one ``save_state`` / ``load_state`` on the levels.
 
         Raises:
@@ -361,4 +372,5 @@ class MultiLevelAccelerator(Accelerator):
             )
         return LevelRoutes(self.levels, self.save_iteration, self.writer_options,
                            self.reader_options,
-                           _FolderRoutes(self.writer_options, self.reader_options))  # fmt: skip
+                           _FolderRoutes(self.writer_options, self.reader_options),
+                           allow_quarantined)  # fmt: skip

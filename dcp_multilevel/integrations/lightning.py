@@ -45,7 +45,11 @@ checkpoint path cannot carry)::
 - ``load_checkpoint`` finds the step from the marker (the first rank, in rank
   order, that can read it: a node that lost its disk cannot), ``"latest"`` or
   ``"step-<N>"``; the reader agrees on it across ranks and brings back a lost
-  node's files from the other levels first. A path that holds a checkpoint of
+  node's files from the other levels first. ``"latest"`` passes over quarantined
+  steps (``docs/health.md``), and so does a marker naming one (``last.ckpt``
+  after a divergence): it resumes from the newest clean step. ``"step-<N>"``
+  loads a quarantined step with a warning, as does a marker with
+  ``reader_options={"allow_quarantined": True}``. A path that holds a checkpoint of
   another kind loads as without levels. (Lightning's ``ckpt_path="last"``
   looks for ``last.ckpt`` on each rank's own disk: pass the path, or "latest".)
 - ``teardown`` waits for the drains (``dcp_multilevel.wait()``; a failed one
@@ -95,6 +99,7 @@ from ._lightning_levels import (
     LevelStep,
     level_target,
     pack_meta,
+    past_quarantine,
     unpack_meta,
     write_marker,
 )
@@ -118,7 +123,8 @@ class MultiLevelStorage:
             the first level sets ``codec``, ``storage_options`` and ``overwrite``.
         reader_options: keyword arguments of :class:`~dcp_multilevel.MultiLevelReader`
             for every load (``fallbacks``, ``thread_count``...; with levels, not
-            ``fallbacks``: the levels name the copies).
+            ``fallbacks``: the levels name the copies; ``allow_quarantined``: a
+            resume loads the newest step, or the marker's, even when quarantined).
         planner: the ``SavePlanner`` of every save (e.g.
             :class:`~dcp_multilevel.BalancedSavePlanner`); one instance is reused
             across saves, so its plan cache works. ``None``: DCP's default.
@@ -163,6 +169,14 @@ class MultiLevelStorage:
         if reader.loads is None or reader.loads.restore is None:
             return where
         return LevelStep.of(reader.loads.restore.step)
+
+    def resume_target(self, target: LevelStep) -> LevelStep:
+        """The level step a load of ``target`` reads: a marker naming a quarantined
+        step resumes from ``"latest"`` (the newest clean step), unless the reader
+        options say ``allow_quarantined``. Collective."""
+        if self.reader_options.get("allow_quarantined"):
+            return target
+        return past_quarantine(target, self._levels(), self.reader_options.get("topology"))
 
     def reader(self, where: Path | LevelStep) -> MultiLevelReader:
         """A reader of the folder or level step ``where`` with this storage's options
@@ -271,12 +285,13 @@ class _OurStorage:
     ) -> dict[str, Any]:
         """Load our checkpoint into the model and optimizers (``_load_ours``); return
         ``meta.pt``'s content. With levels, a marker, ``"latest"`` or ``"step-<N>"``
-        loads a level step. A path that holds no dcp_multilevel checkpoint goes to
-        Lightning's loader."""
+        loads a level step (a marker naming a quarantined step: the newest clean
+        one). A path that holds no dcp_multilevel checkpoint goes to Lightning's
+        loader."""
         if self.storage.levels is not None:
             target = level_target(checkpoint_path)  # collective
             if target is not None:
-                return self._load_step(target, weights_only)
+                return self._load_step(self.storage.resume_target(target), weights_only)
         path = Path(self.broadcast(checkpoint_path))  # type: ignore[attr-defined]
         if not self.storage.holds(path):
             return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]

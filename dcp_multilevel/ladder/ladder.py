@@ -235,6 +235,16 @@ class Ladder:
         self.holdings.decided(ticket.step, frozenset((0,)))
         self.holdings.quarantined([ticket.step])
 
+    def quarantine_of(self, step: int) -> str | None:
+        """Why the first level's copy of ``step`` is quarantined (its manifest says; the
+        only level a quarantined step is on); None when it is clean, or not readable
+        here (a step only higher levels hold was drained, so clean)."""
+        try:
+            manifest = self.drivers[0].checkpoint(step).manifest()
+        except (DcpMultilevelError, OSError):
+            return None
+        return manifest.health.reason() if manifest.quarantined else None  # type: ignore[union-attr]
+
     # ------------------------------------------------------------------ loads
 
     def loaded(self, restore: Restore, views: Views) -> None:
