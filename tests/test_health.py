@@ -409,3 +409,31 @@ def test_a_run_resumed_from_a_clean_step_saves_over_the_quarantined_ones(tmp_pat
     assert _steps(tmp_path / "l1") == [4, 5, 6]
     assert not StoredCheckpoint.at(f"{root}/l1/step-6").manifest().quarantined
     assert _steps(tmp_path / "remote") == [5, 6]
+
+
+def _hint_job(rank: int, world: int, root: str) -> tuple:
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randn(64, 64, generator=g)
+    state = {"shared": {"w": shared}, "own": {f"r{rank}": torch.full((32,), float(rank))}}
+    planner = BalancedSavePlanner()  # reused across saves, as the manager does
+    dcp.save(state, storage_writer=MultiLevelWriter(f"{root}/s1"), planner=planner)
+    hint = planner._digests._hint  # what the first save taught this rank
+    if rank == world - 1:  # silent data corruption on one replica, after the first save
+        shared[3, 3] += 1.0
+    dcp.save(state, storage_writer=MultiLevelWriter(f"{root}/s2"), planner=planner)
+    return sorted(hint)
+
+
+@pytest.mark.multiprocess
+def test_after_one_save_a_rank_hashes_only_its_replicated_items_and_still_finds_a_flip(tmp_path):
+    root = str(tmp_path)
+    out = run_ranks(_hint_job, 3, root, timeout=240)
+    assert out == [["shared.w"]] * 3  # not its own shard: no other rank holds it
+    assert not StoredCheckpoint.at(f"{root}/s1").manifest().quarantined
+    manifest = StoredCheckpoint.at(f"{root}/s2").manifest()
+    (finding,) = manifest.health.findings
+    assert (finding.check, finding.items, finding.ranks) == ("replicas", ("shared.w",), (2,))
+    state = {"shared": {"w": torch.zeros(64, 64)}}
+    dcp.load(state, storage_reader=MultiLevelReader(f"{root}/s2"))
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(state["shared"]["w"], torch.randn(64, 64, generator=g))  # the majority's

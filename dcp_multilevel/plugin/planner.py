@@ -30,16 +30,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import xxhash
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from ..errors import PlanningError
 from ..format.health import Finding
-from ..format.tensor_bytes import byte_view, value_tensor
 from ..planning import CostModel, Item, PartitionOptions, Piece, partition
-from ..planning.fingerprint import fingerprint
 from .plans import (
     KeptLocalPlan,
     check_replicas,
@@ -49,6 +46,7 @@ from .plans import (
     piece_order,
     tiling_errors,
 )
+from .replicas import Digests, stripped, with_replicated
 
 __all__ = ["BalancedSavePlanner", "parent_group", "write_item_nbytes"]
 
@@ -63,14 +61,6 @@ def parent_group(fqn: str) -> str:
     ``optim.state.<param>.exp_avg`` and ``.exp_avg_sq`` share ``optim.state.<param>``.
     """
     return fqn.rsplit(".", 1)[0] if "." in fqn else ""
-
-
-@dataclasses.dataclass(frozen=True)
-class _LocalPlannerData:
-    """Local ``SavePlan.planner_data`` when replicas are verified."""
-
-    mappings: Any
-    digests: dict[MetadataIndex, str]
 
 
 class BalancedSavePlanner(DefaultSavePlanner):
@@ -145,6 +135,9 @@ class BalancedSavePlanner(DefaultSavePlanner):
         #: The coordinator, after the last global plan: what the replica check found.
         self.health_findings: tuple[Finding, ...] = ()
         self._outvoted: dict[MetadataIndex, frozenset[int]] = {}
+        # The coordinator: per rank, the FQNs of its replicated items (replicas.py).
+        self._replicated: list[tuple[str, ...]] = []
+        self._digests = Digests()
         self._kept_local = KeptLocalPlan()
 
     # ------------------------------------------------------------------ local
@@ -171,9 +164,10 @@ class BalancedSavePlanner(DefaultSavePlanner):
 
     def _plan_with_digests(self) -> SavePlan:
         """The local plan (the kept one for a state laid out as the last save's) with
-        an xxh3 digest of every item, for the replica check."""
+        the digests of the items other ranks may hold too (``replicas.py``)."""
         kept = self._kept_local.plan_for(self.state_dict, self.is_coordinator, self._paths())
         if kept is None:
+            self._digests.forget()
             plan = super().create_local_plan()  # (DCP's caching is off: a plan, always)
             self._kept_local.keep(self.state_dict, self.is_coordinator, self._paths(), plan)
         else:
@@ -182,13 +176,8 @@ class BalancedSavePlanner(DefaultSavePlanner):
                 if self.flatten_state_dict
                 else kept
             )
-        if plan.usable:
-            digests = {item.index: d for item in plan.items if (d := self._digest(item))}
-            plan = dataclasses.replace(
-                plan, planner_data=_LocalPlannerData(plan.planner_data, digests)
-            )
-        self.plan = plan
-        return plan
+        self.plan = self._digests.attach(plan, super().resolve_data)
+        return self.plan
 
     def _answer_from_kept_plan(self) -> SavePlan | None:
         """What DCP's ``create_local_plan`` would answer for a state laid out as the
@@ -225,25 +214,6 @@ class BalancedSavePlanner(DefaultSavePlanner):
         """Where each flattened key came from in the nested state (DCP's mappings)."""
         return self.mappings if self.flatten_state_dict else {}
 
-    def _digest(self, item: WriteItem) -> str | None:
-        """The item's digest; None for a value that does not serialize (the writer
-        reports that, naming it, when it stores the value)."""
-        if item.type == WriteItemType.BYTE_IO:
-            try:
-                data = super().resolve_data(item)
-            except Exception:  # noqa: BLE001 - not this check's to report
-                return None
-        else:
-            data = super().resolve_data(item)
-        if isinstance(data, io.BytesIO):
-            return xxhash.xxh3_64_hexdigest(data.getbuffer())
-        t = data.detach()
-        if t.device.type == "meta":  # no values (a planning dry run): nothing to compare
-            return None
-        if t.device.type != "cpu":  # on the device: no whole copy to the host
-            return fingerprint(t.resolve_conj().resolve_neg())  # (values, not memory)
-        return xxhash.xxh3_64_hexdigest(byte_view(value_tensor(t)))
-
     # ------------------------------------------------------------------ global
 
     def _create_global_plan_with_caching(
@@ -269,25 +239,17 @@ class BalancedSavePlanner(DefaultSavePlanner):
     def _plan_globally(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         self.health_findings, self._outvoted = (), {}
         if self.verify_replicas:
-            findings, self._outvoted = check_replicas(
-                [
-                    p.planner_data.digests if isinstance(p.planner_data, _LocalPlannerData) else {}
-                    for p in all_plans
-                ]
-            )
+            digests, all_plans = stripped(all_plans)
+            findings, self._outvoted = check_replicas(digests)
             self.health_findings = tuple(findings)
             for f in findings:
                 logger.error("dcp_multilevel: the save is poisoned: %s", f.describe())
-        all_plans = [
-            dataclasses.replace(p, planner_data=p.planner_data.mappings)
-            if isinstance(p.planner_data, _LocalPlannerData)
-            else p
-            for p in all_plans
-        ]
         global_plan, metadata = self._balance(all_plans)
         if self.flatten_state_dict:
             merged = merge_mappings([p.planner_data for p in global_plan if p.planner_data])
             metadata = dataclasses.replace(metadata, planner_data=merged)
+        if self.verify_replicas:  # each rank learns which of its items are replicated
+            global_plan = with_replicated(global_plan, self._replicated)
         # DCP's checks of the final plan. Pieces this planner cut tile their tensors
         # by construction; what can fail is chunks that the ranks sharded themselves.
         errors = tiling_errors(metadata, len(global_plan))
@@ -355,7 +317,17 @@ class BalancedSavePlanner(DefaultSavePlanner):
             plans.append(
                 dataclasses.replace(plan, items=[final_item(first[p.key], p, md) for p in pieces])
             )
+        if self.verify_replicas:
+            self._replicated = [
+                tuple(sorted({first[p.key].index.fqn for p in pieces if len(owners[p.key]) > 1}))
+                for pieces in per_rank
+            ]
         return plans, Metadata(md)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """As DCP's; with the replica check, this rank notes which of its items other
+        ranks hold (its next save of this layout hashes only those)."""
+        return super().finish_plan(self._digests.learn(self.plan, new_plan))
 
     # ------------------------------------------------------------------ resolve
 
