@@ -50,11 +50,10 @@ writes ``folder/step-N`` as step N of the levels, with plain ``dcp.save`` /
 that lost its disk still takes part. When a rank sees a step, ``load(-1)``
 reads ``MultiLevelReader("latest", levels=...)`` (``"step-0"``, model only,
 when the seed is the newest): the ranks agree on the newest step every rank
-can read, passing over quarantined steps (``docs/health.md``; unless
-``load(-1, allow_quarantined=True)``), a lost node's files come back from the
-partner or erasure level, and each item is read from the fastest level
-holding it; ``load(N)`` reads ``"step-N"``, quarantined or not (with a
-warning). When no level holds it, torchtitan's own ``load`` runs
+can read, passing over quarantined steps (``docs/health.md``), a lost node's
+files come back from the partner or erasure level, and each item is read from
+the fastest level holding it; ``load(N)`` reads ``"step-N"`` (a quarantined
+one with a warning). When no level holds it, torchtitan's own ``load`` runs
 (``initial_load_path``: ours through :meth:`~MultiLevelCheckpointManager.dcp_load`,
 stock DCP or HF; a stock ``folder/step-N``; or a fresh start). ``close()``
 waits for the async save in flight and every due drain (``dcp_multilevel.wait()``).
@@ -330,12 +329,10 @@ class MultiLevelCheckpointManager(CheckpointManager):
 
     @torch.no_grad()
     def load(self, step: int = -1, *, allow_quarantined: bool = False) -> bool:
-        """Load ``step`` (-1: the newest clean step every rank can read) from the levels;
+        """Load ``step`` (-1: the newest clean step every rank can read, quarantined ones
+        passed over unless ``allow_quarantined``: ``docs/health.md``) from the levels;
         when no level holds it, torchtitan's own ``load`` (initial load, fresh start).
         Collective.
-
-        A quarantined step (``docs/health.md``) is passed over by ``-1``, unless
-        ``allow_quarantined``; asked for by its number, it is loaded with a warning.
 
         Returns:
             Whether a checkpoint was loaded (False: a fresh start).
