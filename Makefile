@@ -95,6 +95,7 @@ figures: bench-setup
 	$(BENCH)/bench_manager.py --remotes s3 --codec none --saves 5
 	$(BENCH)/bench_nodeloss.py --repeat 3 --saves 2 --step-seconds 1 --code-repeat 5
 	$(BENCH)/bench_plugin_levels.py
+	$(BENCH)/bench_health.py
 	$(MAKE) tables plots
 
 bench: figures

@@ -35,7 +35,7 @@ FORMAT = 1  # _report.RESULTS_VERSION
 FILES = ("save_load", "planner", "codecs", "async", "manager", "nodeloss")
 #: Results files whose rows (docs/benchmarks.md only) follow when the file is there,
 #: and are left out, with a note, while it is not.
-OPTIONAL = ("plugin_levels",)
+OPTIONAL = ("plugin_levels", "health")
 
 
 class TablesError(Exception):
@@ -300,9 +300,41 @@ def plugin_levels(s: Source) -> tuple[list[Row], list[Row]]:
     return [], docs
 
 
+def health(s: Source) -> tuple[list[Row], list[Row]]:
+    gb = s.med("state_bytes") / 1e9
+    share = lambda key: f"{s.med(key) * 100:+.0f} %"  # noqa: E731
+    sync = (
+        f"health checks on / off, `dcp.save` (2 ranks, {gb:.2f} GB: weights replicated, "
+        "AdamW sharded)",
+        f"stock `FileSystemWriter` {s.med('stock.blocked_s'):.2f} s blocked",
+        f"blocked {s.med('on.blocked_s'):.2f} / {s.med('off.blocked_s'):.2f} s "
+        f"({x(s.med('on.blocked_s'), s.med('off.blocked_s'), 2)}); checks' CPU "
+        f"{share('checks.cpu_share')} of the save's (the writer's checks "
+        f"{share('writer-checks.cpu_share')}, the replica digests "
+        f"{share('replica-check.cpu_share')})",
+    )
+    asynchronous = (
+        "health checks on / off, `dcp.async_save` (the same state)",
+        "-",
+        f"blocked {s.med('async-on.blocked_s'):.2f} / {s.med('async-off.blocked_s'):.2f} s "
+        f"({x(s.med('async-on.blocked_s'), s.med('async-off.blocked_s'), 2)}); done "
+        f"{s.med('async-on.done_s'):.2f} / {s.med('async-off.done_s'):.2f} s; checks' CPU "
+        f"{share('async-checks.cpu_share')}",
+    )
+    coded = (
+        'health checks on / off, `dcp.save` with `codec="bytegroup"`',
+        "-",
+        f"blocked {s.med('coded-on.blocked_s'):.2f} / {s.med('coded-off.blocked_s'):.2f} s "
+        f"({x(s.med('coded-on.blocked_s'), s.med('coded-off.blocked_s'), 2)}); checks' CPU "
+        f"{share('coded-checks.cpu_share')}",
+    )
+    return [], [sync, asynchronous, coded]
+
+
 BUILDERS: dict[str, Callable[[Source], tuple[list[Row], list[Row]]]] = {
     "save_load": save_load, "planner": planner, "codecs": codecs, "async": async_,
     "manager": manager, "nodeloss": nodeloss, "plugin_levels": plugin_levels,
+    "health": health,
 }  # fmt: skip
 
 #: Rows no benchmark measures: what the format does, and the test that shows it.
