@@ -362,12 +362,16 @@ def test_with_only_quarantined_steps_a_resume_refuses_unless_allowed(tmp_path):
     assert step == 2
 
 
-def _restart_save_job(rank: int, world: int, root: str, steps: list, load: bool) -> int | None:
-    levels = [Level(f"{root}/l1", keep=4), Level(f"{root}/remote", keep=5)]
+def _manager_job(
+    rank: int, world: int, root: str, keep: tuple, steps: list, poisoned: list, load: bool
+) -> int | None:
+    """Saves ``steps`` through a manager (those in ``poisoned`` with a NaN), after
+    resuming from the newest clean step when ``load``; the step it resumed from."""
+    levels = [Level(f"{root}/l1", keep=keep[0]), Level(f"{root}/remote", keep=keep[1])]
     mgr = CheckpointManager(levels)
     loaded = mgr.load_latest(_blank()) if load else None
     for step in steps:
-        mgr.save(_state(step, poisoned=step == 3), step)
+        mgr.save(_state(step, poisoned=step in poisoned), step)
     mgr.wait()
     mgr.close()
     return loaded
@@ -376,35 +380,25 @@ def _restart_save_job(rank: int, world: int, root: str, steps: list, load: bool)
 @pytest.mark.multiprocess
 def test_after_a_restart_retention_still_counts_an_older_quarantined_step_last(tmp_path):
     root = str(tmp_path)
-    run_ranks(_restart_save_job, 1, root, [1, 2, 3, 4], False, timeout=240)
+    run_ranks(_manager_job, 1, root, (4, 5), [1, 2, 3, 4], [3], False, timeout=240)
     assert _steps(tmp_path / "l1") == [1, 2, 3, 4]  # 3: quarantined, in a free place
     # A new process: the load learns that step 3, older than the step it loads, is
     # quarantined (its manifest says so), so the next save's retention keeps step 1.
-    (loaded,) = run_ranks(_restart_save_job, 1, root, [5], True, timeout=240)
+    (loaded,) = run_ranks(_manager_job, 1, root, (4, 5), [5], [], True, timeout=240)
     assert loaded == 4
     assert _steps(tmp_path / "l1") == [1, 2, 4, 5]
     assert _steps(tmp_path / "remote") == [1, 2, 4, 5]
 
 
-def _rollback_job(rank: int, world: int, root: str, steps: list, poisoned: bool, load: bool):
-    levels = [Level(f"{root}/l1", keep=3), Level(f"{root}/remote", keep=2)]
-    mgr = CheckpointManager(levels)
-    loaded = mgr.load_latest(_blank()) if load else None
-    for step in steps:
-        mgr.save(_state(step, poisoned=poisoned and step >= 3), step)
-    mgr.wait()
-    mgr.close()
-    return loaded
-
-
 @pytest.mark.multiprocess
 def test_a_run_resumed_from_a_clean_step_saves_over_the_quarantined_ones(tmp_path):
     root = str(tmp_path)
-    run_ranks(_rollback_job, 1, root, [1, 2, 3, 4, 5, 6], True, False, timeout=240)
+    run_ranks(_manager_job, 1, root, (3, 2), [1, 2, 3, 4, 5, 6], [3, 4, 5, 6], False,
+              timeout=240)  # fmt: skip
     assert _steps(tmp_path / "l1") == [1, 2, 6]
     # Resumed from step 2, the run saves steps 3 to 6 again, clean: step 6 replaces
     # the quarantined one (no CheckpointExistsError) and climbs like any clean step.
-    (loaded,) = run_ranks(_rollback_job, 1, root, [3, 4, 5, 6], False, True, timeout=240)
+    (loaded,) = run_ranks(_manager_job, 1, root, (3, 2), [3, 4, 5, 6], [], True, timeout=240)
     assert loaded == 2
     assert _steps(tmp_path / "l1") == [4, 5, 6]
     assert not StoredCheckpoint.at(f"{root}/l1/step-6").manifest().quarantined

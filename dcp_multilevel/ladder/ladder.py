@@ -276,14 +276,7 @@ class Ladder:
         older = [s for s in first if s < restore.step]
 
         def read() -> list[int]:
-            found = []
-            for step in older:
-                try:
-                    if self.drivers[0].checkpoint(step).manifest().quarantined:
-                        found.append(step)
-                except (DcpMultilevelError, OSError):
-                    continue  # not this step's to say: retention sees what is there
-            return found
+            return [s for s in older if self.quarantine_of(s) is not None]
 
         steps = [*restore.passed_over, *(_dist.rank0_decides(read) if older else [])]
         loaded = restore.manifest  # loaded all the same (by its number, or allowed)?

@@ -171,11 +171,7 @@ class BalancedSavePlanner(DefaultSavePlanner):
             plan = super().create_local_plan()  # (DCP's caching is off: a plan, always)
             self._kept_local.keep(self.state_dict, self.is_coordinator, self._paths(), plan)
         else:
-            plan = (
-                dataclasses.replace(kept, planner_data=self.mappings)
-                if self.flatten_state_dict
-                else kept
-            )
+            plan = self._with_mappings(kept)
         self.plan = self._digests.attach(plan, super().resolve_data)
         return self.plan
 
@@ -194,11 +190,7 @@ class BalancedSavePlanner(DefaultSavePlanner):
                 # plan DCP sends the new one.
                 SavePlanner._cached_save_plan.pop(self._cached_plans_key, None)
             return None
-        plan = (
-            dataclasses.replace(kept, planner_data=self.mappings)
-            if self.flatten_state_dict
-            else kept
-        )
+        plan = self._with_mappings(kept)
         if not self._enable_plan_caching:
             self.plan = plan
             return plan
@@ -209,6 +201,12 @@ class BalancedSavePlanner(DefaultSavePlanner):
             self.plan = plan
             return SavePlan([], usable=False)
         return None
+
+    def _with_mappings(self, kept: SavePlan) -> SavePlan:
+        """The kept plan with this save's flatten mappings, as DCP's would carry them."""
+        if not self.flatten_state_dict:
+            return kept
+        return dataclasses.replace(kept, planner_data=self.mappings)
 
     def _paths(self) -> dict[str, Any]:
         """Where each flattened key came from in the nested state (DCP's mappings)."""
