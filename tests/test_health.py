@@ -431,3 +431,17 @@ def test_after_one_save_a_rank_hashes_only_its_replicated_items_and_still_finds_
     dcp.load(state, storage_reader=MultiLevelReader(f"{root}/s2"))
     g = torch.Generator().manual_seed(0)
     assert torch.equal(state["shared"]["w"], torch.randn(64, 64, generator=g))  # the majority's
+
+
+def test_the_nonfinite_finding_counts_values_and_tensors_in_words(tmp_path):
+    state = {"a": torch.ones(8), "b": torch.ones(8), "c": torch.ones(8)}
+    state["a"][3] = float("nan")
+    writer = MultiLevelWriter(tmp_path / "one")
+    dcp.save(state, storage_writer=writer)
+    assert [f.message for f in writer.health.findings] == ["1 non-finite value in 1 tensor"]
+    state["b"][0] = float("inf")
+    state["b"][5] = float("-inf")
+    writer = MultiLevelWriter(tmp_path / "three")
+    dcp.save(state, storage_writer=writer)
+    (finding,) = writer.health.findings
+    assert (finding.message, finding.items) == ("3 non-finite values in 2 tensors", ("a", "b"))

@@ -15,7 +15,10 @@ matched their checksum (fail closed: unverified bytes never reach the
   threads, the bus busy while the file is read.
 - Otherwise the bytes land in a scratch buffer that ``commit`` narrows to the
   requested region and copies (for a CUDA destination: pinned, copied
-  without waiting, in stream order).
+  without waiting).
+- Copies into CUDA tensors are queued on the reading thread's current stream,
+  which the reader orders after the work the caller queued before the load
+  (``streams.StreamMarks``), and are done when the load returns.
 - Pinned blocks come from torch's caching host allocator, reused item after
   item, and are handed back to the driver once a load is done
   (:func:`.pinned.release_pinned`).
@@ -185,7 +188,7 @@ def destination(
     # The caching host allocator keeps each block until its copy has run (it
     # records an event on the stream), then reuses it for a later item: no fresh
     # pages to fault in per item, and the copy overlaps the next item's read.
-    # The stream orders the copy before any later use of the destination.
+    # The reader waits for the stream before the load returns.
     on_cuda = target.device.type == "cuda"
     scratch = host_scratch((loc.raw_length,), torch.uint8, pinned=on_cuda)
 

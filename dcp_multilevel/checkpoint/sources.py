@@ -93,7 +93,8 @@ def tensor_of(item: WriteItem, data: Any) -> torch.Tensor:
     resolved), checked against the plan.
 
     Raises:
-        UnsupportedStateError: not a tensor, or not the plan's dtype and shape.
+        UnsupportedStateError: not a tensor, not strided (sparse), or not the
+            plan's dtype and shape.
     """
     fqn = item.index.fqn
     if not isinstance(data, torch.Tensor):
@@ -102,6 +103,11 @@ def tensor_of(item: WriteItem, data: Any) -> torch.Tensor:
         )
     td = item.tensor_data
     t = data
+    if t.layout != torch.strided:  # (stock DCP cannot save them either)
+        raise UnsupportedStateError(
+            f"tensor item {fqn!r} is a {t.layout} tensor; DCP saves strided tensors only: "
+            "store it dense (t.to_dense()), or its indices and values as tensors of their own"
+        )
     if t.dtype != td.properties.dtype or tuple(t.shape) != tuple(td.chunk.sizes):
         cause = (
             "a planner that changes dtype or shape in resolve_data must change its plan to match"
@@ -122,6 +128,10 @@ def tensor_of(item: WriteItem, data: Any) -> torch.Tensor:
         # items and saves; the writer's close() hands it back): a DMA copy at full
         # speed, not a pageable one. (No autograd history for the copy; a conjugate
         # or negative view's memory is not its values: resolved on the device.)
+        # On the calling thread's current stream, which the caller orders after
+        # the work that wrote the tensor (checkpoint/streams.py); the tensor is
+        # held here until the copy is done, so its memory is not reused before.
+        stream = torch.cuda.current_stream(t.device)
         t = t.detach().resolve_conj().resolve_neg()
         host = host_scratch(t.shape, t.dtype, pinned=True)
         if t.dtype == torch.bool:
@@ -130,7 +140,9 @@ def tensor_of(item: WriteItem, data: Any) -> torch.Tensor:
             host.view(torch.uint8).copy_(t.view(torch.uint8), non_blocking=True)
         else:
             host.copy_(t, non_blocking=True)
-        torch.cuda.current_stream(t.device).synchronize()
+        done = torch.cuda.Event()
+        done.record(stream)
+        done.synchronize()  # this copy only: other threads may queue on the stream
         return host
     # A copy only where needed: strided views store their projection.
     return value_tensor(t)

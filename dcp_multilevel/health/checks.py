@@ -193,6 +193,7 @@ class Tally:
             counts = dict(self._counts)
         if counts:
             total = sum(counts.values())
+            values = f"{total} non-finite value" + ("s" if total != 1 else "")
             tensors = f"{len(counts)} tensor" + ("s" if len(counts) > 1 else "")
-            yield Finding("nonfinite", f"{total} non-finite values in {tensors}",
+            yield Finding("nonfinite", f"{values} in {tensors}",
                           tuple(sorted(counts)), (rank,))  # fmt: skip

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..checkpoint.sources import object_record, tensor_of
+from ..checkpoint.streams import StreamMarks
 from ..codecs import EncodeJob, encode_items, item_layout
 from ..format import Hasher, ItemLocation, data_file_path
 from ..format.tensor_bytes import byte_view
@@ -70,7 +71,10 @@ def write_rank(
     # lookup is a dict read, but torch.save of BYTE_IO items is not reentrant-safe
     # for every object, so that part is serialized.
     lock = threading.Lock()
-    args = (planner, lock, countdown, tally)
+    # Where the work that wrote the state ends, on this thread's current stream
+    # (an async save's background thread follows its stage-time marks): the
+    # writing threads read device tensors after it (checkpoint/streams.py).
+    args = (planner, lock, countdown, tally, StreamMarks.here())
     if len(jobs) <= 1:
         return [r for job in jobs for r in write_file(writer, *job, *args)]
     with ThreadPoolExecutor(len(jobs), thread_name_prefix="dcp-ml-write") as pool:
@@ -86,6 +90,7 @@ def write_file(
     lock: threading.Lock,
     countdown: LiveCountdown,
     tally: Tally | None = None,
+    marks: StreamMarks | None = None,
 ) -> list[WriteResult]:
     """Write ``items`` to one data file, coding ahead in the pool while writing.
 
@@ -94,8 +99,22 @@ def write_file(
     done here; memory stays bounded by that window. With a ``tally``, each
     floating-point item's non-finite values are counted on the way: a raw
     item's slice by slice just before the hash reads it, a coded item's chunk by
-    chunk on the coding thread, a CUDA tensor's on its device.
+    chunk on the coding thread, a CUDA tensor's on its device. Device tensors are
+    read after ``marks`` (none: after this thread's current stream).
     """
+    with (marks or StreamMarks()).following():
+        return _write_file(writer, path, items, planner, lock, countdown, tally)
+
+
+def _write_file(
+    writer: MultiLevelWriter,
+    path: str,
+    items: list[WriteItem],
+    planner: SavePlanner,
+    lock: threading.Lock,
+    countdown: LiveCountdown,
+    tally: Tally | None,
+) -> list[WriteResult]:
     results = []
     c = writer.compression
     pool = writer._pool()
@@ -163,7 +182,7 @@ def _jobs(
                 counted = count_on_device(data)  # before tensor_of's copy waits for the device
                 rule = None
             tensor = tensor_of(item, data)
-            if counted is not None:
+            if counted is not None:  # (on this thread's stream, as the copy)
                 tally.add(item.index.fqn, counted.result())  # type: ignore[union-attr]
             view = byte_view(tensor)
             layout = item_layout(view, tensor.dtype, writer._codec, writer.compression)

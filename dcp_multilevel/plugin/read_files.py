@@ -19,6 +19,7 @@ from ..checkpoint import StoredCheckpoint
 from ..checkpoint.chain import Failure
 from ..checkpoint.destinations import Bounce, destination
 from ..checkpoint.reference_files import ReferenceFiles
+from ..checkpoint.streams import StreamMarks
 from ..errors import CorruptCheckpointError, ManifestError
 from ..format import ItemLocation
 
@@ -38,16 +39,20 @@ def read_file(
     planner: LoadPlanner,
     codec_pool: Callable[[], ThreadPoolExecutor | None],
     window: int,
+    marks: StreamMarks | None = None,
 ) -> tuple[int, list[Failure]]:
     """Read ``reqs`` (sorted by offset) from one data file; (served, failures).
 
     ``codec_pool`` gives the pool coded items are decoded in (None: inline) when
-    the first one comes; ``window``: chunks in flight while decoding.
+    the first one comes; ``window``: chunks in flight while decoding. Copies
+    into device tensors are queued after ``marks`` (none: after this thread's
+    current stream); the caller waits for them (``StreamMarks.finish``).
     """
     served = 0
     failures: list[Failure] = []
     limit = max(loc.offset + loc.length for _, _, loc in reqs)
     with ExitStack() as stack:
+        stack.enter_context((marks or StreamMarks()).following())
         try:
             handle = stack.enter_context(copy.open_data(file, reqs[0][1].storage_index.fqn, limit))
         except COPY_ERRORS as e:

@@ -43,6 +43,7 @@ from torch.futures import Future
 from ..checkpoint import StoredCheckpoint, new_save_id
 from ..checkpoint.chain import Failure, Trail, item_name, unusable_copy
 from ..checkpoint.pinned import release_pinned
+from ..checkpoint.streams import StreamMarks
 from ..errors import (
     ConfigError,
     DcpMultilevelError,
@@ -418,14 +419,19 @@ class MultiLevelReader(StorageReader):
             per_file[loc.file].append((i, req, loc))
         jobs = [(f, sorted(reqs, key=lambda r: r[2].offset)) for f, reqs in per_file.items()]
         jobs = split_runs(jobs, self.thread_count)
-        decoding = (self._codec_pool, 2 * self.thread_count)  # pool (made at need), window
-        if self.thread_count == 1 or len(jobs) <= 1:
-            results = [read_file(copy, *job, planner, *decoding) for job in jobs]
-        else:
-            workers = min(self.thread_count, len(jobs))
-            with ThreadPoolExecutor(workers, thread_name_prefix="dcp-ml-read") as pool:
-                futures = [pool.submit(read_file, copy, *job, planner, *decoding) for job in jobs]
-                results = [f.result() for f in futures]
+        # Copies into device tensors: after the caller's queued work, done on return.
+        marks = StreamMarks.here()
+        decoding = (self._codec_pool, 2 * self.thread_count, marks)
+        try:
+            if self.thread_count == 1 or len(jobs) <= 1:
+                results = [read_file(copy, *job, planner, *decoding) for job in jobs]
+            else:
+                workers = min(self.thread_count, len(jobs))
+                with ThreadPoolExecutor(workers, thread_name_prefix="dcp-ml-read") as pool:
+                    futures = [pool.submit(read_file, copy, *j, planner, *decoding) for j in jobs]
+                    results = [f.result() for f in futures]
+        finally:
+            marks.finish()
         for _, job_failures in results:
             failures.extend(job_failures)
         failures.sort(key=lambda f: f.index)

@@ -6,7 +6,9 @@ Life of a ticket, and which thread moves it on::
                         handed to DCP
     background thread   claimed: ``thread`` is set once, under the stager's lock, by
                         the thread that runs the save (Stager.claim from the writer's
-                        first call, or pickling of the staged dict in PROCESS mode)
+                        first call, or pickling of the staged dict in PROCESS mode);
+                        from the writer's first call to its finish, its current
+                        CUDA streams follow the ticket's ``marks``
                         ``released`` set once the live tensors are no longer read
     any                 done: the claiming thread ended, or DCP dropped the staged
                         dict (``dropped``, set by a weakref finalizer)
@@ -23,12 +25,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..checkpoint.streams import StreamMarks
 from .buffers import iter_tensors, pool_source
 
 __all__ = ["POLL_S", "StagedDict", "Ticket", "claimed_by", "mark_dropped", "uncopied_storages"]
 
 #: Poll interval while waiting for a ticket that no thread has claimed yet.
 POLL_S = 0.005
+
+
+def _nothing() -> None:
+    pass
 
 
 class Ticket:
@@ -60,6 +67,10 @@ class Ticket:
         #: With the fence check: raises StagingFenceError once the live tensors are
         #: written if one changed since it was staged (``copies.check_live``).
         self.check_live: Callable[[], None] | None = None
+        #: Where the GPU work that wrote the state ends (recorded by ``stage``).
+        self.marks = StreamMarks()
+        #: Puts back the claiming thread's CUDA streams (``StreamMarks.adopt``).
+        self.restore_streams: Callable[[], None] = _nothing
 
     @property
     def claimed(self) -> bool:

@@ -7,9 +7,9 @@ tensor out in the buffer set as a view, issuing the copies from CUDA devices
 :func:`run_copies` then moves the host bytes and waits for the device ones.
 Both run on the training thread (:func:`copy_into`: both at once), or on a
 background thread while training goes on (``StagingConfig(overlap=True)``;
-:func:`stream_marks`, taken on the training thread, tells the side streams
-what to wait for): then the state may change only after the copies are done,
-the *fence* (DCP's ``staging_completion``).
+the :class:`~..checkpoint.streams.StreamMarks` taken on the training thread
+tell the side streams what to wait for): then the state may change only
+after the copies are done, the *fence* (DCP's ``staging_completion``).
 
 A fence check (``StagingConfig(check_fence=True)``, for debugging) hashes every
 source when the copy is planned and every copy when it is made (a tensor
@@ -30,12 +30,13 @@ from typing import Any
 import torch
 import xxhash
 
+from ..checkpoint.streams import StreamMarks
 from ..errors import StagingFenceError
 from ..format.tensor_bytes import byte_view, value_tensor
-from .buffers import COPY_PIECE, KeptViews, _aligned, iter_tensors, pool_source
+from .buffers import COPY_PIECE, KeptViews, _aligned, pool_source
 from .device import DeviceSnapshot, side_stream
 
-__all__ = ["Copies", "check_live", "copy_into", "plan_copies", "run_copies", "stream_marks"]
+__all__ = ["Copies", "check_live", "copy_into", "plan_copies", "run_copies"]
 
 
 @dataclass
@@ -66,7 +67,7 @@ def plan_copies(
     flat: torch.Tensor | None,
     only: set[int] | None = None,
     check_fence: bool = False,
-    marks: dict[torch.device, Any] | None = None,
+    marks: StreamMarks | None = None,
     snapshot: DeviceSnapshot | None = None,
     views: KeptViews | None = None,
 ) -> tuple[Any, Copies]:
@@ -77,13 +78,14 @@ def plan_copies(
     tensor lands at the same place with the same dtype and shape.
 
     Copies from a CUDA device are issued here, as each view is laid out, so the
-    bus is busy from the first tensor on (:class:`DeviceCopies`; ``marks``: see
-    :func:`stream_marks`, needed when this is not the training thread;
+    bus is busy from the first tensor on (:class:`DeviceCopies`; ``marks``:
+    where the training's work ends, taken on its thread, needed when this is
+    not the training thread;
     ``snapshot``: GPU memory reserved for this save, ``device.py``);
     :func:`run_copies` makes the rest and waits for all."""
     offset = 0
     pinned = flat is not None and flat.is_pinned()
-    todo = Copies(device=DeviceCopies(marks or {}, pinned, snapshot))
+    todo = Copies(device=DeviceCopies(marks or StreamMarks(), pinned, snapshot))
     typed: dict[torch.dtype, torch.Tensor] = {}  # flat viewed as each dtype, once
     # Torch calls are what a background thread must keep few: each gives the GIL
     # away and takes it back from a training thread that calls torch too (6,000
@@ -114,7 +116,10 @@ def plan_copies(
         if isinstance(v, torch.Tensor):
             local = pool_source(v)
             if local is None:
-                # Sparse, quantized, other subclasses: staged the stock way, now.
+                # Sparse, quantized, other subclasses: staged the stock way, now
+                # (from a device: after the work that wrote it, see to_host).
+                if v.device.type == "cuda":
+                    return todo.device.to_host(v)
                 return v.detach().to("cpu", copy=True)
             if flat is None or (only is not None and id(v) not in only):
                 if check_fence:
@@ -173,40 +178,6 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
-
-
-def stream_marks(state: Any) -> dict[torch.device, Any]:
-    """An event on the calling thread's current stream of each CUDA device holding
-    a tensor of ``state``. Recorded on the training thread when ``async_save`` is
-    called, it lets copies made on another thread start once the work that wrote
-    the state is done, instead of after whatever training queued since (that
-    thread's own current stream would be the wrong one, too, for a training loop
-    on a stream of its own). The state is not walked: every device this process
-    made a context on is marked (a tensor on a device means a context there),
-    and without CUDA in use this returns at once."""
-    if not torch.cuda.is_initialized():  # then no tensor can be on a CUDA device
-        return {}
-    marks = {}
-    for device in _devices_in_use(state):
-        marks[device] = torch.cuda.Event()
-        marks[device].record(torch.cuda.current_stream(device))
-    return marks
-
-
-def _devices_in_use(state: Any) -> set[torch.device]:
-    """The CUDA devices that may hold tensors of ``state``: those with a primary
-    context (asking creates none), which costs microseconds where walking 1,168
-    tensors took 0.2 ms on the VM and more on the lent H100's cores; a torch
-    without that query has the state walked."""
-    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
-    if has_context is not None:
-        try:
-            return {
-                torch.device("cuda", i) for i in range(torch.cuda.device_count()) if has_context(i)
-            }
-        except (RuntimeError, TypeError):  # a private query that changed: walk
-            pass
-    return {t.device for t in iter_tensors(state) if t.is_cuda}
 
 
 def run_copies(
@@ -279,6 +250,8 @@ class DeviceCopies:
     (:func:`~.device.side_stream`): it first waits for the work that wrote the
     state (the training thread's ``marks``, else the calling thread's current
     stream), and the training's next kernels do not queue behind the copies.
+    Tensors the buffers cannot hold (sparse, quantized, other subclasses) are
+    copied there too, at once (:meth:`to_host`).
     With a :class:`~.device.DeviceSnapshot`, a tensor that fits is copied
     within its device first, and to the host only after the fence
     (:meth:`fence`).
@@ -288,13 +261,13 @@ class DeviceCopies:
     a GIL hand-off). The sources are held until :meth:`wait`, so their memory
     is not reused while a copy may still read it.
 
-    Call order: ``issue`` for each tensor (any one thread), then ``fence`` once,
-    then ``wait_fenced`` and ``wait`` (in either order).
+    Call order: ``issue`` and ``to_host`` for each tensor (any one thread), then
+    ``fence`` once, then ``wait_fenced`` and ``wait`` (in either order).
     """
 
     def __init__(
         self,
-        marks: dict[torch.device, Any],
+        marks: StreamMarks,
         non_blocking: bool,
         snapshot: DeviceSnapshot | None = None,
     ) -> None:
@@ -312,16 +285,33 @@ class DeviceCopies:
         self._pending_bytes: dict[torch.device, int] = {}
         self._held: list[torch.Tensor] = []  # what queued copies read or write
 
+    def _side(self, device: torch.device) -> Any:
+        """The device's side stream, told to wait for the state's work (once)."""
+        side = self.sides.get(device)
+        if side is None:
+            side = self.sides[device] = side_stream(device)
+            mark = self.marks.events.get(device)
+            if mark is not None:
+                side.wait_event(mark)
+            else:
+                side.wait_stream(torch.cuda.current_stream(device))
+        return side
+
+    def to_host(self, v: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``v`` (a CUDA tensor the buffers cannot hold), made now on
+        the side stream: after the work that wrote it, whichever thread this is."""
+        side = self._side(v.device)
+        with torch.cuda.stream(side), torch.no_grad():
+            out = v.detach().to("cpu", copy=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        done.synchronize()  # (a subclass's copy may not have waited: v is held till then)
+        return out
+
     def issue(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` into ``dst`` (queued in a batch; pinned: without waiting)."""
         device = src.device
-        if device not in self.sides:
-            side = side_stream(device)
-            if device in self.marks:
-                side.wait_event(self.marks[device])
-            else:
-                side.wait_stream(torch.cuda.current_stream(device))
-            self.sides[device] = side
+        self._side(device)
         if src.is_conj() or src.is_neg():
             # A conjugate or negative view's memory is not its values, and the
             # batched copy within a device moves memory; the one to the host would

@@ -63,8 +63,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-import torch
-
+from ..checkpoint.streams import StreamMarks
 from ..errors import ConfigError, SaveInFlightError
 from ._failures import FailureRecord
 from ._messages import busy_message, never_began_message, raise_failure
@@ -75,7 +74,7 @@ from ._tickets import POLL_S, StagedDict, Ticket, claimed_by, mark_dropped, unco
 from .background import BackgroundSave
 from .buffers import BufferSet, HostBufferPool, iter_tensors, select_wave, staged_nbytes
 from .config import StagingConfig
-from .copies import Copies, check_live, plan_copies, run_copies, stream_marks
+from .copies import Copies, check_live, plan_copies, run_copies
 from .live import LiveFence
 
 __all__ = ["Stager"]
@@ -142,25 +141,29 @@ class Stager:
                 raise SaveInFlightError(never_began_message(checkpoint_id, self.config))
         st.seq += 1
         ticket = Ticket(st.seq, checkpoint_id)
+        # Where the GPU work that wrote the state ends: every later read of it, on
+        # whichever thread, waits for that (checkpoint/streams.py).
+        ticket.marks = StreamMarks.here(state_dict)
         with st.lock:
             st.tickets.append(ticket)
         self._last = ticket
         try:
             if st.overlapper is None:
-                copied, todo = self._lay_out(state_dict, ticket, deadline)
+                copied, todo = self._lay_out(state_dict, ticket, deadline, ticket.marks)
                 run_copies(todo, st.copier)
                 return self._staged(copied, ticket)
             if cfg.check_fence:  # it hashes the state as it is now
-                planned = self._lay_out(state_dict, ticket, deadline)
+                planned = self._lay_out(state_dict, ticket, deadline, ticket.marks)
                 fence = self._behind_the_fence(lambda: planned, ticket, deadline)
             else:
                 # Overlap: async_save only marks where the GPU work that wrote the
                 # state ends; the walk, the wait for buffers and the snapshot's layout
                 # (a view per tensor: 30 ms for 1,600 tensors on the H100) run on the
                 # overlap thread, while training goes on.
-                marks = stream_marks(state_dict)
                 fence = self._behind_the_fence(
-                    lambda: self._lay_out(state_dict, ticket, deadline, marks), ticket, deadline
+                    lambda: self._lay_out(state_dict, ticket, deadline, ticket.marks),
+                    ticket,
+                    deadline,
                 )
             self._steps.guard(fence.completed)
             return fence
@@ -173,10 +176,10 @@ class Stager:
         state_dict: dict[str, Any],
         ticket: Ticket,
         deadline: float,
-        marks: dict[torch.device, Any] | None = None,
+        marks: StreamMarks | None = None,
     ) -> tuple[dict[str, Any], Copies]:
         """Take a buffer set for ``ticket`` and lay the snapshot out in it (issuing
-        the device copies as it goes; ``marks``: see ``copies.stream_marks``).
+        the device copies as it goes, after ``marks``).
 
         Raises:
             SaveInFlightError: no buffer set freed up (see :meth:`_acquire`).
@@ -346,6 +349,10 @@ class Stager:
                 if oldest is not None and oldest.stager_thread is not me:
                     oldest.thread = me
                     mine = oldest
+                    # This thread's reads of the live state (the planner's digests,
+                    # the writer's copies) follow the work that wrote it, until the
+                    # save's finish.
+                    mine.restore_streams = mine.marks.adopt()
         self._wait_for_earlier(mine, checkpoint_id)
 
     def _claim_sent(self, ticket: Ticket) -> None:
@@ -385,6 +392,8 @@ class Stager:
         finally:
             if ticket is not None:
                 ticket.released.set()
+                if step == "finish":
+                    ticket.restore_streams()
 
     def _ticket_of_this_thread(self) -> Ticket | None:
         st = self._staging
