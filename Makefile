@@ -125,9 +125,10 @@ gpu-check: setup
 	# How long async_save blocks for GPT-2-medium's 1,168 tensors, and what the save then
 	# costs Python-bound training steps through the GIL (steal), ours against stock's best.
 	$(VENV)/bin/python benchmarks/bench_blocked.py --rounds 3 --saves 6
-	# The GPU-only tests (pinned scratch given back, side-stream staging, Lightning's
-	# FSDP1 strategy); they skip without CUDA.
-	$(VENV)/bin/python -m pytest -q -rs tests/test_cuda.py tests/test_integration_lightning.py -k "cuda or fsdp1"
+	# The GPU-only tests (pinned scratch given back, side-stream staging, saves and loads
+	# from a training stream of its own, Lightning's FSDP1 strategy); they skip without CUDA.
+	$(VENV)/bin/python -m pytest -q -rs tests/test_cuda.py tests/test_cuda_streams.py \
+		tests/test_integration_lightning.py -k "cuda or fsdp1"
 
 # The summary's plots (docs/img/*.png) from the benchmarks' JSON in benchmarks/results/
 # (each file holds the command that wrote it; a missing one skips its plot).
