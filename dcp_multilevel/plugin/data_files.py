@@ -102,19 +102,6 @@ def write_file(
     chunk on the coding thread, a CUDA tensor's on its device. Device tensors are
     read after ``marks`` (none: after this thread's current stream).
     """
-    with (marks or StreamMarks()).following():
-        return _write_file(writer, path, items, planner, lock, countdown, tally)
-
-
-def _write_file(
-    writer: MultiLevelWriter,
-    path: str,
-    items: list[WriteItem],
-    planner: SavePlanner,
-    lock: threading.Lock,
-    countdown: LiveCountdown,
-    tally: Tally | None,
-) -> list[WriteResult]:
     results = []
     c = writer.compression
     pool = writer._pool()
@@ -125,7 +112,13 @@ def _write_file(
         window=_WINDOW_PER_THREAD * c.threads if c and pool else 1,
         buffers=writer._payload_buffers,
     )  # fmt: skip
-    with writer.store.open_write(path) as out, streams, closing(coded):
+    # (coded is lazy: the items are resolved and read in the loop, following the marks)
+    with (
+        (marks or StreamMarks()).following(),
+        writer.store.open_write(path) as out,
+        streams,
+        closing(coded),
+    ):
         pad_for = getattr(out, "pad_for", None)  # a direct-I/O file (stores/_direct.py)
         for job, parts in coded:
             if pad_for is not None and job.layout is None:
