@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,64 @@ from dcp_multilevel.levels.topology import Topology, expand_node, node_from_env
         ({"GROUP_RANK": "1", "NODE_RANK": "3"}, 1),
         ({"DCP_ML_NODE": "7", "GROUP_RANK": "1"}, 7),
         ({"DCP_ML_NODE": "", "GROUP_RANK": "4"}, 4),
+        ({"NODE_RANK": "2"}, 2),
+        ({"GROUP_RANK": "1", "RANK": "7", "LOCAL_WORLD_SIZE": "2"}, 1),
+        ({"DCP_ML_NODE": "0", "GROUP_RANK": "1", "NODE_RANK": "2", "RANK": "7",
+          "LOCAL_WORLD_SIZE": "2"}, 0),
+        ({"RANK": "7"}, 0),
     ],
-)
+)  # fmt: skip
 def test_node_from_env_precedence(env, node):
     assert node_from_env(env) == node
+
+
+def test_node_from_the_process_environment(monkeypatch):
+    for name in ("DCP_ML_NODE", "GROUP_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NODE_RANK", "3")
+    monkeypatch.setenv("RANK", "9")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert node_from_env() == 3
+    monkeypatch.delenv("NODE_RANK")
+    assert node_from_env() == 2
+    monkeypatch.setenv("DCP_ML_NODE", "5")
+    assert node_from_env() == 5
+
+
+#: The rule of node_from_env, as every place that documents a default topology states it.
+_NODE_RULE = re.compile(
+    r"`DCP_ML_NODE`.{0,40}, else (torchrun's )?`GROUP_RANK`, else `NODE_RANK`, else "
+    r"`RANK // LOCAL_WORLD_SIZE`, else node 0"
+)
+
+
+def _documented_topology(where: str) -> str:
+    """The text of ``where``: a file below the repository, or a class's docstring."""
+    if where.endswith(".md"):
+        return (Path(__file__).resolve().parent.parent / where).read_text()
+    if where == "MultiLevelAccelerator":
+        accelerate = pytest.importorskip("dcp_multilevel.integrations.accelerate")
+        return accelerate.MultiLevelAccelerator.__doc__ or ""
+    import dcp_multilevel
+
+    return getattr(dcp_multilevel, where).__doc__ or ""
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "docs/levels.md",
+        "docs/writer-reader.md",
+        "docs/integrations.md",
+        "CheckpointManager",
+        "MultiLevelReader",
+        "MultiLevelAccelerator",
+    ],
+)
+def test_every_default_topology_is_documented_by_the_one_rule(where):
+    flat = " ".join(_documented_topology(where).replace("``", "`").split())
+    assert _NODE_RULE.search(flat), where
+    assert "host name" not in flat, where
 
 
 def test_a_bad_node_variable_is_named():

@@ -141,7 +141,8 @@ class PartLevels:
 
     Attributes:
         levels: the levels as the user gave them, fastest first.
-        topology: which node each rank is on (None: each rank's environment).
+        topology: which node each rank is on (None: each rank's environment, as
+            ``levels/topology.py``'s ``node_from_env`` reads it).
     """
 
     levels: tuple[Level, ...]

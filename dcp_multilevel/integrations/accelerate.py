@@ -245,7 +245,9 @@ class MultiLevelAccelerator(Accelerator):
             and an ``output_dir`` every rank reads. Construction binds nothing;
             each ``save_state`` / ``load_state`` is collective, as without levels.
         topology: with ``levels``: which node each rank is on (default: each
-            rank's ``DCP_ML_NODE`` or host name).
+            rank's environment, ``DCP_ML_NODE``, else ``GROUP_RANK``, else
+            ``NODE_RANK``, else ``RANK // LOCAL_WORLD_SIZE``, else node 0:
+            ``docs/levels.md``, "Nodes").
 
     Without ``levels``, only the FSDP model and optimizer states with
     ``SHARDED_STATE_DICT`` change format; the other ``state_dict_type`` values

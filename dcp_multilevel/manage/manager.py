@@ -89,7 +89,9 @@ class CheckpointManager:
         levels: fastest first. The first takes every :meth:`save` (its ``every``
             paces :meth:`step`), must be a store level, and may be node-local.
         topology: which node each rank is on (default: each rank's environment,
-            ``levels/topology.py``); ``{node}`` in a level's path is this rank's node.
+            ``DCP_ML_NODE``, else ``GROUP_RANK``, else ``NODE_RANK``, else
+            ``RANK // LOCAL_WORLD_SIZE``, else node 0: ``docs/levels.md``,
+            "Nodes"); ``{node}`` in a level's path is this rank's node.
         schedule: which levels take each save (default :class:`FixedInterval`:
             each level's ``every``; ``Schedule.auto(mtbf_hours=...)`` for :meth:`step`).
         planner: save planner (default: one reused :class:`BalancedSavePlanner`).

@@ -80,7 +80,10 @@ class MultiLevelReader(StorageReader):
             erasure level first, then each item is read from the fastest level
             whose copy checks out. Construction and ``dcp.load`` are then
             collective (every rank).
-        topology: with ``levels``: which node each rank is on (as the writer's).
+        topology: with ``levels``: which node each rank is on (default: each
+            rank's environment, ``DCP_ML_NODE``, else ``GROUP_RANK``, else
+            ``NODE_RANK``, else ``RANK // LOCAL_WORLD_SIZE``, else node 0:
+            ``docs/levels.md``, "Nodes"; as the writer's).
         allow_quarantined: with ``levels`` and no step: load the newest step even
             when it is quarantined (``docs/health.md``; default: pass over those).
         fallbacks: other copies of the SAME checkpoint on slower levels, in the
