@@ -44,16 +44,13 @@ from ..checkpoint import StoredCheckpoint, new_save_id
 from ..checkpoint.chain import Failure, Trail, item_name, unusable_copy
 from ..checkpoint.pinned import release_pinned
 from ..checkpoint.streams import StreamMarks
-from ..errors import (
-    ConfigError,
-    DcpMultilevelError,
-    ManifestError,
-)
+from ..errors import ConfigError, DcpMultilevelError, ManifestError
 from ..format import MANIFEST_NAME, ItemLocation, Manifest
 from ..ladder import ladder_for
 from ..levels import Topology
 from ..levels.options import Level
 from ..stores import Store
+from .dcp_logs import one_line_in_dcp_log
 from .level_reads import LevelLoads
 from .read_files import read_file, split_runs
 from .read_options import checked_fallbacks, warn_if_quarantined
@@ -80,10 +77,9 @@ class MultiLevelReader(StorageReader):
             erasure level first, then each item is read from the fastest level
             whose copy checks out. Construction and ``dcp.load`` are then
             collective (every rank).
-        topology: with ``levels``: which node each rank is on (default: each
-            rank's environment, ``DCP_ML_NODE``, else ``GROUP_RANK``, else
-            ``NODE_RANK``, else ``RANK // LOCAL_WORLD_SIZE``, else node 0:
-            ``docs/levels.md``, "Nodes"; as the writer's).
+        topology: with ``levels``: which node each rank is on (default: as the writer's,
+            each rank's environment, ``DCP_ML_NODE``, else ``GROUP_RANK``, else ``NODE_RANK``,
+            else ``RANK // LOCAL_WORLD_SIZE``, else node 0: ``docs/levels.md``, "Nodes").
         allow_quarantined: with ``levels`` and no step: load the newest step even
             when it is quarantined (``docs/health.md``; default: pass over those).
         fallbacks: other copies of the SAME checkpoint on slower levels, in the
@@ -224,6 +220,7 @@ class MultiLevelReader(StorageReader):
 
     # Deliberately no **kwargs: DCP then does not retry with rank-local metadata
     # files, which dcp_multilevel never writes.
+    @one_line_in_dcp_log
     def read_metadata(self) -> Metadata:
         """The DCP metadata from the first copy, in order, with a valid manifest.
 
@@ -235,7 +232,8 @@ class MultiLevelReader(StorageReader):
         Raises:
             CheckpointNotFoundError: no copy has a manifest.
             ManifestError: a copy's manifest is invalid (and no copy is usable).
-            OSError: a copy's storage could not be read (and no copy is usable).
+            OSError: a copy's storage could not be read (and no copy is usable);
+                ``dcp.load`` logs it in one line (``dcp_logs.py``).
         """
         if self.loads is not None:  # collective: the step agreed, what a node lacks back
             copies, self._primary_manifest = self.loads.prepare()
