@@ -93,7 +93,9 @@ class RegistryError(DcpMultilevelError, LookupError):
 
 
 class RemoteStoreError(DcpMultilevelError, OSError):
-    """A remote-store operation kept failing with transient errors until retries ran out.
+    """A remote-store operation kept failing with transient errors until retries ran out,
+    or failed because its endpoint cannot be reached at all (the connection refused,
+    the host name unknown), which is not retried.
 
     The last underlying error is chained as ``__cause__``.
 

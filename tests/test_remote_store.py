@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import socket
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -33,8 +34,15 @@ pytest_plugins = ["_s3"]
 #: The advice every give-up message ends with.
 ADVICE = (
     "The storage may be unreachable, overloaded or misconfigured: check the endpoint, "
-    "network and credentials, and retry; RemoteStore(retries=..., backoff=...) sets how "
-    "long to keep trying."
+    "network and credentials, and retry; storage_options={'retries': N, 'backoff': seconds} "
+    "(of the Level, or of the writer or reader without levels) sets how long to keep trying."
+)
+
+#: What a refused connection's error says after the failing request.
+NOT_RETRIED = (
+    "Another attempt would get the same answer: check the endpoint in the storage options "
+    "(s3fs: client_kwargs={'endpoint_url': ...}) or the environment (AWS_ENDPOINT_URL for "
+    "S3), and that the storage service runs there."
 )
 
 
@@ -334,6 +342,124 @@ def test_retries_really_wait(memory_root):
     store.write_atomic("m.json", b"{}")
     # Waits of at least 0.025 s and 0.05 s (half of 0.05 and 0.1, the jitter floor).
     assert time.monotonic() - start >= 0.075
+
+
+@pytest.mark.parametrize(
+    ("error", "why"),
+    [
+        (
+            lambda m: ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused", m),
+            "the endpoint refused the connection (nothing listens there); "
+            "ConnectionRefusedError: [Errno 111] Connection refused: '{m}'",
+        ),
+        (
+            lambda m: socket.gaierror(socket.EAI_NONAME, "Name or service not known"),
+            "the endpoint's host name does not resolve; "
+            "gaierror: [Errno -2] Name or service not known",
+        ),
+    ],
+    ids=["refused", "unknown-host"],
+)
+def test_an_unreachable_endpoint_is_not_retried(memory_root, error, why):
+    store = faulty(memory_root, retries=5, fail_first={"pipe_file": 1}, error=error)
+    with pytest.raises(RemoteStoreError) as info:
+        store.write_atomic("m.json", b"{}")
+    target = f"{memory_root}/m.json"
+    assert str(info.value) == (
+        f"remote store: upload faulty://{target} failed and was not retried: "
+        f"{why.format(m=f'injected fault: pipe_file call 1 ({target})')}. {NOT_RETRIED}"
+    )
+    assert info.value.attempts == 1
+    assert fs_of(store).calls["pipe_file"] == 1
+
+
+def test_a_name_lookup_that_timed_out_is_retried(memory_root):
+    error = lambda m: socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")  # noqa: E731
+    store = faulty(memory_root, retries=2, fail_first={"pipe_file": 2}, error=error)
+    store.write_atomic("m.json", b"{}")
+    assert fs_of(store).calls["pipe_file"] == 3
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A port on 127.0.0.1 that refuses connections: bound, then closed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _refusing(port: int, **config: object) -> dict[str, object]:
+    """s3fs options of an endpoint on ``port`` (``config``: botocore's config_kwargs)."""
+    endpoint = {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"}
+    options: dict[str, object] = {"key": "k", "secret": "s", "client_kwargs": endpoint}
+    return {**options, "config_kwargs": config} if config else options
+
+
+def _requests_sent(store: RemoteStore) -> list[str]:
+    """Every HTTP request the store's S3 client sends from now on (botocore's attempts)."""
+    sent: list[str] = []
+    store.fs.s3.meta.events.register(
+        "before-send.s3", lambda request, **_: sent.append(request.url)
+    )
+    return sent
+
+
+@pytest.mark.parametrize(
+    ("config", "sent"),
+    [({}, 1), ({"retries": {"total_max_attempts": 2}}, 2)],
+    ids=["default", "botocore-retries-set"],
+)
+def test_a_refused_s3_endpoint_fails_after_one_request(closed_port, config, sent):
+    store = RemoteStore(
+        "s3://bucket/run", retries=5, skip_instance_cache=True, **_refusing(closed_port, **config)
+    )
+    requests = _requests_sent(store)
+    with pytest.raises(RemoteStoreError) as info:
+        store.exists("step-1/manifest.json")
+    url = f"http://127.0.0.1:{closed_port}/bucket/run/step-1/manifest.json"
+    assert str(info.value) == (
+        "remote store: stat s3://bucket/run/step-1/manifest.json failed and was not retried: "
+        "the endpoint refused the connection (nothing listens there); EndpointConnectionError: "
+        f'Could not connect to the endpoint URL: "{url}". {NOT_RETRIED}'
+    )
+    assert info.value.attempts == 1  # this store's attempts; botocore's below
+    assert requests == [url] * sent
+    assert store.fs.retries == 1  # s3fs's own loop: one try per call
+
+
+def test_a_level_on_a_refused_endpoint_fails_with_our_error(tmp_path, closed_port):
+    import dcp_multilevel
+    from dcp_multilevel import Level
+
+    levels = [
+        Level(str(tmp_path / "l1")),
+        Level("s3://bucket/run", storage_options=_refusing(closed_port)),
+    ]
+    with pytest.raises(RemoteStoreError) as info:
+        dcp_multilevel.newest_step(levels)
+    query = "list-type=2&prefix=run%2F&delimiter=%2F&encoding-type=url"
+    url = f"http://127.0.0.1:{closed_port}/bucket?{query}"
+    assert str(info.value) == (
+        "remote store: list s3://bucket/run failed and was not retried: the endpoint refused "
+        "the connection (nothing listens there); EndpointConnectionError: Could not connect "
+        f'to the endpoint URL: "{url}". {NOT_RETRIED}'
+    )
+
+
+def test_a_save_to_a_refused_endpoint_fails_with_our_error(closed_port):
+    import torch
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    writer = MultiLevelWriter("s3://bucket/run/step-1", storage_options=_refusing(closed_port))
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"w": torch.zeros(4)}, storage_writer=writer)
+    ((error, _),) = info.value.failures.values()
+    url = f"http://127.0.0.1:{closed_port}/bucket/run/step-1/manifest.json"
+    assert str(error) == (
+        "remote store: stat s3://bucket/run/step-1/manifest.json failed and was not retried: "
+        "the endpoint refused the connection (nothing listens there); EndpointConnectionError: "
+        f'Could not connect to the endpoint URL: "{url}". {NOT_RETRIED}'
+    )
 
 
 # ---------------------------------------------------------------- giving up

@@ -5,8 +5,11 @@ connection resets, timeouts, 5xx-style ``OSError`` from the backend, an
 uploaded object of the wrong size (:class:`UploadSizeMismatch`). Errors that
 retrying cannot fix (missing object, access denied, bad arguments) and this
 package's own errors are *permanent*: :func:`retry` raises them at once,
-unchanged. Transient errors that outlast the attempts become
-:class:`~dcp_multilevel.errors.RemoteStoreError`, the last one chained.
+unchanged. An endpoint that cannot be reached at all (:func:`unreachable`: the
+connection refused, the host name unknown) is not retried either; :func:`retry`
+raises :class:`~dcp_multilevel.errors.RemoteStoreError` saying so at once.
+Transient errors that outlast the attempts become ``RemoteStoreError`` too, the
+last one chained.
 
 Waits grow exponentially up to a cap, with jitter (:func:`backoff_delay`).
 """
@@ -17,14 +20,31 @@ import asyncio
 import errno
 import logging
 import random
+import socket
 import sys
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..errors import DcpMultilevelError, RemoteStoreError
 
-__all__ = ["UploadSizeMismatch", "backoff_delay", "describe", "is_transient", "retry"]
+__all__ = [
+    "RETRY_OPTIONS",
+    "UploadSizeMismatch",
+    "backoff_delay",
+    "describe",
+    "is_transient",
+    "one_attempt_client",
+    "one_attempt_options",
+    "retry",
+    "unreachable",
+]
+
+#: How a user sets the attempts and waits, in the words of the options they pass.
+RETRY_OPTIONS = (
+    "storage_options={'retries': N, 'backoff': seconds} (of the Level, or of the "
+    "writer or reader without levels)"
+)
 
 T = TypeVar("T")
 
@@ -55,6 +75,34 @@ _FOREIGN_TRANSIENT = {
     "aiohttp": ("ClientConnectionError", "ClientPayloadError", "ServerTimeoutError"),
     "azure.core.exceptions": ("ServiceRequestError", "ServiceResponseError"),
 }
+
+
+#: URL schemes whose client retries on its own (s3fs over botocore), turned off so that
+#: :func:`retry` makes the only attempts: botocore's default (five attempts, with a
+#: backoff between them) inside each of ours took about 8 s before a refused
+#: connection's first error, and minutes before a store gave up.
+_SELF_RETRYING = ("s3", "s3a")
+
+
+def one_attempt_options(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The fsspec ``options`` for a URL of ``scheme``: on S3, botocore's retries at one
+    attempt, unless ``config_kwargs={"retries": {...}}`` sets them."""
+    if scheme not in _SELF_RETRYING:
+        return options
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1})
+    return {**options, "config_kwargs": config}
+
+
+def one_attempt_client(scheme: str, fs: Any) -> None:
+    """On S3, s3fs's own retries of timeouts and throttling at one attempt per call.
+
+    ``S3FileSystem.retries`` is a class attribute, not an option, so it is set on
+    the instance: fsspec shares one per set of options, and the options
+    :func:`one_attempt_options` made are this package's own.
+    """
+    if scheme in _SELF_RETRYING and isinstance(getattr(fs, "retries", None), int):
+        fs.retries = 1
 
 
 class UploadSizeMismatch(OSError):
@@ -100,6 +148,11 @@ def retry(
         try:
             return fn()
         except Exception as e:
+            if isinstance(e, DcpMultilevelError):
+                raise  # ours, already final (e.g. a nested RemoteStoreError)
+            cause = unreachable(e)
+            if cause is not None:
+                raise _unreachable(operation, url, attempt, e, cause) from e
             if not is_transient(e):
                 raise
             if attempt == attempts:
@@ -124,10 +177,29 @@ def _gave_up(operation: str, url: str, attempts: int, last: BaseException) -> Re
         f"remote store: {operation} {url} failed after {attempts} {tries}; last error: "
         f"{describe(last)}. The storage may be unreachable, overloaded or "
         "misconfigured: check the endpoint, network and credentials, and retry; "
-        "RemoteStore(retries=..., backoff=...) sets how long to keep trying.",
+        f"{RETRY_OPTIONS} sets how long to keep trying.",
         url=url,
         operation=operation,
         attempts=attempts,
+    )
+
+
+def _unreachable(
+    operation: str, url: str, attempt: int, last: BaseException, cause: BaseException
+) -> RemoteStoreError:
+    why = (
+        "the endpoint refused the connection (nothing listens there)"
+        if isinstance(cause, ConnectionRefusedError)
+        else "the endpoint's host name does not resolve"
+    )
+    return RemoteStoreError(
+        f"remote store: {operation} {url} failed and was not retried: {why}; "
+        f"{describe(last)}. Another attempt would get the same answer: check the "
+        "endpoint in the storage options (s3fs: client_kwargs={'endpoint_url': ...}) or "
+        "the environment (AWS_ENDPOINT_URL for S3), and that the storage service runs there.",
+        url=url,
+        operation=operation,
+        attempts=attempt,
     )
 
 
@@ -136,6 +208,37 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, UploadSizeMismatch):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
+
+
+#: getaddrinfo's answers that another lookup gives again: the name does not exist
+#: (EAI_AGAIN, a resolver that did not answer in time, may pass and is retried).
+_UNKNOWN_HOST_ERRNOS = frozenset(
+    getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, name)
+)
+
+
+def unreachable(exc: BaseException) -> BaseException | None:
+    """The refused connection or unknown host name behind ``exc``, or None.
+
+    Client libraries wrap the socket's error: botocore keeps it in ``kwargs["error"]``
+    (an aiohttp ``ClientConnectorError``, whose ``os_error`` is the socket's), others
+    chain it; every link is looked at.
+    """
+    seen: set[int] = set()
+    todo: list[object] = [exc]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ConnectionRefusedError):
+            return e
+        if isinstance(e, socket.gaierror) and e.errno in _UNKNOWN_HOST_ERRNOS:
+            return e
+        kwargs = getattr(e, "kwargs", None)
+        wrapped = kwargs.get("error") if isinstance(kwargs, dict) else None
+        todo += [e.__cause__, e.__context__, wrapped, getattr(e, "os_error", None)]
+    return None
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -18,9 +18,13 @@ store therefore publishes every file with a single upload of complete content:
 * Every operation is retried on transient errors (connection resets, timeouts,
   5xx-style ``OSError`` from the backend) with capped exponential backoff and
   jitter. Errors that retrying cannot fix (missing object, access denied, bad
-  arguments) are raised at once, unchanged; transient errors that outlast the
-  retries become :class:`RemoteStoreError` (``_retry.py`` classifies errors
-  and runs the retry loop).
+  arguments) are raised at once, unchanged; an endpoint that refuses the
+  connection or whose host name does not resolve raises
+  :class:`RemoteStoreError` at once; transient errors that outlast the retries
+  become :class:`RemoteStoreError` too (``_retry.py`` classifies errors and
+  runs the retry loop). On S3 these are the only attempts: botocore's and
+  s3fs's own retries are turned off (one attempt per call), so a failing call
+  costs one request, not botocore's five, each behind a backoff of its own.
 
 Commit on this store is "manifest written last" (``supports_atomic_rename`` is
 False): a crash can leave data objects without a manifest, never a manifest
@@ -45,7 +49,13 @@ from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.core import url_to_fs
 
 from ..errors import ConfigError, RegistryError, RemoteStoreError
-from ._retry import UploadSizeMismatch, backoff_delay, retry
+from ._retry import (
+    UploadSizeMismatch,
+    backoff_delay,
+    one_attempt_client,
+    one_attempt_options,
+    retry,
+)
 from ._spool import SPOOL_PREFIX, spool_file, sweep_spools
 from .base import FdWriteHandle, Store
 
@@ -102,7 +112,11 @@ class RemoteStore(Store):
     Args:
         url: the root of the store. Objects are stored at ``<url>/<path>``.
         retries: extra attempts after a transient failure (so ``retries + 1``
-            attempts in all); 0 disables retrying.
+            attempts in all); 0 disables retrying. A refused connection or an
+            unknown host is never retried. On S3 the client retries nothing itself
+            unless ``config_kwargs={"retries": {...}}`` sets botocore's retries
+            (a connection attempt waits up to s3fs's ``connect_timeout``, 5 s,
+            unless ``config_kwargs={"connect_timeout": ...}`` says otherwise).
         backoff: seconds before the first retry; doubled for every further one.
         backoff_max: cap on one wait, in seconds. Each wait is drawn uniformly
             from ``[d/2, d]`` (jitter: ranks that failed together do not retry in
@@ -158,6 +172,7 @@ class RemoteStore(Store):
         url = os.fspath(url)
         self._url = url.rstrip("/") if not url.endswith("://") else url
         scheme = url.split("://", 1)[0] if "://" in url else url
+        storage_options = one_attempt_options(scheme, storage_options)
         try:
             # fsspec hands out one filesystem per set of options (and process):
             # stores built per save share its client and connection pool, which
@@ -173,6 +188,7 @@ class RemoteStore(Store):
         except ValueError as e:
             raise ConfigError(f"remote store {self._url}: fsspec cannot open this URL: {e}") from e
         self._root = root.rstrip("/")
+        one_attempt_client(scheme, self.fs)
 
     @property
     def url(self) -> str:
