@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from .errors import WaitTimeoutError
+
 __all__ = [
     "all_gather_object",
     "broadcast_bytes",
@@ -117,7 +119,13 @@ def store_set(key: str, value: Any) -> None:
 def store_wait_get(keys: list[str], timeout_s: float) -> list[Any]:
     """Wait until every key is set, then return their JSON values (any thread)."""
     store = _store()
-    store.wait(keys, timedelta(seconds=timeout_s))
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError as e:  # c10d's timeout (DistStoreError), or a store that went away
+        raise WaitTimeoutError(
+            f"rank {rank()} waited {timeout_s:g} s for {', '.join(keys)} in the c10d store, in "
+            f"vain ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from e
     return [json.loads(store.get(k)) for k in keys]
 
 

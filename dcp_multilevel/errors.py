@@ -40,6 +40,7 @@ __all__ = [
     "UnsafeObjectError",
     "UnsupportedFormatVersionError",
     "UnsupportedStateError",
+    "WaitTimeoutError",
 ]
 
 
@@ -205,6 +206,12 @@ class UnsafeObjectError(DcpMultilevelError, ValueError):
 
 class DrainError(DcpMultilevelError, RuntimeError):
     """Copying a committed checkpoint to a higher level failed; the source is untouched."""
+
+
+class WaitTimeoutError(DcpMultilevelError, TimeoutError):
+    """A bounded wait of the levels expired: the message names what it waited for
+    (the step, the level, the rank) and the bound (``timeout_s``; ``docs/levels.md``,
+    "Bounded waits")."""
 
 
 class AsyncSaveError(DcpMultilevelError, RuntimeError):

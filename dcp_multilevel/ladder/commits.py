@@ -26,12 +26,21 @@ Each rank counts itself under ``.../<n>/applied`` once it applied a save;
 rank 0 removes the save's values from the store once every rank has, so the
 store keeps none per save.
 
-A ticket whose save ended without an outcome (planning failed on every rank,
-or a peer failed outside the writer) is dropped once its DCP call is known
-to be over: when the next save begins, or at :meth:`Commits.abandon` for the
-saves of the calling thread (``wait`` after a synchronous ``dcp.save``). The
-follower never uses the trainer's process group (see ``_dist.py``); without
-one, or with one rank, nothing goes through the store.
+A failure the writer sees in any of its calls (planning included: the
+coordinator's ``prepare_global_plan`` refusing to overwrite) is published as
+``failed`` like a failed write. A ticket whose save ended without an outcome
+(a planner or a peer failed outside the writer) is dropped once its DCP call
+is known to be over: when the next save begins, when the thread that began
+it has ended (DCP runs each ``async_save`` on a thread of its own, which
+ends with the save), or at :meth:`Commits.abandon` for the saves of the
+calling thread (``wait`` after a synchronous ``dcp.save``). The follower
+never uses the trainer's process group (see ``_dist.py``); without one, or
+with one rank, nothing goes through the store.
+
+No wait here is without a bound: :meth:`Commits.settle` and the follower's
+wait for rank 0's decision give up after ``timeout_s`` with a
+:class:`~dcp_multilevel.errors.WaitTimeoutError` naming the steps and the
+rank, and a follower that cannot join in ``timeout_s`` at close is logged.
 
 Call order::
 
@@ -39,7 +48,7 @@ Call order::
     commits.written(ticket)                                every rank: its write_data succeeded
     commits.failed(ticket, error)                          a rank whose part failed
     commits.committed(ticket)                              rank 0, after the commit
-    commits.settle(ticket)                                 any thread: wait until applied
+    commits.settle(ticket, timeout_s)                      any thread: wait until applied
     commits.abandon()                                      wait(): drop this thread's dead saves
     commits.close()
 """
@@ -55,7 +64,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _dist
-from ..errors import BrokenChainError, CorruptCheckpointError, DcpMultilevelError
+from .._phases import reached
+from ..errors import (
+    BrokenChainError,
+    CorruptCheckpointError,
+    DcpMultilevelError,
+    WaitTimeoutError,
+)
 from .drains import Sent
 
 __all__ = ["Commits", "SaveTicket"]
@@ -65,6 +80,10 @@ logger = logging.getLogger(__name__)
 #: How often, at most, the follower looks for an outcome another rank publishes (a
 #: store ``wait`` that times out would log a warning from c10d every time).
 _POLL_MAX_S = 0.05
+
+#: How often the follower looks whether the thread that began a save without an
+#: outcome has ended (nothing notifies it when a thread ends).
+_THREAD_POLL_S = 0.05
 
 
 @dataclass(eq=False)
@@ -80,7 +99,8 @@ class SaveTicket:
     due: tuple[int, ...]  # the higher levels the step is due on
     reference: int | None  # the first-level step its deltas are coded against
     count: int  # saves of the level list so far, this one included (``every`` counts them)
-    thread: int = field(default_factory=threading.get_ident)
+    #: The thread that began it: DCP's thread for an async save, which ends with the save.
+    thread: threading.Thread = field(default_factory=threading.current_thread)
     state: str = "begun"  # begun -> written -> committed | failed
     over: bool = False  # its DCP call has ended on this rank
     outcome: str | None = None  # once settled: "committed", "failed" or "dropped"
@@ -92,6 +112,13 @@ class SaveTicket:
     #: Seconds the follower spent deciding and applying (retention, policy "wait").
     seconds: float = 0.0
     done: bool = False
+
+    def ended(self) -> bool:
+        """Its DCP call is over on this rank (known over, or its thread has ended)."""
+        return self.over or not self.thread.is_alive()
+
+    def describe(self) -> str:
+        return f"step {self.step} (save {self.seq} of the levels, {self.state})"
 
 
 class Commits:
@@ -196,20 +223,36 @@ class Commits:
 
     # ------------------------------------------------------------------ any thread
 
-    def settle(self, ticket: SaveTicket | None = None) -> None:
-        """Wait until ``ticket`` (None: every save begun so far) has been applied."""
+    def settle(self, ticket: SaveTicket | None = None, timeout_s: float | None = None) -> None:
+        """Wait until ``ticket`` (None: every save begun so far) has been applied.
+
+        Raises:
+            WaitTimeoutError: not applied within ``timeout_s`` (None: the follower's
+                ``timeout_s``), naming the saves still open.
+        """
+        bound = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + bound
         with self._cond:
             targets = [ticket] if ticket is not None else list(self._queue)
             while not all(t.done for t in targets) and not self._closed:
-                self._cond.wait()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    open_ = ", ".join(t.describe() for t in targets if not t.done)
+                    raise WaitTimeoutError(
+                        f"rank {_dist.rank()} waited {bound:g} s for the outcome of {open_} "
+                        f"on the levels {self.key}, in vain: a save that neither committed "
+                        "nor failed on every rank (a rank stopped in it?). Raise the bound "
+                        "(DCP_ML_TIMEOUT_S) if saves take longer"
+                    )
+                self._cond.wait(left)
 
     def abandon(self) -> None:
         """The calling thread's saves are over (its ``dcp.save`` calls have returned):
         a save of it that never got an outcome never will."""
-        me = threading.get_ident()
+        me = threading.current_thread()
         with self._cond:
             for ticket in self._queue:
-                if ticket.thread == me:
+                if ticket.thread is me:
                     ticket.over = True
             self._cond.notify_all()
 
@@ -227,7 +270,15 @@ class Commits:
             self._cond.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            thread.join(self.timeout_s)
+            if thread.is_alive():
+                logger.error(
+                    "dcp_multilevel: the follower of the levels %s did not stop within %g s; "
+                    "left open: %s",
+                    self.key,
+                    self.timeout_s,
+                    ", ".join(t.describe() for t in self.pending()),
+                )
 
     # ------------------------------------------------------------------ the follower
 
@@ -240,6 +291,8 @@ class Commits:
                     return
                 ticket = self._queue[0]
             outcome = self._outcome(ticket)
+            if outcome == "committed":
+                reached("commit", ticket.step)
             t0 = time.perf_counter()
             try:
                 decision = self._decision(ticket) if outcome == "committed" else None
@@ -264,11 +317,11 @@ class Commits:
                 if ticket.state in ("committed", "failed"):
                     return ticket.state
                 if ticket.state == "begun" or not self._shared:
-                    if ticket.over:
+                    if ticket.ended():
                         return "dropped"
-                    self._cond.wait()
+                    self._cond.wait(_THREAD_POLL_S)
                     continue
-                over = ticket.over
+                over = ticket.ended()
             # Written here; the outcome comes from another rank, through the store.
             value = _dist.store_get_nowait(self._path(ticket, "end"))
             with self._cond:

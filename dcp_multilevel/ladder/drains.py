@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import _dist
@@ -120,8 +120,10 @@ class Drains:
         due: Sequence[int],
         decision: DrainDecision,
         committed_unix: float,
+        supersedes: bool = False,
     ) -> Sent:
-        """Every rank: start (or queue, or skip) the drain of ``step`` to each due level."""
+        """Every rank: start (or queue, or skip) the drain of ``step`` to each due level
+        (``supersedes``: replacing the copies there of a timeline a load passed over)."""
         sent = Sent()
         self._generation += 1
         for i in due:
@@ -129,6 +131,7 @@ class Drains:
             ref = None if skip else self.chains.reference(i)
             job = self._job(i, step, self._drain_id(i, step), committed_unix,
                             decision.before.get(i, ()), ref)  # fmt: skip
+            job = replace(job, supersedes=supersedes)
             url = self.levels[i].url
             queued = self.drainer.busy(self.drivers[i])
             if self.drainer.submit(job, skip=skip) is None:

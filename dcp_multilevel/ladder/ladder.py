@@ -103,6 +103,15 @@ class Ladder:
         self._lock = threading.Lock()
         self._listeners: list[Callable[[DrainResult], None]] = []
         self._saves = 0  # saves begun in this process: each level's ``every`` counts them
+        #: The step the last load resumed from (None: no load in this process).
+        self.resumed_from: int | None = None
+        #: Steps newer than :attr:`resumed_from` that its load passed over (not every
+        #: rank could restore them, or quarantined): a timeline that no longer exists,
+        #: whose copies the resumed run's saves of those steps replace, on every level.
+        self.superseded: frozenset[int] = frozenset()
+        # Steps newer than `resumed_from` some level holds that its load did not pass
+        # over (the run chose an older step by its number): never replaced unasked.
+        self._newer: frozenset[int] = frozenset()
         #: Managers using the ladder (``registry.release`` closes it after the last).
         self.holders = 0
         self.closed = False
@@ -151,6 +160,26 @@ class Ladder:
         outcome never will (``commits.py``); an async save's is waited for."""
         self.commits.abandon()
         self.commits.settle()
+
+    def replaces(self, step: int) -> bool:
+        """Whether a save of ``step`` replaces the committed copies of a timeline the last
+        load passed over (see :attr:`superseded`)."""
+        with self._lock:
+            return step in self.superseded
+
+    def newer_than_resumed(self, step: int) -> int | None:
+        """The step the last load resumed from, when some level held ``step`` then and
+        that load did not pass over it (the run chose an older step by its number);
+        else None."""
+        with self._lock:
+            return self.resumed_from if step in self._newer else None
+
+    def supersede(self, step: int) -> None:
+        """A save of ``step`` replaces its copies on every level (``overwrite=True``).
+        Every rank, as the save begins."""
+        with self._lock:
+            self.superseded = self.superseded | {step}
+            self._newer = self._newer - {step}
 
     def record(self, ticket: SaveTicket) -> dict[str, Any]:
         """What the save's manifest keeps under :data:`LEVELS_KEY`."""
@@ -222,9 +251,15 @@ class Ladder:
                            "level: %s", ticket.step, self.first.url, ticket.quarantine)  # fmt: skip
             return
         self.chains.stored(0, ticket.step, ticket.reference)
-        ticket.sent = self.drains.submit(ticket.step, ticket.due,
-                                         DrainDecision.from_json(decision["drains"]),
-                                         ticket.committed_unix)  # fmt: skip
+        ticket.sent = self.drains.submit(
+            ticket.step,
+            ticket.due,
+            DrainDecision.from_json(decision["drains"]),
+            ticket.committed_unix,
+            supersedes=self.replaces(ticket.step),
+        )
+        with self._lock:  # saved again: a later save of the step replaces nothing unasked
+            self.superseded = self.superseded - {ticket.step}
         logger.info("dcp_multilevel: step %d committed on %s; draining to %s", ticket.step,
                     self.first.url, ticket.sent.started or "no level")  # fmt: skip
 
@@ -253,6 +288,19 @@ class Ladder:
         copies made again, the delta chains and the count of saves resumed. Collective."""
         for i in range(1, len(self.levels)):
             self.holdings.learned(i, views.everyone[0][i])
+        superseded = {s for s in (*restore.unrestorable, *restore.passed_over) if s > restore.step}
+        newer = {s for s in views.candidates() if s > restore.step} - superseded
+        with self._lock:
+            self.resumed_from = restore.step
+            self.superseded = frozenset(superseded)
+            self._newer = frozenset(newer)
+        if superseded:
+            logger.warning(
+                "dcp_multilevel: resumed from step %d; steps %s, passed over, are replaced "
+                "when this run saves them",
+                restore.step,
+                sorted(superseded),
+            )
         self._recall_quarantine(restore, views.everyone[0][0])
         record = self.loader.kept(restore, LEVELS_KEY)
         if isinstance(record, dict) and isinstance(record.get("save"), int):

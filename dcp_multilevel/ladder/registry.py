@@ -31,6 +31,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -47,7 +48,7 @@ from .binding import Binding, root_of
 from .ladder import Ladder
 from .naming import describe
 
-__all__ = ["ladder_for", "ladders", "newest_step", "release", "wait"]
+__all__ = ["TIMEOUT_ENV", "ladder_for", "ladders", "newest_step", "release", "timeout_s", "wait"]
 
 logger = logging.getLogger("dcp_multilevel.levels")
 
@@ -59,8 +60,33 @@ _LOCK = threading.Lock()
 _LADDERS: dict[Any, Ladder] = {}  # first level's root -> its ladder
 _EXIT_HOOK: list[bool] = []  # [True] once the exit hook is registered
 
-#: The options a ladder is made with when none are given.
-DEFAULTS = {"drain_policy": "latest", "timeout_s": 3600.0, "part_share": PART_SHARE}
+#: The environment variable that bounds every wait of the levels, in seconds (see
+#: ``docs/levels.md``, "Bounded waits"); 3600 when unset.
+TIMEOUT_ENV = "DCP_ML_TIMEOUT_S"
+
+#: The options a ladder is made with when none are given (``timeout_s``: :func:`timeout_s`).
+DEFAULTS = {"drain_policy": "latest", "part_share": PART_SHARE}
+
+
+def timeout_s() -> float:
+    """The bound of every wait of the levels: ``DCP_ML_TIMEOUT_S``, else 3600 s.
+
+    Raises:
+        ConfigError: the variable holds no positive number.
+    """
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return 3600.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(
+            f"environment variable {TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]!r} must be a positive "
+            "number of seconds (the bound of every wait of the levels)"
+        )
+    return value
 
 
 def ladder_for(
@@ -112,7 +138,11 @@ def ladder_for(
             + ", ".join(f"rank {r}: {s}" for r, (_, s, _) in enumerate(everyone))
             + "); build writers, readers and managers in the same order on every rank"
         )
-    settings = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
+    settings = {
+        **DEFAULTS,
+        "timeout_s": timeout_s(),
+        **{k: v for k, v in options.items() if v is not None},
+    }
     if existing is not None:
         _check_options(existing, settings, options, who)
         return existing

@@ -42,7 +42,9 @@ for the first level), and a load asks every rank what its node holds
 No drain replaces a committed step of another save (another ``save_id``)
 unasked: a driver's ``drain`` calls :meth:`LevelDriver.refuse_replacing`
 before it writes anything, which raises :class:`DrainError` on every rank
-unless the level says ``overwrite=True``. The same save again (a retry) is
+unless the level says ``overwrite=True``, or the job ``supersedes`` the step
+(a run that resumed from an older step saved it again: the load passed over
+the old copy as not restorable or quarantined). The same save again (a retry) is
 not a replacement. A replacing drain writes its files under new names and
 its manifest last, so the old step stays loadable until the new one commits.
 """
@@ -94,6 +96,9 @@ class DrainJob:
     #: references of a delta step, for a level that copies files as they are and
     #: does not hold them yet). This one fails when one of them does.
     before: tuple[DrainJob, ...] = ()
+    #: The step a run resumed from an older step saved again: the level's copy, of a
+    #: timeline that no longer exists (the load passed over it), is replaced (logged).
+    supersedes: bool = False
 
 
 @dataclass
@@ -254,6 +259,16 @@ class LevelDriver(abc.ABC):
         held = self.held_save(job.step, link, manifest.save_id)
         if held is None or held == manifest.save_id:
             return False
+        if job.supersedes:
+            logger.warning(
+                "dcp_multilevel: replacing step %d on %s (save %s, which the load of an older "
+                "step passed over) with save %s of the resumed run",
+                job.step,
+                self.url,
+                held,
+                manifest.save_id,
+            )
+            return True
         if not self.level.overwrite:
             raise DrainError(
                 f"step {job.step} is committed on level {self.url} as save {held}; the drain "

@@ -12,7 +12,8 @@ Call order (driven by :class:`~dcp_multilevel.CheckpointManager`)::
     every rank, lane thread   run_drain(job)             the source manifest shared
                               through the link (rank 0 reads it), then
                               job.target.drain(job, manifest, link)
-    any thread                drainer.wait()             every lane idle; raises DrainError
+    any thread                drainer.wait(timeout_s)    every lane idle; raises DrainError
+                                                         (WaitTimeoutError past the bound)
 
 One lane (one thread) per target level: at most one drain per level runs.
 When a save is due on a level whose lane is busy, ``policy`` decides:
@@ -46,7 +47,7 @@ from dataclasses import dataclass, field, replace
 
 from .. import _dist
 from ..checkpoint import StoredCheckpoint
-from ..errors import ConfigError, DcpMultilevelError, DrainError
+from ..errors import ConfigError, DcpMultilevelError, DrainError, WaitTimeoutError
 from ..staging._priority import lower_thread_priority
 from .base import DrainJob, DrainResult, LevelDriver
 from .link import DrainLink
@@ -110,6 +111,11 @@ class _Lane:
     def busy(self) -> bool:
         return self.running is not None or bool(self.waiting)
 
+    def levels(self) -> str:
+        """The level(s) its jobs go to, for messages."""
+        entries = [e for e in (self.running, *self.waiting) if e is not None]
+        return ", ".join(sorted({e.job.target.url for e in entries})) or self.name
+
 
 class Drainer:
     """Runs drains in the background, one lane per target level (see the module docstring).
@@ -171,11 +177,15 @@ class Drainer:
         """Block until the lane of ``target`` is idle (nothing running or waiting).
 
         Errors are not raised here; :meth:`wait` reports them.
+
+        Raises:
+            WaitTimeoutError: still busy after ``timeout_s``.
         """
+        deadline = time.monotonic() + self.timeout_s
         with self._cond:
             lane = self._lanes.get(target)
             while lane is not None and lane.busy:
-                self._cond.wait()
+                self._wait_until(deadline, [lane])
 
     def submit(self, job: DrainJob, *, skip: bool | None = None) -> Future[DrainResult] | None:
         """Queue ``job`` on its level's lane; None when it is skipped.
@@ -239,13 +249,19 @@ class Drainer:
                 out.add(e.job.reference)
         return out
 
-    def wait(self) -> list[DrainResult]:
+    def wait(self, timeout_s: float | None = None) -> list[DrainResult]:
         """Block until every lane is idle; raise DrainError for any drain that failed
         since the last call (superseded and skipped steps are not failures). Returns
-        the newest outcomes (:attr:`results`)."""
+        the newest outcomes (:attr:`results`).
+
+        Raises:
+            WaitTimeoutError: a lane still busy after ``timeout_s`` (None: the
+                drainer's ``timeout_s``), naming its steps and level.
+        """
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         with self._cond:
             while any(lane.busy for lane in self._lanes.values()):
-                self._cond.wait()
+                self._wait_until(deadline, [lane for lane in self._lanes.values() if lane.busy])
             failed, self._unreported = self._unreported, []
             results = list(self.results)
         if failed:
@@ -255,15 +271,40 @@ class Drainer:
             )
         return results
 
+    def _wait_until(self, deadline: float, lanes: list[_Lane]) -> None:
+        """Under the condition: wait for a change, or WaitTimeoutError naming what the
+        busy ``lanes`` run and hold once ``deadline`` (monotonic) has passed."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            what = "; ".join(
+                f"{lane.levels()}: "
+                + ", ".join(f"step {e.job.step}" for e in (lane.running, *lane.waiting) if e)
+                for lane in lanes
+            )
+            raise WaitTimeoutError(
+                f"rank {_dist.rank()} waited {self.timeout_s:g} s for drains still running or "
+                f"queued ({what}), in vain: a drain stuck on its level or on another rank. "
+                "Raise the bound (DCP_ML_TIMEOUT_S) if drains take longer"
+            )
+        self._cond.wait(left)
+
     def close(self) -> None:
-        """Stop the lanes once nothing waits (call :meth:`wait` first for errors)."""
+        """Stop the lanes once nothing waits (call :meth:`wait` first for errors); a lane
+        that does not stop within ``timeout_s`` is logged and left to the exit."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            threads = [lane.thread for lane in self._lanes.values() if lane.thread is not None]
-        for thread in threads:
-            if thread is not threading.current_thread():
-                thread.join()
+            lanes = [lane for lane in self._lanes.values() if lane.thread is not None]
+        deadline = time.monotonic() + self.timeout_s
+        for lane in lanes:
+            if lane.thread is not threading.current_thread():
+                lane.thread.join(max(0.0, deadline - time.monotonic()))
+                if lane.thread.is_alive():
+                    logger.error(
+                        "dcp_multilevel: the drains to %s did not stop within %g s",
+                        lane.levels(),
+                        self.timeout_s,
+                    )
 
     # ------------------------------------------------------------------ lane threads
 

@@ -49,6 +49,7 @@ import time
 from typing import Any
 
 from .. import _dist
+from .._phases import reached
 from ..checkpoint import CheckpointRoot, StoredCheckpoint
 from ..errors import ConfigError, DrainError
 from ..format import TMP_MARKER, Manifest, is_rank_file
@@ -204,6 +205,7 @@ class NodeLocalLevel(LevelDriver):
         rank = _dist.rank()
         target = self.checkpoint(job.step)
         counts = self.exchange(job, manifest, target, link)
+        reached(self.kind, job.step)
         linked = self._own_files(job.source, target, manifest, rank)
         link.done()
         if topology.leads(rank):

@@ -30,6 +30,7 @@ import uuid
 from typing import Any
 
 from .. import _dist
+from .._phases import reached
 from ..checkpoint import StoredCheckpoint
 from ..checkpoint.stored import sibling_location
 from ..codecs import Compression
@@ -58,6 +59,7 @@ class StoreLevel(LevelDriver):
             manifest, job.source, target.store, _dist.rank(), token,
             Compression.of(self.level.codec), delta,
         )  # fmt: skip
+        reached("drain", job.step)
         result = DrainResult(job.step, self.url, bytes_stored=stats.bytes_stored)
         result.details = {
             "bytes_read": stats.bytes_read,

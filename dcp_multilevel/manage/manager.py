@@ -99,7 +99,9 @@ class CheckpointManager:
             ``"latest"`` (default) waits in the level's one slot, replaced by a
             newer due step, and :meth:`wait` covers it; ``"skip"`` is not sent
             there; ``"wait"`` blocks :meth:`save` until the level is free.
-        drain_timeout_s: how long a drain's ranks wait for each other.
+        drain_timeout_s: the bound of every wait of the levels (a drain's ranks for
+            each other, :meth:`wait`, a save's outcome; default ``DCP_ML_TIMEOUT_S``,
+            else 3600 s; ``docs/levels.md``, "Bounded waits").
         metrics_path: JSON-lines file for every save's and drain's record
             (``{rank}`` in the path: one file per rank; else rank 0's only).
         on_metrics: called with every record on every rank (drains: from their thread).
@@ -134,7 +136,7 @@ class CheckpointManager:
         schedule: SavePolicy | None = None,
         planner: SavePlanner | None = None,
         drain_policy: str = "latest",
-        drain_timeout_s: float = 3600.0,
+        drain_timeout_s: float | None = None,
         metrics_path: str | None = None,
         on_metrics: Callable[[dict[str, Any]], None] | None = None,
         sweep_older_than_s: float | None = 3600.0,
@@ -176,7 +178,7 @@ class CheckpointManager:
         self._unlisten = ladder.listen(self._drain_ended)
         self._saves = FirstLevelSaves(ladder, self._given, topology,
                                       planner or BalancedSavePlanner(), async_save=async_save,
-                                      staging=staging, timeout_s=drain_timeout_s)  # fmt: skip
+                                      staging=staging, timeout_s=ladder.timeout_s)  # fmt: skip
         if checks is not None and not isinstance(checks, Checks):
             raise ConfigError(f"CheckpointManager(checks=...) takes a Checks, got {checks!r}")
         #: The health checks every save runs (its loss rule remembers :meth:`step`'s losses).

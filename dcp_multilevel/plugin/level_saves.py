@@ -11,6 +11,8 @@ in the background once it committed::
     all ranks     reset(checkpoint_id)     the step it names
     all ranks     storage_meta             saves.begin(): the save's ticket (``every``
                                            counts it); what the manifest records
+    all ranks     prepare_local_plan       within reporting(saves, None): a failure is told
+    coordinator   prepare_global_plan      within reporting(saves, None): e.g. a refusal
     all ranks     write_data               within reporting(saves, "written"): its outcome
     coordinator   finish                   within reporting(saves, "committed"): the commit's
                                            (or its failure's): every rank's follower takes
@@ -20,18 +22,22 @@ in the background once it committed::
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..checkpoint import StoredCheckpoint
-from ..errors import ConfigError
+from ..errors import ConfigError, DcpMultilevelError
 from ..ladder import LEVELS_KEY, Ladder, ladder_for, step_of
 from ..ladder.commits import SaveTicket
 from ..levels import Topology
 from ..levels.options import Level
 
 __all__ = ["LevelSaves", "reporting"]
+
+# The logger users configure, named as documented (the writer's).
+logger = logging.getLogger("dcp_multilevel.writer")
 
 
 class LevelSaves:
@@ -108,16 +114,52 @@ class LevelSaves:
         self.reference_step = None if found is None else found[0]
         return None if found is None else found[1]
 
-    def begin(self, extra: dict[str, Any], due: Sequence[int] | None) -> None:
+    def begin(self, extra: dict[str, Any], due: Sequence[int] | None, overwrite: bool) -> None:
         """DCP starts a save (every rank): its ticket; ``extra`` gets the ladder's record.
-        ``due``: the higher levels it goes to (None: their ``every``)."""
+        ``due``: the higher levels it goes to (None: their ``every``); ``overwrite``:
+        it replaces the step on every level that holds it."""
         if self.step is None:
             raise ConfigError(
                 "MultiLevelWriter(levels=...) was given no step: pass 'step-<N>' as its path "
                 "or as dcp.save(..., checkpoint_id='step-<N>')"
             )
+        if overwrite:
+            self.ladder.supersede(self.step)
         self.ticket = self.ladder.begin(self.step, due, self.reference_step)
         extra[LEVELS_KEY] = self.ladder.record(self.ticket)
+
+    def replacing(self, checkpoint: StoredCheckpoint, save_id: str) -> bool:
+        """The coordinator, before a save of this writer's step over the committed
+        ``checkpoint``: whether it replaces the copy of a timeline that the last load
+        passed over (logged with both save ids; ``Ladder.superseded``)."""
+        if self.step is None or not self.ladder.replaces(self.step):
+            return False
+        try:
+            held = checkpoint.held_save_id()
+        except (DcpMultilevelError, OSError):
+            held = None
+        logger.warning(
+            "dcp_multilevel: replacing step %d on %s (save %s, passed over by the load of step "
+            "%s) with save %s of the resumed run",
+            self.step,
+            self.ladder.first.url,
+            held,
+            self.ladder.resumed_from,
+            save_id,
+        )
+        return True
+
+    def refusal(self) -> str | None:
+        """Why this writer's step must not be saved unasked, when a level held it as the
+        run resumed from an older step chosen by its number (None: not so)."""
+        resumed = None if self.step is None else self.ladder.newer_than_resumed(self.step)
+        if resumed is None:
+            return None
+        return (
+            f"This run resumed from step {resumed}, older than step {self.step}, which the "
+            f"load did not pass over (the levels hold step {self.step}, and the run chose the "
+            "older step by its number); saving it again replaces a good checkpoint."
+        )
 
     def quarantined(self, reason: str) -> None:
         """The coordinator, before its commit is reported: the save's checks found
@@ -126,22 +168,23 @@ class LevelSaves:
             self.ticket.quarantine = reason
 
     @contextlib.contextmanager
-    def reporting(self, outcome: str) -> Iterator[None]:
-        """Around this rank's part of the save (``write_data``; the coordinator's
-        ``finish``): tell the ladder it failed (before it raises), or its
-        ``outcome``: ``"written"`` or ``"committed"``."""
+    def reporting(self, outcome: str | None) -> Iterator[None]:
+        """Around each of the writer's calls in a save (its plans, ``write_data``, the
+        coordinator's ``finish``): tell the ladder it failed (before it raises), so
+        every rank hears of it; else its ``outcome``: ``"written"``, ``"committed"``,
+        or None (a plan: nothing to tell yet)."""
         ticket = self.ticket
         try:
             yield
         except BaseException as e:
-            if ticket is not None:
+            if ticket is not None and not ticket.done:
                 self.ladder.commits.failed(ticket, e)
             raise
-        if ticket is not None:
+        if ticket is not None and outcome is not None:
             commits = self.ladder.commits
             (commits.written if outcome == "written" else commits.committed)(ticket)
 
 
-def reporting(saves: LevelSaves | None, outcome: str) -> contextlib.AbstractContextManager:
+def reporting(saves: LevelSaves | None, outcome: str | None) -> contextlib.AbstractContextManager:
     """:meth:`LevelSaves.reporting` of a writer's levels (nothing without levels)."""
     return saves.reporting(outcome) if saves is not None else contextlib.nullcontext()

@@ -50,6 +50,7 @@ from ..ladder import ladder_for
 from ..levels import Topology
 from ..levels.options import Level
 from ..stores import Store
+from .arguments import check_arguments
 from .dcp_logs import one_line_in_dcp_log
 from .level_reads import LevelLoads
 from .read_files import read_file, split_runs
@@ -125,6 +126,13 @@ class MultiLevelReader(StorageReader):
         primary_manifest: bytes | None = None,
     ) -> None:
         super().__init__()
+        check_arguments(
+            "MultiLevelReader",
+            path=(path, "path"),
+            levels=(levels, "levels"),
+            allow_quarantined=(allow_quarantined, "bool"),
+            storage_options=(storage_options, "options"),
+        )
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ConfigError(f"thread_count must be an integer >= 1, got {thread_count!r}")
         fallbacks, fallback_storage_options = checked_fallbacks(fallbacks, fallback_storage_options)

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from .._phases import reached
 from ..checkpoint import StoredCheckpoint, new_save_id
 from ..checkpoint.pinned import release_pinned
 from ..checkpoint.save_reference import SaveReference
@@ -60,6 +61,7 @@ from ..levels.options import Level
 from ..staging import BackgroundSave, Stager, StagingConfig
 from ..staging.buffers import HostBufferPool
 from ..stores import Store, store_for
+from .arguments import check_arguments
 from .data_files import write_rank
 from .level_saves import LevelSaves, reporting
 from .save_health import rank_report, replaces_quarantined, take_reports
@@ -88,7 +90,8 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
             the same order). The first level's ``codec``, ``storage_options`` and
             ``overwrite`` are the writer's.
         topology: with ``levels``: which node each rank is on (default: each
-            rank's environment, ``DCP_ML_NODE`` or the host name).
+            rank's environment: ``DCP_ML_NODE``, else ``GROUP_RANK``, ``NODE_RANK``,
+            else ``RANK // LOCAL_WORLD_SIZE``; ``docs/levels.md``, "Nodes").
         due: with ``levels``: the higher levels each save goes to (indices into
             ``levels``), instead of their ``every``.
         overwrite: allow replacing a committed checkpoint at ``path``. The old
@@ -153,6 +156,16 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         loss: float | None = None,
     ) -> None:
         super().__init__()
+        check_arguments(
+            "MultiLevelWriter",
+            path=(path, "path"),
+            levels=(levels, "levels"),
+            overwrite=(overwrite, "bool"),
+            sync_files=(sync_files, "bool"),
+            stock_hint=(stock_hint, "bool"),
+            storage_options=(storage_options, "options"),
+            extra=(extra, "options"),
+        )
         if checks is not None and not isinstance(checks, Checks):
             raise ConfigError(f"MultiLevelWriter(checks=...) takes a Checks, got {checks!r}")
         #: The health checks every save runs (``docs/health.md``).
@@ -336,33 +349,54 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
             # saves by it), so the next save gets its own.
             self.save_id = new_save_id()
         if self._levels is not None:
-            self._levels.begin(self.extra, self.due)
+            self._levels.begin(self.extra, self.due, self.overwrite)
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """The plan unchanged, once every tensor's dtype is known to be storable."""
         # Fail before any byte is written if a tensor cannot be stored.
-        for item in plan.items:
-            if item.tensor_data is not None:
-                dtype_name(item.tensor_data.properties.dtype, fqn=item.index.fqn)
+        with reporting(self._levels, None):
+            for item in plan.items:
+                if item.tensor_data is not None:
+                    dtype_name(item.tensor_data.properties.dtype, fqn=item.index.fqn)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """The plans unchanged; :class:`CheckpointExistsError` before overwriting unasked
-        (a quarantined checkpoint is replaced: a resumed run saves its step again)."""
-        committed = self.checkpoint.is_committed() and not self.overwrite
-        if committed and not replaces_quarantined(self.checkpoint):
-            # "Checkpoint already exists": the words stock's FileSystemWriter raises
-            # and callers (training stacks) match.
-            raise CheckpointExistsError(
-                f"Checkpoint already exists at {self.checkpoint.url} and overwrite=False: "
-                "refusing to replace it. Save to a new location, or pass MultiLevelWriter("
-                "..., overwrite=True) to replace it (the old one stays loadable until the "
-                "new one commits).",
-                checkpoint=self.checkpoint.url,
-            )
-        self._check_reference()  # a reference that is no sibling fails before any write
+        """The plans unchanged; :class:`CheckpointExistsError` before overwriting unasked.
+
+        Replaced without asking: a quarantined checkpoint, and with ``levels`` a step
+        newer than the one the last load resumed from that the load passed over as not
+        restorable (a timeline that no longer exists; ``docs/levels.md``, "After a
+        crash"). With ``levels``, every rank hears of a refusal (no drain waits for it).
+        """
+        with reporting(self._levels, None):
+            self._refuse_overwrite()
+            self._check_reference()  # a reference that is no sibling fails before any write
         return plans
+
+    def _refuse_overwrite(self) -> None:
+        """:class:`CheckpointExistsError` when the save would replace a committed
+        checkpoint unasked (see :meth:`prepare_global_plan`)."""
+        if self.overwrite:
+            return
+        newer = self._levels.refusal() if self._levels is not None else None
+        if not self.checkpoint.is_committed():
+            if newer is None:
+                return
+        elif replaces_quarantined(self.checkpoint) or (
+            self._levels is not None and self._levels.replacing(self.checkpoint, self.save_id)
+        ):
+            return
+        # "Checkpoint already exists": the words stock's FileSystemWriter raises
+        # and callers (training stacks) match.
+        raise CheckpointExistsError(
+            f"Checkpoint already exists at {self.checkpoint.url} and overwrite=False: "
+            "refusing to replace it. "
+            + (f"{newer} " if newer else "")
+            + "Save to a new location, or pass MultiLevelWriter(..., overwrite=True) to "
+            "replace it (the old one stays loadable until the new one commits).",
+            checkpoint=self.checkpoint.url,
+        )
 
     def _check_reference(self) -> None:
         if self._delta is not None and self.path is not None:
@@ -383,6 +417,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         """This rank's data files; the returned future is complete."""
         tally = Tally() if self.checks.nonfinite else None
         results = write_rank(self, plan, planner, save, tally)
+        reached("write", self._levels.step if self._levels is not None else None)
         self.bytes_written = sum(r.size_in_bytes for r in results)
         self.delta_items = sum(r.storage_data.reference is not None for r in results)
         results.append(rank_report(self.checks, self.rank, self.is_coordinator, planner,

@@ -82,6 +82,9 @@ class Restore:
     chain: tuple[Restore, ...] = ()
     #: Newer steps a load of the newest step passed over: quarantined.
     passed_over: tuple[int, ...] = ()
+    #: Newer steps a load of the newest step passed over: not every rank could
+    #: restore them (a lost node's newest files, a copy cut short by a crash).
+    unrestorable: tuple[int, ...] = ()
 
     @property
     def ok(self) -> bool:

@@ -110,10 +110,12 @@ class Loader:
         candidates = views.candidates()
         newest: Restore | None = None
         passed: list[int] = []
+        unrestorable: list[int] = []
         for candidate in reversed(candidates):
             plan = self.plan(candidate, views, reads or _every_file)
             newest = newest or plan
             if not plan.ok:
+                unrestorable.append(candidate)
                 continue
             why = _quarantine_of(plan)
             if why is not None and not allow_quarantined:
@@ -131,8 +133,11 @@ class Loader:
                 logger.warning("dcp_multilevel: %s; trying an older step", e)
                 if newest is plan:
                     newest = dataclasses.replace(plan, reasons=(*plan.reasons, str(e)))
+                unrestorable.append(candidate)
                 continue
-            return dataclasses.replace(plan, passed_over=tuple(passed))
+            return dataclasses.replace(
+                plan, passed_over=tuple(passed), unrestorable=tuple(unrestorable)
+            )
         if passed:
             first = self.drivers[0].level
             raise CheckpointNotFoundError(
@@ -214,7 +219,8 @@ class Loader:
             CheckpointNotFoundError: not every rank can have what it reads.
         """
         if plan.manifest is not None and reads is not None:
-            plan = self._planned(plan.step, views, reads)
+            passed = {"passed_over": plan.passed_over, "unrestorable": plan.unrestorable}
+            plan = dataclasses.replace(self._planned(plan.step, views, reads), **passed)
             self._bring(plan)
         for ref in plan.chain:
             assert ref.manifest is not None  # plan() keeps only references with one

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import _dist
+from .._phases import reached
 from ..errors import CheckpointNotFoundError
 from ..format import MANIFEST_NAME
 from ..levels import Drainer, LevelDriver
@@ -156,6 +157,7 @@ class Transfers:
                         parts[i].inventories)
                 for i in todo
             ]  # fmt: skip
+            reached("restore", parts[-1].step)
             everyone = _dist.all_gather_object(found)
             for k, i in enumerate(todo):
                 part, done = parts[i], steps[i]
