@@ -131,6 +131,7 @@ class Commits:
             a JSON value every rank applies.
         apply: every rank, the follower's thread: ``apply(ticket, decision)`` once
             its outcome is known (``decision`` None unless it committed).
+        name: the levels, for messages.
     """
 
     def __init__(
@@ -139,8 +140,11 @@ class Commits:
         timeout_s: float,
         decide: Callable[[SaveTicket], dict[str, Any]],
         apply: Callable[[SaveTicket, dict[str, Any] | None], None],
+        name: str | None = None,
     ) -> None:
         self.key = key
+        #: The levels, in messages (``key`` when not given).
+        self.name = name or key
         self.timeout_s = timeout_s
         self._decide = decide
         self._apply = apply
@@ -240,7 +244,7 @@ class Commits:
                     open_ = ", ".join(t.describe() for t in targets if not t.done)
                     raise WaitTimeoutError(
                         f"rank {_dist.rank()} waited {bound:g} s for the outcome of {open_} "
-                        f"on the levels {self.key}, in vain: a save that neither committed "
+                        f"on the levels {self.name}, in vain: a save that neither committed "
                         "nor failed on every rank (a rank stopped in it?). Raise the bound "
                         "(DCP_ML_TIMEOUT_S) if saves take longer"
                     )
@@ -275,7 +279,7 @@ class Commits:
                 logger.error(
                     "dcp_multilevel: the follower of the levels %s did not stop within %g s; "
                     "left open: %s",
-                    self.key,
+                    self.name,
                     self.timeout_s,
                     ", ".join(t.describe() for t in self.pending()),
                 )

@@ -97,7 +97,9 @@ class Ladder:
         transfers = Transfers(self.drivers, binding.names, self.topology, binding.restore_group,
                               self.drains.drainer, part_share)  # fmt: skip
         self.loader = Loader(transfers)
-        self.commits = Commits(f"L{instance}", timeout_s, self._decide, self._apply)
+        self.commits = Commits(
+            f"L{instance}", timeout_s, self._decide, self._apply, name=describe(self.given)
+        )
         self.holdings.spare(self.drains.drainer, lambda: {t.step for t in self.commits.pending()})
         # The race: a lane reports a drain while the main thread adds a listener.
         self._lock = threading.Lock()
