@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
-import re
+import uuid
 
+import fsspec
 import pytest
+import torch
 from conftest import install_fake_distribution
 
 from dcp_multilevel import CheckpointManager, ConfigError, Level
+from dcp_multilevel.checkpoint import StoredCheckpoint
 from dcp_multilevel.codecs import CODECS
 from dcp_multilevel.levels.topology import Topology
 
@@ -69,13 +72,36 @@ def test_one_fsspec_url_with_and_without_trailing_slash_is_refused(tmp_path):
     )
 
 
+def _saved_once(levels, **kwargs) -> tuple[list, list]:
+    """Save step 1 through a manager over ``levels``: each level's steps, and each
+    drain's (step, level, committed, error)."""
+    mgr = CheckpointManager(levels, sweep_older_than_s=None, **kwargs)
+    try:
+        mgr.save({"w": torch.arange(64, dtype=torch.float32)}, step=1)
+        drains = sorted((r.step, r.level, r.committed, r.error) for r in mgr.wait())
+        return [mgr.steps(i) for i in range(len(levels))], drains
+    finally:
+        mgr.close()
+
+
 def test_different_buckets_and_schemes_are_not_compared(tmp_path):
-    levels = [Level(f"{tmp_path}/ckpt"), Level("memory://run"), Level("memory://run2/x")]
-    mgr = CheckpointManager(levels, sweep_older_than_s=None)
-    mgr.close()
+    # Buckets whose names only start alike (memory://<u>run, memory://<u>run2) are
+    # different stores: accepted, and each level holds a copy of its own.
+    u = uuid.uuid4().hex[:8]
+    run, run2 = f"memory://{u}run", f"memory://{u}run2/x"
+    steps, drains = _saved_once([Level(f"{tmp_path}/ckpt"), Level(run), Level(run2)])
+    assert steps == [[1], [1], [1]]
+    assert drains == [(1, run, True, None), (1, run2, True, None)]
+    memory = fsspec.filesystem("memory")
+    assert memory.exists(f"/{u}run/step-1/manifest.json")
+    assert memory.exists(f"/{u}run2/x/step-1/manifest.json")
     # The file path /x and the URL memory:///x name different stores.
-    mgr = CheckpointManager([Level(f"{tmp_path}/run"), Level(f"memory://{tmp_path}/run")])
-    mgr.close()
+    first, second = f"{tmp_path}/run", f"memory://{tmp_path}/run"
+    steps, drains = _saved_once([Level(first), Level(second)])
+    assert steps == [[1], [1]]
+    assert drains == [(1, second, True, None)]
+    assert os.listdir(first) == ["step-1"]
+    assert memory.exists(f"{tmp_path}/run/step-1/manifest.json")
 
 
 def test_node_templates_are_compared_per_node(tmp_path):
@@ -83,10 +109,19 @@ def test_node_templates_are_compared_per_node(tmp_path):
     first, partner = f"{tmp_path}/{{node}}/ckpt", f"partner:{tmp_path}/{{node}}/partner"
     # Distinct on every node: accepted as far as the roots go (a partner level
     # then needs a second node).
-    with pytest.raises(ConfigError, match="keeps copies on other nodes, but every rank"):
+    with pytest.raises(ConfigError) as info:
         CheckpointManager([Level(first), Level(partner)], topology=one)
-    mgr = CheckpointManager([Level(first), Level(f"{tmp_path}/{{node}}/more")], topology=one)
-    mgr.close()
+    assert str(info.value) == (
+        f"level {partner.replace('{node}', '0')!r} keeps copies on other nodes, but every "
+        "rank is on node 0: a copy on the same node is lost with it. Run on several nodes "
+        "(set DCP_ML_NODE per process to simulate them on one machine), or drop this level."
+    )
+    # Two templates, each filled in with the node: two levels of their own there.
+    steps, drains = _saved_once([Level(first), Level(f"{tmp_path}/{{node}}/more")], topology=one)
+    assert steps == [[1], [1]]
+    assert drains == [(1, f"{tmp_path}/0/more", True, None)]
+    assert sorted(os.listdir(tmp_path / "0")) == ["ckpt", "more"]
+    assert os.listdir(tmp_path / "0" / "more") == ["step-1"]
     # The same after the node is filled in.
     pinned = f"{tmp_path}/0/ckpt"
     assert refused([Level(first), Level(pinned)], topology=one) == (
@@ -161,7 +196,24 @@ def test_a_codec_gone_since_the_level_was_made_is_refused_by_the_manager(tmp_pat
 
 
 def test_a_valid_ladder_is_accepted(tmp_path):
-    levels = [Level(f"{tmp_path}/local", codec="zstd"), Level(f"{tmp_path}/remote", every=2)]
+    local, remote = f"{tmp_path}/local", f"{tmp_path}/remote"
+    levels = [Level(local, codec="zstd"), Level(remote, every=2)]
     mgr = CheckpointManager(levels, sweep_older_than_s=None)
-    mgr.close()
-    assert re.fullmatch(r".*/remote", mgr.levels[1].url)
+    try:
+        state = {"w": torch.arange(4096, dtype=torch.float32)}  # compressible
+        for step in (1, 2):
+            mgr.save(state, step=step)
+        drains = [(r.step, r.level, r.committed, r.error) for r in mgr.wait()]
+        # What each level was configured with: the first takes every save, zstd-coded;
+        # the second every 2nd, uncoded.
+        assert (mgr.steps(0), mgr.steps(1)) == ([1, 2], [2])
+        assert drains == [(2, remote, True, None)]
+        coded = StoredCheckpoint.at(f"{local}/step-2").manifest().locations
+        plain = StoredCheckpoint.at(f"{remote}/step-2").manifest().locations
+        assert [loc.transforms for loc in coded.values()] == [("dcp_multilevel.zstd/1",)]
+        assert [loc.transforms for loc in plain.values()] == [()]
+        loaded = {"w": torch.zeros(4096)}
+        assert mgr.load_latest(loaded) == 2
+        assert torch.equal(loaded["w"], state["w"])
+    finally:
+        mgr.close()

@@ -7,6 +7,7 @@ simulated node is a directory (``DCP_ML_NODE``, ``{node}`` in the level paths).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -69,21 +70,33 @@ def _scenario_levels(root: str, remote: str, options: dict, first: str) -> list[
     ]
 
 
+def _on_rank(state: dict, rank: int, sharded: bool) -> dict:
+    """``state`` as ``rank`` saves or loads it: replicated, or its own (``sharded``)."""
+    return {f"rank{rank}": state} if sharded else state
+
+
 def _diverging_job(rank: int, world: int, levels: list, via: str) -> tuple:
+    """Saves steps 1 to 6 (3 on: poisoned), resumes from the newest clean step, then
+    loads step 6 by its number; (resumed step, bit-exact, step 6 bit-exact, the
+    warnings logged while step 6 loaded)."""
     os.environ["DCP_ML_NODE"] = str(rank)
+    # A node-local first level holds each node's files only, and a quarantined step is
+    # on no other level: it loads where each rank reads only what its own node wrote
+    # (docs/health.md), so there each rank saves a state of its own, as sharded jobs do.
+    sharded = "{node}" in levels[0].url
     if via == "manager":
         mgr = CheckpointManager(levels)
         for step in range(1, 7):
-            mgr.save(_state(step, poisoned=step >= 3), step)
+            mgr.save(_on_rank(_state(step, poisoned=step >= 3), rank, sharded), step)
         mgr.wait()
         mgr.close()
     else:
         for step in range(1, 7):  # a new writer per save, as stacks build them
-            writer = MultiLevelWriter(f"step-{step}", levels=levels)
-            dcp.save(_state(step, poisoned=step >= 3), storage_writer=writer)
+            saved = _on_rank(_state(step, poisoned=step >= 3), rank, sharded)
+            dcp.save(saved, storage_writer=MultiLevelWriter(f"step-{step}", levels=levels))
         dcp_multilevel.wait()
     # The resume: the newest clean step, passing over the quarantined ones.
-    state = _blank()
+    state = _on_rank(_blank(), rank, sharded)
     if via == "manager":
         mgr = CheckpointManager(levels)
         step = mgr.load_latest(state)
@@ -92,14 +105,36 @@ def _diverging_job(rank: int, world: int, levels: list, via: str) -> tuple:
         reader = MultiLevelReader("latest", levels=levels)
         dcp.load(state, storage_reader=reader)
         step = reader.loads.restore.step
-    clean = bit_equal(state, _state(step))
-    if "{node}" in levels[0].url:  # each node holds its own ranks' files of step 6 only
-        return step, clean, True
+    clean = bit_equal(state, _on_rank(_state(step), rank, sharded))
     # Asked for by its number, a quarantined step loads (with a warning).
-    poisoned = _blank()
-    dcp.load(poisoned, storage_reader=MultiLevelReader("step-6", levels=levels))
-    nan_kept = bool(poisoned["optim"]["w.exp_avg"].isnan().any()) and poisoned["step"] == 6
-    return step, clean, nan_kept
+    poisoned = _on_rank(_blank(), rank, sharded)
+    with _Warnings() as warned:
+        if via == "manager":
+            mgr = CheckpointManager(levels)
+            mgr.load(poisoned, 6)
+            mgr.close()
+        else:
+            dcp.load(poisoned, storage_reader=MultiLevelReader("step-6", levels=levels))
+    loaded = bit_equal(poisoned, _on_rank(_state(6, poisoned=True), rank, sharded))
+    return step, clean, loaded, warned.messages
+
+
+class _Warnings(logging.Handler):
+    """The warnings the package logs while the ``with`` block runs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> _Warnings:
+        logging.getLogger("dcp_multilevel").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("dcp_multilevel").removeHandler(self)
 
 
 @pytest.mark.multiprocess
@@ -124,7 +159,18 @@ def test_poisoned_steps_stay_on_the_first_level_and_the_resume_takes_the_last_cl
         remote, options = f"{root}/remote", {}
     levels = _scenario_levels(root, remote, options, first)
     out = run_ranks(_diverging_job, 2, levels, via, timeout=240)
-    assert out == [(2, True, True)] * 2, out
+    if "{node}" in first:  # each rank saved a state of its own
+        items = ("rank0.optim.w.exp_avg", "rank1.optim.w.exp_avg")
+        where = "ranks 0, 1; 'rank0.optim.w.exp_avg', 'rank1.optim.w.exp_avg'"
+    else:  # replicated: the rank that wrote the poisoned tensor
+        items, where = ("optim.w.exp_avg",), "rank 1; 'optim.w.exp_avg'"
+    warning = (
+        "dcp_multilevel: loading step 6, which is QUARANTINED (asked for by its number): "
+        f"nonfinite: 1 non-finite value in 1 tensor ({where})"
+    )
+    # Resumed from step 2, bit-exact; step 6 loaded by its number, bit-exact (its NaN
+    # too), with one warning on every rank.
+    assert out == [(2, True, True, [warning])] * 2, out
     # Clean steps kept; the newest poison too, for inspection.
     firsts = [first.replace("{node}", str(n)) for n in (0, 1)] if "{node}" in first else [first]
     assert _steps(tmp_path / firsts[0]) == [1, 2, 6]
@@ -134,7 +180,7 @@ def test_poisoned_steps_stay_on_the_first_level_and_the_resume_takes_the_last_cl
     assert manifest.quarantined
     (finding,) = manifest.health.findings
     assert finding.check == "nonfinite"
-    assert finding.items == ("optim.w.exp_avg",)
+    assert finding.items == items
     if remote_kind == "folder":  # no poisoned step ever reached the second level
         assert _steps(tmp_path / "remote") == [1, 2]
     else:

@@ -209,12 +209,33 @@ def _levels(root: str, remote: str, remote_options: dict) -> list:
     ]
 
 
-def _level_strategy(levels: list):
+def _level_strategy(levels: list, storage=None):
     from dcp_multilevel.integrations.lightning import MultiLevelModelParallelStrategy
 
+    if storage is not None:  # the levels are the storage's
+        return MultiLevelModelParallelStrategy(
+            data_parallel_size=WORLD, tensor_parallel_size=1, storage=storage
+        )
     return MultiLevelModelParallelStrategy(
         data_parallel_size=WORLD, tensor_parallel_size=1, levels=levels
     )
+
+
+def _reader_keeping_storage(levels: list):
+    """The strategy's storage, keeping the reader of every load it makes."""
+    from dcp_multilevel.integrations.lightning import MultiLevelStorage
+
+    class ReaderKeepingStorage(MultiLevelStorage):
+        def __init__(self) -> None:
+            super().__init__(levels=levels)
+            self.readers: list[MultiLevelReader] = []
+
+        def reader(self, where):
+            reader = super().reader(where)
+            self.readers.append(reader)
+            return reader
+
+    return ReaderKeepingStorage()
 
 
 def _as_node(rank: int) -> None:
@@ -243,9 +264,15 @@ def _fit_to_levels(rank: int, world: int, root: str, levels: list) -> dict:
 def _resume_from_levels(rank: int, world: int, root: str, levels: list, ckpt_path: str) -> dict:
     _as_node(rank)
     resumed = _module("fsdp2")
-    trainer = _trainer(_level_strategy(levels), os.path.join(root, "resumed"), 3)
+    storage = _reader_keeping_storage(levels)
+    trainer = _trainer(_level_strategy(levels, storage), os.path.join(root, "resumed"), 3)
     trainer.fit(resumed, ckpt_path=ckpt_path)
-    return {"resumed": resumed.losses, "global_step": trainer.global_step}
+    return {
+        "resumed": resumed.losses,
+        "global_step": trainer.global_step,
+        # Each load's items on this rank, by the copy that served them.
+        "sources": [dict(reader.last_load_sources) for reader in storage.readers],
+    }
 
 
 def _markers(ckpt_dir) -> dict:
@@ -303,7 +330,14 @@ def test_levels_resume_after_a_lost_node_is_bit_exact(
     if remote_kind == "folder":  # node 1's rank's files came back onto its first level
         files = os.listdir(tmp_path / "n1" / "l1" / step_dir / "data")
         assert any(f.startswith("1-") for f in files), files
-    # With both nodes lost, the load read every item from S3.
+    # Each load (the model's 5 items on each rank, then the optimizer's 25) read every
+    # item from one copy: with node 1 lost, each node's first level (node 1's files
+    # brought back from node 0's partner copies); with both nodes lost, S3.
+    if remote_kind == "folder":
+        copies = [f"file://{root}/n{node}/l1/{step_dir}" for node in range(WORLD)]
+    else:
+        copies = [f"{remote}/{step_dir}"] * WORLD
+    assert [r["sources"] for r in resumed] == [[{copy: 5}, {copy: 25}] for copy in copies]
 
 
 def test_level_targets_of_lightning_paths(tmp_path):

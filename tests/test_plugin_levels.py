@@ -54,7 +54,7 @@ def _save_job(rank: int, world: int, per_node: int, levels: list, steps: list[in
         writer = MultiLevelWriter(f"step-{step}", levels=levels)
         dcp.save(_state(step), storage_writer=writer)
     results = dcp_multilevel.wait()
-    return sorted((r.step, r.level, r.committed, r.error) for r in results)
+    return sorted((r.step, r.level, r.committed, r.superseded_by, r.error) for r in results)
 
 
 def _load_job(rank: int, world: int, per_node: int, levels: list, path: str | None) -> tuple:
@@ -83,7 +83,7 @@ def test_plain_dcp_saves_reach_every_level_and_a_lost_node_loads_bit_exact(
         remote, remote_options = f"{root}/remote", {}
     levels = _levels(root, "partner", {"replicas": 2}, remote, remote_options)
     out = run_ranks(_save_job, 4, 2, levels, [1, 2, 3, 4], timeout=240)
-    drained = {(step, level) for step, level, ok, err in out[0] if ok and err is None}
+    drained = {(step, level) for step, level, ok, _, err in out[0] if ok and err is None}
     assert {s for s, lv in drained if lv == remote} == {2, 4}  # every 2nd save of the list
     assert all(err is None for o in out for *_, err in o), out
     for node in (0, 1):  # keep=2 (the first level keeps a step until it is above too)
@@ -106,7 +106,20 @@ def test_plain_dcp_saves_reach_every_level_and_a_lost_node_loads_bit_exact(
 def test_plain_dcp_saves_with_erasure_rebuild_a_lost_node(tmp_path):
     root = str(tmp_path)
     levels = _levels(root, "erasure", {"data": 2, "parity": 1}, f"{root}/remote", {})
-    run_ranks(_save_job, 3, 1, levels, [1, 2, 3], timeout=240)
+    out = run_ranks(_save_job, 3, 1, levels, [1, 2, 3], timeout=240)
+    for node, results in enumerate(out):  # one rank per node
+        erasure = f"erasure:{root}/n{node}/erasure"
+        # Drain policy "latest": step 2 waited for the erasure level while step 1
+        # drained there, and step 3, due there too, may have gone in its place.
+        assert results[2] in [(2, erasure, True, None, None), (2, erasure, False, 3, None)]
+        assert results[:2] + results[3:] == [
+            (1, erasure, True, None, None),
+            (2, f"{root}/remote", True, None, None),  # every 2nd save
+            (3, erasure, True, None, None),
+        ], results
+        held = sorted(f"step-{s}" for s, level, ok, *_ in results if level == erasure and ok)
+        assert sorted(os.listdir(tmp_path / f"n{node}/erasure")) == held[-2:]  # keep=2
+    assert os.listdir(tmp_path / "remote") == ["step-2"]
     shutil.rmtree(tmp_path / "n2")
     out = run_ranks(_load_job, 3, 1, levels, None, timeout=240)
     assert [o[:2] for o in out] == [(3, True)] * 3, out
