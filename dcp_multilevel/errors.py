@@ -22,6 +22,7 @@ __all__ = [
     "BrokenChainError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CheckpointWriteError",
     "ChecksumMismatchError",
     "ConfigError",
     "ConvertError",
@@ -120,6 +121,29 @@ class CheckpointNotFoundError(DcpMultilevelError, FileNotFoundError):
     def __init__(self, message: str, *, checkpoint: str) -> None:
         super().__init__(message)
         self.checkpoint = checkpoint
+
+
+class CheckpointWriteError(DcpMultilevelError, OSError):
+    """A rank could not write a file of the checkpoint it saves (a path below a regular
+    file, no permission, a full disk); the store's error is chained as ``__cause__``,
+    and its ``errno`` is this error's.
+
+    Attributes:
+        checkpoint: the checkpoint's URL.
+        file: the file, relative to the checkpoint.
+        rank: the rank that wrote it.
+        level: with levels, the first level's URL (where the save is written); else None.
+    """
+
+    def __init__(
+        self, message: str, *, checkpoint: str, file: str, rank: int, level: str | None = None
+    ) -> None:
+        # OSError.__init__ with one argument keeps ``str(err) == message``.
+        super().__init__(message)
+        self.checkpoint = checkpoint
+        self.file = file
+        self.rank = rank
+        self.level = level
 
 
 class CheckpointExistsError(DcpMultilevelError, FileExistsError, RuntimeError):

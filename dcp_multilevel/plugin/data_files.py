@@ -6,6 +6,12 @@ coding chunks ahead in the writer's codec pool while it hashes and writes
 (``codecs/pipeline.py``), and storing each chunk as raw, coded, or coded XOR
 the reference's bytes (``checkpoint/save_reference.py``). It reads the
 writer's codec, buffers and reference as the writer set them up.
+
+A store's ``OSError`` while making, writing or publishing a data file becomes a
+:class:`~dcp_multilevel.errors.CheckpointWriteError` naming the file, the
+checkpoint, the rank and (with levels) the first level: DCP shows each rank's
+error inside its ``CheckpointException``, where a bare ``NotADirectoryError``
+says neither which save nor which rank.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, closing
+from contextlib import ExitStack, closing, contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,12 +30,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..checkpoint.sources import object_record, tensor_of
 from ..checkpoint.streams import StreamMarks
 from ..codecs import EncodeJob, encode_items, item_layout
+from ..errors import CheckpointWriteError, DcpMultilevelError
 from ..format import Hasher, ItemLocation, data_file_path
 from ..format.tensor_bytes import byte_view
 from ..health import Tally, count, count_on_device, rule_for
 from ..planning import balance
 from ..staging import BackgroundSave
 from ..staging.live import LiveCountdown
+from ..stores import WriteHandle
 from .planner import write_item_nbytes
 
 if TYPE_CHECKING:
@@ -115,14 +123,15 @@ def write_file(
     # (coded is lazy: the items are resolved and read in the loop, following the marks)
     with (
         (marks or StreamMarks()).following(),
-        writer.store.open_write(path) as out,
+        _data_file(writer, path) as out,
         streams,
         closing(coded),
     ):
         pad_for = getattr(out, "pad_for", None)  # a direct-I/O file (stores/_direct.py)
         for job, parts in coded:
             if pad_for is not None and job.layout is None:
-                pad_for(job.view)  # a big tensor then goes to the disk uncopied
+                with _writing(writer, path):
+                    pad_for(job.view)  # a big tensor then goes to the disk uncopied
             start = out.tell()
             hasher = Hasher()
             rule = job.count_rule if job.layout is None else None
@@ -136,7 +145,8 @@ def write_file(
                     tally.add(job.key.index.fqn, n)  # type: ignore[union-attr]
                 else:
                     hasher.update(piece)
-                out.write(piece)
+                with _writing(writer, path):
+                    out.write(piece)
             length = out.tell() - start
             transforms = () if job.layout is None else (writer._codec.descriptor,)  # type: ignore[union-attr]
             raw = len(job.view)
@@ -146,6 +156,65 @@ def write_file(
             results.append(WriteResult(index=job.key.index, size_in_bytes=length, storage_data=loc))
             countdown.written(job.key.index)
     return results
+
+
+@contextmanager
+def _data_file(writer: MultiLevelWriter, path: str) -> Iterator[WriteHandle]:
+    """``writer.store.open_write(path)``: its ``OSError`` making the file or publishing
+    it on exit as :func:`_unwritable`'s error; errors of the block pass unchanged."""
+    inside: BaseException | None = None
+    try:
+        with writer.store.open_write(path) as out:
+            try:
+                yield out
+            except BaseException as e:
+                inside = e
+                raise
+    except OSError as e:
+        if e is inside or isinstance(e, DcpMultilevelError):
+            raise
+        raise _unwritable(writer, path, e) from e
+
+
+@contextmanager
+def _writing(writer: MultiLevelWriter, path: str) -> Iterator[None]:
+    """A write to the data file ``path``: its ``OSError`` as :func:`_unwritable`'s error."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, DcpMultilevelError):
+            raise
+        raise _unwritable(writer, path, e) from e
+
+
+def _unwritable(writer: MultiLevelWriter, path: str, error: OSError) -> CheckpointWriteError:
+    """What could not be written, where, by which rank, and what to do (the module docstring)."""
+    checkpoint = writer.checkpoint.url
+    saves = writer._levels
+    if saves is None:
+        level = None
+        where = f"checkpoint {checkpoint}"
+        todo = (
+            "Make the checkpoint's path a directory this rank can write, with room for the "
+            "checkpoint, or save elsewhere"
+        )
+    else:
+        level = saves.ladder.first.url
+        where = f"step {saves.step} on the first level {level} ({checkpoint})"
+        todo = (
+            "Make the first level's root a directory every rank can write on its node, "
+            "with room for the checkpoint, or give the first Level another url"
+        )
+    err = CheckpointWriteError(
+        f"rank {writer.rank} could not write data file {path} of {where}: "
+        f"{type(error).__name__}: {error}. {todo}.",
+        checkpoint=checkpoint,
+        file=path,
+        rank=writer.rank,
+        level=level,
+    )
+    err.errno = error.errno
+    return err
 
 
 def _jobs(
