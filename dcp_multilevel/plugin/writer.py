@@ -90,8 +90,9 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
             the same order). The first level's ``codec``, ``storage_options`` and
             ``overwrite`` are the writer's.
         topology: with ``levels``: which node each rank is on (default: each
-            rank's environment: ``DCP_ML_NODE``, else ``GROUP_RANK``, ``NODE_RANK``,
-            else ``RANK // LOCAL_WORLD_SIZE``; ``docs/levels.md``, "Nodes").
+            rank's environment: ``DCP_ML_NODE``, else ``GROUP_RANK``, else
+            ``NODE_RANK``, else ``RANK // LOCAL_WORLD_SIZE``, else node 0;
+            ``docs/levels.md``, "Nodes").
         due: with ``levels``: the higher levels each save goes to (indices into
             ``levels``), instead of their ``every``.
         overwrite: allow replacing a committed checkpoint at ``path``. The old
