@@ -311,7 +311,18 @@ def test_verify_missing_data_file_names_each_of_its_items(root):
     problems = doc["checkpoints"][0]["problems"]
     assert sorted(p["fqn"] for p in problems) == ["model.b", "model.h", "model.w", "step"]
     assert {p["error"] for p in problems} == {"TruncatedDataError"}
-    assert all("is missing" in p["message"] for p in problems)
+    # Each problem names the item it is about (all four are in the missing file).
+    for p in problems:
+        assert p["message"] == (
+            f"data file 'data/{data.name}' of checkpoint file://{ckpt} is missing (needed for "
+            f"{p['fqn']!r}); the checkpoint is damaged"
+        )
+    human = run("verify", ckpt).stdout.splitlines()
+    assert human[0] == f"BAD  file://{ckpt}: 4 of 4 items bad"
+    assert len(human) == 5
+    for line in human[1:]:
+        fqn = line.split()[0].rstrip(":")
+        assert line.endswith(f"is missing (needed for {fqn!r}); the checkpoint is damaged")
 
 
 # --------------------------------------------------------------------------- copy

@@ -4,9 +4,11 @@ convert checkpoints.
 The top layer of the package: it may import anything in it, and nothing in
 the package imports it. One module per command, each a click command
 registered on :data:`main` below; what they share (storage options,
-``--json``, progress bars, one-line errors) is in ``_common.py``. Every
-command takes any URL the package's stores accept (a path, ``s3://...``,
-``memory://...``). See ``docs/cli.md``.
+``--json``, progress bars, one-line errors) is in ``_common.py``; where a
+checkpoint's data files are, at one location or in every node's part of a
+level with ``{node}`` in its path (``ls``, ``inspect``, ``verify``), in
+``_parts.py``. Every command takes any URL the package's stores accept (a
+path, ``s3://...``, ``memory://...``). See ``docs/cli.md``.
 
 Exit status: 0 success; 1 a check failed or something was not found (one
 line, ``error: ...``, on stderr); 2 a usage error (click's).

@@ -33,6 +33,7 @@ from ..errors import CheckpointNotFoundError, DcpMultilevelError
 from ..format import MANIFEST_NAME, Health
 from ..format.health import health_from_json
 from ..stores import parse_location
+from ._parts import not_committed, part_ranks
 
 __all__ = [
     "CheckFailed",
@@ -179,6 +180,8 @@ def resolve(url: str, storage_options: Mapping[str, Any]) -> Target:
     target = Target(url, storage_options)
     found = None if target.is_checkpoint else target.root.scan()  # one listing of the root
     if found is not None and not (found.committed or found.uncommitted):
+        if part_ranks(target.checkpoint()) is not None:
+            raise not_committed(target.checkpoint())  # one node's part: says so
         raise CheckpointNotFoundError(
             f"no checkpoint at {target.root.store.url}: it has no {MANIFEST_NAME} and no "
             "step-<N> directories (check the path, or the storage options for a remote URL)",
@@ -198,13 +201,11 @@ def open_checkpoint(url: str, storage_options: Mapping[str, Any]) -> StoredCheck
     target = Target(url, storage_options)
     if not target.is_checkpoint:
         steps = target.root.steps()
-        hint = (
-            f"; it is a root of checkpoints, e.g. {target.root.location(steps[-1])}"
-            if steps
-            else " (no manifest.json: not a checkpoint, or a save that did not finish)"
-        )
+        if not steps:
+            raise not_committed(target.checkpoint())
         raise CheckpointNotFoundError(
-            f"no committed checkpoint at {target.root.store.url}{hint}",
+            f"no committed checkpoint at {target.root.store.url}; it is a root of checkpoints, "
+            f"e.g. {target.root.location(steps[-1])}",
             checkpoint=target.root.store.url,
         )
     ckpt = target.checkpoint()

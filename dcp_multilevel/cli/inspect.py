@@ -1,6 +1,11 @@
 """``dcp-multilevel inspect CKPT``: one checkpoint's manifest as tables (no data read),
 its health record included: the checks its save ran and, when it is quarantined,
-every finding (check, message, ranks, items)."""
+every finding (check, message, ranks, items).
+
+Where each data file is comes from one listing of the checkpoint's data
+directory (with ``{node}`` in CKPT: of every node's, ``_parts.py``): a file
+that is not there is named, as missing or as another node's.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from ._common import (
     stdout_console,
     storage_options_option,
 )
+from ._parts import Parts, counted, has_node_field
 from ._summary import summary
 
 __all__ = ["ItemNotFoundError", "describe", "inspect"]
@@ -71,8 +77,10 @@ def _ratio(raw: int, stored: int) -> float | None:
     return round(raw / stored, 3) if stored else None
 
 
-def describe(manifest: Manifest, url: str) -> dict[str, Any]:
-    """What ``inspect --json`` prints for a checkpoint."""
+def describe(manifest: Manifest, url: str, parts: Parts | None = None) -> dict[str, Any]:
+    """What ``inspect --json`` prints for a checkpoint; with ``parts``, where its data
+    files are: each file's ``present`` (with ``{node}``: and ``nodes``), and ``nodes``
+    (each node's part) or ``elsewhere`` (files at another node, one location given)."""
     items = _items(manifest)
     files = []
     ranks: dict[int | None, dict[str, Any]] = {}
@@ -81,7 +89,13 @@ def describe(manifest: Manifest, url: str) -> dict[str, Any]:
         counts[loc.file] = counts.get(loc.file, 0) + 1
     for path, size in sorted(manifest.files.items()):
         rank = rank_of_file(path)
-        files.append({"path": path, "bytes": size, "rank": rank, "items": counts.get(path, 0)})
+        entry = {"path": path, "bytes": size, "rank": rank, "items": counts.get(path, 0)}
+        if parts is not None:
+            holders = parts.holders(path)
+            entry["present"] = bool(holders)
+            if parts.expanded:
+                entry["nodes"] = [p.node for p in holders]
+        files.append(entry)
         r = ranks.setdefault(rank, {"rank": rank, "bytes": 0, "files": 0})
         r["bytes"] += size
         r["files"] += 1
@@ -98,6 +112,11 @@ def describe(manifest: Manifest, url: str) -> dict[str, Any]:
         files=files,
         ranks=sorted(ranks.values(), key=lambda r: (r["rank"] is None, r["rank"] or 0)),
     )
+    absent = [] if parts is None else parts.absent()
+    if parts is not None and parts.expanded:
+        doc["nodes"] = parts.nodes_json()
+    elif absent:
+        doc["elsewhere"] = [a.to_json() for a in absent]
     return doc
 
 
@@ -123,6 +142,11 @@ def _header(doc: dict[str, Any]) -> Table:
         deltas = sum(any(c["reference_checksum"] for c in it["chunks"]) for it in doc["items"])
         ref = doc["reference"]
         rows.append(("delta of", f"{ref['checkpoint']} (save {ref['save_id']}): {deltas} items"))
+    if "nodes" in doc:
+        manifests = [n["node"] for n in doc["nodes"] if n["manifest"]]
+        held = [n["node"] for n in doc["nodes"] if n["files"]]
+        rows.append(("nodes", f"manifest on {counted('node', manifests)}; data files on "
+                              f"{counted('node', held)}"))  # fmt: skip
     rows.append(("health", _health_line(doc)))
     for k, v in rows:
         table.add_row(k, v)
@@ -188,8 +212,19 @@ def _files_table(doc: dict[str, Any]) -> Table:
     for name, justify in [("file", "left"), ("rank", "right"), ("items", "right"),
                           ("bytes", "right")]:  # fmt: skip
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    # Where each file is: with {node}, its nodes; else only when one is not here.
+    where = "nodes" in doc or any(not f.get("present", True) for f in doc["files"])
+    if where:
+        table.add_column("where")
+    elsewhere = {f for a in doc.get("elsewhere", []) for f in a["files"]}
     for f in doc["files"]:
-        table.add_row(f["path"], str(f["rank"]), str(f["items"]), str(f["bytes"]))
+        row = [f["path"], str(f["rank"]), str(f["items"]), str(f["bytes"])]
+        if "nodes" in f:
+            row.append(counted("node", f["nodes"]) if f["nodes"] else "missing")
+        elif where:
+            row.append("here" if f["present"] else
+                       "elsewhere" if f["path"] in elsewhere else "missing")  # fmt: skip
+        table.add_row(*row)
     return table
 
 
@@ -212,22 +247,27 @@ def inspect(ckpt: str, fqn: str | None, storage_options: dict, as_json: bool) ->
     stored bytes, compression ratio), data files, bytes per rank, versions, and
     its health (the checks its save ran; for a quarantined one, what they found).
 
-    Reads the manifest only. Exit status 1 when CKPT is not a committed
+    Reads the manifest and lists the data files. A CKPT with {node} in it
+    (/nvme/{node}/ckpt/step-5) stands for every node's part: the files table
+    says which node holds each file. Exit status 1 when CKPT is not a committed
     checkpoint or --item names no item (the message suggests close names).
     """
-    stored = open_checkpoint(ckpt, storage_options)
-    doc = describe(stored.manifest(), stored.url)
+    if not has_node_field(ckpt):
+        open_checkpoint(ckpt, storage_options)  # its errors name a root's newest step
+    parts = Parts.at(ckpt, storage_options)
+    doc = describe(parts.manifest, parts.url, parts)
+    url = parts.url
     if fqn is not None:
         by_fqn = {it["fqn"]: it for it in doc["items"]}
         if fqn not in by_fqn:
             close = difflib.get_close_matches(fqn, list(by_fqn), n=5, cutoff=0.5)
             hint = f"; close names: {', '.join(close)}" if close else ""
             raise ItemNotFoundError(
-                f"no item {fqn!r} in checkpoint {stored.url} ({len(by_fqn)} items){hint}"
+                f"no item {fqn!r} in checkpoint {url} ({len(by_fqn)} items){hint}"
             )
         item = by_fqn[fqn]
         if as_json:
-            emit_json({"url": stored.url, "item": item})
+            emit_json({"url": url, "item": item})
             return
         console = stdout_console()
         console.print(_items_table([item]))
@@ -242,4 +282,6 @@ def inspect(ckpt: str, fqn: str | None, storage_options: dict, as_json: bool) ->
         console.print(_findings_table(doc))
     console.print(_items_table(doc["items"]))
     console.print(_files_table(doc))
+    for a in parts.absent():
+        console.print(a.describe(), highlight=False, soft_wrap=True, markup=False)
     console.print(_ranks_table(doc))

@@ -8,6 +8,17 @@ committed manifest is listed as incomplete; a manifest that does not decode
 is listed with its error (the listing goes on). A ROOT that is itself one
 checkpoint is listed as that checkpoint. A quarantined step (its save's health
 checks found something: ``format/health.py``) says so, and why.
+
+On a level whose path has ``{node}`` in it each node's disk holds a part of
+each step (``_parts.py``). A ROOT with ``{node}`` in it lists every node's
+parts as one level: a step is complete when some node holds its manifest, and
+its row says which nodes hold the manifest and which hold a part. A ROOT that
+is one node's directory is listed as it is; a step directory there without a
+manifest whose data files are all other ranks' than rank 0 (the coordinator,
+which commits on its own node) is named as that node's part, not incomplete:
+that costs one listing of its data directory, made on a local disk only (a
+node's part is on its own disk; in a bucket a listing is a request, and none
+is made inside a step).
 """
 
 from __future__ import annotations
@@ -18,7 +29,9 @@ import click
 from rich.table import Table
 
 from ..checkpoint import StoredCheckpoint
-from ..errors import DcpMultilevelError
+from ..errors import CheckpointNotFoundError, DcpMultilevelError
+from ..format import MANIFEST_NAME, checkpoint_url
+from ..stores import parse_location
 from ._common import (
     Target,
     emit_json,
@@ -32,9 +45,10 @@ from ._common import (
     stdout_console,
     storage_options_option,
 )
+from ._parts import counted, has_node_field, node_roots, part_ranks, template_url
 from ._summary import summary
 
-__all__ = ["NEWEST", "list_root", "ls"]
+__all__ = ["NEWEST", "list_nodes", "list_root", "ls"]
 
 #: Steps ``ls`` describes by default, newest first; the older ones are counted. A
 #: manifest naming 1,000 files takes some 20 ms to decode: 10,000 of them, minutes.
@@ -44,8 +58,11 @@ NEWEST = 50
 REASON_WIDTH = 60
 
 
-def _entry(step: int | None, ckpt: StoredCheckpoint, committed: bool) -> dict[str, Any]:
-    entry: dict[str, Any] = {"step": step, "url": ckpt.url, "complete": committed, "error": None}
+def _entry(
+    step: int | None, ckpt: StoredCheckpoint, committed: bool, url: str | None = None
+) -> dict[str, Any]:
+    entry: dict[str, Any] = {"step": step, "url": url or ckpt.url, "complete": committed,
+                             "error": None}  # fmt: skip
     if not committed:
         return entry
     try:
@@ -71,11 +88,73 @@ def list_root(target: Target, newest: int | None = None) -> dict[str, Any]:
     shown = steps if newest is None else steps[max(0, len(steps) - newest) :]
     older = steps[: len(steps) - len(shown)]
     checkpoints = [_entry(s, root.checkpoint(s), s in committed) for s in shown]
+    # A node's part is on the node's own disk: a local directory (see the module docstring).
+    if parse_location(root.url).scheme == "file":
+        for c in checkpoints:
+            if not c["complete"]:
+                ranks = part_ranks(root.checkpoint(c["step"]))
+                if ranks is not None:
+                    c["part_ranks"] = list(ranks)
     listing = {"url": root.store.url, "kind": "root", "checkpoints": checkpoints}
     if older:
         done = sum(1 for s in older if s in committed)
         listing["older"] = {"complete": done, "incomplete": len(older) - done}
     return listing
+
+
+def list_nodes(url: str, storage_options: dict, newest: int | None = None) -> dict[str, Any]:
+    """What ``ls`` reports for a location with ``{node}`` in it: every node's parts as one
+    root (or one checkpoint), each step with the nodes that hold its manifest
+    (``manifest_nodes``) and a part (``part_nodes``); shaped as :func:`list_root`'s,
+    with ``nodes``: each node's location.
+
+    Raises:
+        CheckpointNotFoundError: no node's directory matches, or none holds a step.
+    """
+    roots = node_roots(url, storage_options)
+    nodes = {str(n): r.store.url for n, r in roots.items()}
+    listing: dict[str, Any] = {"url": template_url(url), "kind": "root", "nodes": nodes}
+    held = [n for n, r in roots.items() if r.store.exists(MANIFEST_NAME)]
+    if held:
+        entry = _entry(None, StoredCheckpoint(roots[held[0]].store), True, template_url(url))
+        entry.update(
+            manifest_nodes=held, part_nodes=[n for n, r in roots.items() if r.store.listdir("")]
+        )
+        return {**listing, "kind": "checkpoint", "checkpoints": [entry]}
+    scans = {n: r.scan() for n, r in roots.items()}
+    steps = sorted({s for found in scans.values() for s in found.committed + found.uncommitted})
+    if not steps:
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {template_url(url)}: no node's directory holds a "
+            f"{MANIFEST_NAME} or step-<N> directories ({counted('node', roots)} looked at)",
+            checkpoint=template_url(url),
+        )
+    shown = steps if newest is None else steps[max(0, len(steps) - newest) :]
+    older = steps[: len(steps) - len(shown)]
+    committed = {s for found in scans.values() for s in found.committed}
+    checkpoints = []
+    for s in shown:
+        manifests = [n for n, found in scans.items() if s in found.committed]
+        parts = [n for n, found in scans.items() if s in found.committed + found.uncommitted]
+        where = roots[manifests[0] if manifests else parts[0]]
+        entry = _entry(s, where.checkpoint(s), bool(manifests), checkpoint_url(listing["url"], s))
+        entry.update(manifest_nodes=manifests, part_nodes=parts)
+        checkpoints.append(entry)
+    listing["checkpoints"] = checkpoints
+    if older:
+        done = sum(1 for s in older if s in committed)
+        listing["older"] = {"complete": done, "incomplete": len(older) - done}
+    return listing
+
+
+def _nodes_state(c: dict[str, Any], listing: dict[str, Any]) -> str:
+    """Where a step's manifest and parts are (a ROOT with ``{node}``)."""
+    lacking = [int(n) for n in listing["nodes"] if int(n) not in c["part_nodes"]]
+    said = f": manifest on {counted('node', c['manifest_nodes'])}," if c["manifest_nodes"] else ":"
+    said += f" part{'s' if len(c['part_nodes']) != 1 else ''} on {counted('node', c['part_nodes'])}"
+    if lacking:
+        said += f", none on {counted('node', lacking)}"
+    return said
 
 
 def _heading(listing: dict[str, Any], label: str) -> str:
@@ -95,10 +174,14 @@ def _table(listing: dict[str, Any]) -> Table:
     for c in listing["checkpoints"]:
         if c["error"] is not None:
             state = f"unreadable: {c['error']}"
+        elif "part_ranks" in c:
+            state = f"part of {counted('rank', c['part_ranks'])}, manifest on rank 0's node"
         else:
             state = "complete" if c["complete"] else "incomplete"
             if c.get("delta_of"):
                 state += f", delta of {c['delta_of']}"
+            if "part_nodes" in c:
+                state += _nodes_state(c, listing)
         table.add_row(
             "-" if c["step"] is None else str(c["step"]),
             format_time(c.get("created_unix")),
@@ -129,10 +212,17 @@ def ls(roots: tuple[str, ...], storage_options: dict, every: bool, as_json: bool
     world size, whether it is complete (committed), and its health (clean, or
     QUARANTINED and why: its save's checks found something); the newest 50 steps,
     and how many older ones there are (``--all``: every one; each costs a
-    manifest read). Exit status 1 when a ROOT holds no checkpoint at all.
+    manifest read). A ROOT with {node} in it (/nvme/{node}/ckpt) lists every
+    node's parts as one level, with the nodes that hold each step's manifest and
+    parts. Exit status 1 when a ROOT holds no checkpoint at all.
     """
     newest = None if every else NEWEST
-    listings = [list_root(resolve(url, storage_options), newest) for url in roots]
+    listings = [
+        list_nodes(url, storage_options, newest)
+        if has_node_field(url)
+        else list_root(resolve(url, storage_options), newest)
+        for url in roots
+    ]
     if len(roots) > 1:
         for i, listing in enumerate(listings, 1):
             listing["level"] = f"L{i}"
