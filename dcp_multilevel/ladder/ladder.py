@@ -304,6 +304,15 @@ class Ladder:
                 sorted(superseded),
             )
         self._recall_quarantine(restore, views.everyone[0][0])
+        # What is left of the steps no rank could restore (a timeline that no longer
+        # exists) is treated as quarantined: retention counts it last (it must not
+        # hold a slot of `keep` against the resumed run's steps), no drain takes it
+        # and no save is coded against it, until the resumed run saves the step again.
+        dead = [s for s in restore.unrestorable if s > restore.step]
+        self.holdings.quarantined(dead)
+        for step in dead:
+            self.holdings.decided(step, frozenset((0,)))
+        self.chains.removed(0, dead)
         record = self.loader.kept(restore, LEVELS_KEY)
         if isinstance(record, dict) and isinstance(record.get("save"), int):
             with self._lock:
