@@ -300,3 +300,19 @@ def test_inspect_says_where_each_file_is(root: Path):
     assert [line.split()[-2] for line in table.splitlines() if "data/" in line] == [
         "here", "here", "elsewhere", "elsewhere",
     ]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- gc
+
+
+def test_gc_of_node_1_keeps_its_parts_of_good_steps(root: Path):
+    """Node 1's directory holds no manifest, only its ranks' files of good steps: gc
+    with a zero age bound must not take them for the debris of crashed saves."""
+    result = run("gc", root / "n1" / "l1", "--keep", "1", "--older-than", "0")
+    assert result.exit_code == 0, result.stderr
+    for step in STEPS:
+        assert f"kept step {step} (part of a node-local step, manifest on rank 0's node)" in (
+            result.stdout
+        )
+        assert data_file(root / "n1" / "l1" / f"step-{step}", 2).exists()
+    assert "abandoned" not in result.stdout

@@ -13,7 +13,9 @@ The rules are the ladder's (``ladder/retention.py``: the same
 - **abandoned**: ``step-<N>`` directories without a manifest that are older
   (by step) than the newest committed checkpoint, or whose files were all
   last modified more than ``--older-than`` seconds ago (age is known only on
-  local directories);
+  local directories); never one node's part of a node-local step (its ranks'
+  data files, none of rank 0's: the manifest is on rank 0's node), which is
+  kept and listed under ``parts``;
 - **temporaries**: what the store's own sweep removes, older than
   ``--older-than`` seconds (``CheckpointRoot.sweep``, listed with
   ``dry_run=True`` for the plan): ``*.tmp-*`` files of crashed writers in a
@@ -50,6 +52,7 @@ from ..errors import ConfigError, DcpMultilevelError
 from ..format import step_dir
 from ..ladder.retention import RetentionRules, deletion_order
 from ._common import emit_json, json_option, resolve, stdout_console, storage_options_option
+from ._parts import part_ranks
 
 __all__ = ["gc", "plan_gc"]
 
@@ -159,7 +162,10 @@ def plan_gc(
         age = _age(root, step_dir(step), now)
         if age is not None and age > older_than_s:
             by_step.add(step)
-    debris = sorted(by_step)
+    # One node's part of a node-local step (its ranks' files, the manifest on rank 0's
+    # node) is no debris: deleting it would lose that node's share of a good step.
+    parts = sorted(s for s in by_step if part_ranks(root.checkpoint(s)) is not None)
+    debris = sorted(by_step - set(parts))
     skip = {step_dir(s) for s in gone + debris}
     expired = set(gone)  # not the list: 10,000 steps would make these loops quadratic
     # The store's own sweep rule, listing only; not inside steps deleted anyway.
@@ -175,6 +181,8 @@ def plan_gc(
         # Kept or expired; not counted toward --keep (see _quarantined for which are read).
         "quarantined": sorted(quarantined),
         "abandoned": debris,
+        # Kept: another node's ranks' files of a step whose manifest is on rank 0's node.
+        "parts": parts,
         "temporaries": sorted(p for p in listed if p.split("/", 1)[0] not in skip),
     }
 
@@ -241,6 +249,10 @@ def gc(
         for s in plan["expired"]
     ]
     lines += [f"{verb} step {s} (incomplete, abandoned)" for s in plan["abandoned"]]
+    lines += [
+        f"kept step {s} (part of a node-local step, manifest on rank 0's node)"
+        for s in plan.get("parts", [])
+    ]
     lines += [f"{verb} {p} (temporary)" for p in plan["temporaries"]]
     if not (plan["expired"] or plan["abandoned"] or plan["temporaries"]):
         lines.append("nothing to delete")
