@@ -22,7 +22,10 @@ before levels (our single-level checkpoint, or stock DCP's).
 A part of step N may be quarantined (``docs/health.md``: its save's checks found
 poisoned state; each part is checked on its own). Then the parts are loaded at
 the newest older step no part of which is quarantined, all at the same step
-(:func:`_clean_step`), unless the load allows quarantined steps.
+(:func:`_clean_step`), unless the load allows quarantined steps. After a crash,
+not every rank may be able to restore a part of step N (lost with a node); then
+the parts are loaded at the newest older step every rank can restore in every
+part (:func:`_restorable_step`).
 
 Call order, every rank, one :class:`LevelRoutes` per ``save_state`` / ``load_state``::
 
@@ -31,8 +34,9 @@ Call order, every rank, one :class:`LevelRoutes` per ``save_state`` / ``load_sta
           commit(writes) after save_state: the marker, by the ranks that write
                          Accelerate's shared files
     load: reader(path)   each DCP load: the marker (rank 0 reads, collective), the
-                         step to load (rank 0 reads the parts' health, collective),
-                         our reader of the part at it; no marker: ``fallback``
+                         step to load (rank 0 reads the parts' health, every rank
+                         lists the parts' levels; collective), our reader of the
+                         part at it; no marker: ``fallback``
 """
 
 from __future__ import annotations
@@ -51,11 +55,13 @@ import torch.distributed as dist
 
 from .. import _dist
 from ..errors import CheckpointNotFoundError, ConfigError, DcpMultilevelError, ManifestError
+from ..format import Manifest
 from ..ladder import Ladder, ladder_for
 from ..ladder.naming import describe
 from ..levels import Topology
 from ..levels.options import Level
 from ..plugin import MultiLevelReader, MultiLevelWriter
+from ..restore.agreement import Views, gather_views
 
 __all__ = ["MARKER_NAME", "LevelRoutes", "PartLevels", "Routes", "StepMarker"]
 
@@ -224,8 +230,8 @@ class LevelRoutes:
         if folder not in self.markers:
             marker = self.markers[folder] = _rank0_marker(folder)
             if marker is not None:
-                self.steps[folder] = (marker.step if self.allow_quarantined
-                                      else _clean_step(marker, self.levels, folder))  # fmt: skip
+                self.steps[folder] = _step_to_load(marker, self.levels, folder,
+                                                   self.allow_quarantined)  # fmt: skip
         marker = self.markers[folder]
         if marker is None:
             return self.fallback.reader(path)
@@ -272,7 +278,21 @@ def _rank0_marker(folder: str) -> StepMarker | None:
     return found
 
 
-def _clean_step(marker: StepMarker, levels: PartLevels, folder: str) -> int:
+def _step_to_load(
+    marker: StepMarker, levels: PartLevels, folder: str, allow_quarantined: bool
+) -> int:
+    """The step to load ``folder``'s parts at (collective): the marker's, or an older one
+    where a part of it is quarantined (:func:`_clean_step`, unless ``allow_quarantined``)
+    or cannot be restored by every rank (:func:`_restorable_step`); every part from the
+    same step."""
+    ladders = {part: ladder_for(levels.of_part(part), topology=levels.topology,
+                                who="MultiLevelAccelerator.load_state")
+               for part in marker.parts}  # fmt: skip
+    step = marker.step if allow_quarantined else _clean_step(marker, ladders, folder)
+    return _restorable_step(step, marker, ladders, folder, allow_quarantined)
+
+
+def _clean_step(marker: StepMarker, ladders: Mapping[str, Ladder], folder: str) -> int:
     """The step to load ``folder``'s parts at (collective): the marker's, unless a part
     of it is quarantined (``docs/health.md``); then the newest older step no part of
     which is, so that every part comes from the same step. Rank 0 decides from the
@@ -282,9 +302,6 @@ def _clean_step(marker: StepMarker, levels: PartLevels, folder: str) -> int:
     Raises:
         CheckpointNotFoundError: every step up to the marker's is quarantined in some part.
     """
-    ladders = {part: ladder_for(levels.of_part(part), topology=levels.topology,
-                                who="MultiLevelAccelerator.load_state")
-               for part in marker.parts}  # fmt: skip
 
     def decide() -> tuple[int | None, list[tuple[int, str]], str | None]:
         try:
@@ -314,6 +331,72 @@ def _clean_step(marker: StepMarker, levels: PartLevels, folder: str) -> int:
                        "Accelerate's own files in %s (RNG states, schedulers, samplers) are "
                        "those of step %d's save", step, folder, marker.step)  # fmt: skip
     return step
+
+
+def _restorable_step(
+    step: int, marker: StepMarker, ladders: Mapping[str, Ladder], folder: str,
+    allow_quarantined: bool,
+) -> int:  # fmt: skip
+    """``step``, or where some part of it cannot be restored by every rank, the newest
+    older step that can be in every part (and, unless ``allow_quarantined``, is clean
+    in every part), so that every part comes from the same step. Collective: every
+    rank lists every part's levels, and each part's ladder plans the restore of each
+    step tried (the same verdict on every rank).
+
+    After a crash, the marker's step may be lost with a node: its only copy of that
+    node's part was on the node, its partner copy or drain not finished. A load of it
+    by its number would fail the resume (``docs/levels.md``, "After a crash"). The
+    numbering goes on after the marker's step (``save_iteration``), so the resumed
+    run does not save the steps passed over again.
+
+    Raises:
+        CheckpointNotFoundError: no step up to ``step`` can be restored in every part.
+    """
+    views: dict[str, Views] = {}
+    for part, ladder in ladders.items():
+        ladder.follow_up()  # this process's saves are listed
+        views[part] = gather_views(ladder.drivers)
+    listed = set.intersection(*(set(v.candidates()) for v in views.values()))
+    unrestorable: list[int] = []
+    for candidate in sorted({step} | {s for s in listed if s < step}, reverse=True):
+        older = candidate != step  # the step itself: _clean_step read its health
+        if older and not allow_quarantined and _quarantined_anywhere(candidate, ladders):
+            continue
+        # Part by part, stopping at the first that cannot: every rank stops at the same.
+        if all(ladders[p].loader.plan(candidate, views[p], _every_file).ok for p in ladders):
+            if unrestorable:
+                logger.warning("dcp_multilevel: loading step %d of the levels, the newest every "
+                               "rank can restore in every part (not steps %s); Accelerate's own "
+                               "files in %s (RNG states, schedulers, samplers) are those of "
+                               "step %d's save", candidate, unrestorable, folder,
+                               marker.step)  # fmt: skip
+            return candidate
+        unrestorable.append(candidate)
+    raise CheckpointNotFoundError(
+        f"no step of {folder}'s parts up to step {step} can be restored by every rank in "
+        f"every part (steps {unrestorable}: a node-local level on a lost node, and no higher "
+        "level holds the node's files?). Restore the nodes' disks, or start fresh.",
+        checkpoint=folder,
+    )
+
+
+def _every_file(manifest: Manifest) -> None:
+    """What a step must offer every rank (the parts' load plans are not known yet): every
+    file (None)."""
+    return None
+
+
+def _quarantined_anywhere(step: int, ladders: Mapping[str, Ladder]) -> bool:
+    """Whether a part of ``step`` is quarantined (rank 0 reads; collective). False where
+    rank 0 cannot read it: the reader warns when it loads a quarantined step."""
+
+    def read() -> bool:
+        try:
+            return _quarantined_parts(step, ladders) is not None
+        except (DcpMultilevelError, OSError):
+            return False
+
+    return _dist.rank0_decides(read)
 
 
 def _newest_clean(

@@ -12,9 +12,11 @@ naming the step::
 
 A load names its step by such a marker, by ``"latest"`` (the newest clean step
 every rank can load) or by ``"step-<N>"`` (:func:`level_target`, collective). A
-marker naming a quarantined step (``docs/health.md``: its save's checks found
-poisoned state; ``last.ckpt`` after a divergence) resumes from ``"latest"``
-instead (:func:`past_quarantine`).
+marker naming the newest step the levels hold (``last.ckpt``) resumes from
+``"latest"`` (:func:`latest_if_newest`): after a crash that lost that step with
+a node, the newest step every rank can restore. A marker naming an older step
+that is quarantined (``docs/health.md``: its save's checks found poisoned
+state) resumes from ``"latest"`` too (:func:`past_quarantine`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from .. import _dist
 from ..errors import ManifestError
 from ..format import parse_step_dir
-from ..ladder import LATEST, ladder_for
+from ..ladder import LATEST, ladder_for, newest_step
 from ..levels import Topology
 from ..levels.options import Level
 
@@ -45,6 +47,7 @@ __all__ = [
     "META_KEY",
     "HeldStep",
     "LevelStep",
+    "latest_if_newest",
     "level_target",
     "pack_meta",
     "past_quarantine",
@@ -72,11 +75,16 @@ class LevelStep:
     location: str
     #: Named by a marker at a Lightning checkpoint path (not by the caller).
     marked: bool = field(default=False, compare=False)
+    #: ``"latest"`` only: the step a load of it read (the rest of the checkpoint is
+    #: read as ``"latest"`` too, and must be that step).
+    read: int | None = field(default=None, compare=False)
 
     @property
     def step(self) -> int | None:
-        """The step the location names (None: ``"latest"``, not chosen yet)."""
-        return parse_step_dir(self.location.rstrip("/").rsplit("/", 1)[-1])
+        """The step the location names, or the one a load of ``"latest"`` read (None:
+        ``"latest"``, not chosen yet)."""
+        named = parse_step_dir(self.location.rstrip("/").rsplit("/", 1)[-1])
+        return named if named is not None else self.read
 
     @classmethod
     def of(cls, step: int, *, marked: bool = False) -> LevelStep:
@@ -193,6 +201,31 @@ def level_target(path: str | os.PathLike[str]) -> LevelStep | None:
             return LevelStep.of(seen, marked=True)
     first = everyone[0][1]  # rank 0's, as Lightning's own load takes rank 0's path
     return None if first is None else LevelStep(first)
+
+
+def latest_if_newest(
+    target: LevelStep, levels: Sequence[Level], topology: Topology | None = None
+) -> LevelStep:
+    """``"latest"`` where a marker names the newest step some rank lists on some level
+    (or a newer one, which no level holds any more); else ``target``. Collective.
+
+    A marker is written after every save, so ``last.ckpt`` names the newest step.
+    After a crash, not every rank may be able to restore it: its only copy of a
+    lost node's part was on that node (its partner copy or drain had not
+    finished). Loaded by its number it would fail; ``"latest"`` loads the newest
+    step every rank can restore, passing over that one (and a quarantined one),
+    and the resumed run's saves of the steps it passed over then replace them
+    (``docs/levels.md``, "After a crash"): a load of the older step by its number
+    would have them refused. Where the marker's step can be restored (and is
+    clean), ``"latest"`` loads that very step.
+    """
+    step = target.step
+    if not target.marked or step is None:
+        return target
+    newest = newest_step(levels, topology=topology)
+    if newest is None or step < newest:  # none held (the load says so), or an older step
+        return target
+    return LevelStep(LATEST)
 
 
 def past_quarantine(

@@ -51,9 +51,11 @@ marker naming N. Choices, and why:
 - ``load_state`` loads the step the folder's marker names or, where a part of
   it is quarantined (``docs/health.md``), the newest older step no part of
   which is (every part from the same step; ``allow_quarantined=True``: the
-  marker's). It sets ``save_iteration`` to the marker's step + 1, so that the
-  next ``save_state`` goes on numbering steps (a step already on the levels
-  would be refused, and retention follows step order).
+  marker's); where not every rank can restore a part of it (lost with a node),
+  the newest older step every rank can restore in every part. It sets
+  ``save_iteration`` to the marker's step + 1, so that the next ``save_state``
+  goes on numbering steps (a step already on the levels would be refused, and
+  retention follows step order).
 - A folder without the marker (a single-level checkpoint of ours, a stock
   one) loads as without levels.
 
@@ -320,7 +322,9 @@ class MultiLevelAccelerator(Accelerator):
         holding it; ``save_iteration`` becomes the folder's step + 1. A folder
         whose step is quarantined in some part (``docs/health.md``) loads the
         newest older step clean in every part, unless ``allow_quarantined``
-        (then the folder's step, with a warning). A folder without the marker
+        (then the folder's step, with a warning); one that not every rank can
+        restore in some part (lost with a node) loads the newest older step
+        every rank can restore in every part. A folder without the marker
         loads as without levels.
         """
         if self.levels is None:

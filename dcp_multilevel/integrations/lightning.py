@@ -47,7 +47,11 @@ checkpoint path cannot carry)::
   ``"step-<N>"``; the reader agrees on it across ranks and brings back a lost
   node's files from the other levels first. ``"latest"`` passes over quarantined
   steps (``docs/health.md``), and so does a marker naming one (``last.ckpt``
-  after a divergence): it resumes from the newest clean step. ``"step-<N>"``
+  after a divergence): it resumes from the newest clean step. A marker naming
+  the newest step on the levels (``last.ckpt``) is loaded as ``"latest"``:
+  after a crash that lost that step with a node, the resume goes to the newest
+  step every rank can restore, and the resumed run's saves replace the lost
+  one (``docs/levels.md``, "After a crash"). ``"step-<N>"``
   loads a quarantined step with a warning, as does a marker with
   ``reader_options={"allow_quarantined": True}``. A path that holds a checkpoint of
   another kind loads as without levels. (Lightning's ``ckpt_path="last"``
@@ -89,14 +93,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from ..errors import ConfigError
-from ..ladder import wait
+from ..errors import CheckpointNotFoundError, ConfigError
+from ..ladder import LATEST, wait
 from ..levels.options import Level
 from ..plugin import MultiLevelReader, MultiLevelWriter
 from ._lightning_levels import (
     META_KEY,
     HeldStep,
     LevelStep,
+    latest_if_newest,
     level_target,
     pack_meta,
     past_quarantine,
@@ -163,20 +168,51 @@ class MultiLevelStorage:
 
     def load(self, state: dict[str, Any], where: Path | LevelStep) -> Path | LevelStep:
         """``dcp.load`` into ``state`` (in place) through our reader; where the rest of
-        the same checkpoint is (``"latest"`` resolved to the step this load read)."""
+        the same checkpoint is (:meth:`rest_of`)."""
         reader = self.reader(where)
         dcp.load(state, storage_reader=reader)
+        return self.rest_of(where, reader)
+
+    def rest_of(self, where: Path | LevelStep, reader: MultiLevelReader) -> Path | LevelStep:
+        """Where the rest of the checkpoint ``reader`` loaded from ``where`` is: the
+        level step it read; after a load of ``"latest"``, ``"latest"`` again, with
+        the step it read.
+
+        Raises:
+            CheckpointNotFoundError: a load of ``"latest"`` read another step than the
+                load of ``"latest"`` before it, for the same checkpoint.
+        """
         if reader.loads is None or reader.loads.restore is None:
             return where
-        return LevelStep.of(reader.loads.restore.step)
+        step = reader.loads.restore.step
+        if not isinstance(where, LevelStep) or where.location != LATEST:
+            return LevelStep.of(step)
+        if where.read is not None and where.read != step:
+            raise CheckpointNotFoundError(
+                f'the resume loaded the weights from step {where.read} ("latest") and then '
+                f'read step {step} as "latest" for the optimizer states: the levels changed '
+                f"during the load. Resume from ckpt_path='step-{where.read}'",
+                checkpoint=reader.loads.location,
+            )
+        # "latest" again, not step-<N>: the ladder takes its last load as the one the run
+        # resumed with, and a load of the same step by its number forgets the newer steps
+        # the "latest" one passed over (lost with a node, quarantined): the resumed run's
+        # saves of them would be refused (docs/levels.md, "After a crash").
+        return LevelStep(LATEST, read=step)
 
     def resume_target(self, target: LevelStep) -> LevelStep:
-        """The level step a load of ``target`` reads: a marker naming a quarantined
-        step resumes from ``"latest"`` (the newest clean step), unless the reader
+        """The level step a load of ``target`` reads: a marker naming the newest step
+        on the levels resumes from ``"latest"`` (the newest step every rank can
+        restore: after a crash that lost the marker's step with a node, an older
+        one), and so does one naming a quarantined step, unless the reader
         options say ``allow_quarantined``. Collective."""
+        levels, topology = self._levels(), self.reader_options.get("topology")
+        # Not by its number: a lost step would fail the resume, and the resumed run's
+        # save of it would be refused (docs/levels.md, "After a crash").
+        target = latest_if_newest(target, levels, topology)
         if self.reader_options.get("allow_quarantined"):
             return target
-        return past_quarantine(target, self._levels(), self.reader_options.get("topology"))
+        return past_quarantine(target, levels, topology)
 
     def reader(self, where: Path | LevelStep) -> MultiLevelReader:
         """A reader of the folder or level step ``where`` with this storage's options
@@ -426,11 +462,13 @@ class MultiLevelFSDPStrategy(_OurStorage, FSDPStrategy):
             if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
                 for idx, optimizer in enumerate(self.optimizers):
                     key = f"optimizer_{idx}"
+                    reader = self.storage.reader(where)
                     optim_state = load_sharded_optimizer_state_dict(
                         model_state_dict=module_state["model"],
                         optimizer_key=key,
-                        storage_reader=self.storage.reader(where),
+                        storage_reader=reader,
                     )
+                    self.storage.rest_of(where, reader)  # the same step as the weights'
                     flattened = FSDP.optim_state_dict_to_load(
                         optim_state_dict=optim_state[key], model=self.model, optim=optimizer
                     )
