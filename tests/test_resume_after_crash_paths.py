@@ -20,7 +20,7 @@ back bit-exact.
 
 Lightning loads the model and the optimizer states in two loads of one
 checkpoint; the same done with plain DCP (the second load by the step's number)
-is refused its next save: a ladder bug, pinned by the last test (xfail).
+saves on as well (the last test).
 """
 
 from __future__ import annotations
@@ -403,14 +403,6 @@ def _plain_resumed_in_parts(rank: int, world: int, root: str) -> dict:
     return {"resumed": resumed, "saved": saved}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="ladder/ladder.py Ladder.loaded(): a load by number of the step the run just "
-    "resumed from with 'latest' resets Ladder.superseded to the empty set and puts the "
-    "passed-over steps into Ladder._newer, so the resumed run's save of the lost step is "
-    "refused with CheckpointExistsError",
-)
 def test_a_checkpoint_loaded_in_two_parts_after_losing_a_node_saves_on(tmp_path):
     root = str(tmp_path)
     run_ranks(_plain_first_run, WORLD, root)

@@ -291,8 +291,13 @@ class Ladder:
         for i in range(1, len(self.levels)):
             self.holdings.learned(i, views.everyone[0][i])
         superseded = {s for s in (*restore.unrestorable, *restore.passed_over) if s > restore.step}
-        newer = {s for s in views.candidates() if s > restore.step} - superseded
         with self._lock:
+            if restore.step == self.resumed_from:
+                # The same step again, by its number (a state loaded in parts: the model
+                # from "latest", then the optimizer): what the first load passed over
+                # is still a timeline that no longer exists.
+                superseded |= self.superseded
+            newer = {s for s in views.candidates() if s > restore.step} - superseded
             self.resumed_from = restore.step
             self.superseded = frozenset(superseded)
             self._newer = frozenset(newer)
