@@ -28,6 +28,8 @@ from typing import Any
 
 from .. import _dist
 from ..checkpoint import decoded_manifest
+from ..errors import DcpMultilevelError
+from ..format import is_rank_file
 from ..levels import Drainer, DrainJob, DrainResult, LevelDriver, Topology
 from ..levels.node_local import rank_files
 from ..levels.options import Level
@@ -206,6 +208,9 @@ class Drains:
                 resumed[i] = pending[-1]
         if not resumed:
             return
+        resumed = self._whole_on_first_level(resumed)
+        if not resumed:
+            return
         before = _dist.rank0_decides(
             lambda: {i: self._missing_references(i, step) for i, step in resumed.items()}
         )
@@ -215,6 +220,47 @@ class Drains:
                         step, self.levels[i].url)  # fmt: skip
             job = self._job(i, step, self._drain_id(i, step, "resume"), time.time(), before[i])
             self.drainer.submit(job, skip=False)  # every rank alike: never skipped
+
+    def _whole_on_first_level(self, resumed: dict[int, int]) -> dict[int, int]:
+        """The drains of :meth:`resume` (level -> step) whose step every rank holds its own
+        files of on its node's first level; the others are dropped, logged. Collective.
+
+        ``resume`` goes by rank 0's listing, but a drain sends each rank's files from
+        its own node's first level. A replaced node lacks them when the load read its
+        part of the step from a store level (killed during a partner copy, after the
+        remote drain committed): that drain would fail on every rank, and the next
+        ``wait()`` raise, for a step the levels need not hold again (the next save
+        is copied as usual).
+        """
+
+        def files() -> dict[int, list[str] | None]:
+            out: dict[int, list[str] | None] = {}
+            for step in set(resumed.values()):
+                try:
+                    out[step] = sorted(self.drivers[0].checkpoint(step).manifest().files)
+                except (DcpMultilevelError, OSError):
+                    out[step] = None  # unreadable: left to the drain, which reports it
+            return out
+
+        names = _dist.rank0_decides(files)  # the manifest is on rank 0's node only
+        rank = _dist.rank()
+        mine = {
+            step: listed is None
+            or {f for f in listed if is_rank_file(f, rank)}
+            <= self.drivers[0].checkpoint(step).data_files()
+            for step, listed in names.items()
+        }
+        everyone = _dist.all_gather_object(mine)
+        whole = {step for step in names if all(theirs[step] for theirs in everyone)}
+        for i, step in resumed.items():
+            if step not in whole:
+                logger.warning(
+                    "dcp_multilevel: step %d is not drained again to %s: some rank's files of "
+                    "it are not on its node's first level (a replaced node; the load read them "
+                    "from another level); the next save there is copied as usual",
+                    step, self.levels[i].url,
+                )  # fmt: skip
+        return {i: step for i, step in resumed.items() if step in whole}
 
     def reprotect(self, plan: Any) -> None:
         """After a restore onto a replaced node: drain the loaded step (and the
