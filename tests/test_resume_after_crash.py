@@ -118,12 +118,16 @@ def _resumed_by_number(rank: int, world: int, root: str) -> str:
     os.environ["DCP_ML_NODE"] = str(rank)
     levels = _levels(root)
     state = _blank()
-    dcp.load(state, storage_reader=MultiLevelReader("step-2", levels=levels))
+    # Step 4, by its number: steps 5 and 6 are committed on the first level (keep=3).
+    dcp.load(state, storage_reader=MultiLevelReader("step-4", levels=levels))
     try:
-        _save(_state(3, rank), 3, levels, "sync")
+        _save(_state(5, rank), 5, levels, "sync")
     except CheckpointException as e:  # DCP carries our CheckpointExistsError in it
-        return str(e)
-    return "saved"
+        outcome = str(e)
+    else:
+        outcome = "saved"
+    dcp_multilevel.wait()  # the restore's copies made again, before the group goes
+    return outcome
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -161,7 +165,7 @@ def test_a_run_resumed_from_an_older_step_by_number_refuses_to_replace_newer_one
     out = run_ranks(_resumed_by_number, 2, root)
     for message in out:
         assert "Checkpoint already exists at" in message, message
-        assert "This run resumed from step 2, older than step 3, which the load did not pass " in (
+        assert "This run resumed from step 4, older than step 5, which the load did not pass " in (
             message
         )
         assert "overwrite=True" in message
