@@ -21,6 +21,8 @@ from dcp_multilevel import (
     TruncatedDataError,
     UnsafeObjectError,
 )
+from dcp_multilevel.checkpoint import StoredCheckpoint
+from dcp_multilevel.checkpoint.verify import verify_checkpoint
 from dcp_multilevel.format import seal_manifest
 
 
@@ -140,3 +142,21 @@ def test_malicious_object_is_refused_and_never_executed(ckpt, tmp_path):
         "torch.serialization.add_safe_globals([...])."
     )
     assert not marker.exists()
+
+
+def test_verify_names_each_item_of_a_missing_data_file(tmp_path):
+    """Every item stored in a missing file is a problem, each named as itself."""
+    path = tmp_path / "ckpt"
+    dcp.save({"a": torch.ones(8), "b": torch.zeros(4)}, storage_writer=MultiLevelWriter(path))
+    (data,) = (path / "data").glob("*.bin")
+    data.unlink()
+    ckpt = StoredCheckpoint.at(str(path))
+    result = verify_checkpoint(ckpt)
+    assert [(p.fqn, p.error) for p in result.problems] == [
+        (fqn, "TruncatedDataError") for fqn in ("a", "b")
+    ]
+    for p in result.problems:
+        assert p.message == (
+            f"data file 'data/{data.name}' of checkpoint {ckpt.url} is missing "
+            f"(needed for {p.fqn!r}); the checkpoint is damaged"
+        )

@@ -108,7 +108,12 @@ def verify_file(
     except CorruptCheckpointError as e:
         # Raised when opening (an item's own error is caught above): the file is
         # missing or has the wrong size, so none of its items can be trusted.
-        problems = [_problem(index, loc, e) for index, loc in items]
+        # The error names the item it was opened for (the file's first): each of the
+        # others is named in its own problem.
+        first = getattr(e, "fqn", None)
+        problems = [
+            _problem(index, loc, e, _naming(str(e), first, index.fqn)) for index, loc in items
+        ]
         if on_bytes is not None:
             on_bytes(sum(loc.length for _, loc in items))
     return problems
@@ -127,9 +132,23 @@ def _check_item(
         ckpt.read_stored(handle, index.fqn, loc, blocks_of(buf, loc.length))
 
 
-def _problem(index: MetadataIndex, loc: ItemLocation, e: Exception) -> ItemProblem:
+def _problem(
+    index: MetadataIndex, loc: ItemLocation, e: Exception, message: str | None = None
+) -> ItemProblem:
     offsets = None if index.offset is None else tuple(index.offset)
     return ItemProblem(
-        index.fqn, offsets, loc.file, loc.offset, loc.offset + loc.length,
-        type(e).__name__, str(e),
-    )  # fmt: skip
+        index.fqn,
+        offsets,
+        loc.file,
+        loc.offset,
+        loc.offset + loc.length,
+        type(e).__name__,
+        str(e) if message is None else message,
+    )
+
+
+def _naming(message: str, first: str | None, fqn: str) -> str:
+    """``message``, written for item ``first``, about item ``fqn`` instead."""
+    if first is None or first == fqn:
+        return message
+    return message.replace(f"(needed for {first!r})", f"(needed for {fqn!r})")
