@@ -43,10 +43,12 @@ def add_results(p: argparse.ArgumentParser, name: str) -> None:
     """``--results``: the results file (``_report.Results``) the docs' tables are built
     from; default ``benchmarks/results/<name>.json``, ``''`` to write none."""
     p.add_argument(
-        "--results", type=_optional_path, default=RESULTS / f"{name}.json",
+        "--results",
+        type=_optional_path,
+        default=RESULTS / f"{name}.json",
         help=f"write the results file here (default benchmarks/results/{name}.json;\n"
         "'' for none): command, commit, date, machine, every sample",
-    )  # fmt: skip
+    )
 
 
 def args_record(args: argparse.Namespace) -> dict[str, object]:

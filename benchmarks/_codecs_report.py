@@ -84,11 +84,18 @@ def save_table(
         for name, r in per_saver.items():
             s = stat(r.save_s)
             rows.append(
-                [set_name, name, fmt(s, 3), fmt(raw[set_name] / MB / s, 0),
-                 fmt(r.disk_bytes / MB, 1), r.files, times(s / ref_s),
-                 fmt(stat(r.user_s)) if r.user_s else "n/a",
-                 fmt(stat(r.sys_s)) if r.sys_s else "n/a"]
-            )  # fmt: skip
+                [
+                    set_name,
+                    name,
+                    fmt(s, 3),
+                    fmt(raw[set_name] / MB / s, 0),
+                    fmt(r.disk_bytes / MB, 1),
+                    r.files,
+                    times(s / ref_s),
+                    fmt(stat(r.user_s)) if r.user_s else "n/a",
+                    fmt(stat(r.sys_s)) if r.sys_s else "n/a",
+                ]
+            )
     return markdown_table(headers, rows)
 
 

@@ -44,8 +44,11 @@ DROPOUT = 0.1
 
 def sentence_pairs(seed: int = 0) -> list[tuple[str, str]]:
     """(sentence, next sentence) pairs from the model's README and docs/*.md, shuffled."""
-    texts = [minilm_path().parent / "README.md", REPO / "README.md",
-             *sorted((REPO / "docs").glob("*.md"))]  # fmt: skip
+    texts = [
+        minilm_path().parent / "README.md",
+        REPO / "README.md",
+        *sorted((REPO / "docs").glob("*.md")),
+    ]
     pairs = []
     for path in texts:
         prose = re.sub(r"```.*?```", " ", Path(path).read_text(), flags=re.S)
@@ -91,8 +94,9 @@ class MiniLM:
                 .transpose(1, 2)
                 for w in ("query", "key", "value")
             )
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=keep,
-                                               dropout_p=DROPOUT if train else 0.0)  # fmt: skip
+            a = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=keep, dropout_p=DROPOUT if train else 0.0
+            )
             a = a.transpose(1, 2).reshape(b, n, HIDDEN)
             a = F.dropout(self._dense(a, f"{pre}.attention.output.dense"), DROPOUT, train)
             x = self._ln(x + a, f"{pre}.attention.output.LayerNorm")
@@ -103,8 +107,13 @@ class MiniLM:
         return (x * m).sum(1) / m.sum(1).clamp(min=1.0)
 
 
-def finetune_states(steps: int, batch: int = 16, max_tokens: int = 64, seed: int = 0,
-                    losses: list[float] | None = None) -> Iterator[State]:  # fmt: skip
+def finetune_states(
+    steps: int,
+    batch: int = 16,
+    max_tokens: int = 64,
+    seed: int = 0,
+    losses: list[float] | None = None,
+) -> Iterator[State]:
     """The MiniLM weights (fp32) before training and after each of ``steps`` real
     fine-tuning steps (see the module docstring); ``batch`` sentence pairs per step.
     Each step's training loss is appended to ``losses`` when given."""

@@ -188,13 +188,25 @@ def run_config(
         for r in mgr.drain_results:
             if r.step == step:
                 drains[level_name(r.level, cfg)] = {
-                    "stored": r.bytes_stored, "sent": r.details.get("bytes_sent", 0),
-                    "linked": r.details.get("bytes_linked", 0), "seconds": r.seconds,
-                    "lag": r.lag_seconds, "committed": r.committed, "skipped": r.skipped,
-                }  # fmt: skip
-        saves.append({"step": step, "call_s": call, "l1_s": metrics.blocked_seconds,
-                      "waited_s": metrics.waited_seconds, "l1_bytes": metrics.bytes_written,
-                      "tail_s": tail, "drains": drains})  # fmt: skip
+                    "stored": r.bytes_stored,
+                    "sent": r.details.get("bytes_sent", 0),
+                    "linked": r.details.get("bytes_linked", 0),
+                    "seconds": r.seconds,
+                    "lag": r.lag_seconds,
+                    "committed": r.committed,
+                    "skipped": r.skipped,
+                }
+        saves.append(
+            {
+                "step": step,
+                "call_s": call,
+                "l1_s": metrics.blocked_seconds,
+                "waited_s": metrics.waited_seconds,
+                "l1_bytes": metrics.bytes_written,
+                "tail_s": tail,
+                "drains": drains,
+            }
+        )
     mgr.close()
     record["saves"] = saves
     snap = Path(f"{base}-snap")
@@ -241,8 +253,7 @@ def timed_load(
     dist.barrier()  # rank 0's file work is done
     new_job(rank, job, args)
     records: list[dict[str, Any]] = []
-    mgr = CheckpointManager(levels, on_metrics=records.append,
-                            restore_whole_files=whole)  # fmt: skip
+    mgr = CheckpointManager(levels, on_metrics=records.append, restore_whole_files=whole)
     for t in dest.values():
         t.zero_()
     dist.barrier()
@@ -268,10 +279,13 @@ def timed_load(
         exact = f"FAILED: {e}"
     report = mgr.last_restore
     return {
-        "load_s": load_s, "restore_s": report.seconds if report else 0.0, "exact": exact,
+        "load_s": load_s,
+        "restore_s": report.seconds if report else 0.0,
+        "exact": exact,
         "received": dict(report.received) if report else {},
-        "sources": dict(mgr.last_load_sources), "phases": load_phases(records),
-    }  # fmt: skip
+        "sources": dict(mgr.last_load_sources),
+        "phases": load_phases(records),
+    }
 
 
 def rank_main(rank: int, world: int, args: dict) -> list[dict[str, Any]]:
@@ -359,10 +373,12 @@ def measure_coder(data: int, parity: int, args: argparse.Namespace) -> dict[str,
         if code.decode_chunk(pieces, blocks)[0] != expected[i]:
             raise AssertionError("decode_chunk did not give back member 0")
     entries = [
-        (ENCODE_OURS, ours_encode), (ENCODE_ZFEC, zfec_encode),
+        (ENCODE_OURS, ours_encode),
+        (ENCODE_ZFEC, zfec_encode),
         ("ours encode_chunk + xxh3 per parity chunk (drain)", ours_drain),
-        (DECODE_OURS, ours_decode), (DECODE_ZFEC, zfec_decode),
-    ]  # fmt: skip
+        (DECODE_OURS, ours_decode),
+        (DECODE_ZFEC, zfec_decode),
+    ]
     total = data * n * CHUNK
     out: dict[str, list[float]] = {name: [] for name, _ in entries}
     for _, (name, fn) in rounds(entries, args.code_repeat):

@@ -98,8 +98,9 @@ def summarize(records: list[dict], cfg: Config, lose_node: int) -> Summary:
 
     lost_rank = lose_node * (WORLD // cfg.nodes)
     last = max(restores) if restores else 0
-    received = next((r["restore"]["received"] for r in restores.get(last, [])
-                     if r["rank"] == lost_rank), {})  # fmt: skip
+    received = next(
+        (r["restore"]["received"] for r in restores.get(last, []) if r["rank"] == lost_rank), {}
+    )
     exact = {r[phase]["exact"] for r in mine for phase in ("load", "restore")}
     return Summary(
         cfg,
@@ -137,8 +138,7 @@ def paired(coder: dict[str, list[float]], what: str) -> float:
     return median(a / b for a, b in zip(coder[ours], coder[lib], strict=True))
 
 
-def ranks_tables(sums: dict[str, Summary], args: argparse.Namespace, state_bytes: int
-                 ) -> list[str]:  # fmt: skip
+def ranks_tables(sums: dict[str, Summary], args: argparse.Namespace, state_bytes: int) -> list[str]:
     """The saves table and the restore table."""
     counted = args.saves - 1
     out = [
@@ -154,17 +154,19 @@ def ranks_tables(sums: dict[str, Summary], args: argparse.Namespace, state_bytes
     for s in sums.values():
         base = sums.get(s.config.baseline or "")
         kind = s.config.kind
-        rows.append([
-            s.config.label,
-            f"{fmt(median(s.blocked), 3)} [{spread(s.blocked, 3)}]",
-            times(median(s.blocked) / median(base.blocked)) if base else "-",
-            fmt(median(s.l1), 3),
-            f"{gb(median(s.stored[kind]))} / {gb(median(s.sent[kind]))}" if kind else "-",
-            f"{fmt(median(s.drain_s[kind]))} [{spread(s.drain_s[kind])}]" if kind else "-",
-            gb(median(s.stored["remote"])),
-            f"{fmt(median(s.drain_s['remote']))} [{spread(s.drain_s['remote'])}]",
-            fmt(median(s.tail)),
-        ])  # fmt: skip
+        rows.append(
+            [
+                s.config.label,
+                f"{fmt(median(s.blocked), 3)} [{spread(s.blocked, 3)}]",
+                times(median(s.blocked) / median(base.blocked)) if base else "-",
+                fmt(median(s.l1), 3),
+                f"{gb(median(s.stored[kind]))} / {gb(median(s.sent[kind]))}" if kind else "-",
+                f"{fmt(median(s.drain_s[kind]))} [{spread(s.drain_s[kind])}]" if kind else "-",
+                gb(median(s.stored["remote"])),
+                f"{fmt(median(s.drain_s['remote']))} [{spread(s.drain_s['remote'])}]",
+                fmt(median(s.tail)),
+            ]
+        )
     out += [
         markdown_table(headers, rows),
         "",
@@ -192,14 +194,18 @@ def ranks_tables(sums: dict[str, Summary], args: argparse.Namespace, state_bytes
     for s in sums.values():
         base = sums.get(s.config.baseline or "")
         got = ", ".join(f"{short(k)}: {v} files" for k, v in sorted(s.received.items()))
-        rows.append([
-            s.config.label, f"{fmt(median(s.restore))} [{spread(s.restore)}]",
-            fmt(median(s.restore_part)) if s.config.kind else "-",
-            " / ".join(fmt(median(s.phases.get(k, [0.0]))) for k in ("plan", "bring", "read")),
-            times(median(base.restore) / median(s.restore)) if base else "-",
-            f"{fmt(median(s.load))} [{spread(s.load)}]",
-            "; ".join(s.exact), got or "the remote (read per file by the loading ranks)",
-        ])  # fmt: skip
+        rows.append(
+            [
+                s.config.label,
+                f"{fmt(median(s.restore))} [{spread(s.restore)}]",
+                fmt(median(s.restore_part)) if s.config.kind else "-",
+                " / ".join(fmt(median(s.phases.get(k, [0.0]))) for k in ("plan", "bring", "read")),
+                times(median(base.restore) / median(s.restore)) if base else "-",
+                f"{fmt(median(s.load))} [{spread(s.load)}]",
+                "; ".join(s.exact),
+                got or "the remote (read per file by the loading ranks)",
+            ]
+        )
     return [*out, markdown_table(headers, rows), ""]
 
 
@@ -214,10 +220,14 @@ def erasure_storage(sums: dict[str, Summary], goals: list[str]) -> list[str]:
         data, parity = disk["data"], disk["parity"]
         padding = parity - m * data / k
         rows = [
-            [g, " + ".join(f"{x:,}" for x in d["members"]), f"{d['stripe']:,}",
-             f"{d['stripe'] * d['parity']:,}"]
+            [
+                g,
+                " + ".join(f"{x:,}" for x in d["members"]),
+                f"{d['stripe']:,}",
+                f"{d['stripe'] * d['parity']:,}",
+            ]
             for g, d in sorted(disk["groups"].items())
-        ]  # fmt: skip
+        ]
         out += [
             f"### Erasure storage on disk (RS({k}+{m}), last save of the last round)",
             "",
@@ -233,18 +243,24 @@ def erasure_storage(sums: dict[str, Summary], goals: list[str]) -> list[str]:
         # Exactly (k+m)/k plus padding: the parity on disk is the groups' padded stripes
         # and nothing else.
         stripes = sum(d["stripe"] * d["parity"] for d in disk["groups"].values())
-        goals.append(goal_line(
-            parity == stripes and padding / data < PADDING_GOAL,
-            "erasure storage (k+m)/k plus padding < 1 %",
-            f"{(data + parity) / data:.4f} = {(k + m) / k:.4f} + {padding / data:.4f} padding "
-            f"({100 * padding / data:.2f} %); parity on disk {parity:,} B, the groups' padded "
-            f"stripes {stripes:,} B",
-        ))  # fmt: skip
+        goals.append(
+            goal_line(
+                parity == stripes and padding / data < PADDING_GOAL,
+                "erasure storage (k+m)/k plus padding < 1 %",
+                f"{(data + parity) / data:.4f} = {(k + m) / k:.4f} + {padding / data:.4f} padding "
+                f"({100 * padding / data:.2f} %); parity on disk {parity:,} B, the groups' padded "
+                f"stripes {stripes:,} B",
+            )
+        )
     return out
 
 
-def report(sums: dict[str, Summary], coder: dict[str, list[float]], args: argparse.Namespace,
-           state_bytes: int) -> tuple[str, list[str]]:  # fmt: skip
+def report(
+    sums: dict[str, Summary],
+    coder: dict[str, list[float]],
+    args: argparse.Namespace,
+    state_bytes: int,
+) -> tuple[str, list[str]]:
     """The tables (markdown) and the goal lines."""
     out: list[str] = []
     goals: list[str] = []
@@ -271,23 +287,32 @@ def report(sums: dict[str, Summary], coder: dict[str, list[float]], args: argpar
         if not base:
             continue
         ratio = median(s.blocked) / median(base.blocked)
-        goals.append(goal_line(
-            ratio <= BLOCKED_GOAL, f"{s.config.name}: blocked per save unchanged (<= 1.10x)",
-            f"{fmt(median(s.blocked), 3)} s vs {fmt(median(base.blocked), 3)} s "
-            f"({times(ratio)})",
-        ))  # fmt: skip
+        goals.append(
+            goal_line(
+                ratio <= BLOCKED_GOAL,
+                f"{s.config.name}: blocked per save unchanged (<= 1.10x)",
+                f"{fmt(median(s.blocked), 3)} s vs {fmt(median(base.blocked), 3)} s "
+                f"({times(ratio)})",
+            )
+        )
         ratio = median(base.restore) / median(s.restore)
-        goals.append(goal_line(
-            ratio >= RESTORE_GOAL, f"{s.config.name}: restore >= 3x faster than remote only",
-            f"{fmt(median(s.restore))} s vs {fmt(median(base.restore))} s ({times(ratio)})",
-        ))  # fmt: skip
+        goals.append(
+            goal_line(
+                ratio >= RESTORE_GOAL,
+                f"{s.config.name}: restore >= 3x faster than remote only",
+                f"{fmt(median(s.restore))} s vs {fmt(median(base.restore))} s ({times(ratio)})",
+            )
+        )
     ours, lib = median(coder[ENCODE_OURS]), median(coder[ENCODE_ZFEC])
     ratio = paired(coder, "encode")
-    goals.append(goal_line(
-        ratio >= ENCODE_GOAL, "encode >= zfec on the same bytes (within 5 %)",
-        f"ours / zfec {times(ratio)} (median of the per-round ratios); medians "
-        f"{fmt(ours)} vs {fmt(lib)} GB/s per core",
-    ))  # fmt: skip
+    goals.append(
+        goal_line(
+            ratio >= ENCODE_GOAL,
+            "encode >= zfec on the same bytes (within 5 %)",
+            f"ours / zfec {times(ratio)} (median of the per-round ratios); medians "
+            f"{fmt(ours)} vs {fmt(lib)} GB/s per core",
+        )
+    )
     if sums:
         failed = [e for s in sums.values() for e in s.exact if e != "bit-exact"]
         goals.append(goal_line(not failed, "every load bit-exact", "; ".join(failed) or "yes"))

@@ -139,11 +139,21 @@ def run_config(rank: int, config: str, rep: int, state: dict, args: dict) -> dic
             remove_tree(base / f"step-{step - KEEP}")
         if stop is None and config in ("three-levels", "manager"):
             ladder = ladder_of(levels)  # made by the first save
-            stop = ladder.listen(lambda r: drains.append({
-                "step": r.step, "level": level_name(r.level), "seconds": r.seconds,
-                "lag_s": r.lag_seconds, "committed": r.committed, "superseded": r.superseded,
-                "skipped": r.skipped, "error": r.error, "unix": time.time(),
-            }))  # fmt: skip
+            stop = ladder.listen(
+                lambda r: drains.append(
+                    {
+                        "step": r.step,
+                        "level": level_name(r.level),
+                        "seconds": r.seconds,
+                        "lag_s": r.lag_seconds,
+                        "committed": r.committed,
+                        "superseded": r.superseded,
+                        "skipped": r.skipped,
+                        "error": r.error,
+                        "unix": time.time(),
+                    }
+                )
+            )
     dist.barrier()
     t0 = time.perf_counter()
     if mgr is not None:
@@ -159,8 +169,15 @@ def run_config(rank: int, config: str, rep: int, state: dict, args: dict) -> dic
     if rank == 0:  # every rank is done with these levels: the next config starts clean
         remove_tree(base)
     dist.barrier()
-    return {"config": config, "round": rep, "rank": rank, "blocked": blocked, "busy": busy,
-            "wait_s": wait_s, "drains": drains}  # fmt: skip
+    return {
+        "config": config,
+        "round": rep,
+        "rank": rank,
+        "blocked": blocked,
+        "busy": busy,
+        "wait_s": wait_s,
+        "drains": drains,
+    }
 
 
 def blocked_main(rank: int, world: int, args: dict) -> list[dict[str, Any]]:
@@ -174,8 +191,11 @@ def blocked_main(rank: int, world: int, args: dict) -> list[dict[str, Any]]:
         out.append(run_config(rank, config, rep, state, args))
         if rank == 0:
             b = out[-1]["blocked"]
-            print(f"  round {rep + 1} {config}: blocked {', '.join(f'{x:.3f}' for x in b)} s; "
-                  f"wait {out[-1]['wait_s']:.3f} s", flush=True)  # fmt: skip
+            print(
+                f"  round {rep + 1} {config}: blocked {', '.join(f'{x:.3f}' for x in b)} s; "
+                f"wait {out[-1]['wait_s']:.3f} s",
+                flush=True,
+            )
     return out
 
 
@@ -213,16 +233,23 @@ def book_sizes(ladder: Any) -> dict[str, int | None]:
         "holdings.known": _size(lambda: sum(map(len, h._known.values()))),
         "holdings.dropped": _size(lambda: sum(map(len, h._dropped.values()))),
         "holdings.decided": _size(lambda: len(h._decided)),
-        "chains": _size(lambda: sum(map(len, chains._history.values()))
-                        + sum(map(len, chains._gone.values()))
-                        + sum(map(len, chains._read.values()))),
+        "chains": _size(
+            lambda: (
+                sum(map(len, chains._history.values()))
+                + sum(map(len, chains._gone.values()))
+                + sum(map(len, chains._read.values()))
+            )
+        ),
         "commits.pending": _size(lambda: len(ladder.commits.pending())),
-        "drains.waiting": _size(lambda: sum(len(lane.waiting) + (lane.running is not None)
-                                            for lane in drainer._lanes.values())),
+        "drains.waiting": _size(
+            lambda: sum(
+                len(lane.waiting) + (lane.running is not None) for lane in drainer._lanes.values()
+            )
+        ),
         "drains.results": _size(lambda: len(drainer.results)),
         "drains.unreported": _size(lambda: len(drainer._unreported)),
         "c10d store keys": _size(lambda: dist.distributed_c10d._get_default_store().num_keys()),
-    }  # fmt: skip
+    }
 
 
 def memory_main(rank: int, world: int, args: dict) -> list[dict[str, Any]]:
@@ -248,13 +275,21 @@ def memory_main(rank: int, world: int, args: dict) -> list[dict[str, Any]]:
         if step in points:
             dcp_multilevel.wait()
             gc.collect()
-            samples.append({
-                "save": step, "traced": tracemalloc.get_traced_memory()[0], "rss": rss_bytes(),
-                "books": book_sizes(ladder_of(levels)), "seconds": time.perf_counter() - t0,
-            })  # fmt: skip
+            samples.append(
+                {
+                    "save": step,
+                    "traced": tracemalloc.get_traced_memory()[0],
+                    "rss": rss_bytes(),
+                    "books": book_sizes(ladder_of(levels)),
+                    "seconds": time.perf_counter() - t0,
+                }
+            )
             if rank == 0:
                 s = samples[-1]
-                print(f"  memory: after save {step}: traced {s['traced'] / 1e6:.2f} MB, "
-                      f"RSS {s['rss'] / 1e6:.1f} MB", flush=True)  # fmt: skip
+                print(
+                    f"  memory: after save {step}: traced {s['traced'] / 1e6:.2f} MB, "
+                    f"RSS {s['rss'] / 1e6:.1f} MB",
+                    flush=True,
+                )
     tracemalloc.stop()
     return samples

@@ -303,11 +303,17 @@ class Results:
         if machine_cpu is not None and self._machine_cpu0 is not None and wall > 0:
             used = (machine_cpu - self._machine_cpu0) - self._job.seconds()
             others = max(0.0, used) / (wall * cores)
-        busy = others > BUSY_OTHERS_SHARE if others is not None else (
-            self.load_before[0] > 0.5 * cores)  # fmt: skip
+        busy = (
+            others > BUSY_OTHERS_SHARE
+            if others is not None
+            else (self.load_before[0] > 0.5 * cores)
+        )
         load = f"1-minute load average {self.load_before[0]:.2f} on {cores} cores before the run"
-        share = f"other processes used {others:.0%} of the CPU during the run; " if (
-            others is not None) else ""  # fmt: skip
+        share = (
+            f"other processes used {others:.0%} of the CPU during the run; "
+            if (others is not None)
+            else ""
+        )
         return {
             "format": RESULTS_VERSION,
             "benchmark": self.benchmark,

@@ -242,9 +242,13 @@ def main() -> None:
     ]
     state_gb = runs["ours"][0]["state_bytes"] / GB
     print(f"\nstate {state_gb:.2f} GB, {args.saves} saves, {args.repeats} repeats (medians)\n")
-    heads = {"stock": "stock default", "stock-best": "stock best (DefaultStager, reused)",
-             "ours": "MultiLevelWriter", "ours-overlap": "MultiLevelWriter, overlap=True",
-             "ours-budget": f"MultiLevelWriter, budget {args.budget_gb:g} GB"}  # fmt: skip
+    heads = {
+        "stock": "stock default",
+        "stock-best": "stock best (DefaultStager, reused)",
+        "ours": "MultiLevelWriter",
+        "ours-overlap": "MultiLevelWriter, overlap=True",
+        "ours-budget": f"MultiLevelWriter, budget {args.budget_gb:g} GB",
+    }
     print("| figure | " + " | ".join(heads[v] for v in variants) + " |")
     print("|---|" + "---:|" * len(variants))
     for label, key, fmt in rows:
@@ -253,13 +257,18 @@ def main() -> None:
     figures = {
         f"{v}.{key}": figure((x[key] for x in s[v]), unit)
         for v in variants
-        for key, unit in (("blocked_s", "s"), ("fence_wait_s", "s"), ("held_s", "s"),
-                          ("first_blocked_s", "s"), ("slowdown", "share"),
-                          ("rss_growth", "share"), ("peak_rss_gb", "GB"))
-    }  # fmt: skip
+        for key, unit in (
+            ("blocked_s", "s"),
+            ("fence_wait_s", "s"),
+            ("held_s", "s"),
+            ("first_blocked_s", "s"),
+            ("slowdown", "share"),
+            ("rss_growth", "share"),
+            ("peak_rss_gb", "GB"),
+        )
+    }
     figures["state_bytes"] = figure([runs["ours"][0]["state_bytes"]], "B")
-    run.write(args.results, figures=figures, alternated=variants, rounds=args.repeats,
-              data=runs)  # fmt: skip
+    run.write(args.results, figures=figures, alternated=variants, rounds=args.repeats, data=runs)
 
     ratio = med("stock", "blocked_s") / med("ours", "blocked_s")
     share = med("ours", "staging_gbps") / med("ours", "memcpy_gbps")

@@ -159,8 +159,9 @@ def _figures(
             out[f"{s}.{n}.ratio"] = figure([r.ratio], "stored / raw")
             for kind, secs in (("comp", r.comp_s), ("decomp", r.decomp_s)):
                 for t, xs in secs.items():
-                    out[f"{s}.{n}.{kind}_mbps.t{t}"] = figure((r.raw_bytes / MB / x for x in xs),
-                                                              "MB/s")  # fmt: skip
+                    out[f"{s}.{n}.{kind}_mbps.t{t}"] = figure(
+                        (r.raw_bytes / MB / x for x in xs), "MB/s"
+                    )
     for s, per in save_res.items():
         for n, r in per.items():
             if r.save_s:
@@ -190,29 +191,53 @@ def describe(name: str, args: argparse.Namespace, bert: BertConfig) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__)
-    # fmt: off
-    p.add_argument("--scale", type=float, default=0.25, help=(
-        "fraction of BERT-large's 24 encoder layers for bert-adamw (at least 1 layer);\n"
-        "default 0.25 (6 layers, ~1.69 GB fp32 with the AdamW states)"))
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=0.25,
+        help=(
+            "fraction of BERT-large's 24 encoder layers for bert-adamw (at least 1 layer);\n"
+            "default 0.25 (6 layers, ~1.69 GB fp32 with the AdamW states)"
+        ),
+    )
     p.add_argument("--repeat", type=int, default=3, help="measurements per cell (median); 3")
-    add_root(p, "scratch directory for the dcp.save checkpoints (deleted after each save);\n"
-             "default bench_out/ in the repo")
-    p.add_argument("--sets", default=",".join(FLOAT_SETS), help=(
-        f"comma-separated subset of: {', '.join(FLOAT_SETS)} (a family name, e.g.\n"
-        "'minilm', selects both dtypes)"))
+    add_root(
+        p,
+        "scratch directory for the dcp.save checkpoints (deleted after each save);\n"
+        "default bench_out/ in the repo",
+    )
+    p.add_argument(
+        "--sets",
+        default=",".join(FLOAT_SETS),
+        help=(
+            f"comma-separated subset of: {', '.join(FLOAT_SETS)} (a family name, e.g.\n"
+            "'minilm', selects both dtypes)"
+        ),
+    )
     p.add_argument("--codecs", default=",".join(CODECS), help=f"subset of: {', '.join(CODECS)}")
-    p.add_argument("--savers", default=",".join(SAVERS),
-                   help=f"dcp.save writers, subset of: {', '.join(SAVERS)}; '' to skip dcp.save")
-    p.add_argument("--quick", action="store_true", help=(
-        "seconds-long smoke run: tiny BERT, MiniLM tensors cut to 1 MiB, --repeat 1"))
+    p.add_argument(
+        "--savers",
+        default=",".join(SAVERS),
+        help=f"dcp.save writers, subset of: {', '.join(SAVERS)}; '' to skip dcp.save",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=("seconds-long smoke run: tiny BERT, MiniLM tensors cut to 1 MiB, --repeat 1"),
+    )
     p.add_argument("--level", type=int, default=None, help="our codecs' level (default: theirs)")
-    p.add_argument("--chunk-mib", type=float, default=None,
-                   help="our codecs' chunk size (default: theirs)")
-    p.add_argument("--threads", default="1,2",
-                   help="thread counts the codecs are measured with; default 1,2")
-    p.add_argument("--save-threads", type=int, default=2,
-                   help="Compression(threads=...) of our codecs inside dcp.save; default 2")
-    # fmt: on
+    p.add_argument(
+        "--chunk-mib", type=float, default=None, help="our codecs' chunk size (default: theirs)"
+    )
+    p.add_argument(
+        "--threads", default="1,2", help="thread counts the codecs are measured with; default 1,2"
+    )
+    p.add_argument(
+        "--save-threads",
+        type=int,
+        default=2,
+        help="Compression(threads=...) of our codecs inside dcp.save; default 2",
+    )
     add_seed(p)
     add_results(p, "codecs")
     add_wait_idle(p)
@@ -328,9 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         "codecs": {s: {n: asdict(r) for n, r in per.items()} for s, per in codec_res.items()},
         "saves": {s: {n: asdict(r) for n, r in per.items()} for s, per in save_res.items()},
     }
-    run.write(args.results, figures=_figures(codec_res, save_res, raw), data=data,
-              alternated=[c.name for c in codecs] + [s.name for s in savers],
-              rounds=args.repeat)  # fmt: skip
+    run.write(
+        args.results,
+        figures=_figures(codec_res, save_res, raw),
+        data=data,
+        alternated=[c.name for c in codecs] + [s.name for s in savers],
+        rounds=args.repeat,
+    )
     print("\n## Samples")
     print("\n".join(details(codec_res, save_res)))
     busy = [(f"{s} {n}", r) for s, per in codec_res.items() for n, r in per.items()]

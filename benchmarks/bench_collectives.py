@@ -109,13 +109,22 @@ class Layout:
         ]
         stripe = -(-self.per_node * self.rank_bytes // CHUNK) * CHUNK
         return {
-            "group": str(g), "data": len(members), "parity": PARITY, "chunk": CHUNK,
-            "coder": "zfec", "stripe": stripe, "members": described,
-            "parity_nodes": parity_nodes, "save_id": TOKEN,
-            "checksums": {str(len(members) + j): [f"xxh3:{g:08x}{j:02x}{c:06x}"
-                                                  for c in range(stripe // CHUNK)]
-                          for j in range(PARITY)},
-        }  # fmt: skip
+            "group": str(g),
+            "data": len(members),
+            "parity": PARITY,
+            "chunk": CHUNK,
+            "coder": "zfec",
+            "stripe": stripe,
+            "members": described,
+            "parity_nodes": parity_nodes,
+            "save_id": TOKEN,
+            "checksums": {
+                str(len(members) + j): [
+                    f"xxh3:{g:08x}{j:02x}{c:06x}" for c in range(stripe // CHUNK)
+                ]
+                for j in range(PARITY)
+            },
+        }
 
     def placement(self) -> list[int]:
         return [r // self.per_node for r in range(self.ranks)]
@@ -143,8 +152,20 @@ class Layout:
             n = r // self.per_node
             files, parity, groups = held[n]
             needs, ranges = self.needs(r)
-            out.append(Inventory(r, n, needs, ranges, parts=True, files=files, whole=[],
-                                 parity=parity, groups=groups, placement=placement))  # fmt: skip
+            out.append(
+                Inventory(
+                    r,
+                    n,
+                    needs,
+                    ranges,
+                    parts=True,
+                    files=files,
+                    whole=[],
+                    parity=parity,
+                    groups=groups,
+                    placement=placement,
+                )
+            )
         return out
 
 
@@ -191,14 +212,19 @@ def constants(layout: Layout, size) -> dict[str, float]:
     ranges = {a: span, b: list(span)}
     return {
         "k": size(empty),
-        "a": per_item(size, replace(empty, files={0: [a, b]}),
-                      replace(empty, files={0: [a, b, c]})),
-        "b": per_item(size, replace(needs, ranges=ranges),
-                      replace(needs, ranges={**ranges, c: list(span)})),
-        "d": per_item(size, replace(empty, groups={1: {"0": desc}}),
-                      replace(empty, groups={1: {"0": desc, "1": copy}})),
+        "a": per_item(
+            size, replace(empty, files={0: [a, b]}), replace(empty, files={0: [a, b, c]})
+        ),
+        "b": per_item(
+            size, replace(needs, ranges=ranges), replace(needs, ranges={**ranges, c: list(span)})
+        ),
+        "d": per_item(
+            size,
+            replace(empty, groups={1: {"0": desc}}),
+            replace(empty, groups={1: {"0": desc, "1": copy}}),
+        ),
         "p": (size(replace(empty, placement=layout.placement())) - size(empty)) / layout.ranks,
-    }  # fmt: skip
+    }
 
 
 def pickled(inv: Inventory) -> int:
@@ -315,10 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument("--ranks", default="1024,4096,16384", help="rank counts, comma-separated")
     p.add_argument("--per-node", type=int, default=8, help="ranks per node")
-    p.add_argument("--layouts", default="replicated/partner,sharded/partner,"
-                   "replicated/erasure,sharded/erasure")  # fmt: skip
-    p.add_argument("--spread", type=int, default=256,
-                   help="sharded: files each rank reads a replicated value from")  # fmt: skip
+    p.add_argument(
+        "--layouts", default="replicated/partner,sharded/partner,replicated/erasure,sharded/erasure"
+    )
+    p.add_argument(
+        "--spread",
+        type=int,
+        default=256,
+        help="sharded: files each rank reads a replicated value from",
+    )
     p.add_argument("--rank-mib", type=int, default=64, help="bytes per rank's file, MiB")
     args = p.parse_args(argv)
     print_header(__file__, REPO)
@@ -328,25 +359,47 @@ def main(argv: list[str] | None = None) -> int:
             state, level = spec.split("/")
             layout = Layout(state, level, ranks, args.per_node, args.spread, args.rank_mib << 20)
             m, f = measure(layout), model(layout)
-            rows.append([spec, ranks, layout.nodes, mib(f["before"]), mib(m["before"]),
-                         mib(f["after"]), mib(m["after"]), f"{m['before'] / m['after']:.0f}x",
-                         mib(m["root"]), f"{m['record'] / 1024:.1f}",
-                         f"{m['to_leader']:,.0f}"])  # fmt: skip
-            times.append([spec, ranks, f"{m['unpickle_s']:.3f}", f"{m['leader_s'] * 1e3:.2f}",
-                          f"{m['join_s']:.3f}", f"{m['expand_s']:.3f}"])  # fmt: skip
+            rows.append(
+                [
+                    spec,
+                    ranks,
+                    layout.nodes,
+                    mib(f["before"]),
+                    mib(m["before"]),
+                    mib(f["after"]),
+                    mib(m["after"]),
+                    f"{m['before'] / m['after']:.0f}x",
+                    mib(m["root"]),
+                    f"{m['record'] / 1024:.1f}",
+                    f"{m['to_leader']:,.0f}",
+                ]
+            )
+            times.append(
+                [
+                    spec,
+                    ranks,
+                    f"{m['unpickle_s']:.3f}",
+                    f"{m['leader_s'] * 1e3:.2f}",
+                    f"{m['join_s']:.3f}",
+                    f"{m['expand_s']:.3f}",
+                ]
+            )
             if spec == args.layouts.split(",")[0]:
                 view_rows.append([ranks, f"{m['views'] / 1024:.0f}", f"{m['views_s'] * 1e3:.1f}"])
     print()
     print("Inventories: MiB every rank receives (model | measured), before and after;")
     print("after: MiB rank 0 receives, KiB a node's lowest rank sends it, bytes a rank")
     print("sends its node's lowest rank.\n")
-    print(markdown_table(
-        "layout | R | N | before, model | before | after, model | after | less | rank 0 "
-        "| record KiB | to leader B", rows))  # fmt: skip
+    print(
+        markdown_table(
+            "layout | R | N | before, model | before | after, model | after | less | rank 0 "
+            "| record KiB | to leader B",
+            rows,
+        )
+    )
     print("\nSeconds: before, every rank unpickles every inventory; after, one node's lowest")
     print("rank builds its record (ms), rank 0 joins them, every rank expands them.\n")
-    print(markdown_table("layout | R | before: unpickle s | record ms | join s | expand s",
-                         times))  # fmt: skip
+    print(markdown_table("layout | R | before: unpickle s | record ms | join s | expand s", times))
     print("\nViews (gather_views, unchanged): KiB every rank receives, ms for the decision.\n")
     print(markdown_table("R | KiB | decision ms", view_rows))
     return 0

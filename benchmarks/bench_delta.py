@@ -124,8 +124,9 @@ def sub_delta(new: torch.Tensor, ref: torch.Tensor) -> np.ndarray:
 
 
 DELTAS: dict[str, Callable[[torch.Tensor, torch.Tensor], np.ndarray]] = {
-    "xor": xor_delta, "sub": sub_delta,
-}  # fmt: skip
+    "xor": xor_delta,
+    "sub": sub_delta,
+}
 
 
 def raw_bytes(state: State, dtype: torch.dtype) -> int:
@@ -167,8 +168,9 @@ def kept(steps: int, chain: int) -> set[int]:
     return {base, *(base + g for g in GAPS), *range(steps - chain + 1, steps + 1)}
 
 
-def measure(name: str, states: dict[int, State], steps: int, chain: int
-            ) -> tuple[list[dict], list[dict]]:  # fmt: skip
+def measure(
+    name: str, states: dict[int, State], steps: int, chain: int
+) -> tuple[list[dict], list[dict]]:
     """Gap rows and chain rows for one data set (``states``: step -> state, :func:`kept`)."""
     gaps, chains = [], []
     base = steps - max(GAPS)
@@ -179,9 +181,14 @@ def measure(name: str, states: dict[int, State], steps: int, chain: int
             for part, prefix in PARTS.items():
                 ref = _part(states[base], prefix)
                 new = _part(states[base + gap], prefix)
-                row = {"set": name, "part": part, "dtype": dt, "gap": gap,
-                       "raw": raw_bytes(new, dtype),
-                       "full": sum(full[base + gap][k] for k in new)}  # fmt: skip
+                row = {
+                    "set": name,
+                    "part": part,
+                    "dtype": dt,
+                    "gap": gap,
+                    "raw": raw_bytes(new, dtype),
+                    "full": sum(full[base + gap][k] for k in new),
+                }
                 for how in DELTAS:
                     row[how] = delta_bytes(new, ref, dtype, how, full[base + gap])
                 gaps.append(row)
@@ -196,9 +203,16 @@ def measure(name: str, states: dict[int, State], steps: int, chain: int
                     ref = key if ref_kind == "keyframe" else states[i - 1]
                     delta = delta_bytes(states[i], ref, dtype, how, full[i])
                     ratios.append(delta / sum(full[i].values()))
-                chains.append({"set": name, "dtype": dt, "delta": how, "reference": ref_kind,
-                               "mean_delta_over_full": float(np.mean(ratios)),
-                               "last_delta_over_full": ratios[-1]})  # fmt: skip
+                chains.append(
+                    {
+                        "set": name,
+                        "dtype": dt,
+                        "delta": how,
+                        "reference": ref_kind,
+                        "mean_delta_over_full": float(np.mean(ratios)),
+                        "last_delta_over_full": ratios[-1],
+                    }
+                )
     return gaps, chains
 
 
@@ -222,26 +236,58 @@ def main(argv: list[str] | None = None) -> int:
         g, c = measure(name, states, args.steps, args.chain)
         gaps += g
         chains += c
-        print(f"  measured {name}: {len(states[args.steps])} tensors", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(f"  measured {name}: {len(states[args.steps])} tensors", file=sys.stderr, flush=True)
     print("\n### Delta against the state `gap` steps earlier (stored / raw; delta / full)\n")
-    print(markdown_table(
-        ["set", "part", "dtype", "gap", "full / raw", "xor / raw", "sub / raw", "xor / full",
-         "sub / full"],
-        [[r["set"], r["part"], r["dtype"], r["gap"], f"{r['full'] / r['raw']:.3f}",
-          f"{r['xor'] / r['raw']:.3f}", f"{r['sub'] / r['raw']:.3f}",
-          f"{r['xor'] / r['full']:.3f}", f"{r['sub'] / r['full']:.3f}"] for r in gaps],
-    ))  # fmt: skip
+    print(
+        markdown_table(
+            [
+                "set",
+                "part",
+                "dtype",
+                "gap",
+                "full / raw",
+                "xor / raw",
+                "sub / raw",
+                "xor / full",
+                "sub / full",
+            ],
+            [
+                [
+                    r["set"],
+                    r["part"],
+                    r["dtype"],
+                    r["gap"],
+                    f"{r['full'] / r['raw']:.3f}",
+                    f"{r['xor'] / r['raw']:.3f}",
+                    f"{r['sub'] / r['raw']:.3f}",
+                    f"{r['xor'] / r['full']:.3f}",
+                    f"{r['sub'] / r['full']:.3f}",
+                ]
+                for r in gaps
+            ],
+        )
+    )
     print(f"\n### Chains of {args.chain} saves, one per step: delta / full per save\n")
-    print(markdown_table(
-        ["set", "dtype", "delta", "reference", "mean", "last save"],
-        [[r["set"], r["dtype"], r["delta"], r["reference"],
-          f"{r['mean_delta_over_full']:.3f}", f"{r['last_delta_over_full']:.3f}"]
-         for r in chains],
-    ))  # fmt: skip
+    print(
+        markdown_table(
+            ["set", "dtype", "delta", "reference", "mean", "last save"],
+            [
+                [
+                    r["set"],
+                    r["dtype"],
+                    r["delta"],
+                    r["reference"],
+                    f"{r['mean_delta_over_full']:.3f}",
+                    f"{r['last_delta_over_full']:.3f}",
+                ]
+                for r in chains
+            ],
+        )
+    )
     if args.json:
-        args.json.write_text(json.dumps(
-            {"command": command(__file__), "gaps": gaps, "chains": chains}, indent=1))  # fmt: skip
+        args.json.write_text(
+            json.dumps({"command": command(__file__), "gaps": gaps, "chains": chains}, indent=1)
+        )
     return 0
 
 

@@ -109,8 +109,9 @@ def save_chain(
     out = {k: torch.empty_like(v) for k, v in chain[-1].items()}
     newest = root / f"step-{len(chain) - 1}"
     load, _ = timed(lambda: dcp.load(out, storage_reader=MultiLevelReader(newest), no_dist=True))
-    assert all(torch.equal(out[k].view(torch.uint8), v.view(torch.uint8))
-               for k, v in chain[-1].items()), "load is not bit-exact"  # fmt: skip
+    assert all(
+        torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)) for k, v in chain[-1].items()
+    ), "load is not bit-exact"
     return seconds, sizes, load
 
 
@@ -129,10 +130,10 @@ def drain_chain(
     ``first_deltas``: the first level stores the same deltas (the drain then copies
     them as they are, instead of coding them)."""
     kw = {} if mode == "full" else {"keyframe_every": len(chain), "delta_against": mode}
-    remote = Level(f"throttled://{root}/remote", codec=codec,
-                   storage_options={"mbps": mbps}, **kw)  # fmt: skip
-    first = Level(str(root / "l1"), keep=len(chain), **({"codec": codec, **kw}
-                                                        if first_deltas else {}))  # fmt: skip
+    remote = Level(f"throttled://{root}/remote", codec=codec, storage_options={"mbps": mbps}, **kw)
+    first = Level(
+        str(root / "l1"), keep=len(chain), **({"codec": codec, **kw} if first_deltas else {})
+    )
     mgr = CheckpointManager([first, remote], drain_policy="wait")
     blocked = []
     for i, state in enumerate(chain):
@@ -142,11 +143,13 @@ def drain_chain(
     seconds = [r.seconds for r in mgr.drain_results if r.committed]
     mgr.close()
     out = {k: torch.empty_like(v) for k, v in chain[-1].items()}
-    reader = MultiLevelReader(f"throttled://{root}/remote/step-{len(chain) - 1}",
-                              storage_options={"mbps": mbps})  # fmt: skip
+    reader = MultiLevelReader(
+        f"throttled://{root}/remote/step-{len(chain) - 1}", storage_options={"mbps": mbps}
+    )
     load, _ = timed(lambda: dcp.load(out, storage_reader=reader, no_dist=True))
-    assert all(torch.equal(out[k].view(torch.uint8), v.view(torch.uint8))
-               for k, v in chain[-1].items()), "remote load is not bit-exact"  # fmt: skip
+    assert all(
+        torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)) for k, v in chain[-1].items()
+    ), "remote load is not bit-exact"
     return seconds, load, blocked
 
 
@@ -155,12 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="rounds over the three modes; 3")
     p.add_argument("--chain", type=int, default=4, help="checkpoints per chain; 4")
     p.add_argument("--gaps", default="1,10,100", help="steps between saves; 1,10,100")
-    p.add_argument("--sets", default="minilm,demo",
-                   help="any of minilm, minilm-ft, demo; minilm,demo")  # fmt: skip
+    p.add_argument(
+        "--sets", default="minilm,demo", help="any of minilm, minilm-ft, demo; minilm,demo"
+    )
     p.add_argument("--root", type=Path, default=None, help="where to save (default: a temp dir)")
     p.add_argument("--remote-mbps", type=float, default=200.0, help="throttled remote; 200")
-    p.add_argument("--threads", type=int, default=BYTEGROUP.threads,
-                   help=f"coding threads per writer and drain; {BYTEGROUP.threads}")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=BYTEGROUP.threads,
+        help=f"coding threads per writer and drain; {BYTEGROUP.threads}",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
     codec = Compression("bytegroup", threads=args.threads)
@@ -209,70 +217,140 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in MODES:
                     g = got[mode]
                     ratio = sum(g["sizes"][1:]) / sum(full[1:])
-                    rows.append({
-                        "set": name, "gap": gap, "mode": mode, "delta_over_full": ratio,
-                        "stored_over_raw": sum(g["sizes"][1:]) / (len(chain) - 1)
-                        / sum(t.numel() * t.element_size() for t in chain[0].values()),
-                        "save_s": g["save"], "load_s": g["load"], "drain_s": g["drain"],
-                        "remote_load_s": g["remote_load"], "drain_verbatim_s": g["drain_verbatim"],
-                        "blocked_s": g["blocked"], "blocked_verbatim_s": g["blocked_verbatim"],
-                    })  # fmt: skip
+                    rows.append(
+                        {
+                            "set": name,
+                            "gap": gap,
+                            "mode": mode,
+                            "delta_over_full": ratio,
+                            "stored_over_raw": sum(g["sizes"][1:])
+                            / (len(chain) - 1)
+                            / sum(t.numel() * t.element_size() for t in chain[0].values()),
+                            "save_s": g["save"],
+                            "load_s": g["load"],
+                            "drain_s": g["drain"],
+                            "remote_load_s": g["remote_load"],
+                            "drain_verbatim_s": g["drain_verbatim"],
+                            "blocked_s": g["blocked"],
+                            "blocked_verbatim_s": g["blocked_verbatim"],
+                        }
+                    )
                 print(f"  {name} gap {gap} done", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
     print(f"\n### Chains of {args.chain} (a keyframe, then deltas), medians over the deltas\n")
-    print(markdown_table(
-        ["set", "gap", "mode", "stored / raw", "delta / full", "save s (spread)",
-         "load newest s (spread)", "drain s (spread)", "load newest from remote s (spread)",
-         "drain s, first level with the same deltas (spread)"],
-        [[r["set"], r["gap"], r["mode"], f"{r['stored_over_raw']:.3f}",
-          f"{r['delta_over_full']:.3f}",
-          f"{median(r['save_s']):.3f} ({spread(r['save_s'], 3)})",
-          f"{median(r['load_s']):.3f} ({spread(r['load_s'], 3)})",
-          f"{median(r['drain_s']):.3f} ({spread(r['drain_s'], 3)})" if r["drain_s"] else "-",
-          f"{median(r['remote_load_s']):.3f} ({spread(r['remote_load_s'], 3)})"
-          if r["remote_load_s"] else "-",
-          f"{median(r['drain_verbatim_s']):.3f} ({spread(r['drain_verbatim_s'], 3)})"
-          if r["drain_verbatim_s"] else "-"]
-         for r in rows],
-    ))  # fmt: skip
+    print(
+        markdown_table(
+            [
+                "set",
+                "gap",
+                "mode",
+                "stored / raw",
+                "delta / full",
+                "save s (spread)",
+                "load newest s (spread)",
+                "drain s (spread)",
+                "load newest from remote s (spread)",
+                "drain s, first level with the same deltas (spread)",
+            ],
+            [
+                [
+                    r["set"],
+                    r["gap"],
+                    r["mode"],
+                    f"{r['stored_over_raw']:.3f}",
+                    f"{r['delta_over_full']:.3f}",
+                    f"{median(r['save_s']):.3f} ({spread(r['save_s'], 3)})",
+                    f"{median(r['load_s']):.3f} ({spread(r['load_s'], 3)})",
+                    f"{median(r['drain_s']):.3f} ({spread(r['drain_s'], 3)})"
+                    if r["drain_s"]
+                    else "-",
+                    f"{median(r['remote_load_s']):.3f} ({spread(r['remote_load_s'], 3)})"
+                    if r["remote_load_s"]
+                    else "-",
+                    f"{median(r['drain_verbatim_s']):.3f} ({spread(r['drain_verbatim_s'], 3)})"
+                    if r["drain_verbatim_s"]
+                    else "-",
+                ]
+                for r in rows
+            ],
+        )
+    )
     print(
         "\n### A manager's save() with a first level and the remote (gap 1), blocked "
         "seconds per delta step\n"
     )
-    print(markdown_table(
-        ["set", "mode", "deltas on the remote level only (spread)",
-         "deltas on both levels (spread)"],
-        [[r["set"], r["mode"], f"{median(r['blocked_s']):.3f} ({spread(r['blocked_s'], 3)})",
-          f"{median(r['blocked_verbatim_s']):.3f} ({spread(r['blocked_verbatim_s'], 3)})"
-          if r["blocked_verbatim_s"] else "-"]
-         for r in rows if r["blocked_s"]],
-    ))  # fmt: skip
+    print(
+        markdown_table(
+            [
+                "set",
+                "mode",
+                "deltas on the remote level only (spread)",
+                "deltas on both levels (spread)",
+            ],
+            [
+                [
+                    r["set"],
+                    r["mode"],
+                    f"{median(r['blocked_s']):.3f} ({spread(r['blocked_s'], 3)})",
+                    f"{median(r['blocked_verbatim_s']):.3f} ({spread(r['blocked_verbatim_s'], 3)})"
+                    if r["blocked_verbatim_s"]
+                    else "-",
+                ]
+                for r in rows
+                if r["blocked_s"]
+            ],
+        )
+    )
     print("\n### Goals (gap 1)\n")
     for r in rows:
         if r["gap"] != gaps[0] or r["mode"] == "full":
             continue
-        full = next(f for f in rows if f["set"] == r["set"] and f["gap"] == r["gap"]
-                    and f["mode"] == "full")  # fmt: skip
+        full = next(
+            f for f in rows if f["set"] == r["set"] and f["gap"] == r["gap"] and f["mode"] == "full"
+        )
         target = 0.15 if "bf16" in r["set"] else 0.45
-        print(goal_line(r["delta_over_full"] <= target, f"{r['set']} {r['mode']} bytes",
-                        f"{r['delta_over_full']:.3f} of full (goal <= {target})"))  # fmt: skip
+        print(
+            goal_line(
+                r["delta_over_full"] <= target,
+                f"{r['set']} {r['mode']} bytes",
+                f"{r['delta_over_full']:.3f} of full (goal <= {target})",
+            )
+        )
         save = median(r["save_s"]) / median(full["save_s"])
-        print(goal_line(save <= 1.0, f"{r['set']} {r['mode']} save time",
-                        f"{save:.2f}x full (goal <= 1)"))  # fmt: skip
+        print(
+            goal_line(
+                save <= 1.0, f"{r['set']} {r['mode']} save time", f"{save:.2f}x full (goal <= 1)"
+            )
+        )
         if r["blocked_s"]:  # the documented example: deltas on the remote level, coded by the drain
             save = median(r["blocked_s"]) / median(full["blocked_s"])
-            print(goal_line(save <= 1.1, f"{r['set']} {r['mode']} save time, deltas on the "
-                            "remote level only (manager save() blocked)",
-                            f"{save:.2f}x full (goal <= 1, within a 10 % noise band)"))  # fmt: skip
+            print(
+                goal_line(
+                    save <= 1.1,
+                    f"{r['set']} {r['mode']} save time, deltas on the "
+                    "remote level only (manager save() blocked)",
+                    f"{save:.2f}x full (goal <= 1, within a 10 % noise band)",
+                )
+            )
         load = median(r["load_s"]) / median(full["load_s"])
-        print(goal_line(load <= 1.5, f"{r['set']} {r['mode']} restore newest (local disk)",
-                        f"{load:.2f}x full (goal <= 1.5)"))  # fmt: skip
+        print(
+            goal_line(
+                load <= 1.5,
+                f"{r['set']} {r['mode']} restore newest (local disk)",
+                f"{load:.2f}x full (goal <= 1.5)",
+            )
+        )
         if r["remote_load_s"]:
             load = median(r["remote_load_s"]) / median(full["remote_load_s"])
-            print(goal_line(load <= 1.5, f"{r['set']} {r['mode']} restore newest (remote)",
-                            f"{load:.2f}x full (goal <= 1.5)"))  # fmt: skip
+            print(
+                goal_line(
+                    load <= 1.5,
+                    f"{r['set']} {r['mode']} restore newest (remote)",
+                    f"{load:.2f}x full (goal <= 1.5)",
+                )
+            )
         if r["drain_s"]:
             drain = median(r["drain_s"]) / median(full["drain_s"])
             ok = drain <= r["delta_over_full"] * 1.2 + 0.05
@@ -281,8 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         if r["drain_verbatim_s"]:
             drain = median(r["drain_verbatim_s"]) / median(full["drain_s"])
             ok = drain <= r["delta_over_full"] * 1.2 + 0.05
-            detail = (f"{drain:.2f}x full for {r['delta_over_full']:.2f}x the bytes (the first "
-                      "level stores the same deltas: copied as they are)")  # fmt: skip
+            detail = (
+                f"{drain:.2f}x full for {r['delta_over_full']:.2f}x the bytes (the first "
+                "level stores the same deltas: copied as they are)"
+            )
             print(goal_line(ok, f"{r['set']} {r['mode']} drain, deltas on both levels", detail))
     if args.json:
         args.json.write_text(json.dumps({"command": command(__file__), "rows": rows}, indent=1))

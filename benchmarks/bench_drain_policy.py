@@ -75,8 +75,7 @@ def train_step(state: dict[str, torch.Tensor], seconds: float, kind: str) -> Non
 def run_loop(policy: str, root: Path, shm: Path, args, state) -> dict:
     l1 = root / f"l1-{uuid.uuid4().hex[:6]}"
     remote_dir = shm / f"remote-{uuid.uuid4().hex[:6]}"
-    remote = Level(f"throttled://{remote_dir}", keep=3,
-                   storage_options={"mbps": args.remote_mbps})  # fmt: skip
+    remote = Level(f"throttled://{remote_dir}", keep=3, storage_options={"mbps": args.remote_mbps})
     mgr = CheckpointManager(
         [Level(str(l1), keep=2), remote],
         drain_policy=policy,
@@ -142,15 +141,20 @@ def main() -> None:
     logging.getLogger("dcp_multilevel").setLevel(logging.ERROR)
     state = make_state(args.mb, args.seed)
     runs: dict[str, list[dict]] = defaultdict(list)
-    with scratch_dir(args.root, "bench-drain-policy-") as root, \
-            scratch_dir(None, "bench-drain-policy-", parent=Path("/dev/shm")) as shm:  # fmt: skip
+    with (
+        scratch_dir(args.root, "bench-drain-policy-") as root,
+        scratch_dir(None, "bench-drain-policy-", parent=Path("/dev/shm")) as shm,
+    ):
         print_header(__file__, root)
         before = cpu_snapshot()
         for rep, policy in rounds(POLICIES, args.repeat):
             run = run_loop(policy, root, shm, args, state)
             runs[policy].append(run)
-            print(f"round {rep} {policy}: blocked median {median(run['blocked']):.3f} s, "
-                  f"remote holds {run['committed']}", file=sys.stderr)  # fmt: skip
+            print(
+                f"round {rep} {policy}: blocked median {median(run['blocked']):.3f} s, "
+                f"remote holds {run['committed']}",
+                file=sys.stderr,
+            )
         busy = other_cpu_fraction(before, cpu_snapshot())
     print(
         f"- state: {args.mb} MB fp32; {args.saves} saves, {args.step_seconds} s "
@@ -166,26 +170,43 @@ def main() -> None:
         waits = [r["final_wait"] for r in rs]
         own = [w for r in rs for w in r["waited"]]
         lags = [r["last_lag"] for r in rs]
-        rows.append([
-            policy,
-            f"{median(blocked):.3f} ({spread(blocked, 3)})",
-            f"{median(during):.3f} ({len(during)} of {len(blocked)})" if during else "none",
-            f"{median(own):.4f} ({spread(own, 4)})",
-            f"{median(waits):.2f} ({spread(waits)})",
-            f"{sum(r['last_on_remote'] for r in rs)}/{len(rs)}",
-            f"{median([len(r['committed']) for r in rs]):g} of {args.saves}",
-            f"{median(lags):.2f}" if all(r["last_on_remote"] for r in rs) else "not there",
-        ])  # fmt: skip
-    print(markdown_table(["policy", "save() blocked, s: median (min to max)",
-                          "of saves beside a drain: median (how many)",
-                          "of which the manager's own work (waited_seconds)",
-                          "final wait(), s", "last step on remote", "steps on remote",
-                          "last step's lag, s"], rows))  # fmt: skip
+        rows.append(
+            [
+                policy,
+                f"{median(blocked):.3f} ({spread(blocked, 3)})",
+                f"{median(during):.3f} ({len(during)} of {len(blocked)})" if during else "none",
+                f"{median(own):.4f} ({spread(own, 4)})",
+                f"{median(waits):.2f} ({spread(waits)})",
+                f"{sum(r['last_on_remote'] for r in rs)}/{len(rs)}",
+                f"{median([len(r['committed']) for r in rs]):g} of {args.saves}",
+                f"{median(lags):.2f}" if all(r["last_on_remote"] for r in rs) else "not there",
+            ]
+        )
+    print(
+        markdown_table(
+            [
+                "policy",
+                "save() blocked, s: median (min to max)",
+                "of saves beside a drain: median (how many)",
+                "of which the manager's own work (waited_seconds)",
+                "final wait(), s",
+                "last step on remote",
+                "steps on remote",
+                "last step's lag, s",
+            ],
+            rows,
+        )
+    )
 
     def blocked_of(policy: str, beside_a_drain: bool | None = None) -> float:
-        return median([b for r in runs[policy]
-                       for b, o in zip(r["blocked"], r["overlaps"], strict=True)
-                       if beside_a_drain in (None, o)])  # fmt: skip
+        return median(
+            [
+                b
+                for r in runs[policy]
+                for b, o in zip(r["blocked"], r["overlaps"], strict=True)
+                if beside_a_drain in (None, o)
+            ]
+        )
 
     own = median([w for r in runs["latest"] for w in r["waited"]]) / median(
         [w for r in runs["skip"] for w in r["waited"]]
@@ -193,11 +214,21 @@ def main() -> None:
     ratio = blocked_of("latest") / blocked_of("skip")
     beside = blocked_of("latest", True) / blocked_of("skip", True)
     print()
-    print(goal_line(ratio <= 1.05, "save() blocks no longer under latest than under skip",
-                    f"median ratio {ratio:.2f}x over all saves; {beside:.2f}x over the saves "
-                    "that ran beside a drain (<= 1.05x: noise on this VM)"))  # fmt: skip
-    print(goal_line(own <= 1.05, "the manager's own work in save() (waited_seconds)",
-                    f"median ratio {own:.2f}x latest / skip"))  # fmt: skip
+    print(
+        goal_line(
+            ratio <= 1.05,
+            "save() blocks no longer under latest than under skip",
+            f"median ratio {ratio:.2f}x over all saves; {beside:.2f}x over the saves "
+            "that ran beside a drain (<= 1.05x: noise on this VM)",
+        )
+    )
+    print(
+        goal_line(
+            own <= 1.05,
+            "the manager's own work in save() (waited_seconds)",
+            f"median ratio {own:.2f}x latest / skip",
+        )
+    )
     ok = all(r["last_on_remote"] for r in runs["latest"])
     print(
         goal_line(

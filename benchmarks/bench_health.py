@@ -164,13 +164,19 @@ def layout(gb: float, weights: str) -> list[tuple[str, tuple[int, ...]]]:
     for i in range(layers):
         p = f"layers.{i}."
         shapes += [
-            (p + "ln1.weight", (d,)), (p + "ln1.bias", (d,)),
-            (p + "attn.qkv.weight", (3 * d, d)), (p + "attn.qkv.bias", (3 * d,)),
-            (p + "attn.proj.weight", (d, d)), (p + "attn.proj.bias", (d,)),
-            (p + "ln2.weight", (d,)), (p + "ln2.bias", (d,)),
-            (p + "mlp.fc.weight", (4 * d, d)), (p + "mlp.fc.bias", (4 * d,)),
-            (p + "mlp.proj.weight", (d, 4 * d)), (p + "mlp.proj.bias", (d,)),
-        ]  # fmt: skip
+            (p + "ln1.weight", (d,)),
+            (p + "ln1.bias", (d,)),
+            (p + "attn.qkv.weight", (3 * d, d)),
+            (p + "attn.qkv.bias", (3 * d,)),
+            (p + "attn.proj.weight", (d, d)),
+            (p + "attn.proj.bias", (d,)),
+            (p + "ln2.weight", (d,)),
+            (p + "ln2.bias", (d,)),
+            (p + "mlp.fc.weight", (4 * d, d)),
+            (p + "mlp.fc.bias", (4 * d,)),
+            (p + "mlp.proj.weight", (d, 4 * d)),
+            (p + "mlp.proj.bias", (d,)),
+        ]
     return [*shapes, ("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
 
 
@@ -337,8 +343,12 @@ def pass_costs(state: dict[str, Any], repeat: int = 3) -> dict[str, float]:
         return min(out)
 
     held = sum(len(v) for v, _ in views)
-    return {"bytes": held, "xxh3_s": best(xxh3), "nonfinite_s": best(nonfinite),
-            "native": float(NATIVE)}  # fmt: skip
+    return {
+        "bytes": held,
+        "xxh3_s": best(xxh3),
+        "nonfinite_s": best(nonfinite),
+        "native": float(NATIVE),
+    }
 
 
 def rank_main(rank: int, world: int, args: dict) -> dict[str, Any]:
@@ -352,8 +362,9 @@ def rank_main(rank: int, world: int, args: dict) -> dict[str, Any]:
         if rank == 0:
             blocked = ", ".join(f"{x['blocked']:.3f}" for x in out[-1]["saves"])
             cpu = ", ".join(f"{x['user'] + x['sys']:.2f}" for x in out[-1]["saves"])
-            print(f"  round {rep + 1} {name}: blocked {blocked} s; CPU {cpu} s (rank 0)",
-                  flush=True)  # fmt: skip
+            print(
+                f"  round {rep + 1} {name}: blocked {blocked} s; CPU {cpu} s (rank 0)", flush=True
+            )
     held = sum(t.numel() * t.element_size() for t in tensors(state))
     return {"runs": out, "passes": pass_costs(state), "held_bytes": held}
 
@@ -368,15 +379,18 @@ def merge(per_rank: list[list[dict]]) -> dict[str, list[dict]]:
     for recs in zip(*per_rank, strict=True):
         first = recs[0]
         saves = list(zip(*(r["saves"] for r in recs), strict=True))
-        out[first["config"]].append({
-            "round": first["round"],
-            "blocked": [max(x["blocked"] for x in s) for s in saves],
-            "done": [max(x["done"] for x in s) for s in saves]
-            if first["saves"][0]["done"] is not None else [],
-            "cpu": [sum(x["user"] + x["sys"] for x in s) for s in saves],
-            "sys": [sum(x["sys"] for x in s) for s in saves],
-            "checked": first["checked"],
-        })  # fmt: skip
+        out[first["config"]].append(
+            {
+                "round": first["round"],
+                "blocked": [max(x["blocked"] for x in s) for s in saves],
+                "done": [max(x["done"] for x in s) for s in saves]
+                if first["saves"][0]["done"] is not None
+                else [],
+                "cpu": [sum(x["user"] + x["sys"] for x in s) for s in saves],
+                "sys": [sum(x["sys"] for x in s) for s in saves],
+                "checked": first["checked"],
+            }
+        )
     return out
 
 
@@ -391,8 +405,9 @@ def cell(xs: list[float], digits: int = 3) -> str:
 
 def per_round(runs: dict[str, list[dict]], on: str, off: str, key: str) -> list[float]:
     """Per round: median(on's counted saves) / median(off's)."""
-    return [median(a[key][1:]) / median(b[key][1:])
-            for a, b in zip(runs[on], runs[off], strict=False)]  # fmt: skip
+    return [
+        median(a[key][1:]) / median(b[key][1:]) for a, b in zip(runs[on], runs[off], strict=False)
+    ]
 
 
 def share(ratios: list[float]) -> str:
@@ -400,25 +415,42 @@ def share(ratios: list[float]) -> str:
 
 
 def saves_table(runs: dict[str, list[dict]], configs: list[str]) -> str:
-    cpu_off = {on: median(counted(runs[off], "cpu")) for _, on, off in PAIRS
-               if runs[on] and runs[off]}  # fmt: skip
+    cpu_off = {
+        on: median(counted(runs[off], "cpu")) for _, on, off in PAIRS if runs[on] and runs[off]
+    }
     rows = []
     for c in configs:
         rs = runs[c]
         cpu = counted(rs, "cpu")
         vs = f"{median(cpu) / cpu_off[c] - 1:+.1%}" if c in cpu_off else "-"
         done = counted(rs, "done") if CONFIGS[c].mode == "async" else []
-        rows.append([
-            CONFIGS[c].label, cell(counted(rs, "blocked")), str(len(counted(rs, "blocked"))),
-            cell(done) if done else "-", cell(cpu, 2), f"{median(counted(rs, 'sys')):.2f}", vs,
-            cell([r["blocked"][0] for r in rs]),
-            ", ".join(rs[0]["checked"] or ["-"]) if rs[0]["checked"] is not None else "-",
-        ])  # fmt: skip
+        rows.append(
+            [
+                CONFIGS[c].label,
+                cell(counted(rs, "blocked")),
+                str(len(counted(rs, "blocked"))),
+                cell(done) if done else "-",
+                cell(cpu, 2),
+                f"{median(counted(rs, 'sys')):.2f}",
+                vs,
+                cell([r["blocked"][0] for r in rs]),
+                ", ".join(rs[0]["checked"] or ["-"]) if rs[0]["checked"] is not None else "-",
+            ]
+        )
     return markdown_table(
-        ["configuration", "blocked per save, s: median (min to max)", "saves",
-         "until done (async), s", "CPU per save, s, 2 ranks: median (min to max)",
-         "of it system, s", "CPU vs checks off", "first save, s (not counted)",
-         "checks recorded"], rows)  # fmt: skip
+        [
+            "configuration",
+            "blocked per save, s: median (min to max)",
+            "saves",
+            "until done (async), s",
+            "CPU per save, s, 2 ranks: median (min to max)",
+            "of it system, s",
+            "CPU vs checks off",
+            "first save, s (not counted)",
+            "checks recorded",
+        ],
+        rows,
+    )
 
 
 def pairs_table(runs: dict[str, list[dict]]) -> str:
@@ -429,26 +461,50 @@ def pairs_table(runs: dict[str, list[dict]]) -> str:
         cpu, blk = per_round(runs, on, off, "cpu"), per_round(runs, on, off, "blocked")
         c_on, c_off = median(counted(runs[on], "cpu")), median(counted(runs[off], "cpu"))
         b_on, b_off = median(counted(runs[on], "blocked")), median(counted(runs[off], "blocked"))
-        rows.append([
-            f"{name}: {on} / {off}", f"{c_on - c_off:+.3f}", f"{median(cpu) - 1:+.1%}", share(cpu),
-            times(b_on / b_off), ", ".join(times(x) for x in blk),
-        ])  # fmt: skip
+        rows.append(
+            [
+                f"{name}: {on} / {off}",
+                f"{c_on - c_off:+.3f}",
+                f"{median(cpu) - 1:+.1%}",
+                share(cpu),
+                times(b_on / b_off),
+                ", ".join(times(x) for x in blk),
+            ]
+        )
     return markdown_table(
-        ["checks on / off", "CPU s per save (2 ranks)", "checks' CPU share: median",
-         "per round", "blocked on / off: all saves", "per round"], rows)  # fmt: skip
+        [
+            "checks on / off",
+            "CPU s per save (2 ranks)",
+            "checks' CPU share: median",
+            "per round",
+            "blocked on / off: all saves",
+            "per round",
+        ],
+        rows,
+    )
 
 
 def passes_table(passes: list[dict[str, float]]) -> str:
     rows = []
     for rank, p in enumerate(passes):
         gb = p["bytes"] / GB
-        rows.append([
-            str(rank), f"{gb:.3f}", f"{p['xxh3_s']:.3f} ({gb / p['xxh3_s']:.1f} GB/s)",
-            f"{p['nonfinite_s']:.3f} ({gb / p['nonfinite_s']:.1f} GB/s)",
-        ])  # fmt: skip
+        rows.append(
+            [
+                str(rank),
+                f"{gb:.3f}",
+                f"{p['xxh3_s']:.3f} ({gb / p['xxh3_s']:.1f} GB/s)",
+                f"{p['nonfinite_s']:.3f} ({gb / p['nonfinite_s']:.1f} GB/s)",
+            ]
+        )
     return markdown_table(
-        ["rank", "GB held", "xxh3 of every item, CPU s (replica check)",
-         "non-finite count, 1 MiB slices, CPU s"], rows)  # fmt: skip
+        [
+            "rank",
+            "GB held",
+            "xxh3 of every item, CPU s (replica check)",
+            "non-finite count, 1 MiB slices, CPU s",
+        ],
+        rows,
+    )
 
 
 # --------------------------------------------------------------------------- main
@@ -456,27 +512,47 @@ def passes_table(passes: list[dict[str, float]]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__)
-    # fmt: off
-    p.add_argument("--gb", type=float, default=1.5,
-                   help="unique state, GB (model weights + AdamW moments); 1.5")
-    p.add_argument("--weights", choices=("fp32", "bf16"), default="fp32",
-                   help="fp32 weights (default), or bf16 weights + fp32 master copies")
-    p.add_argument("--saves", type=int, default=4,
-                   help="saves per configuration and round (the first is not counted); 4")
+    p.add_argument(
+        "--gb",
+        type=float,
+        default=1.5,
+        help="unique state, GB (model weights + AdamW moments); 1.5",
+    )
+    p.add_argument(
+        "--weights",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="fp32 weights (default), or bf16 weights + fp32 master copies",
+    )
+    p.add_argument(
+        "--saves",
+        type=int,
+        default=4,
+        help="saves per configuration and round (the first is not counted); 4",
+    )
     p.add_argument("--repeat", type=int, default=3, help="rounds over the configurations; 3")
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"subset of: {', '.join(CONFIGS)}; default: all")
+    p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"subset of: {', '.join(CONFIGS)}; default: all",
+    )
     p.add_argument("--codec", default="bytegroup", help="the coded configurations' codec")
-    p.add_argument("--out", type=Path, default=None,
-                   help="where the checkpoints' temporary directory goes (default: the "
-                   "system's, /tmp); it is removed afterwards")
-    p.add_argument("--timeout", type=float, default=3600.0,
-                   help="seconds for the run of the ranks (and their collectives); 3600")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the checkpoints' temporary directory goes (default: the "
+        "system's, /tmp); it is removed afterwards",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds for the run of the ranks (and their collectives); 3600",
+    )
     add_seed(p)
     add_results(p, "health")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: 0.1 GB, 2 rounds of 3 saves")
-    # fmt: on
+    p.add_argument("--quick", action="store_true", help="smoke run: 0.1 GB, 2 rounds of 3 saves")
     args = p.parse_args(argv)
     args.configs = names(p, args.configs, list(CONFIGS), "config", required=True)
     if args.quick:
@@ -498,13 +574,21 @@ def main(argv: list[str] | None = None) -> int:
     with scratch_dir(None, "bench-health-", parent=args.out) as root:
         print_header(__file__, root)
         payload = {
-            "root": str(root), "gb": args.gb, "weights": args.weights, "seed": args.seed,
-            "saves": args.saves, "repeat": args.repeat, "configs": args.configs,
+            "root": str(root),
+            "gb": args.gb,
+            "weights": args.weights,
+            "seed": args.seed,
+            "saves": args.saves,
+            "repeat": args.repeat,
+            "configs": args.configs,
             "codec": args.codec,
-        }  # fmt: skip
-        print(f"{WORLD} ranks, {nparams / 1e6:.1f} M parameters, {nparams * per_param / GB:.2f} "
-              f"GB of state; {args.repeat} round{'s' * (args.repeat != 1)} of "
-              f"{', '.join(args.configs)}", flush=True)  # fmt: skip
+        }
+        print(
+            f"{WORLD} ranks, {nparams / 1e6:.1f} M parameters, {nparams * per_param / GB:.2f} "
+            f"GB of state; {args.repeat} round{'s' * (args.repeat != 1)} of "
+            f"{', '.join(args.configs)}",
+            flush=True,
+        )
         out = run_ranks(rank_main, WORLD, payload, timeout=args.timeout)
     runs = merge([o["runs"] for o in out])
     passes = [o["passes"] for o in out]
@@ -559,20 +643,26 @@ def main(argv: list[str] | None = None) -> int:
             continue
         s = median(cpu) - 1
         c_on, c_off = median(counted(runs[on], "cpu")), median(counted(runs[off], "cpu"))
-        print(goal_line(
-            s <= CPU_GOAL if measured(s) else None,
-            f"the checks' own CPU at most {CPU_GOAL:.0%} of a save's ({on} / {off})",
-            f"median {s:+.1%} over rounds ({share(cpu)}); {c_on:.2f} s against {c_off:.2f} s "
-            "per save, 2 ranks"))  # fmt: skip
+        print(
+            goal_line(
+                s <= CPU_GOAL if measured(s) else None,
+                f"the checks' own CPU at most {CPU_GOAL:.0%} of a save's ({on} / {off})",
+                f"median {s:+.1%} over rounds ({share(cpu)}); {c_on:.2f} s against {c_off:.2f} s "
+                "per save, 2 ranks",
+            )
+        )
         b_on, b_off = median(counted(runs[on], "blocked")), median(counted(runs[off], "blocked"))
         ratio = b_on / b_off
         own = [median(r["blocked"][1:]) for r in runs[off]]
-        print(goal_line(
-            ratio <= BLOCKED_NOISE if measured(ratio) else None,
-            f"blocked time unchanged within noise ({on} / {off}, <= {BLOCKED_NOISE}x)",
-            f"median {times(ratio)} ({b_on:.3f} s / {b_off:.3f} s); per round "
-            f"{', '.join(times(x) for x in blk)}; {off}'s own round medians "
-            f"{spread(own, 3)} s"))  # fmt: skip
+        print(
+            goal_line(
+                ratio <= BLOCKED_NOISE if measured(ratio) else None,
+                f"blocked time unchanged within noise ({on} / {off}, <= {BLOCKED_NOISE}x)",
+                f"median {times(ratio)} ({b_on:.3f} s / {b_off:.3f} s); per round "
+                f"{', '.join(times(x) for x in blk)}; {off}'s own round medians "
+                f"{spread(own, 3)} s",
+            )
+        )
 
     for c in args.configs:
         if runs[c]:
@@ -587,9 +677,13 @@ def main(argv: list[str] | None = None) -> int:
     figures["passes.nonfinite_gbps"] = figure(
         [p["bytes"] / GB / p["nonfinite_s"] for p in passes], "GB/s"
     )
-    run.write(args.results, figures=figures, alternated=args.configs, rounds=args.repeat,
-              data={"args": args_record(args), "runs": runs, "passes": passes,
-                    "held_bytes": held})  # fmt: skip
+    run.write(
+        args.results,
+        figures=figures,
+        alternated=args.configs,
+        rounds=args.repeat,
+        data={"args": args_record(args), "runs": runs, "passes": passes, "held_bytes": held},
+    )
     return 0
 
 

@@ -184,8 +184,9 @@ def run_cell(
     tag = f"{remote}-{codec}-{uuid.uuid4().hex[:6]}"
     l1 = root / f"l1-{tag}"
     direct_root = f"{remote_root}/{tag}/direct"
-    managed = Level(f"{remote_root}/{tag}/managed", every=1, keep=1, codec=codec_arg,
-                   storage_options=options)  # fmt: skip
+    managed = Level(
+        f"{remote_root}/{tag}/managed", every=1, keep=1, codec=codec_arg, storage_options=options
+    )
     levels = [Level(str(l1), every=1, keep=2), managed]
     mgr = CheckpointManager(levels)
     cell = Cell(remote, codec, state_nbytes(state))
@@ -261,8 +262,9 @@ def restart_and_load(state: State, levels: list[Level], step: int) -> float:
     ``load_latest`` took (the restore after a process crash; checked bit for bit)."""
     got, load_s, sources, dest = timed_load(state, levels)
     if got != step or any(s.startswith(levels[1].url) for s in sources):
-        raise AssertionError(f"load_latest returned step {got} from {sources}, expected "
-                             f"{step} from L1")  # fmt: skip
+        raise AssertionError(
+            f"load_latest returned step {got} from {sources}, expected {step} from L1"
+        )
     assert_state_equal(state, dest)
     return load_s
 
@@ -297,13 +299,22 @@ def report(cells: list[Cell], args: argparse.Namespace, info: dict[str, str], ex
         "remote GB direct / drained | other CPU %"
     )
     rows = [
-        [c.remote, c.codec, fmt(c.state_bytes / 1e9), fmt(c.med("direct_s")),
-         fmt(c.med("blocked_s"), 3), fmt(c.med("l1_commit_s"), 3), f"{c.blocked_ratio:.1f}x",
-         fmt(c.med("durable_s")), f"{c.durable_ratio:.2f}x", fmt(c.med("drain_s")),
-         f"{median(c.direct_bytes) / 1e9:.3f} / {median(c.drain_bytes) / 1e9:.3f}",
-         f"{100 * c.other_cpu:.0f}"]
+        [
+            c.remote,
+            c.codec,
+            fmt(c.state_bytes / 1e9),
+            fmt(c.med("direct_s")),
+            fmt(c.med("blocked_s"), 3),
+            fmt(c.med("l1_commit_s"), 3),
+            f"{c.blocked_ratio:.1f}x",
+            fmt(c.med("durable_s")),
+            f"{c.durable_ratio:.2f}x",
+            fmt(c.med("drain_s")),
+            f"{median(c.direct_bytes) / 1e9:.3f} / {median(c.drain_bytes) / 1e9:.3f}",
+            f"{100 * c.other_cpu:.0f}",
+        ]
         for c in cells
-    ]  # fmt: skip
+    ]
     out += [
         f"Medians of {args.saves} saves each; {args.step_kind} step of {args.step_seconds} s "
         "between saves.",
@@ -318,14 +329,20 @@ def report(cells: list[Cell], args: argparse.Namespace, info: dict[str, str], ex
         "load after losing L1 | drains skipped"
     )
     rows = [
-        [f"{c.remote} / {c.codec}",
-         f"{verdict(c.blocked_ratio >= BLOCKED_GOAL)} ({c.blocked_ratio:.1f}x)",
-         f"{verdict(c.durable_ratio <= DURABLE_GOAL)} ({c.durable_ratio:.2f}x)",
-         c.verify + (f" (load {c.load_s:.2f} s; from L1 before: {c.load_l1_s:.2f} s)"
-                     if c.load_s == c.load_s else ""),
-         str(c.skipped)]
+        [
+            f"{c.remote} / {c.codec}",
+            f"{verdict(c.blocked_ratio >= BLOCKED_GOAL)} ({c.blocked_ratio:.1f}x)",
+            f"{verdict(c.durable_ratio <= DURABLE_GOAL)} ({c.durable_ratio:.2f}x)",
+            c.verify
+            + (
+                f" (load {c.load_s:.2f} s; from L1 before: {c.load_l1_s:.2f} s)"
+                if c.load_s == c.load_s
+                else ""
+            ),
+            str(c.skipped),
+        ]
         for c in cells
-    ]  # fmt: skip
+    ]
     out += [markdown_table(headers, rows), ""]
 
     return "\n".join(out)
@@ -336,43 +353,77 @@ def report(cells: list[Cell], args: argparse.Namespace, info: dict[str, str], ex
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__)
-    # fmt: off
-    p.add_argument("--scale", type=float, default=0.125,
-                   help="fraction of the 24 BERT layers; 0.125 (3, ~0.41 GB)")
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=0.125,
+        help="fraction of the 24 BERT layers; 0.125 (3, ~0.41 GB)",
+    )
     p.add_argument("--saves", type=int, default=5, help="saves per cell (median); 5")
-    p.add_argument("--step-seconds", type=float, default=1.0,
-                   help="training step between saves, seconds; 1.0")
-    p.add_argument("--step-kind", choices=("compute", "sleep"), default="compute",
-                   help="step: small single-threaded tensor ops (default) or sleep")
+    p.add_argument(
+        "--step-seconds", type=float, default=1.0, help="training step between saves, seconds; 1.0"
+    )
+    p.add_argument(
+        "--step-kind",
+        choices=("compute", "sleep"),
+        default="compute",
+        help="step: small single-threaded tensor ops (default) or sleep",
+    )
     p.add_argument("--remotes", default=",".join(REMOTES), help=f"subset of: {', '.join(REMOTES)}")
     p.add_argument("--codec", default=",".join(CODECS), help=f"subset of: {', '.join(CODECS)}")
-    p.add_argument("--direct", choices=DIRECT, default="stock",
-                   help="the save straight to the remote: stock FsspecWriter (its best: "
-                   "thread_count=2, plan caching, ZStandard when compressed) or ours "
-                   "MultiLevelWriter; stock")
-    p.add_argument("--remote-mbps", type=float, default=200.0,
-                   help="bandwidth of the throttled remote, MB/s; 200")
-    p.add_argument("--root", type=Path, default=None,
-                   help="scratch directory for L1 and the remote store's spool files (default: "
-                   "a new temporary directory, removed afterwards)")
-    p.add_argument("--remote-dir", type=Path, default=None,
-                   help="where the throttled remote stores its objects (default: a new "
-                   "directory in /dev/shm if there is one, so the simulated remote does not "
-                   "load the local disk that L1 and the spool use; else under --root)")
-    p.add_argument("--spool-dir", type=Path, default=None,
-                   help="where remote levels spool files before upload (default: under "
-                   "--root, the disk L1 uses)")
-    p.add_argument("--verify-all", action="store_true",
-                   help="check the load after losing L1 in every cell (default: every "
-                   "throttled cell, only the first s3 cell: moto copies the whole object "
-                   "per ranged GET, so a compressed checkpoint loads for minutes)")
-    add_wait_idle(p, "before each iteration, wait up to this many seconds for other "
-                  "processes to go quiet; 0 (don't)")
+    p.add_argument(
+        "--direct",
+        choices=DIRECT,
+        default="stock",
+        help="the save straight to the remote: stock FsspecWriter (its best: "
+        "thread_count=2, plan caching, ZStandard when compressed) or ours "
+        "MultiLevelWriter; stock",
+    )
+    p.add_argument(
+        "--remote-mbps",
+        type=float,
+        default=200.0,
+        help="bandwidth of the throttled remote, MB/s; 200",
+    )
+    p.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="scratch directory for L1 and the remote store's spool files (default: "
+        "a new temporary directory, removed afterwards)",
+    )
+    p.add_argument(
+        "--remote-dir",
+        type=Path,
+        default=None,
+        help="where the throttled remote stores its objects (default: a new "
+        "directory in /dev/shm if there is one, so the simulated remote does not "
+        "load the local disk that L1 and the spool use; else under --root)",
+    )
+    p.add_argument(
+        "--spool-dir",
+        type=Path,
+        default=None,
+        help="where remote levels spool files before upload (default: under "
+        "--root, the disk L1 uses)",
+    )
+    p.add_argument(
+        "--verify-all",
+        action="store_true",
+        help="check the load after losing L1 in every cell (default: every "
+        "throttled cell, only the first s3 cell: moto copies the whole object "
+        "per ranged GET, so a compressed checkpoint loads for minutes)",
+    )
+    add_wait_idle(
+        p,
+        "before each iteration, wait up to this many seconds for other "
+        "processes to go quiet; 0 (don't)",
+    )
     add_seed(p)
     add_results(p, "manager")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: tiny BERT, 2 saves, 0.2 s steps")
-    # fmt: on
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: tiny BERT, 2 saves, 0.2 s steps"
+    )
     args = p.parse_args(argv)
     args.remotes = names(p, args.remotes, REMOTES, "remote", required=True)
     args.codec = names(p, args.codec, CODECS, "codec", required=True)
@@ -437,9 +488,13 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("direct_s", "blocked_s", "l1_commit_s", "durable_s", "drain_s"):
             figures[f"{tag}.{key}"] = figure(getattr(c, key), "s")
         figures[f"{tag}.state_bytes"] = figure([c.state_bytes], "B")
-    run.write(args.results, figures=figures, rounds=args.saves,
-              alternated=[f"direct ({args.direct})", "manager"],
-              data={"direct": args.direct, "cells": [asdict(c) for c in cells]})  # fmt: skip
+    run.write(
+        args.results,
+        figures=figures,
+        rounds=args.saves,
+        alternated=[f"direct ({args.direct})", "manager"],
+        data={"direct": args.direct, "cells": [asdict(c) for c in cells]},
+    )
     ok = not any(c.verify.startswith("FAILED") for c in cells)
     return 0 if ok else 1
 

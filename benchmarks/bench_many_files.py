@@ -53,8 +53,7 @@ from _cli import add_root, args_record, parser
 from _measure import median, rounds, spread
 from _report import REPO, markdown_table, print_header
 
-OPS = ("discovery", "start", "ls", "ls (table)", "ls (default)", "gc --dry-run", "gc",
-       "retention")  # fmt: skip
+OPS = ("discovery", "start", "ls", "ls (table)", "ls (default)", "gc --dry-run", "gc", "retention")
 #: Operations whose output changed on purpose (``ls`` describes the newest 50 steps).
 CHANGED = ("ls (default)",)
 #: Operations that remove the oldest step (put back after each run).
@@ -427,9 +426,15 @@ def run_local(args: Any, scratch: Path, versions: dict[str, Path]) -> dict[str, 
         old = [r["seconds"] for r in samples[(op, "old")]]
         new = [r["seconds"] for r in samples[(op, "new")]]
         rows.append(
-            [op, f"{median(old):.3f}", f"{median(new):.3f}", f"{median(old) / median(new):.1f}x",
-             spread(old, 3), spread(new, 3)]
-        )  # fmt: skip
+            [
+                op,
+                f"{median(old):.3f}",
+                f"{median(new):.3f}",
+                f"{median(old) / median(new):.1f}x",
+                spread(old, 3),
+                spread(new, 3),
+            ]
+        )
     print(markdown_table("operation | old s | new s | old/new | old spread | new spread", rows))
     return {f"{op}/{v}": [r["seconds"] for r in rs] for (op, v), rs in samples.items()}
 
@@ -447,9 +452,15 @@ def run_s3(args: Any, versions: dict[str, Path]) -> dict[str, dict[str, Any]]:
             for op in OPS:
                 old, new = got[(op, "old")][0], got[(op, "new")][0]
                 rows.append(
-                    [op, f"{args.s3_steps} x {files}", old["requests"], new["requests"],
-                     f"{old['seconds']:.2f}", f"{new['seconds']:.2f}"]
-                )  # fmt: skip
+                    [
+                        op,
+                        f"{args.s3_steps} x {files}",
+                        old["requests"],
+                        new["requests"],
+                        f"{old['seconds']:.2f}",
+                        f"{new['seconds']:.2f}",
+                    ]
+                )
                 record[f"{op}/{files}"] = {
                     "requests": {"old": old["requests"], "new": new["requests"]},
                     "seconds": {"old": old["seconds"], "new": new["seconds"]},
@@ -460,8 +471,11 @@ def run_s3(args: Any, versions: dict[str, Path]) -> dict[str, dict[str, Any]]:
     latency = f", {args.s3_latency_ms:g} ms added to each" if args.s3_latency_ms else ""
     print(f"S3 (moto on loopback{latency}): HTTP requests the server received during each op")
     print()
-    print(markdown_table("operation | steps x files | old requests | new requests | old s | new s",
-                         rows))  # fmt: skip
+    print(
+        markdown_table(
+            "operation | steps x files | old requests | new requests | old s | new s", rows
+        )
+    )
     return record
 
 

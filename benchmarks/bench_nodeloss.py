@@ -144,44 +144,81 @@ from tests._dist import run_ranks
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__)
-    # fmt: off
-    p.add_argument("--scale", type=float, default=0.125,
-                   help="fraction of the 24 BERT layers; 0.125 (3 layers: 1.23 GB with AdamW)")
-    p.add_argument("--state", choices=STATES, default="replicated",
-                   help="replicated: every rank holds (and loads) the whole state; sharded: "
-                   "each rank a quarter of every tensor under keys of its own "
-                   "(rank<r>.<name>), saved and loaded by it alone; fsdp: sharded plus "
-                   "AdamW's step count per parameter on every rank; replicated")
-    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help=f"subset of: {', '.join(CONFIGS)}; '' for the coder alone; "
-                   f"default: {','.join(DEFAULT_CONFIGS)}")
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=0.125,
+        help="fraction of the 24 BERT layers; 0.125 (3 layers: 1.23 GB with AdamW)",
+    )
+    p.add_argument(
+        "--state",
+        choices=STATES,
+        default="replicated",
+        help="replicated: every rank holds (and loads) the whole state; sharded: "
+        "each rank a quarter of every tensor under keys of its own "
+        "(rank<r>.<name>), saved and loaded by it alone; fsdp: sharded plus "
+        "AdamW's step count per parameter on every rank; replicated",
+    )
+    p.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"subset of: {', '.join(CONFIGS)}; '' for the coder alone; "
+        f"default: {','.join(DEFAULT_CONFIGS)}",
+    )
     p.add_argument("--repeat", type=int, default=3, help="rounds over the configs; 3")
-    p.add_argument("--saves", type=int, default=3,
-                   help="saves per config and round (the first is not counted); 3")
-    p.add_argument("--step-seconds", type=float, default=2.0,
-                   help="training step (sleep) after each save; 2.0")
+    p.add_argument(
+        "--saves",
+        type=int,
+        default=3,
+        help="saves per config and round (the first is not counted); 3",
+    )
+    p.add_argument(
+        "--step-seconds", type=float, default=2.0, help="training step (sleep) after each save; 2.0"
+    )
     p.add_argument("--lose-node", type=int, default=1, help="the node lost before the restore; 1")
-    p.add_argument("--remote-mbps", type=float, default=200.0,
-                   help="each node's link to the throttled remote, MB/s per direction; 200")
-    p.add_argument("--root", type=Path, default=None,
-                   help="scratch directory for L1 and the node-local levels (default: a new "
-                   "temporary directory under bench_out/, removed afterwards)")
-    p.add_argument("--remote-dir", type=Path, default=None,
-                   help="where the throttled remote keeps its objects (default: a new "
-                   "directory in /dev/shm if there is one, else under --root)")
+    p.add_argument(
+        "--remote-mbps",
+        type=float,
+        default=200.0,
+        help="each node's link to the throttled remote, MB/s per direction; 200",
+    )
+    p.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="scratch directory for L1 and the node-local levels (default: a new "
+        "temporary directory under bench_out/, removed afterwards)",
+    )
+    p.add_argument(
+        "--remote-dir",
+        type=Path,
+        default=None,
+        help="where the throttled remote keeps its objects (default: a new "
+        "directory in /dev/shm if there is one, else under --root)",
+    )
     p.add_argument("--code-mb", type=int, default=256, help="MiB coded per coder entry; 256")
     p.add_argument("--code-repeat", type=int, default=9, help="coder measurements (median); 9")
-    p.add_argument("--timeout", type=float, default=1800.0,
-                   help="seconds for the ranks' whole run (and their collective timeout)")
-    p.add_argument("--profile", type=Path, default=None,
-                   help="write a cProfile of every restore's load_latest, per rank, into "
-                   "this directory (<config>-r<round>-restore-rank<r>.prof; pstats reads "
-                   "them); adds a little time to the restores")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="seconds for the ranks' whole run (and their collective timeout)",
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="write a cProfile of every restore's load_latest, per rank, into "
+        "this directory (<config>-r<round>-restore-rank<r>.prof; pstats reads "
+        "them); adds a little time to the restores",
+    )
     add_seed(p)
     add_results(p, "nodeloss")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: tiny BERT, one round, 2 saves, 0.3 s steps, 16 MiB coded")
-    # fmt: on
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: tiny BERT, one round, 2 saves, 0.3 s steps, 16 MiB coded",
+    )
     args = p.parse_args(argv)
     args.configs = names(p, args.configs, list(CONFIGS), "config")
     if args.quick:
@@ -217,19 +254,30 @@ def main(argv: list[str] | None = None) -> int:
         (root / "jobs").mkdir(exist_ok=True)  # the c10d stores of new_job
         remote_dir = args.remote_dir or root / "remote"
         if shm_ok:
-            remote_dir = stack.enter_context(scratch_dir(None, "bench-nodeloss-remote-",
-                                                         parent=shm))  # fmt: skip
+            remote_dir = stack.enter_context(
+                scratch_dir(None, "bench-nodeloss-remote-", parent=shm)
+            )
         order = [c for r in range(args.repeat) for c in rotated(args.configs, r)]
-        print(f"{WORLD} ranks, {cfg.num_hidden_layers} BERT layers + AdamW; order: {order}",
-              flush=True)  # fmt: skip
+        print(
+            f"{WORLD} ranks, {cfg.num_hidden_layers} BERT layers + AdamW; order: {order}",
+            flush=True,
+        )
         payload = {
-            "root": str(root), "remote_dir": str(remote_dir), "scale": args.scale,
-            "quick": args.quick, "seed": args.seed, "configs": args.configs,
-            "repeat": args.repeat, "saves": args.saves, "step_seconds": args.step_seconds,
-            "lose_node": args.lose_node, "remote_mbps": args.remote_mbps,
-            "timeout": args.timeout, "state": args.state,
+            "root": str(root),
+            "remote_dir": str(remote_dir),
+            "scale": args.scale,
+            "quick": args.quick,
+            "seed": args.seed,
+            "configs": args.configs,
+            "repeat": args.repeat,
+            "saves": args.saves,
+            "step_seconds": args.step_seconds,
+            "lose_node": args.lose_node,
+            "remote_mbps": args.remote_mbps,
+            "timeout": args.timeout,
+            "state": args.state,
             "profile": str(args.profile) if args.profile else None,
-        }  # fmt: skip
+        }
         t0 = time.perf_counter()
         per_rank = run_ranks(rank_main, WORLD, payload, timeout=args.timeout) if order else []
         ranks_s = time.perf_counter() - t0
@@ -254,18 +302,24 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in info.items():
         print(f"- {k}: {v}")
     held = (
-        f"replicated on {WORLD} ranks" if args.state == "replicated" else
-        f"sharded over {WORLD} ranks (each a 1/{WORLD} of every tensor, keys of its own)"
-        + (", plus AdamW's step count per parameter (0-dim, on every rank)"
-           if args.state == "fsdp" else "")
-    )  # fmt: skip
+        f"replicated on {WORLD} ranks"
+        if args.state == "replicated"
+        else f"sharded over {WORLD} ranks (each a 1/{WORLD} of every tensor, keys of its own)"
+        + (
+            ", plus AdamW's step count per parameter (0-dim, on every rank)"
+            if args.state == "fsdp"
+            else ""
+        )
+    )
     print(
         f"- state: BertForPreTraining shapes, {cfg.num_hidden_layers} of 24 encoder layers, "
         f"+ AdamW exp_avg and exp_avg_sq, fp32, {state_bytes / GB:.3f} GB, {held}"
         + (" (tiny config, --quick)" if args.quick else f" (--scale {args.scale})")
     )
-    print(f"- remote: throttled, {args.remote_mbps:g} MB/s per node and direction, objects in "
-          f"{remote_dir}; L1 and node-local levels in {root}")  # fmt: skip
+    print(
+        f"- remote: throttled, {args.remote_mbps:g} MB/s per node and direction, objects in "
+        f"{remote_dir}; L1 and node-local levels in {root}"
+    )
     loads = [load_before, load_ranks, load_after]
     total = time.perf_counter() - t_start
     print(
@@ -284,9 +338,18 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(sm, key):
                 figures[f"{c}.{key}_s"] = figure(getattr(sm, key), "s")
     figures["state_bytes"] = figure([state_bytes], "B")
-    run.write(args.results, figures=figures, alternated=args.configs, rounds=args.repeat,
-              data={"args": args_record(args), "load": {"after_ranks": load_ranks},
-                    "records": records, "coder": coder})  # fmt: skip
+    run.write(
+        args.results,
+        figures=figures,
+        alternated=args.configs,
+        rounds=args.repeat,
+        data={
+            "args": args_record(args),
+            "load": {"after_ranks": load_ranks},
+            "records": records,
+            "coder": coder,
+        },
+    )
     return 0 if all(e == "bit-exact" for s in sums.values() for e in s.exact) else 1
 
 

@@ -59,8 +59,9 @@ def levels_for(base: Path, config: str, saves: int) -> list[Level]:
     ]
 
 
-def run_round(rank: int, config: str, rep: int, dtype: str, states: list[dict],
-              args: dict) -> dict[str, Any]:  # fmt: skip
+def run_round(
+    rank: int, config: str, rep: int, dtype: str, states: list[dict], args: dict
+) -> dict[str, Any]:
     """One configuration, one round, on this rank: the saves, then the restore."""
     import torch.distributed as dist
 
@@ -79,8 +80,15 @@ def run_round(rank: int, config: str, rep: int, dtype: str, states: list[dict],
         mgr.wait()
         (copy,) = [r for r in mgr.drain_results if r.step == step and r.committed]
         sent = copy.details.get("bytes_sent", 0)
-        saves.append({"step": step, "save_s": call, "l1_bytes": metrics.bytes_written,
-                      "sent": sent, "copy_s": copy.seconds})  # fmt: skip
+        saves.append(
+            {
+                "step": step,
+                "save_s": call,
+                "l1_bytes": metrics.bytes_written,
+                "sent": sent,
+                "copy_s": copy.seconds,
+            }
+        )
     mgr.close()
     dist.barrier()
     if rank == 0:
@@ -105,12 +113,20 @@ def run_round(rank: int, config: str, rep: int, dtype: str, states: list[dict],
     dist.barrier()
     if rank == 0:
         remove_tree(base)
-    return {"config": config, "dtype": dtype, "round": rep, "rank": rank, "saves": saves,
-            "load_s": load_s, "restore_s": report.seconds if report else 0.0,
-            "brought": brought, "phases": load_phases(records),
-            # Files brought onto the replaced node (its ranks report the same count).
-            "received": sum(report.received.values()) if report and brought else 0,
-            "exact": exact}  # fmt: skip
+    return {
+        "config": config,
+        "dtype": dtype,
+        "round": rep,
+        "rank": rank,
+        "saves": saves,
+        "load_s": load_s,
+        "restore_s": report.seconds if report else 0.0,
+        "brought": brought,
+        "phases": load_phases(records),
+        # Files brought onto the replaced node (its ranks report the same count).
+        "received": sum(report.received.values()) if report and brought else 0,
+        "exact": exact,
+    }
 
 
 def rank_main(rank: int, world: int, args: dict) -> list[dict[str, Any]]:
@@ -121,10 +137,13 @@ def rank_main(rank: int, world: int, args: dict) -> list[dict[str, Any]]:
         # --copies: the weights several times over under other keys (a bigger state
         # whose every copy changes as the real fine-tuning changed it).
         states = [
-            {f"{c}.{k}": v.to(DTYPES[dtype]) for c in range(args["copies"])
-             for k, v in load_file(path).items()}
+            {
+                f"{c}.{k}": v.to(DTYPES[dtype])
+                for c in range(args["copies"])
+                for k, v in load_file(path).items()
+            }
             for path in args["states"]
-        ]  # fmt: skip
+        ]
         for rep, config in rounds(list(CONFIGS), args["repeat"]):
             out.append(run_round(rank, config, rep, dtype, states, args))
     return out
@@ -134,8 +153,11 @@ def per_save(records: list[dict], key: str, over_ranks: Any) -> list[float]:
     """Per round and save after the first (the deltas, in the delta configuration):
     ``over_ranks`` (sum, max) of every rank's ``key``, for one configuration's records."""
     saves = len(records[0]["saves"])
-    return [over_ranks(r["saves"][i][key] for r in records if r["round"] == n)
-            for n in sorted({r["round"] for r in records}) for i in range(1, saves)]  # fmt: skip
+    return [
+        over_ranks(r["saves"][i][key] for r in records if r["round"] == n)
+        for n in sorted({r["round"] for r in records})
+        for i in range(1, saves)
+    ]
 
 
 def summarize(records: list[dict], dtype: str) -> list[list[object]]:
@@ -147,23 +169,32 @@ def summarize(records: list[dict], dtype: str) -> list[list[object]]:
         l1, sent = per_save(mine, "l1_bytes", sum), per_save(mine, "sent", sum)
         save_s, copy_s = per_save(mine, "save_s", max), per_save(mine, "copy_s", max)
         load_s = [max(r["load_s"] for r in mine if r["round"] == n) for n in rounds_]
-        slowest = [max((r for r in mine if r["round"] == n), key=lambda r: r["load_s"])
-                   for n in rounds_]  # fmt: skip
-        phases = "/".join(fmt(median(r["phases"].get(k, 0.0) for r in slowest), 2)
-                          for k in ("plan", "bring", "read"))  # fmt: skip
+        slowest = [
+            max((r for r in mine if r["round"] == n), key=lambda r: r["load_s"]) for n in rounds_
+        ]
+        phases = "/".join(
+            fmt(median(r["phases"].get(k, 0.0) for r in slowest), 2)
+            for k in ("plan", "bring", "read")
+        )
         got = [sum(r["received"] for r in mine if r["round"] == n) for n in rounds_]
         brought = [sum(r["brought"] for r in mine if r["round"] == n) for n in rounds_]
         exact = all(r["exact"] for r in mine)
         if full_bytes is None:
             full_bytes = median(l1)
-        rows.append([
-            config, f"{median(l1) / 1e6:.1f}", fmt(median(l1) / full_bytes),
-            f"{median(sent) / 1e6:.1f}", f"{fmt(median(save_s), 3)} ({spread(save_s, 3)})",
-            f"{fmt(median(copy_s), 3)} ({spread(copy_s, 3)})",
-            f"{fmt(median(load_s), 2)} ({spread(load_s, 2)})", phases,
-            f"{median(got):.0f} / {median(brought) / 1e6:.1f}",
-            "bit-exact" if exact else "FAILED",
-        ])  # fmt: skip
+        rows.append(
+            [
+                config,
+                f"{median(l1) / 1e6:.1f}",
+                fmt(median(l1) / full_bytes),
+                f"{median(sent) / 1e6:.1f}",
+                f"{fmt(median(save_s), 3)} ({spread(save_s, 3)})",
+                f"{fmt(median(copy_s), 3)} ({spread(copy_s, 3)})",
+                f"{fmt(median(load_s), 2)} ({spread(load_s, 2)})",
+                phases,
+                f"{median(got):.0f} / {median(brought) / 1e6:.1f}",
+                "bit-exact" if exact else "FAILED",
+            ]
+        )
     return rows
 
 
@@ -172,10 +203,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="rounds over the configurations; 3")
     p.add_argument("--saves", type=int, default=4, help="saves per round (a chain); 4")
     p.add_argument("--dtype", default="fp32,bf16", help="fp32, bf16 or both (default)")
-    p.add_argument("--root", type=Path, default=None, help="scratch directory (default: "
-                   "bench_out/, on the disk)")  # fmt: skip
-    p.add_argument("--copies", type=int, default=1, help="the weights this many times over, "
-                   "under other keys (a bigger state); 1")  # fmt: skip
+    p.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="scratch directory (default: bench_out/, on the disk)",
+    )
+    p.add_argument(
+        "--copies",
+        type=int,
+        default=1,
+        help="the weights this many times over, under other keys (a bigger state); 1",
+    )
     p.add_argument("--timeout", type=float, default=1800.0)
     args = p.parse_args(argv)
     dtypes = names(p, args.dtype, list(DTYPES), "dtype")
@@ -194,8 +233,14 @@ def main(argv: list[str] | None = None) -> int:
             path = root / f"state-{i}.safetensors"
             save_file({k: v.contiguous() for k, v in state.items()}, str(path))
             paths.append(str(path))
-        payload = {"root": str(root), "states": paths, "dtypes": dtypes, "repeat": args.repeat,
-                   "copies": args.copies, "timeout": args.timeout}  # fmt: skip
+        payload = {
+            "root": str(root),
+            "states": paths,
+            "dtypes": dtypes,
+            "repeat": args.repeat,
+            "copies": args.copies,
+            "timeout": args.timeout,
+        }
         per_rank = run_ranks(rank_main, WORLD, payload, timeout=args.timeout)
         shutil.rmtree(root / "jobs", ignore_errors=True)
     records = [r for rank in per_rank for r in rank]
@@ -204,15 +249,25 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for k, v in info.items():
         print(f"- {k}: {v}")
-    print(f"- {WORLD} ranks on 2 nodes, MiniLM fine-tuned for real, a save every step, "
-          f"{args.saves} saves per round (delta: keyframe_every={args.saves}), "
-          f"the weights {args.copies} time(s) over, "
-          f"{args.repeat} rounds alternating; load average {load_before[0]:.2f} before, "
-          f"{os.getloadavg()[0]:.2f} after; {time.perf_counter() - t_start:.0f} s")  # fmt: skip
-    headers = ["config", "L1 MB per save", "/ full", "MB sent to partners per save",
-               "save() s (spread)", "copy s (spread)", "restore after losing node 1 s",
-               "of it: plan / bring / read s",
-               "files / MB brought to node 1", "restored"]  # fmt: skip
+    print(
+        f"- {WORLD} ranks on 2 nodes, MiniLM fine-tuned for real, a save every step, "
+        f"{args.saves} saves per round (delta: keyframe_every={args.saves}), "
+        f"the weights {args.copies} time(s) over, "
+        f"{args.repeat} rounds alternating; load average {load_before[0]:.2f} before, "
+        f"{os.getloadavg()[0]:.2f} after; {time.perf_counter() - t_start:.0f} s"
+    )
+    headers = [
+        "config",
+        "L1 MB per save",
+        "/ full",
+        "MB sent to partners per save",
+        "save() s (spread)",
+        "copy s (spread)",
+        "restore after losing node 1 s",
+        "of it: plan / bring / read s",
+        "files / MB brought to node 1",
+        "restored",
+    ]
     for dtype in dtypes:
         print()
         print(f"### {dtype} (saves 2..{args.saves} of each round; the restore: slowest rank)")

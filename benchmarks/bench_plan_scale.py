@@ -280,8 +280,14 @@ def run_once(name: str, state: dict, plans: list[SavePlan]) -> dict:
     # The second save must have reused the first one's plan, not planned again.
     assert planner.global_plan is SavePlanner._cached_global_plan[planner._cached_plans_key]
     _drop_cache(planner)
-    return {"wall": wall, "cpu": cpu, "others": others, "cached": cached, "bytes": nbytes,
-            "peak_mb": rss.peak / MB}  # fmt: skip
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "others": others,
+        "cached": cached,
+        "bytes": nbytes,
+        "peak_mb": rss.peak / MB,
+    }
 
 
 def measure(state_name: str, ranks: int, args, state: dict, blob: bytes) -> dict:
@@ -331,16 +337,24 @@ def table(rows: list[dict]) -> str:
     for row in rows:
         s, o = row["stock"], row["ours"]
         out.append(
-            [row["state"], row["ranks"], row["items_x_ranks"],
-             f"{s['plan_s']:.2f} ({s['plan_cpu_s']:.2f})",
-             f"{o['plan_s']:.2f} ({o['plan_cpu_s']:.2f})",
-             f"{o['plan_s'] / s['plan_s']:.2f}",
-             f"{s['balance']:.3f}", f"{o['balance']:.3f}", f"{row['best_balance']:.3f}",
-             f"{s['peak_mb']:.0f}", f"{o['peak_mb']:.0f}",
-             f"{s['cached_s'] * 1e3:.2f}", f"{o['cached_s'] * 1e3:.2f}",
-             f"{row['gathered_mb_est']:.0f}",
-             f"{max(s['others_cpu_share_max'], o['others_cpu_share_max']):.0%}"]
-        )  # fmt: skip
+            [
+                row["state"],
+                row["ranks"],
+                row["items_x_ranks"],
+                f"{s['plan_s']:.2f} ({s['plan_cpu_s']:.2f})",
+                f"{o['plan_s']:.2f} ({o['plan_cpu_s']:.2f})",
+                f"{o['plan_s'] / s['plan_s']:.2f}",
+                f"{s['balance']:.3f}",
+                f"{o['balance']:.3f}",
+                f"{row['best_balance']:.3f}",
+                f"{s['peak_mb']:.0f}",
+                f"{o['peak_mb']:.0f}",
+                f"{s['cached_s'] * 1e3:.2f}",
+                f"{o['cached_s'] * 1e3:.2f}",
+                f"{row['gathered_mb_est']:.0f}",
+                f"{max(s['others_cpu_share_max'], o['others_cpu_share_max']):.0%}",
+            ]
+        )
     headers = (
         "state | ranks | items x ranks | stock plan s (CPU) | ours plan s (CPU) | ours/stock | "
         "stock max/mean bytes | ours max/mean bytes | best possible | stock peak MB | "

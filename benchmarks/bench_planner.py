@@ -125,21 +125,48 @@ def plan_only(world_sizes: list[int], repeat: int) -> tuple[str, list[str], list
         s_c, o_c = median(cpu["stock"]), median(cpu["ours"])
         (s_b, s_i), (o_b, o_i) = results["stock"], results["ours"]
         measured.append((n, big_n, s_t, o_t, _ratio(o_b), s_c, o_c))
-        figures.append({
-            "ranks": n, "items_x_ranks": big_n,
-            "stock": {"rank_bytes_max": max(s_b), "rank_bytes_mean": sum(s_b) / n,
-                      "rank_bytes_min": min(s_b), "plan_s": s_t, "plan_cpu_s": s_c,
-                      "plan_s_samples": wall["stock"], "plan_cpu_s_samples": cpu["stock"]},
-            "ours": {"rank_bytes_max": max(o_b), "rank_bytes_mean": sum(o_b) / n,
-                     "rank_bytes_min": min(o_b), "plan_s": o_t, "plan_cpu_s": o_c,
-                     "plan_s_samples": wall["ours"], "plan_cpu_s_samples": cpu["ours"]},
-        })  # fmt: skip
+        figures.append(
+            {
+                "ranks": n,
+                "items_x_ranks": big_n,
+                "stock": {
+                    "rank_bytes_max": max(s_b),
+                    "rank_bytes_mean": sum(s_b) / n,
+                    "rank_bytes_min": min(s_b),
+                    "plan_s": s_t,
+                    "plan_cpu_s": s_c,
+                    "plan_s_samples": wall["stock"],
+                    "plan_cpu_s_samples": cpu["stock"],
+                },
+                "ours": {
+                    "rank_bytes_max": max(o_b),
+                    "rank_bytes_mean": sum(o_b) / n,
+                    "rank_bytes_min": min(o_b),
+                    "plan_s": o_t,
+                    "plan_cpu_s": o_c,
+                    "plan_s_samples": wall["ours"],
+                    "plan_cpu_s_samples": cpu["ours"],
+                },
+            }
+        )
         rows.append(
-            [n, f"{_ratio(s_b):.3f}", f"{_ratio(o_b):.3f}", f"{_ratio(s_i):.2f}",
-             f"{_ratio(o_i):.2f}", f"{s_t:.3f}", f"{o_t:.3f}", f"{o_t / s_t:.2f}",
-             f"{s_c:.3f}", f"{o_c:.3f}", f"{o_c / s_c:.2f}", big_n,
-             f"{o_t / _nlogn(big_n) * 1e9:.1f}", sum(o_i)]
-        )  # fmt: skip
+            [
+                n,
+                f"{_ratio(s_b):.3f}",
+                f"{_ratio(o_b):.3f}",
+                f"{_ratio(s_i):.2f}",
+                f"{_ratio(o_i):.2f}",
+                f"{s_t:.3f}",
+                f"{o_t:.3f}",
+                f"{o_t / s_t:.2f}",
+                f"{s_c:.3f}",
+                f"{o_c:.3f}",
+                f"{o_c / s_c:.2f}",
+                big_n,
+                f"{o_t / _nlogn(big_n) * 1e9:.1f}",
+                sum(o_i),
+            ]
+        )
         print(f"  planned {n} ranks", file=sys.stderr, flush=True)
     headers = (
         "ranks | stock max/mean bytes | ours max/mean bytes | stock max/mean items | "
@@ -267,11 +294,17 @@ def end_to_end(world: int, scale: float, repeat: int, sync: bool) -> tuple[str, 
         wall = max(p["wall"] for p in per)
         nbytes = [p["bytes"] for p in per]
         summary.append(
-            [*key, " / ".join(f"{b / 1e6:.0f}" for b in nbytes),
-             " / ".join(str(p["items"]) for p in per),
-             " / ".join(f"{p['seconds']:.2f}" for p in per), f"{wall:.2f}", spread(walls),
-             f"{sum(nbytes) / wall / 1e9:.2f}", f"{sum(p['cpu'] for p in per):.2f}"]
-        )  # fmt: skip
+            [
+                *key,
+                " / ".join(f"{b / 1e6:.0f}" for b in nbytes),
+                " / ".join(str(p["items"]) for p in per),
+                " / ".join(f"{p['seconds']:.2f}" for p in per),
+                f"{wall:.2f}",
+                spread(walls),
+                f"{sum(nbytes) / wall / 1e9:.2f}",
+                f"{sum(p['cpu'] for p in per):.2f}",
+            ]
+        )
         for rank, p in enumerate(per):
             phases.append(
                 [*key, rank, *(f"{p['phases'][k]:.3f}" for k in PHASES), f"{p['seconds']:.2f}"]
@@ -311,9 +344,13 @@ def main() -> None:
         print(table)
         print("\nGoals:\n")
         print("\n".join(f"- {line}" for line in goals))
-        run.write(args.results, figures=_figures(figures), alternated=list(PLANNERS),
-                  rounds=args.repeat, data={"state": "BERT-large + AdamW, replicated",
-                                            "plan_only": figures})  # fmt: skip
+        run.write(
+            args.results,
+            figures=_figures(figures),
+            alternated=list(PLANNERS),
+            rounds=args.repeat,
+            data={"state": "BERT-large + AdamW, replicated", "plan_only": figures},
+        )
     if not args.skip_e2e:
         print(
             f"\n## End to end: {args.e2e_ranks} gloo ranks, replicated BERT-large model state "

@@ -121,14 +121,17 @@ def merge(per_rank: list[list[dict]]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {c: [] for c in CONFIGS}
     for recs in zip(*per_rank, strict=True):
         first = recs[0]
-        out[first["config"]].append({
-            "round": first["round"],
-            "blocked": [max(xs) for xs in zip(*(r["blocked"] for r in recs), strict=True)],
-            "busy": [sorted(set().union(*xs)) for xs in zip(*(r["busy"] for r in recs),
-                                                             strict=True)],
-            "wait_s": max(r["wait_s"] for r in recs),
-            "drains": [d | {"rank": r["rank"]} for r in recs for d in r["drains"]],
-        })  # fmt: skip
+        out[first["config"]].append(
+            {
+                "round": first["round"],
+                "blocked": [max(xs) for xs in zip(*(r["blocked"] for r in recs), strict=True)],
+                "busy": [
+                    sorted(set().union(*xs)) for xs in zip(*(r["busy"] for r in recs), strict=True)
+                ],
+                "wait_s": max(r["wait_s"] for r in recs),
+                "drains": [d | {"rank": r["rank"]} for r in recs for d in r["drains"]],
+            }
+        )
     return out
 
 
@@ -148,15 +151,27 @@ def blocked_table(runs: dict[str, list[dict]], configs: list[str]) -> str:
         saves = counted(rs)
         overlapped = sum(bool(b) for r in rs for b in r["busy"][1:])
         waits = [r["wait_s"] for r in rs] if c != "stock" else []
-        rows.append([
-            LABELS[c], cell(saves), str(len(saves)), cell([r["blocked"][0] for r in rs]),
-            f"{overlapped} of {len(saves)}" if c in ("three-levels", "manager") else "-",
-            cell(waits) if waits else "-",
-        ])  # fmt: skip
+        rows.append(
+            [
+                LABELS[c],
+                cell(saves),
+                str(len(saves)),
+                cell([r["blocked"][0] for r in rs]),
+                f"{overlapped} of {len(saves)}" if c in ("three-levels", "manager") else "-",
+                cell(waits) if waits else "-",
+            ]
+        )
     return markdown_table(
-        ["configuration", "blocked per save, s: median (min to max)", "saves",
-         "first save of a round, s (not counted)", "saves begun with a drain running",
-         "wait() after the last save, s"], rows)  # fmt: skip
+        [
+            "configuration",
+            "blocked per save, s: median (min to max)",
+            "saves",
+            "first save of a round, s (not counted)",
+            "saves begun with a drain running",
+            "wait() after the last save, s",
+        ],
+        rows,
+    )
 
 
 def drains_table(runs: dict[str, list[dict]]) -> str:
@@ -177,8 +192,9 @@ def drains_table(runs: dict[str, list[dict]]) -> str:
             rows.append([LABELS[c], level, cell(xs, 2), str(len(xs))])
         if superseded:
             rows.append([LABELS[c], "superseded (a newer save overtook)", str(superseded), ""])
-    return markdown_table(["configuration", "level", "drain, s: median (min to max)",
-                           "drains"], rows)  # fmt: skip
+    return markdown_table(
+        ["configuration", "level", "drain, s: median (min to max)", "drains"], rows
+    )
 
 
 def memory_table(mem: list[list[dict]]) -> str:
@@ -186,8 +202,15 @@ def memory_table(mem: list[list[dict]]) -> str:
     for rank, samples in enumerate(mem):
         for s in samples:
             books = ", ".join(f"{k} {'n/a' if v is None else v}" for k, v in s["books"].items())
-            rows.append([str(rank), str(s["save"]), f"{s['traced'] / 1e6:.3f}",
-                         f"{s['rss'] / 1e6:.1f}", books])  # fmt: skip
+            rows.append(
+                [
+                    str(rank),
+                    str(s["save"]),
+                    f"{s['traced'] / 1e6:.3f}",
+                    f"{s['rss'] / 1e6:.1f}",
+                    books,
+                ]
+            )
     return markdown_table(["rank", "after save", "Python traced, MB", "RSS, MB", "books"], rows)
 
 
@@ -202,8 +225,11 @@ def grown_books(samples: list[dict]) -> dict[str, tuple]:
     name -> (before, after). ``drains.results`` grows up to the newest
     ``RESULTS_KEPT`` outcomes, then stays: a run must be long enough to fill it."""
     a, b = samples[-2]["books"], samples[-1]["books"]
-    return {k: (a[k], b[k]) for k in a
-            if k != "c10d store keys" and None not in (a[k], b[k]) and b[k] > a[k]}  # fmt: skip
+    return {
+        k: (a[k], b[k])
+        for k in a
+        if k != "c10d store keys" and None not in (a[k], b[k]) and b[k] > a[k]
+    }
 
 
 def flat_books(samples: list[dict]) -> bool:
@@ -216,8 +242,11 @@ def books_detail(mem: list[list[dict]]) -> str:
         kept = f" (keeps the newest {RESULTS_KEPT})" if k == "drains.results" else ""
         return f"{k} {a} -> {b}{kept}"
 
-    grown = [f"rank {rank}: " + ", ".join(entry(k, a, b) for k, (a, b) in g.items())
-             for rank, m in enumerate(mem) if (g := grown_books(m))]  # fmt: skip
+    grown = [
+        f"rank {rank}: " + ", ".join(entry(k, a, b) for k, (a, b) in g.items())
+        for rank, m in enumerate(mem)
+        if (g := grown_books(m))
+    ]
     keys = [m[-1]["books"].get("c10d store keys") for m in mem]
     store = f"; c10d store keys {mem[0][-2]['books'].get('c10d store keys')} -> {keys[0]}"
     return ("books the same size" if not grown else "books grew: " + "; ".join(grown)) + store
@@ -228,34 +257,62 @@ def books_detail(mem: list[list[dict]]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__)
-    # fmt: off
     p.add_argument("--mb", type=float, default=256, help="state per rank, MB of fp32; 256")
-    p.add_argument("--saves", type=int, default=6,
-                   help="saves per configuration and round (the first is not counted); 6")
-    p.add_argument("--step-seconds", type=float, default=5.0,
-                   help="training step before each save, seconds; 5")
-    p.add_argument("--step-kind", choices=("sleep", "compute"), default="sleep",
-                   help="the step: sleep (default) or small single-threaded tensor ops")
+    p.add_argument(
+        "--saves",
+        type=int,
+        default=6,
+        help="saves per configuration and round (the first is not counted); 6",
+    )
+    p.add_argument(
+        "--step-seconds", type=float, default=5.0, help="training step before each save, seconds; 5"
+    )
+    p.add_argument(
+        "--step-kind",
+        choices=("sleep", "compute"),
+        default="sleep",
+        help="the step: sleep (default) or small single-threaded tensor ops",
+    )
     p.add_argument("--repeat", type=int, default=3, help="rounds over the configurations; 3")
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"subset of: {', '.join(CONFIGS)}; default: all")
-    p.add_argument("--remote-codec", default="bytegroup",
-                   help="the remote level's codec ('none' for none); bytegroup")
-    p.add_argument("--mem-saves", type=int, default=100,
-                   help="saves of the memory measurement (sampled after 10, half, all); 100")
-    p.add_argument("--mem-mb", type=float, default=2.0,
-                   help="state per rank of the memory measurement, MB; 2")
-    p.add_argument("--out", type=Path, default=None,
-                   help="where the levels' temporary directory goes (default: the system's, "
-                   "/tmp); it is removed afterwards")
-    p.add_argument("--timeout", type=float, default=3600.0,
-                   help="seconds for each run of the ranks (and their collectives); 3600")
+    p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"subset of: {', '.join(CONFIGS)}; default: all",
+    )
+    p.add_argument(
+        "--remote-codec",
+        default="bytegroup",
+        help="the remote level's codec ('none' for none); bytegroup",
+    )
+    p.add_argument(
+        "--mem-saves",
+        type=int,
+        default=100,
+        help="saves of the memory measurement (sampled after 10, half, all); 100",
+    )
+    p.add_argument(
+        "--mem-mb", type=float, default=2.0, help="state per rank of the memory measurement, MB; 2"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the levels' temporary directory goes (default: the system's, "
+        "/tmp); it is removed afterwards",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds for each run of the ranks (and their collectives); 3600",
+    )
     add_seed(p)
     add_results(p, "plugin_levels")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: 8 MB per rank, 2 rounds of 3 saves, 0.5 s steps, "
-                   "40 saves of memory")
-    # fmt: on
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 8 MB per rank, 2 rounds of 3 saves, 0.5 s steps, 40 saves of memory",
+    )
     args = p.parse_args(argv)
     args.configs = names(p, args.configs, CONFIGS, "config", required=True)
     if args.quick:
@@ -278,14 +335,24 @@ def main(argv: list[str] | None = None) -> int:
     with scratch_dir(None, "bench-plugin-levels-", parent=args.out) as root:
         print_header(__file__, root)
         payload = {
-            "root": str(root), "mb": args.mb, "seed": args.seed, "saves": args.saves,
-            "step_seconds": args.step_seconds, "step_kind": args.step_kind,
-            "repeat": args.repeat, "configs": args.configs, "remote_codec": args.remote_codec,
-            "mem_saves": args.mem_saves, "mem_mb": args.mem_mb, "points": points,
-        }  # fmt: skip
-        print(f"{WORLD} ranks on {WORLD} simulated nodes, {args.mb:g} MB per rank; "
-              f"{args.repeat} round{'s' * (args.repeat != 1)} of {', '.join(args.configs)}",
-              flush=True)  # fmt: skip
+            "root": str(root),
+            "mb": args.mb,
+            "seed": args.seed,
+            "saves": args.saves,
+            "step_seconds": args.step_seconds,
+            "step_kind": args.step_kind,
+            "repeat": args.repeat,
+            "configs": args.configs,
+            "remote_codec": args.remote_codec,
+            "mem_saves": args.mem_saves,
+            "mem_mb": args.mem_mb,
+            "points": points,
+        }
+        print(
+            f"{WORLD} ranks on {WORLD} simulated nodes, {args.mb:g} MB per rank; "
+            f"{args.repeat} round{'s' * (args.repeat != 1)} of {', '.join(args.configs)}",
+            flush=True,
+        )
         per_rank = run_ranks(blocked_main, WORLD, payload, timeout=args.timeout)
         mem = run_ranks(memory_main, WORLD, payload, timeout=args.timeout) if points else []
     runs = merge(per_rank)
@@ -335,16 +402,22 @@ def main(argv: list[str] | None = None) -> int:
     wait_ratio = median(wp) / median(wm) if wp and wm else float("nan")
     print("### Goals")
     print()
-    print(goal_line(
-        ratio <= BLOCKED_GOAL if measured(ratio) else None,
-        f"dcp.save with three levels blocks at most {BLOCKED_GOAL}x the first level alone",
-        f"median {times(ratio)} ({median(b):.3f} s / {median(a):.3f} s); per round "
-        + (", ".join(times(x) for x in per_round) or "n/a")))  # fmt: skip
-    print(goal_line(
-        wait_ratio <= WAIT_GOAL if measured(wait_ratio) else None,
-        "dcp_multilevel.wait() after the last save costs no more than CheckpointManager.wait()",
-        f"median {times(wait_ratio)} ({median(wp):.3f} s / {median(wm):.3f} s; "
-        f"<= {WAIT_GOAL}x: this machine's noise)"))  # fmt: skip
+    print(
+        goal_line(
+            ratio <= BLOCKED_GOAL if measured(ratio) else None,
+            f"dcp.save with three levels blocks at most {BLOCKED_GOAL}x the first level alone",
+            f"median {times(ratio)} ({median(b):.3f} s / {median(a):.3f} s); per round "
+            + (", ".join(times(x) for x in per_round) or "n/a"),
+        )
+    )
+    print(
+        goal_line(
+            wait_ratio <= WAIT_GOAL if measured(wait_ratio) else None,
+            "dcp_multilevel.wait() after the last save costs no more than CheckpointManager.wait()",
+            f"median {times(wait_ratio)} ({median(wp):.3f} s / {median(wm):.3f} s; "
+            f"<= {WAIT_GOAL}x: this machine's noise)",
+        )
+    )
     growths = [growth(m, "traced") for m in mem]
     if mem:
         ok = all(flat_books(m) for m in mem) and max(growths) < GROWTH_GOAL
@@ -365,8 +438,10 @@ def main(argv: list[str] | None = None) -> int:
         print(goal_line(None, "memory flat", "not measured (--mem-saves 0)"))
     busy = sum(bool(x) for r in runs["three-levels"] + runs["manager"] for x in r["busy"][1:])
     if busy:
-        print(f"\nWARNING: {busy} counted saves began while a drain of an earlier save still "
-              "ran: a longer --step-seconds lets the drains finish first.")  # fmt: skip
+        print(
+            f"\nWARNING: {busy} counted saves began while a drain of an earlier save still "
+            "ran: a longer --step-seconds lets the drains finish first."
+        )
 
     figures = {}
     for c in args.configs:
@@ -383,8 +458,13 @@ def main(argv: list[str] | None = None) -> int:
         figures["memory.rss_per_save"] = figure([growth(m, "rss") for m in mem], "B")
         figures["memory.saves"] = figure([args.mem_saves], "saves")
         figures["memory.books_flat"] = figure([float(flat_books(m)) for m in mem], "bool")
-    run.write(args.results, figures=figures, alternated=args.configs, rounds=args.repeat,
-              data={"args": args_record(args), "runs": runs, "memory": mem})  # fmt: skip
+    run.write(
+        args.results,
+        figures=figures,
+        alternated=args.configs,
+        rounds=args.repeat,
+        data={"args": args_record(args), "runs": runs, "memory": mem},
+    )
     return 0
 
 

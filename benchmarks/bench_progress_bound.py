@@ -54,9 +54,12 @@ def fits(losses: np.ndarray, steps: int) -> list[tuple[str, Recorded]]:
     out = []
     shapes = {
         "fit a + b exp(-k s)": [np.exp(-k * s) for k in np.geomspace(1e-4, 1.0, 200)],
-        "fit a + b (s + o)^-c": [(s + o) ** -c for c in np.linspace(0.05, 3.0, 60)
-                                 for o in (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 400)],
-    }  # fmt: skip
+        "fit a + b (s + o)^-c": [
+            (s + o) ** -c
+            for c in np.linspace(0.05, 3.0, 60)
+            for o in (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 400)
+        ],
+    }
     for how, candidates in shapes.items():
         best: tuple[float, np.ndarray] | None = None
         for x in candidates:
@@ -124,8 +127,10 @@ def main() -> int:
     if losses:
         first, last = np.mean(losses[:10]), np.mean(losses[-10:])
         took = f"in {seconds:.0f} s" if seconds else f"read from {args.losses}"
-        print(f"- MiniLM fine-tuning: {len(losses)} steps {took}, training loss "
-              f"{first:.3f} (first 10) -> {last:.3f} (last 10)")  # fmt: skip
+        print(
+            f"- MiniLM fine-tuning: {len(losses)} steps {took}, training loss "
+            f"{first:.3f} (first 10) -> {last:.3f} (last 10)"
+        )
     print(f"- goal: 40 % below Young/Daly, a bound under {GOAL:.2f}\n")
     head = ["curve", "expected curve", "run", "mean(sqrt(w))", "best possible below Y/D"]
     print(markdown_table(head, rows))

@@ -55,19 +55,23 @@ def lost_nodes(nodes: int, share: str) -> set[int]:
     return {1 + i * (nodes // count) for i in range(count)}
 
 
-def scenario(state: str, level: str, nodes: int, ranks: int, lost: set[int]
-             ) -> tuple[dict[str, int], list[Inventory]]:  # fmt: skip
+def scenario(
+    state: str, level: str, nodes: int, ranks: int, lost: set[int]
+) -> tuple[dict[str, int], list[Inventory]]:
     files = {f"data/{r}-0.t.bin": SIZE + r for r in range(nodes * ranks)}
     own = {n: [f"data/{n * ranks + r}-0.t.bin" for r in range(ranks)] for n in range(nodes)}
     descs: dict[str, dict] = {}
     if level == "erasure":
         for g, (members, keepers) in enumerate(group_layout(list(range(nodes)), DATA, PARITY)):
             descs[str(g)] = {
-                "group": str(g), "data": len(members), "parity": PARITY, "chunk": 1 << 16,
-                "stripe": 1 << 17, "parity_nodes": keepers,
-                "members": [{"node": n, "files": [[f, files[f]] for f in own[n]]}
-                            for n in members],
-            }  # fmt: skip
+                "group": str(g),
+                "data": len(members),
+                "parity": PARITY,
+                "chunk": 1 << 16,
+                "stripe": 1 << 17,
+                "parity_nodes": keepers,
+                "members": [{"node": n, "files": [[f, files[f]] for f in own[n]]} for n in members],
+            }
     of_node: dict[int, tuple[list, dict, dict]] = {}
     for g, d in descs.items():
         for n in [m["node"] for m in d["members"]] + d["parity_nodes"]:
@@ -86,9 +90,17 @@ def scenario(state: str, level: str, nodes: int, ranks: int, lost: set[int]
                 invs.append(Inventory(rank, n, needs, files=held))
             else:
                 parity, mine, _ = of_node.get(n, ([], {}, {}))
-                invs.append(Inventory(rank, n, needs, files={0: own[n], 2: own[n]},
-                                      parity={2: parity}, groups={2: mine},
-                                      placement=list(range(nodes))))  # fmt: skip
+                invs.append(
+                    Inventory(
+                        rank,
+                        n,
+                        needs,
+                        files={0: own[n], 2: own[n]},
+                        parity={2: parity},
+                        groups={2: mine},
+                        placement=list(range(nodes)),
+                    )
+                )
     return files, invs
 
 
@@ -114,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument("--nodes", default="16,64,250,1000,2000", help="node counts, comma-separated")
     p.add_argument("--ranks", type=int, default=8, help="ranks per node")
-    p.add_argument("--layouts", default="replicated/partner,sharded/partner,"
-                   "replicated/erasure,sharded/erasure")  # fmt: skip
+    p.add_argument(
+        "--layouts", default="replicated/partner,sharded/partner,replicated/erasure,sharded/erasure"
+    )
     p.add_argument("--lost", default="1,1%", help="one node, and/or 1 %% of the nodes")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--copies-max-nodes", type=int, default=64)
@@ -140,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(args.repeat):  # alternating
                     for name, ring_nodes in planners.items():
                         t0 = time.perf_counter()
-                        plans[name] = plan_restore(7, files, invs, URLS, rebuilders=rebuilders,
-                                                   ring_nodes=ring_nodes)  # fmt: skip
+                        plans[name] = plan_restore(
+                            7, files, invs, URLS, rebuilders=rebuilders, ring_nodes=ring_nodes
+                        )
                         seconds[name].append(time.perf_counter() - t0)
                         assert plans[name].ok, plans[name].reasons
                 for name, plan in plans.items():
@@ -150,17 +164,46 @@ def main(argv: list[str] | None = None) -> int:
                         flat = expand_rings(plan.actions)
                         span = simulated_time(flat, files) / bound(flat, files, node_of, args.ranks)
                         quality = [fmt(received(flat, files, node_of) / 2**20, 1), fmt(span, 2)]
-                    records.append({"nodes": nodes, "ranks": args.ranks, "layout": layout,
-                                    "lost": share, "planner": name, "seconds": seconds[name],
-                                    "actions": len(plan.actions),
-                                    "simulated_over_bound": quality[1] or None})  # fmt: skip
-                    rows.append([f"{nodes} x {args.ranks}", layout, share, name,
-                                 f"{fmt(median(seconds[name]), 3)} ({spread(seconds[name], 3)})",
-                                 len(plan.actions), *quality])  # fmt: skip
+                    records.append(
+                        {
+                            "nodes": nodes,
+                            "ranks": args.ranks,
+                            "layout": layout,
+                            "lost": share,
+                            "planner": name,
+                            "seconds": seconds[name],
+                            "actions": len(plan.actions),
+                            "simulated_over_bound": quality[1] or None,
+                        }
+                    )
+                    rows.append(
+                        [
+                            f"{nodes} x {args.ranks}",
+                            layout,
+                            share,
+                            name,
+                            f"{fmt(median(seconds[name]), 3)} ({spread(seconds[name], 3)})",
+                            len(plan.actions),
+                            *quality,
+                        ]
+                    )
                     print(rows[-1], flush=True)
     print()
-    print(markdown_table(["nodes x ranks", "state/level", "lost", "planner", "planning s (spread)",
-                          "actions", "neediest node MiB", "simulated / bound"], rows))  # fmt: skip
+    print(
+        markdown_table(
+            [
+                "nodes x ranks",
+                "state/level",
+                "lost",
+                "planner",
+                "planning s (spread)",
+                "actions",
+                "neediest node MiB",
+                "simulated / bound",
+            ],
+            rows,
+        )
+    )
     if args.json:
         args.json.write_text(json.dumps({"command": command(__file__), "rows": records}, indent=1))
     return 0

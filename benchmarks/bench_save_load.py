@@ -116,17 +116,24 @@ def _stock(t: int) -> Config:
     # Stock's best for repeated saves: DCP's plan caching (a planner per save; the
     # cache is DCP's, per planner class).
     return Config(
-        f"stock-t{t}", "FileSystemWriter/Reader, DefaultSavePlanner(enable_plan_caching=True)",
-        writer, FileSystemReader, lambda: DefaultSavePlanner(enable_plan_caching=True),
-    )  # fmt: skip
+        f"stock-t{t}",
+        "FileSystemWriter/Reader, DefaultSavePlanner(enable_plan_caching=True)",
+        writer,
+        FileSystemReader,
+        lambda: DefaultSavePlanner(enable_plan_caching=True),
+    )
 
 
 def _ours(t: int) -> Config:
     def writer(p: Path) -> object:
         return MultiLevelWriter(p, overwrite=False, thread_count=t, sync_files=True)
 
-    return Config(f"ours-t{t}", "MultiLevelWriter/Reader", writer,
-                  lambda p: MultiLevelReader(p, thread_count=t))  # fmt: skip
+    return Config(
+        f"ours-t{t}",
+        "MultiLevelWriter/Reader",
+        writer,
+        lambda p: MultiLevelReader(p, thread_count=t),
+    )
 
 
 TORCH_SAVE_NOTE = "torch.save + fsync / torch.load(weights_only=True, mmap=False) into new tensors"
@@ -178,9 +185,14 @@ class Samples:
 
 
 def measure(
-    timer: PhaseTimer, settle: float, cfg: Config, state: State, dest: State, path: Path,
+    timer: PhaseTimer,
+    settle: float,
+    cfg: Config,
+    state: State,
+    dest: State,
+    path: Path,
     out: Samples,
-) -> None:  # fmt: skip
+) -> None:
     """One save + warm load + cold load of ``cfg`` at ``path``, appended to ``out``.
 
     The cold read starts ``settle`` seconds after the end of the write, raw disk
@@ -251,10 +263,18 @@ def report(
         save, warm, cold = median(s.save_s), median(s.warm_s), median(s.cold_s)
         warm_cells = [fmt(warm, 3), fmt(gbps(nbytes, warm))] if s.warm_s else ["-", "-"]
         rows.append(
-            [name, fmt(save, 3), fmt(gbps(nbytes, save)), fmt(median(s.disk_bytes) / 1e9, 3),
-             int(median(s.files)), *warm_cells, fmt(cold, 3), fmt(gbps(nbytes, cold)),
-             fmt(100 * max(s.other_cpu), 0)]
-        )  # fmt: skip
+            [
+                name,
+                fmt(save, 3),
+                fmt(gbps(nbytes, save)),
+                fmt(median(s.disk_bytes) / 1e9, 3),
+                int(median(s.files)),
+                *warm_cells,
+                fmt(cold, 3),
+                fmt(gbps(nbytes, cold)),
+                fmt(100 * max(s.other_cpu), 0),
+            ]
+        )
     out = [markdown_table(headers, rows), ""]
     out.append(
         "Medians of the repeats. GB/s = logical state bytes / seconds (1 GB = 1e9 B). "
@@ -316,21 +336,30 @@ def goals(results: dict[str, Samples], nbytes: int) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__)
-    # fmt: off
-    p.add_argument("--size-scale", type=float, default=1.0,
-                   help="scale the number of encoder layers (24 at 1.0, at least 1); default 1.0")
+    p.add_argument(
+        "--size-scale",
+        type=float,
+        default=1.0,
+        help="scale the number of encoder layers (24 at 1.0, at least 1); default 1.0",
+    )
     p.add_argument("--repeat", type=int, default=3, help="measurements per config (median)")
     add_root(p, "scratch directory for checkpoints (default: bench_out/ in the repo)")
-    p.add_argument("--only", default=",".join(CONFIGS),
-                   help=f"comma-separated subset of: {', '.join(CONFIGS)}")
+    p.add_argument(
+        "--only", default=",".join(CONFIGS), help=f"comma-separated subset of: {', '.join(CONFIGS)}"
+    )
     add_seed(p)
     add_results(p, "save_load")
     add_wait_idle(p)
-    p.add_argument("--settle", type=float, default=None, help=(
-        "seconds from the end of a write to the start of the cold read of that data,\n"
-        f"the same for every entry; default {SETTLE_S_PER_GB} s per GB of state (~5 s at\n"
-        "full size): this VM's host caches recent writes and reads them back faster"))
-    # fmt: on
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=None,
+        help=(
+            "seconds from the end of a write to the start of the cold read of that data,\n"
+            f"the same for every entry; default {SETTLE_S_PER_GB} s per GB of state (~5 s at\n"
+            "full size): this VM's host caches recent writes and reads them back faster"
+        ),
+    )
     args = p.parse_args(argv)
     args.only = names(p, args.only, list(CONFIGS), "config")
     if args.repeat < 1 or args.size_scale <= 0:
@@ -391,11 +420,18 @@ def main(argv: list[str] | None = None) -> int:
                 figures[f"{name}.{kind}_gbps"] = figure((gbps(nbytes, x) for x in secs), "GB/s")
         figures[f"{name}.disk_bytes"] = figure(s.disk_bytes, "B")
     run.write(
-        args.results, figures=figures, alternated=[e.name for e in entries], rounds=args.repeat,
-        data={"state_bytes": nbytes, "tensors": len(state), "layers": cfg.num_hidden_layers,
-              "notes": {e.name: e.note for e in entries},
-              "samples": {name: asdict(s) for name, s in results.items()}},
-    )  # fmt: skip
+        args.results,
+        figures=figures,
+        alternated=[e.name for e in entries],
+        rounds=args.repeat,
+        data={
+            "state_bytes": nbytes,
+            "tensors": len(state),
+            "layers": cfg.num_hidden_layers,
+            "notes": {e.name: e.note for e in entries},
+            "samples": {name: asdict(s) for name, s in results.items()},
+        },
+    )
     return 0
 
 

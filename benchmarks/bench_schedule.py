@@ -141,29 +141,46 @@ def policies(job: Job, search_seeds: range, early: bool) -> list[tuple[str, obje
     by_progress = min(searched.tried, key=lambda c: progress(searched.tried[c]))
     yd = young_daly_intervals(job)
     out = [
-        (f"fixed {every} steps (torchtitan)", EverySteps((every,) * n),
-         f"{every * job.step_seconds:.0f} s"),
+        (
+            f"fixed {every} steps (torchtitan)",
+            EverySteps((every,) * n),
+            f"{every * job.step_seconds:.0f} s",
+        ),
         ("Young/Daly, one interval", FixedSeconds((one,) * n), f"{one:.0f} s"),
         ("Young/Daly per level", YoungDalyAhead(job.failures, job.kinds), show(yd)),
         ("ours: Schedule.auto", Schedule.auto(mtbf_hours=mtbf), "adaptive"),
-        ("ours: convergence=True", Schedule.auto(mtbf_hours=mtbf, convergence=True),
-         "adaptive, 24 h"),
-        ("ConvergenceAware (first try)",
-         OverheadBound(ConvergenceAware(YoungDaly(FailureModel(mtbf)))), "adaptive"),
-        (f"brute-force best ({len(searched.tried)} tried)", FixedSeconds(searched.best),
-         show(searched.best)),
+        (
+            "ours: convergence=True",
+            Schedule.auto(mtbf_hours=mtbf, convergence=True),
+            "adaptive, 24 h",
+        ),
+        (
+            "ConvergenceAware (first try)",
+            OverheadBound(ConvergenceAware(YoungDaly(FailureModel(mtbf)))),
+            "adaptive",
+        ),
+        (
+            f"brute-force best ({len(searched.tried)} tried)",
+            FixedSeconds(searched.best),
+            show(searched.best),
+        ),
         ("brute-force best, COCI's accounting", FixedSeconds(by_progress), show(by_progress)),
-    ]  # fmt: skip
+    ]
     if early:
         tried = {
-            h: evaluate(job, Schedule.auto(mtbf_hours=mtbf, convergence=True, horizon_hours=h),
-                        search_seeds)
+            h: evaluate(
+                job, Schedule.auto(mtbf_hours=mtbf, convergence=True, horizon_hours=h), search_seeds
+            )
             for h in HORIZONS
-        }  # fmt: skip
+        }
         h = min(tried, key=lambda x: progress(tried[x]))
-        out.append((f"convergence=True, best horizon ({len(HORIZONS)} tried)",
-                    Schedule.auto(mtbf_hours=mtbf, convergence=True, horizon_hours=h),
-                    f"adaptive, {h:g} h"))  # fmt: skip
+        out.append(
+            (
+                f"convergence=True, best horizon ({len(HORIZONS)} tried)",
+                Schedule.auto(mtbf_hours=mtbf, convergence=True, horizon_hours=h),
+                f"adaptive, {h:g} h",
+            )
+        )
     return out
 
 
@@ -178,10 +195,16 @@ def pct(e: Estimate) -> str:
 def row(name: str, intervals: str, s: Summary) -> list[str]:
     runs = s.runs
     return [
-        name, intervals, pct(s.fraction), pct(s.value_fraction), pct(s.progress_fraction),
-        f"{s.blocked.mean:.0f}", f"{s.lost.mean:.0f}", f"{s.restore.mean:.0f}",
+        name,
+        intervals,
+        pct(s.fraction),
+        pct(s.value_fraction),
+        pct(s.progress_fraction),
+        f"{s.blocked.mean:.0f}",
+        f"{s.lost.mean:.0f}",
+        f"{s.restore.mean:.0f}",
         f"{sum(len(r.failures) for r in runs) / len(runs):.1f}",
-    ]  # fmt: skip
+    ]
 
 
 def run_scenario(gpus: int, levels: str, early: bool, args: argparse.Namespace) -> dict:
@@ -197,13 +220,18 @@ def run_scenario(gpus: int, levels: str, early: bool, args: argparse.Namespace) 
         s = evaluate(job, policy, seeds)  # type: ignore[arg-type]
         summaries[name] = s
         rows.append(row(name, intervals, s))
-        raw.append({"policy": name, "intervals": intervals,
-                    "fraction": [s.fraction.mean, s.fraction.half_width],
-                    "value_fraction": [s.value_fraction.mean, s.value_fraction.half_width],
-                    "progress_fraction": [s.progress_fraction.mean,
-                                          s.progress_fraction.half_width],
-                    "blocked_s": s.blocked.mean, "lost_s": s.lost.mean,
-                    "restore_s": s.restore.mean})  # fmt: skip
+        raw.append(
+            {
+                "policy": name,
+                "intervals": intervals,
+                "fraction": [s.fraction.mean, s.fraction.half_width],
+                "value_fraction": [s.value_fraction.mean, s.value_fraction.half_width],
+                "progress_fraction": [s.progress_fraction.mean, s.progress_fraction.half_width],
+                "blocked_s": s.blocked.mean,
+                "lost_s": s.lost.mean,
+                "restore_s": s.restore.mean,
+            }
+        )
     title = (
         f"### {gpus:,} GPUs (MTBF {job.failures.mtbf_hours:.2f} h), "
         f"{'one level (remote only)' if levels == 'one' else 'three levels'}, "
@@ -257,12 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--quick", action="store_true", help="8 seeds, 4 search seeds, 24 h runs")
     p.add_argument(
-        "--losses", type=Path, default=None,
+        "--losses",
+        type=Path,
+        default=None,
         help="value progress by the losses of bench_schedule_real.py --json's first auto run "
-             "(default: the Chinchilla-shaped curve)",
-    )  # fmt: skip
+        "(default: the Chinchilla-shaped curve)",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
-    args = p.parse_args(argv)  # fmt: skip
+    args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.search_seeds, args.hours = 8, 4, 24.0
     three = m.three_levels()
@@ -274,23 +304,38 @@ def main(argv: list[str] | None = None) -> int:
         # The fit that fits best: a recorded curve's best-loss-so-far would count
         # its batches' scatter as progress (docs/schedule.md "Three accountings").
         name, args.curve = fits(losses, total)[0]
-        print(f"- loss curve: the {len(losses)} losses of {args.losses} ({losses[:10].mean():.4f} "
-              f"-> {losses[-10:].mean():.4f}), {name}, stretched over the run; "
-              f"coci_bound {args.curve.coci_bound(total):.3f}")  # fmt: skip
+        print(
+            f"- loss curve: the {len(losses)} losses of {args.losses} ({losses[:10].mean():.4f} "
+            f"-> {losses[-10:].mean():.4f}), {name}, stretched over the run; "
+            f"coci_bound {args.curve.coci_bound(total):.3f}"
+        )
     else:
-        print(f"- loss curve: Chinchilla-shaped (sim/measured.py); coci_bound "
-              f"{m.LOSS.coci_bound(total):.3f}")  # fmt: skip
-    print(f"- step {m.STEP_SECONDS} s, {args.hours:g} h failure-free per run, "
-          f"{args.seeds} seeds per policy ({args.search_seeds} other seeds per grid point "
-          "for the brute-force search)")  # fmt: skip
-    print(f"- one level: direct save to the remote blocks {m.DIRECT_SAVE_S} s, restore "
-          f"{m.STORE_RESTORE_S} s")  # fmt: skip
-    print("- three levels (cost = blocked s for the first, drain s above; restore s): "
-          + "; ".join(f"{lv.kind} {lv.cost_seconds} / {lv.restore_seconds}" for lv in three)
-          + " (node level: the remote's scaled by bench_nodeloss's partner ratios)")  # fmt: skip
-    print("- failure classes: "
-          + ", ".join(f"{c.name} {100 * c.share:.0f} % (survived by {c.survived_by})"
-                      for c in m.scenario(1024, three).failures.classes) + "\n")  # fmt: skip
+        print(
+            f"- loss curve: Chinchilla-shaped (sim/measured.py); coci_bound "
+            f"{m.LOSS.coci_bound(total):.3f}"
+        )
+    print(
+        f"- step {m.STEP_SECONDS} s, {args.hours:g} h failure-free per run, "
+        f"{args.seeds} seeds per policy ({args.search_seeds} other seeds per grid point "
+        "for the brute-force search)"
+    )
+    print(
+        f"- one level: direct save to the remote blocks {m.DIRECT_SAVE_S} s, restore "
+        f"{m.STORE_RESTORE_S} s"
+    )
+    print(
+        "- three levels (cost = blocked s for the first, drain s above; restore s): "
+        + "; ".join(f"{lv.kind} {lv.cost_seconds} / {lv.restore_seconds}" for lv in three)
+        + " (node level: the remote's scaled by bench_nodeloss's partner ratios)"
+    )
+    print(
+        "- failure classes: "
+        + ", ".join(
+            f"{c.name} {100 * c.share:.0f} % (survived by {c.survived_by})"
+            for c in m.scenario(1024, three).failures.classes
+        )
+        + "\n"
+    )
     results = []
     t0 = time.perf_counter()
     for early in (False, True):

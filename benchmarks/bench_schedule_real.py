@@ -69,8 +69,9 @@ def _rank(rank: int, world: int, store_path: str, root: str, name: str, args: di
         records: list[dict] = []
         mgr = CheckpointManager(
             [first, Level(f"{root}/remote", keep=2, every=10)],
-            schedule=schedule, on_metrics=records.append,
-        )  # fmt: skip
+            schedule=schedule,
+            on_metrics=records.append,
+        )
         blocked = 0.0
         saves = 0
         losses: list[float] = []
@@ -80,8 +81,11 @@ def _rank(rank: int, world: int, store_path: str, root: str, name: str, args: di
             loss = demo.train_step(model, optim, step)
             losses.append(float(f"{loss:.7g}"))
             t0 = time.perf_counter()
-            metrics = mgr.step({"model": model.module.state_dict(), "optim": optim.state_dict()},
-                               step=step, loss=loss)  # fmt: skip
+            metrics = mgr.step(
+                {"model": model.module.state_dict(), "optim": optim.state_dict()},
+                step=step,
+                loss=loss,
+            )
             if metrics is not None:
                 saves += 1
                 blocked += time.perf_counter() - t0
@@ -95,10 +99,18 @@ def _rank(rank: int, world: int, store_path: str, root: str, name: str, args: di
         mgr.close()
         rules = Counter(r["policy"] for r in records if r["kind"] == "decision")
         if rank == 0:
-            Path(out).write_text(json.dumps({
-                "saves": saves, "blocked": blocked, "wall": wall, "steps": step,
-                "rules": dict(rules), "losses": losses,
-            }))  # fmt: skip
+            Path(out).write_text(
+                json.dumps(
+                    {
+                        "saves": saves,
+                        "blocked": blocked,
+                        "wall": wall,
+                        "steps": step,
+                        "rules": dict(rules),
+                        "losses": losses,
+                    }
+                )
+            )
     except BaseException:  # noqa: BLE001 - any failure must end this rank with a code
         traceback.print_exc()
         os._exit(1)  # the parent's spawn reports it
@@ -114,8 +126,11 @@ def run_once(name: str, args, scratch: Path) -> dict:
     root.mkdir(parents=True)
     out = root / "result.json"
     with tempfile.TemporaryDirectory() as tmp:
-        settings = {"mtbf_hours": args.mtbf_hours, "overhead": args.overhead,
-                    "seconds": args.seconds}  # fmt: skip
+        settings = {
+            "mtbf_hours": args.mtbf_hours,
+            "overhead": args.overhead,
+            "seconds": args.seconds,
+        }
         mp.spawn(_rank, args=(2, f"{tmp}/store", str(root), name, settings, str(out)), nprocs=2)
     return json.loads(out.read_text())
 
@@ -143,23 +158,34 @@ def main(argv: list[str] | None = None) -> int:
         rules = Counter()
         for r in runs:
             rules.update(r["rules"])
-        rows.append([
-            name, f"{median([r['saves'] for r in runs]):.0f}",
-            f"{median([r['steps'] for r in runs]):.0f}",
-            f"{median([r['blocked'] for r in runs]):.2f}",
-            f"{median([r['wall'] for r in runs]):.1f}",
-            f"{100 * median(fractions):.2f} %", spread([100 * f for f in fractions]),
-            ", ".join(f"{k}: {v}" for k, v in sorted(rules.items())),
-        ])  # fmt: skip
+        rows.append(
+            [
+                name,
+                f"{median([r['saves'] for r in runs]):.0f}",
+                f"{median([r['steps'] for r in runs]):.0f}",
+                f"{median([r['blocked'] for r in runs]):.2f}",
+                f"{median([r['wall'] for r in runs]):.1f}",
+                f"{100 * median(fractions):.2f} %",
+                spread([100 * f for f in fractions]),
+                ", ".join(f"{k}: {v}" for k, v in sorted(rules.items())),
+            ]
+        )
     print(f"\n### 2 ranks, demo MLP, {args.seconds:.0f} s per run, {args.repeat} rounds\n")
-    print(markdown_table(
-        ["schedule", "saves", "steps", "blocked s", "wall s", "blocked", "spread (%)", "rules"],
-        rows,
-    ))  # fmt: skip
+    print(
+        markdown_table(
+            ["schedule", "saves", "steps", "blocked s", "wall s", "blocked", "spread (%)", "rules"],
+            rows,
+        )
+    )
     print(f"\nload average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     auto = median([r["blocked"] / r["wall"] for r in samples["auto"]])
-    print(goal_line(auto <= args.overhead, "auto keeps blocked time under its bound",
-                    f"{100 * auto:.2f} % vs {100 * args.overhead:.1f} %"))  # fmt: skip
+    print(
+        goal_line(
+            auto <= args.overhead,
+            "auto keeps blocked time under its bound",
+            f"{100 * auto:.2f} % vs {100 * args.overhead:.1f} %",
+        )
+    )
     if args.json:
         args.json.write_text(json.dumps(samples, indent=1))
     return 0

@@ -35,8 +35,9 @@ def _gbps(nbytes: int, seconds: list[float]) -> tuple[float, float, float]:
     return statistics.median(rates), min(rates), max(rates)
 
 
-def _bars(ax, labels: list[str], series: dict[str, list[tuple[float, float, float]]],
-          colors: list[str]) -> None:  # fmt: skip
+def _bars(
+    ax, labels: list[str], series: dict[str, list[tuple[float, float, float]]], colors: list[str]
+) -> None:
     """Grouped bars with whiskers from the lowest to the highest sample."""
     width = 0.8 / len(series)
     for k, ((name, values), color) in enumerate(zip(series.items(), colors, strict=True)):
@@ -83,12 +84,24 @@ def planner(doc: dict, out: Path) -> None:
     rows = doc["plan_only"]
     ranks = [r["ranks"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, color, label in (("stock", STOCK, "stock DefaultSavePlanner"),
-                               ("ours", OURS, "BalancedSavePlanner")):  # fmt: skip
-        ax.plot(ranks, [r[name]["rank_bytes_max"] / 1e9 for r in rows], "o-", color=color,
-                label=f"{label}: busiest rank")  # fmt: skip
-    ax.plot(ranks, [r["ours"]["rank_bytes_mean"] / 1e9 for r in rows], ":", color="k",
-            label="mean per rank (the ideal)")  # fmt: skip
+    for name, color, label in (
+        ("stock", STOCK, "stock DefaultSavePlanner"),
+        ("ours", OURS, "BalancedSavePlanner"),
+    ):
+        ax.plot(
+            ranks,
+            [r[name]["rank_bytes_max"] / 1e9 for r in rows],
+            "o-",
+            color=color,
+            label=f"{label}: busiest rank",
+        )
+    ax.plot(
+        ranks,
+        [r["ours"]["rank_bytes_mean"] / 1e9 for r in rows],
+        ":",
+        color="k",
+        label="mean per rank (the ideal)",
+    )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("ranks (data parallel, state replicated on every rank)")
@@ -114,8 +127,14 @@ def codecs(doc: dict, out: Path) -> None:
                 continue
             speed = r["raw_bytes"] / 1e6 / statistics.median(secs)
             ratio = r["comp_bytes"] / r["raw_bytes"]
-            ax.scatter(speed, ratio, marker=markers[data_set], color=colors.get(name, "k"),
-                       s=60, label=None if name in seen else name)  # fmt: skip
+            ax.scatter(
+                speed,
+                ratio,
+                marker=markers[data_set],
+                color=colors.get(name, "k"),
+                s=60,
+                label=None if name in seen else name,
+            )
             seen.add(name)
     for data_set, marker in markers.items():
         ax.scatter([], [], marker=marker, color="k", label=data_set)
@@ -131,12 +150,22 @@ def async_blocked(doc: dict, out: Path) -> None:
     """Training time blocked by each dcp.async_save, stock against ours (bench_async.py)."""
     full, doc = doc, doc["data"]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for variant, color, style in (("stock", STOCK, "o--"), ("stock-best", STOCK, "s-"),
-                                  ("ours", OURS, "o--"), ("ours-overlap", OURS, "s-")):  # fmt: skip
+    for variant, color, style in (
+        ("stock", STOCK, "o--"),
+        ("stock-best", STOCK, "s-"),
+        ("ours", OURS, "o--"),
+        ("ours-overlap", OURS, "s-"),
+    ):
         for k, run in enumerate(doc.get(variant) or []):
             saves = range(1, len(run["blocked"]) + 1)
-            ax.plot(saves, run["blocked"], style, color=color, alpha=0.8,
-                    label=f"{variant} (a process per line)" if k == 0 else None)  # fmt: skip
+            ax.plot(
+                saves,
+                run["blocked"],
+                style,
+                color=color,
+                alpha=0.8,
+                label=f"{variant} (a process per line)" if k == 0 else None,
+            )
     ax.set_xlabel("save number (save 1 includes one-time set-up on both sides)")
     ax.set_ylabel("seconds training is blocked (log)")
     ax.set_yscale("log")
@@ -151,8 +180,12 @@ def restore_scale(doc: dict, out: Path) -> None:
     """Restore planning seconds against nodes, log-log, per layout: rings (today)
     and the point-to-point copies planner they replaced (bench_restore_plan.py)."""
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
-    colors = {"replicated/partner": OURS, "replicated/erasure": "#17becf",
-              "sharded/partner": "#2ca02c", "sharded/erasure": "#9467bd"}  # fmt: skip
+    colors = {
+        "replicated/partner": OURS,
+        "replicated/erasure": "#17becf",
+        "sharded/partner": "#2ca02c",
+        "sharded/erasure": "#9467bd",
+    }
     for planner, style in (("ring", "o-"), ("copies", "s--")):
         for layout, color in colors.items():
             rows = [
@@ -187,10 +220,17 @@ def save_plan_scale(doc: dict, out: Path) -> None:
         if not rows:
             continue
         ranks = [r["ranks"] for r in rows]
-        for name, color, label in (("stock", STOCK, "stock DefaultSavePlanner"),
-                                   ("ours", OURS, "BalancedSavePlanner")):  # fmt: skip
-            ax.plot(ranks, [r[name]["plan_s"] for r in rows], f"{marker}-", color=color,
-                    label=f"{label}, {state}")  # fmt: skip
+        for name, color, label in (
+            ("stock", STOCK, "stock DefaultSavePlanner"),
+            ("ours", OURS, "BalancedSavePlanner"),
+        ):
+            ax.plot(
+                ranks,
+                [r[name]["plan_s"] for r in rows],
+                f"{marker}-",
+                color=color,
+                label=f"{label}, {state}",
+            )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("ranks (BERT-large + AdamW; replicated, or FSDP row shards)")

@@ -132,8 +132,11 @@ Row = tuple[str, str, str]
 def save_load(s: Source) -> tuple[list[Row], list[Row]]:
     gb = s.med("ours-t1.disk_bytes") / 1e9
     rows = {}
-    for kind, label in (("save", "save"), ("warm", "load from page cache"),
-                        ("cold", "load from disk")):  # fmt: skip
+    for kind, label in (
+        ("save", "save"),
+        ("warm", "load from page cache"),
+        ("cold", "load from disk"),
+    ):
         (sn, sv), (on, ov) = best(s, "stock-t", f"{kind}_gbps"), best(s, "ours-t", f"{kind}_gbps")
         rows[kind] = (label, f"{sv:.2f} GB/s ({sn})", f"**{ov:.2f} GB/s** ({on}; {x(ov, sv)})")
     save, warm, cold = rows["save"], rows["warm"], rows["cold"]
@@ -155,8 +158,11 @@ def planner(s: Source) -> tuple[list[Row], list[Row]]:
     label = f"busiest rank's bytes, {n:,} data-parallel ranks (BERT-large + AdamW)"
     row = (label, f"{st:.1f}x the mean", f"**{ou:.3f}x** the mean")
     sp, op = s.med(f"ranks{n}.stock.plan_s"), s.med(f"ranks{n}.ours.plan_s")
-    plan = (f"planning that save, {n:,} ranks (plan only)", f"{sp:.2f} s",
-            f"{op:.2f} s ({than(sp, op, 'faster', 'slower')})")  # fmt: skip
+    plan = (
+        f"planning that save, {n:,} ranks (plan only)",
+        f"{sp:.2f} s",
+        f"{op:.2f} s ({than(sp, op, 'faster', 'slower')})",
+    )
     return [row], [row, plan]
 
 
@@ -167,8 +173,9 @@ def codecs(s: Source) -> tuple[list[Row], list[Row]]:
         return " / ".join(f"{s.med(f'{st}.{codec}.{fig}'):.{digits}f}" for st in sets)
 
     ours, stock, zipnn = "ours-bytegroup", "stock-zstd", "zipnn"
-    speed = [s.med(f"{st}.{ours}.comp_mbps.t2") / s.med(f"{st}.{stock}.comp_mbps.t2")
-             for st in sets]  # fmt: skip
+    speed = [
+        s.med(f"{st}.{ours}.comp_mbps.t2") / s.med(f"{st}.{stock}.comp_mbps.t2") for st in sets
+    ]
     stored = (
         "stored / raw bytes, BERT + AdamW fp32 / bf16",
         f"{each(stock, 'ratio', 2)} (its ZStandard)",
@@ -195,11 +202,14 @@ def codecs(s: Source) -> tuple[list[Row], list[Row]]:
         def save(w: str) -> str:
             return " / ".join(f"{s.med(f'{st}.save.{w}.s'):.2f}" for st in sets)
 
-        docs.append((
-            "`dcp.save` compressed, BERT + AdamW fp32 / bf16 (s)",
-            f"{save('stock+ZStandard')} (ZStandard); uncompressed {save('stock')}",
-            f"{save('ours codec=bytegroup')} (bytegroup); uncompressed {save('ours codec=None')}",
-        ))  # fmt: skip
+        docs.append(
+            (
+                "`dcp.save` compressed, BERT + AdamW fp32 / bf16 (s)",
+                f"{save('stock+ZStandard')} (ZStandard); uncompressed {save('stock')}",
+                f"{save('ours codec=bytegroup')} (bytegroup); "
+                f"uncompressed {save('ours codec=None')}",
+            )
+        )
     return [stored, comp], docs
 
 
@@ -290,13 +300,15 @@ def plugin_levels(s: Source) -> tuple[list[Row], list[Row]]:
     if s.has("memory.traced_per_save"):
         n = int(s.med("memory.saves"))
         flat = s.doc["figures"]["memory.books_flat"]["min"] == 1.0
-        docs.append((
-            f"memory per save over {n} saves through the plugin (three levels, 2 ranks)",
-            "-",
-            f"{s.med('memory.traced_per_save'):.0f} B Python-level, "
-            f"{s.med('memory.rss_per_save') / 1024:.1f} KiB RSS (saves {n // 2} to {n}); "
-            f"the ladder's books {'flat' if flat else '**grew**'}",
-        ))  # fmt: skip
+        docs.append(
+            (
+                f"memory per save over {n} saves through the plugin (three levels, 2 ranks)",
+                "-",
+                f"{s.med('memory.traced_per_save'):.0f} B Python-level, "
+                f"{s.med('memory.rss_per_save') / 1024:.1f} KiB RSS (saves {n // 2} to {n}); "
+                f"the ladder's books {'flat' if flat else '**grew**'}",
+            )
+        )
     return [], docs
 
 
@@ -332,22 +344,38 @@ def health(s: Source) -> tuple[list[Row], list[Row]]:
 
 
 BUILDERS: dict[str, Callable[[Source], tuple[list[Row], list[Row]]]] = {
-    "save_load": save_load, "planner": planner, "codecs": codecs, "async": async_,
-    "manager": manager, "nodeloss": nodeloss, "plugin_levels": plugin_levels,
+    "save_load": save_load,
+    "planner": planner,
+    "codecs": codecs,
+    "async": async_,
+    "manager": manager,
+    "nodeloss": nodeloss,
+    "plugin_levels": plugin_levels,
     "health": health,
-}  # fmt: skip
+}
 
 #: Rows no benchmark measures: what the format does, and the test that shows it.
 DESIGN: list[tuple[str, str, str, str]] = [
-    ("a flipped byte", "loaded silently", "**checksum per item**, next copy used",
-     "`tests/test_corruption.py`"),
-    ("a diverged run (NaN from step 3 on)",
-     "saved like any other step; the newest is resumed, NaN and all",
-     "**quarantined** on the first level; clean steps kept on every level; the resume "
-     "takes the newest clean one", "`tests/test_health.py`"),
-    ("metadata", "pickled `.metadata`", "versioned JSON, validated; no pickle for tensors",
-     "`tests/test_roundtrip.py`"),
-]  # fmt: skip
+    (
+        "a flipped byte",
+        "loaded silently",
+        "**checksum per item**, next copy used",
+        "`tests/test_corruption.py`",
+    ),
+    (
+        "a diverged run (NaN from step 3 on)",
+        "saved like any other step; the newest is resumed, NaN and all",
+        "**quarantined** on the first level; clean steps kept on every level; the resume "
+        "takes the newest clean one",
+        "`tests/test_health.py`",
+    ),
+    (
+        "metadata",
+        "pickled `.metadata`",
+        "versioned JSON, validated; no pickle for tensors",
+        "`tests/test_roundtrip.py`",
+    ),
+]
 
 
 # --------------------------------------------------------------------------- tables
@@ -394,8 +422,9 @@ def splice(path: Path, table: str) -> tuple[str, str]:
 
 
 def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(repo), *args], check=False, capture_output=True,
-                          text=True)  # fmt: skip
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=False, capture_output=True, text=True
+    )
 
 
 def _files(paths: list[str]) -> str:
@@ -408,8 +437,10 @@ def stale(src: Source, repo: Path) -> str | None:
     if _git(repo, "cat-file", "-e", f"{commit}^{{commit}}").returncode:
         return f"{src.path}: commit {commit[:10]} is not in this repository's history"
     if dirty := src.doc.get("dirty_code"):
-        return (f"{src.path}: measured with uncommitted changes in {_files(dirty)} of "
-                f"dcp_multilevel/ (e.g. {dirty[0]}): commit, then rerun it")  # fmt: skip
+        return (
+            f"{src.path}: measured with uncommitted changes in {_files(dirty)} of "
+            f"dcp_multilevel/ (e.g. {dirty[0]}): commit, then rerun it"
+        )
     changed = _git(repo, "diff", "--name-only", commit, "HEAD", "--", "dcp_multilevel/")
     if changed.stdout.strip():
         files = changed.stdout.split()
@@ -426,28 +457,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--readme", type=Path, default=REPO / "README.md")
     p.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md")
     p.add_argument("--repo", type=Path, default=REPO, help="the git repository (for --check)")
-    p.add_argument("--check", action="store_true",
-                   help="write nothing; fail if a table differs or a figure is stale")  # fmt: skip
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; fail if a table differs or a figure is stale",
+    )
     args = p.parse_args(argv)
     try:
         readme, docs, sources = build(args.results)
-        edits = [(path, *splice(path, table)) for path, table in
-                 ((args.readme, readme), (args.docs, docs))]  # fmt: skip
+        edits = [
+            (path, *splice(path, table))
+            for path, table in ((args.readme, readme), (args.docs, docs))
+        ]
     except TablesError as e:
         print(f"tables: {e}", file=sys.stderr)
         return 2
     for name in OPTIONAL:
         if not (args.results / f"{name}.json").exists():
-            print(f"tables: {args.results / name}.json is not there: its rows are left out "
-                  "(its benchmark writes it)")  # fmt: skip
+            print(
+                f"tables: {args.results / name}.json is not there: its rows are left out "
+                "(its benchmark writes it)"
+            )
     if not args.check:
         for path, old, new in edits:
             if new != old:
                 path.write_text(new)
             print(f"{'wrote' if new != old else 'unchanged'} {path}")
         return 0
-    problems = [f"{path}: its table differs from the results files: run `make tables`"
-                for path, old, new in edits if new != old]  # fmt: skip
+    problems = [
+        f"{path}: its table differs from the results files: run `make tables`"
+        for path, old, new in edits
+        if new != old
+    ]
     problems += [why for src in sources if (why := stale(src, args.repo))]
     for line in problems:
         print(f"tables --check: {line}", file=sys.stderr)

@@ -463,8 +463,9 @@ class LiveView:
             title=f"Levels after {self.args.steps} steps ({train_s:.0f} s)", **TABLE_STYLE
         )
         for col in ("level", "codec", "holds steps", "sent", "interval", "stored", "vs raw"):
-            table.add_column(col, justify="left" if col in ("level", "codec") else "right",
-                             no_wrap=True)  # fmt: skip
+            table.add_column(
+                col, justify="left" if col in ("level", "codec") else "right", no_wrap=True
+            )
         intervals = self._decision.get("intervals", {})
         for i, level in enumerate(levels(self.args)):
             per_step: dict[int, int] = {}  # step -> bytes stored there, all ranks together

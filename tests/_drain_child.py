@@ -24,9 +24,12 @@ def main() -> None:
     mgr = CheckpointManager([Level(l1), fast], drain_policy="wait")
     mgr.save(state(1), step=1)
     mgr.close()  # the same first level, other levels: one list at a time per process
-    slow_options = {"target_protocol": "file", "target_options": {"auto_mkdir": True},
-                    "delay": {"put_file": 30.0},
-                    "skip_instance_cache": True}  # fmt: skip
+    slow_options = {
+        "target_protocol": "file",
+        "target_options": {"auto_mkdir": True},
+        "delay": {"put_file": 30.0},
+        "skip_instance_cache": True,
+    }
     slow = Level(fast.url, storage_options=slow_options)
     mgr = CheckpointManager([Level(l1), slow], drain_policy="wait")
     mgr.save(state(2), step=2)

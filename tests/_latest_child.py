@@ -19,8 +19,11 @@ from dcp_multilevel import CheckpointManager, Level
 def main() -> None:
     l1, remote_dir, marker = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
     steps = [int(s) for s in sys.argv[4].split(",")]
-    options = {"target_protocol": "file", "target_options": {"auto_mkdir": True},
-               "skip_instance_cache": True}  # fmt: skip
+    options = {
+        "target_protocol": "file",
+        "target_options": {"auto_mkdir": True},
+        "skip_instance_cache": True,
+    }
     url = f"faulty://{remote_dir}/run"
     mgr = CheckpointManager([Level(l1, keep=1), Level(url, storage_options=options)])
     mgr.save(state(1), step=1)

@@ -36,8 +36,10 @@ ALL_DTYPES = sorted(DTYPE_BY_NAME.values(), key=str)
 @pytest.fixture
 def all_dtypes_state():
     """A nested state with every storable dtype, 0-d, empty and non-tensor values."""
-    state = {f"t_{str(d).split('.')[-1]}": random_tensor((3, 5), d, seed=i)
-             for i, d in enumerate(ALL_DTYPES)}  # fmt: skip
+    state = {
+        f"t_{str(d).split('.')[-1]}": random_tensor((3, 5), d, seed=i)
+        for i, d in enumerate(ALL_DTYPES)
+    }
     state["scalar"] = torch.tensor(2.5, dtype=torch.float64)
     state["empty"] = torch.empty(0, 7)
     state["nested"] = {

@@ -56,8 +56,13 @@ def _adaptive_job(rank: int, world: int, root: str) -> list[tuple[int, list[str]
     # the losses (which differ per rank) scale the intervals.
     policy = ConvergenceAware(YoungDaly(FailureModel(0.0002), default_cost=0.02))
     records: list[dict] = []
-    mgr = CheckpointManager(levels, schedule=policy, planner=FailOnRankOne(),
-                            drain_policy="wait", on_metrics=records.append)  # fmt: skip
+    mgr = CheckpointManager(
+        levels,
+        schedule=policy,
+        planner=FailOnRankOne(),
+        drain_policy="wait",
+        on_metrics=records.append,
+    )
     taken: list[tuple[int, list[str] | str]] = []
     for step in range(2000):
         if len(taken) >= 4:  # the same step on every rank while their decisions agree
@@ -91,8 +96,9 @@ def test_every_rank_takes_rank_0s_decisions_even_after_a_failed_save(tmp_path, w
 
 def _sigterm_job(rank: int, world: int, root: str) -> tuple[str, int, int]:
     levels = [Level(f"{root}/l1", every=1000), Level(f"{root}/remote", every=1000)]
-    mgr = CheckpointManager(levels, schedule=FixedInterval(), save_on_sigterm=True,
-                            check_seconds=0.0)  # fmt: skip
+    mgr = CheckpointManager(
+        levels, schedule=FixedInterval(), save_on_sigterm=True, check_seconds=0.0
+    )
     step = 1
     try:
         for step in range(1, 200):
@@ -130,8 +136,9 @@ def _bounded_job(rank: int, world: int, root: str) -> tuple[list[dict], float, f
     levels = [Level(f"{root}/l1", keep=2)]
     policy = OverheadBound(YoungDaly(FailureModel(0.0002), ("first",)), target=0.25)
     records: list[dict] = []
-    mgr = CheckpointManager(levels, schedule=policy, planner=SlowFirstSave(),
-                            on_metrics=records.append)  # fmt: skip
+    mgr = CheckpointManager(
+        levels, schedule=policy, planner=SlowFirstSave(), on_metrics=records.append
+    )
     for step in range(4000):
         # At least 800 steps, then until three decisions, whatever the machine's load
         # (decisions are agreed: the same step on every rank).
@@ -203,8 +210,9 @@ def _schedule_job(rank: int, world: int, root: str) -> int:
 
 def _schedule_resume(rank: int, world: int, root: str) -> tuple[int, dict | None, float, list]:
     policy = ProgressValue(_EveryCheck(), min_steps=2)
-    mgr = CheckpointManager([Level(f"{root}/l1", keep=3), Level(f"{root}/remote", keep=3)],
-                            schedule=policy)  # fmt: skip
+    mgr = CheckpointManager(
+        [Level(f"{root}/l1", keep=3), Level(f"{root}/remote", keep=3)], schedule=policy
+    )
     state = {"w": torch.zeros(64, 64), "step": -1}
     step = mgr.load_latest(state)
     clock, levels = mgr._cadence.clock, sorted(mgr._cadence._last)

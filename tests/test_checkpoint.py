@@ -69,9 +69,12 @@ def test_read_item_decodes_and_read_stored_streams_verified_bytes(root_url, code
         ckpt.read_item(handle, index, loc, byte_view(out))
         streamed = bytearray()
         ckpt.read_stored(
-            handle, "w", loc, blocks_of(memoryview(bytearray(1000)), loc.length),
+            handle,
+            "w",
+            loc,
+            blocks_of(memoryview(bytearray(1000)), loc.length),
             streamed.extend,
-        )  # fmt: skip
+        )
     assert_bit_equal(out, _state(5)["w"], "w")
     assert len(streamed) == loc.length
     assert bytes(streamed) == ckpt.store.read_bytes(loc.file)[loc.offset : loc.offset + loc.length]

@@ -102,8 +102,11 @@ def data_files(ckpt: Path) -> list[Path]:
 def test_python_m_and_console_script_run():
     module = subprocess.run(
         [sys.executable, "-m", "dcp_multilevel", "--help"],
-        capture_output=True, text=True, check=False, cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=REPO,
+    )
     assert module.returncode == 0, module.stderr
     for command in ("ls", "inspect", "verify", "copy", "gc"):
         assert command in module.stdout
@@ -204,9 +207,21 @@ def test_inspect_tables(root):
     result = run("inspect", root / "step-20")
     assert result.exit_code == 0, result.stderr
     out = result.stdout
-    for fact in ("model.w", "model.b", "model.h", "step", "float32", "bfloat16", "64x48",
-                 "32x32", "bytegroup/4", torch.__version__, "format version",
-                 "bytes per rank", data_files(root / "step-20")[0].name):  # fmt: skip
+    for fact in (
+        "model.w",
+        "model.b",
+        "model.h",
+        "step",
+        "float32",
+        "bfloat16",
+        "64x48",
+        "32x32",
+        "bytegroup/4",
+        torch.__version__,
+        "format version",
+        "bytes per rank",
+        data_files(root / "step-20")[0].name,
+    ):
         assert fact in out, fact
 
 
@@ -218,13 +233,25 @@ def test_inspect_json_shape(root):
     items = {it["fqn"]: it for it in doc["items"]}
     assert set(items) == {"model.w", "model.b", "model.h", "step"}
     w = items["model.w"]
-    assert (w["type"], w["dtype"], w["shape"], w["raw_bytes"]) == ("tensor", "float32", [64, 48],
-                                                                    64 * 48 * 4)  # fmt: skip
+    assert (w["type"], w["dtype"], w["shape"], w["raw_bytes"]) == (
+        "tensor",
+        "float32",
+        [64, 48],
+        64 * 48 * 4,
+    )
     assert w["stored_bytes"] < w["raw_bytes"] and w["ratio"] > 1
     assert w["codecs"] == ["dcp_multilevel.bytegroup/4"]
     (chunk,) = w["chunks"]
-    assert set(chunk) == {"offsets", "file", "pos", "length", "raw_length", "transforms",
-                          "checksum", "reference_checksum"}  # fmt: skip
+    assert set(chunk) == {
+        "offsets",
+        "file",
+        "pos",
+        "length",
+        "raw_length",
+        "transforms",
+        "checksum",
+        "reference_checksum",
+    }
     assert chunk["reference_checksum"] is None and doc["reference"] is None
     assert items["step"]["type"] == "bytes" and items["step"]["shape"] is None
     (f,) = doc["files"]
@@ -256,11 +283,20 @@ def test_verify_passes_on_an_intact_checkpoint(tmp_path, codec):
     assert result.exit_code == 0, result.stderr
     assert result.stdout.startswith(f"ok   file://{tmp_path}/c: 4 items")
     doc = run_json("verify", tmp_path / "c")
-    assert doc == {"ok": True, "checkpoints": [{
-        "url": f"file://{tmp_path}/c", "ok": True, "items": 4,
-        "stored_bytes": doc["checkpoints"][0]["stored_bytes"], "problems": [],
-        "quarantined": False, "health": {"checked": [], "findings": []},
-    }]}  # fmt: skip
+    assert doc == {
+        "ok": True,
+        "checkpoints": [
+            {
+                "url": f"file://{tmp_path}/c",
+                "ok": True,
+                "items": 4,
+                "stored_bytes": doc["checkpoints"][0]["stored_bytes"],
+                "problems": [],
+                "quarantined": False,
+                "health": {"checked": [], "findings": []},
+            }
+        ],
+    }
 
 
 @pytest.mark.parametrize(
@@ -333,8 +369,14 @@ def test_copy_local_to_s3_and_back_is_bit_exact(tmp_path, s3_server: S3Server):
     bucket = s3_server.new_bucket()
     opts = s3_server.storage_options
     remote = f"s3://{bucket}/run1"
-    up = run_json("copy", tmp_path / "src" / "step-7", remote, "--into-root",
-                  "--storage-options", json.dumps(opts))  # fmt: skip
+    up = run_json(
+        "copy",
+        tmp_path / "src" / "step-7",
+        remote,
+        "--into-root",
+        "--storage-options",
+        json.dumps(opts),
+    )
     assert up["status"] == "copied" and len(up["copied"]) == 2
     assert s3_server.keys(bucket)[-1] == "run1/step-7/manifest.json"
     assert_state_equal(load(f"{remote}/step-7", state, opts), state)
@@ -454,8 +496,9 @@ def test_convert_writes_torch_save_and_stock_dcp_that_stock_tools_load(root: Pat
     loaded = torch.load(out, weights_only=True)
     assert loaded["step"] == 20
     for key in ("w", "b", "h"):
-        assert torch.equal(loaded["model"][key].view(torch.uint8),
-                           expected["model"][key].view(torch.uint8))  # fmt: skip
+        assert torch.equal(
+            loaded["model"][key].view(torch.uint8), expected["model"][key].view(torch.uint8)
+        )
     doc = run_json("convert", root / "step-20", tmp_path / "stock", "--to", "dcp")
     assert doc["source_kind"] == "ours" and doc["target_kind"] == "dcp"
     assert doc["items"] == 4 and doc["tensor_bytes"] == (64 * 48 + 48) * 4 + 32 * 32 * 2
@@ -463,8 +506,9 @@ def test_convert_writes_torch_save_and_stock_dcp_that_stock_tools_load(root: Pat
     dcp.load(back, storage_reader=FileSystemReader(tmp_path / "stock"))
     assert_state_equal(back, expected)
     # And back into ours, re-encoded: the CLI's --codec reaches the writer.
-    doc = run_json("convert", tmp_path / "stock", tmp_path / "ours", "--to", "ours",
-                   "--codec", "zstd")  # fmt: skip
+    doc = run_json(
+        "convert", tmp_path / "stock", tmp_path / "ours", "--to", "ours", "--codec", "zstd"
+    )
     assert doc["source_kind"] == "dcp"
     assert_state_equal(load(str(tmp_path / "ours"), expected), expected)
     assert "zstd" in run("inspect", tmp_path / "ours").stdout

@@ -102,9 +102,15 @@ def test_ls_json_carries_quarantined_and_the_health_record(root):
         assert by_step[step]["quarantined"] is True
         assert by_step[step]["health"] == {
             "checked": ["nonfinite"],
-            "findings": [{"check": "nonfinite", "message": "2 non-finite values in 1 tensor",
-                          "items": ["w"], "ranks": [0]}],
-        }  # fmt: skip
+            "findings": [
+                {
+                    "check": "nonfinite",
+                    "message": "2 non-finite values in 1 tensor",
+                    "items": ["w"],
+                    "ranks": [0],
+                }
+            ],
+        }
 
 
 def test_ls_shortens_a_long_reason_and_shows_a_checked_clean_step_as_clean(tmp_path):
@@ -113,8 +119,9 @@ def test_ls_shortens_a_long_reason_and_shows_a_checked_clean_step_as_clean(tmp_p
     save(r / "step-2", 2)
     set_health(r / "step-1", Health(("nonfinite", "replicas")))  # checks ran, found nothing
     items = tuple(f"model.layers.{i}.attention.wq.weight" for i in range(20))
-    many = Finding("replicas", "replicas of 20 tensors differ across data-parallel ranks",
-                   items, (0, 1, 2, 3))  # fmt: skip
+    many = Finding(
+        "replicas", "replicas of 20 tensors differ across data-parallel ranks", items, (0, 1, 2, 3)
+    )
     set_health(r / "step-2", Health(("nonfinite", "replicas"), (many, NONFINITE)))
     by_step = rows(run("ls", r).stdout)
     assert "clean" in by_step[1] and "QUARANTINED" not in by_step[1]
@@ -143,8 +150,10 @@ def test_verify_passes_a_quarantined_checkpoint_and_says_why(root):
     reports = {r["url"].rsplit("/", 1)[1]: r for r in doc["checkpoints"]}
     assert all(r["ok"] for r in reports.values())
     assert [s for s, r in sorted(reports.items()) if r["quarantined"]] == [
-        "step-3", "step-4", "step-5"
-    ]  # fmt: skip
+        "step-3",
+        "step-4",
+        "step-5",
+    ]
     assert reports["step-3"]["health"] == POISON.to_json()
     assert reports["step-1"]["health"] is None
     clean = run("verify", root / "step-1").stdout
@@ -227,8 +236,9 @@ def test_a_save_of_non_finite_values_is_listed_quarantined(tmp_path):
     """The writer's own checks, not a record sealed in afterwards."""
     w = torch.ones(8, 4)
     w[0, 0], w[1, 1] = float("nan"), float("inf")
-    dcp.save({"w": w}, storage_writer=MultiLevelWriter(tmp_path / "root" / "step-1",
-                                                       sync_files=False))  # fmt: skip
+    dcp.save(
+        {"w": w}, storage_writer=MultiLevelWriter(tmp_path / "root" / "step-1", sync_files=False)
+    )
     save(tmp_path / "root" / "step-2", 2)
     by_step = rows(run("ls", tmp_path / "root").stdout)
     assert "QUARANTINED: nonfinite" in by_step[1]

@@ -128,11 +128,21 @@ def test_verify_every_node_part_of_healthy_steps_is_ok(root: Path):
     (report,) = doc["checkpoints"]
     assert doc["ok"] and report["problems"] == []
     assert report["nodes"] == [
-        {"node": 0, "url": f"file://{root}/n0/l1/step-2", "manifest": True, "files": 2,
-         "other_save": None},
-        {"node": 1, "url": f"file://{root}/n1/l1/step-2", "manifest": False, "files": 2,
-         "other_save": None},
-    ]  # fmt: skip
+        {
+            "node": 0,
+            "url": f"file://{root}/n0/l1/step-2",
+            "manifest": True,
+            "files": 2,
+            "other_save": None,
+        },
+        {
+            "node": 1,
+            "url": f"file://{root}/n1/l1/step-2",
+            "manifest": False,
+            "files": 2,
+            "other_save": None,
+        },
+    ]
 
 
 def test_verify_of_one_node_directory_names_the_other_node_files_not_damage(root: Path):
@@ -162,10 +172,14 @@ def test_verify_of_one_node_directory_names_the_other_node_files_not_damage(root
     )
     report = json.loads(run("verify", ckpt, "--json").stdout)["checkpoints"][0]
     assert (report["ok"], report["problems"]) == (False, [])
-    assert report["elsewhere"] == [{
-        "node": None, "ranks": [2, 3], "items": len(there),
-        "files": sorted({i["file"] for i in there}),
-    }]  # fmt: skip
+    assert report["elsewhere"] == [
+        {
+            "node": None,
+            "ranks": [2, 3],
+            "items": len(there),
+            "files": sorted({i["file"] for i in there}),
+        }
+    ]
 
 
 def test_verify_names_a_truncated_file_on_node_1_bad(root: Path):
@@ -175,8 +189,9 @@ def test_verify_names_a_truncated_file_on_node_1_bad(root: Path):
     with damaged.open("r+b") as f:
         f.truncate(size - 1)
     name = f"data/{damaged.name}"
-    items = [i for i in items_of(manifest(root / "n0" / "l1" / "step-2"), range(4))
-             if i["file"] == name]  # fmt: skip
+    items = [
+        i for i in items_of(manifest(root / "n0" / "l1" / "step-2"), range(4)) if i["file"] == name
+    ]
     result = run("verify", root / "n{node}" / "l1" / "step-2")
     assert result.exit_code == 1
     assert result.stderr == "error: 1 of 1 checkpoint(s) failed verification\n"
@@ -257,10 +272,15 @@ def test_ls_of_node_1_names_its_parts_not_incomplete(root: Path):
     }
     (listing,) = json.loads(run("ls", root / "n1" / "l1", "--json").stdout)["roots"]
     assert listing["checkpoints"] == [
-        {"step": s, "url": f"file://{root}/n1/l1/step-{s}", "complete": False, "error": None,
-         "part_ranks": [2, 3]}
+        {
+            "step": s,
+            "url": f"file://{root}/n1/l1/step-{s}",
+            "complete": False,
+            "error": None,
+            "part_ranks": [2, 3],
+        }
         for s in STEPS
-    ]  # fmt: skip
+    ]
 
 
 def test_ls_with_node_lists_every_node_part(root: Path):
@@ -274,8 +294,10 @@ def test_ls_with_node_lists_every_node_part(root: Path):
     }
     (listing,) = json.loads(run("ls", root / "n{node}" / "l1", "--json").stdout)["roots"]
     assert listing["nodes"] == {"0": f"file://{root}/n0/l1", "1": f"file://{root}/n1/l1"}
-    found = [(c["step"], c["complete"], c["manifest_nodes"], c["part_nodes"])
-             for c in listing["checkpoints"]]  # fmt: skip
+    found = [
+        (c["step"], c["complete"], c["manifest_nodes"], c["part_nodes"])
+        for c in listing["checkpoints"]
+    ]
     assert found == [(1, True, [0], [0]), (2, True, [0], [0, 1])]
     assert listing["checkpoints"][1]["world_size"] == 4
 
@@ -287,19 +309,28 @@ def test_inspect_says_where_each_file_is(root: Path):
     doc = json.loads(run("inspect", root / "n{node}" / "l1" / "step-2", "--json").stdout)
     assert doc["url"] == f"file://{root}/n{{node}}/l1/step-2"
     assert [(f["rank"], f["present"], f["nodes"]) for f in doc["files"]] == [
-        (0, True, [0]), (1, True, [0]), (2, True, [1]), (3, True, [1]),
-    ]  # fmt: skip
+        (0, True, [0]),
+        (1, True, [0]),
+        (2, True, [1]),
+        (3, True, [1]),
+    ]
     human = run("inspect", root / "n{node}" / "l1" / "step-2").stdout
     assert "│ nodes           │ manifest on node 0; data files on nodes 0-1" in human
     one = json.loads(run("inspect", root / "n0" / "l1" / "step-2", "--json").stdout)
     assert [(f["rank"], f["present"]) for f in one["files"]] == [
-        (0, True), (1, True), (2, False), (3, False),
-    ]  # fmt: skip
+        (0, True),
+        (1, True),
+        (2, False),
+        (3, False),
+    ]
     assert [(a["node"], a["ranks"]) for a in one["elsewhere"]] == [(None, [2, 3])]
     table = run("inspect", root / "n0" / "l1" / "step-2").stdout
     assert [line.split()[-2] for line in table.splitlines() if "data/" in line] == [
-        "here", "here", "elsewhere", "elsewhere",
-    ]  # fmt: skip
+        "here",
+        "here",
+        "elsewhere",
+        "elsewhere",
+    ]
 
 
 # --------------------------------------------------------------------------- gc

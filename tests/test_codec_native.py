@@ -43,10 +43,16 @@ def test_c_plane_settings_are_the_python_ones():
     # _planes.c repeats _zstd._PLANE_PARAMS with zstd's parameter numbers: a
     # change to one must reach the other, or the two paths code differently.
     names = {
-        101: "window_log", 102: "hash_log", 103: "chain_log", 104: "search_log",
-        105: "min_match", 106: "target_length", 107: "strategy",
-        200: "write_content_size", 201: "write_checksum",
-    }  # fmt: skip
+        101: "window_log",
+        102: "hash_log",
+        103: "chain_log",
+        104: "search_log",
+        105: "min_match",
+        106: "target_length",
+        107: "strategy",
+        200: "write_content_size",
+        201: "write_checksum",
+    }
     c_params = {names[key]: value for key, value in native.PLANE_PARAMS}
     assert c_params == {name: getattr(_zstd._PLANE_PARAMS, name) for name in names.values()}
 
@@ -103,9 +109,14 @@ def _values(kind: str, n: int, dtype: torch.dtype, seed: int) -> np.ndarray:
 
 
 DTYPES = [
-    torch.float32, torch.bfloat16, torch.float16, torch.float64,
-    torch.int16, torch.int32, torch.int64,
-]  # fmt: skip
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+]
 
 
 @needs_native

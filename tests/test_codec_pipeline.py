@@ -137,9 +137,13 @@ def _coded(jobs, pool, window, chunk_size=1 << 18, buffers=None) -> list[bytes]:
     """Each job's stored bytes; ``jobs`` is handed over as an iterator (pulled lazily)."""
     out = []
     coding = encode_items(
-        iter(jobs), ByteGroupCodec(), chunk_size=chunk_size, pool=pool, window=window,
+        iter(jobs),
+        ByteGroupCodec(),
+        chunk_size=chunk_size,
+        pool=pool,
+        window=window,
         buffers=buffers,
-    )  # fmt: skip
+    )
     for job, parts in coding:
         assert job is jobs[len(out)]
         out.append(b"".join(bytes(p) for p in parts))
@@ -278,8 +282,9 @@ def _ahead(jobs, window, chunk_size=1 << 18) -> list[int]:
 
     ahead = []
     with ThreadPoolExecutor(1) as pool:
-        coding = encode_items(source(), ByteGroupCodec(), chunk_size=chunk_size, pool=pool,
-                              window=window)  # fmt: skip
+        coding = encode_items(
+            source(), ByteGroupCodec(), chunk_size=chunk_size, pool=pool, window=window
+        )
         for n, (_, parts) in enumerate(coding):
             for _ in parts:
                 ahead.append(len(pulled) - n - 1)

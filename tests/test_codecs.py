@@ -46,8 +46,9 @@ CODEC_CLASSES = [ByteGroupCodec, ZstdCodec]
 
 def _encode(t: torch.Tensor, codec, chunk_size: int, pool=None) -> bytes:
     width, rotate = codec.layout(t.dtype)
-    parts = encode_frames(byte_view(t), codec, width=width, rotate=rotate,
-                          chunk_size=chunk_size, pool=pool, window=4)  # fmt: skip
+    parts = encode_frames(
+        byte_view(t), codec, width=width, rotate=rotate, chunk_size=chunk_size, pool=pool, window=4
+    )
     return b"".join(bytes(p) for p in parts)
 
 
@@ -64,8 +65,15 @@ def _decode(blob: bytes, like: torch.Tensor, codec, pool=None) -> torch.Tensor:
         pos += n
         return view[pos - n : pos]
 
-    decode_frames(read, byte_view(out), codec, stored_length=len(blob), pool=pool, window=4,
-                  on_chunk_error=lambda i, why: _Error(f"chunk {i}: {why}"))  # fmt: skip
+    decode_frames(
+        read,
+        byte_view(out),
+        codec,
+        stored_length=len(blob),
+        pool=pool,
+        window=4,
+        on_chunk_error=lambda i, why: _Error(f"chunk {i}: {why}"),
+    )
     assert pos == len(blob)
     return out
 
@@ -169,12 +177,14 @@ def test_one_corrupt_byte_names_the_chunk(codec_cls):
 
 
 def _frame_with(payload: bytes, raw_len: int, method=frames.METHOD_CODED, total=1000) -> bytes:
-    return b"".join([
-        frames.pack_header(1, False, 1 << 20, total),
-        frames.pack_chunk(method, raw_len, len(payload), xxhash.xxh3_64_intdigest(payload)),
-        payload,
-        frames.pack_chunk(0, 0, 0, 0),
-    ])  # fmt: skip
+    return b"".join(
+        [
+            frames.pack_header(1, False, 1 << 20, total),
+            frames.pack_chunk(method, raw_len, len(payload), xxhash.xxh3_64_intdigest(payload)),
+            payload,
+            frames.pack_chunk(0, 0, 0, 0),
+        ]
+    )
 
 
 def test_decompression_bomb_is_refused_before_allocating():
@@ -250,8 +260,10 @@ def _state():
 
 
 def _zeros(state):
-    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"step": 0}
-            for k, v in state.items()}  # fmt: skip
+    return {
+        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"step": 0}
+        for k, v in state.items()
+    }
 
 
 @pytest.mark.parametrize("codec", ["bytegroup", "zstd", Compression(threads=1)])

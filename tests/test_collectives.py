@@ -33,14 +33,19 @@ def _name(rank: int, n: int = 0) -> str:
 
 def _description(group: int, members: list[int], own: dict[int, list[str]]) -> dict:
     return {
-        "group": str(group), "data": len(members), "parity": 1, "stripe": 1 << 22,
+        "group": str(group),
+        "data": len(members),
+        "parity": 1,
+        "stripe": 1 << 22,
         "members": [{"node": m, "files": [[f, 100] for f in own[m]]} for m in members],
-        "parity_nodes": [(members[-1] + 1) % 4], "checksums": {str(len(members)): ["xxh3:0"]},
-    }  # fmt: skip
+        "parity_nodes": [(members[-1] + 1) % 4],
+        "checksums": {str(len(members)): ["xxh3:0"]},
+    }
 
 
-def _taken(nodes: int, per_node: int, files_per_node: int = 0, *, lost: int = -1
-           ) -> list[Inventory]:  # fmt: skip
+def _taken(
+    nodes: int, per_node: int, files_per_node: int = 0, *, lost: int = -1
+) -> list[Inventory]:
     """Every rank's inventory as taken: a node-local first level, a partner level (the
     node before's files too) and an erasure one (groups of 2 nodes), sharded needs
     (own file, a few bytes of rank 0's), some ranks reading everything; node
@@ -48,8 +53,10 @@ def _taken(nodes: int, per_node: int, files_per_node: int = 0, *, lost: int = -1
     one per rank)."""
     count = files_per_node or per_node
     own = {n: [_name(n, i) for i in range(count)] for n in range(nodes)}
-    groups = {n: {str(n // 2): _description(n // 2, [n - n % 2, n - n % 2 + 1], own)}
-              for n in range(nodes)}  # fmt: skip
+    groups = {
+        n: {str(n // 2): _description(n // 2, [n - n % 2, n - n % 2 + 1], own)}
+        for n in range(nodes)
+    }
     placement = [r // per_node for r in range(nodes * per_node)]
     out = []
     for r in range(nodes * per_node):
@@ -60,11 +67,15 @@ def _taken(nodes: int, per_node: int, files_per_node: int = 0, *, lost: int = -1
             needs, ranges = sorted({own[n][0], _name(0)}), {_name(0): [[8, 16], [32, 40 + r]]}
         held = {}
         if n != lost:
-            held = {"files": {0: own[n], 1: sorted(own[n] + own[(n - 1) % nodes]), 2: own[n]},
-                    "parity": {2: [[str(n // 2), 2]]}, "groups": {2: groups[n]},
-                    "placement": placement}  # fmt: skip
-        out.append(Inventory(r, n, needs, ranges, parts=n % 2 == 0, whole=[3] if r % 4 else [],
-                             **held))  # fmt: skip
+            held = {
+                "files": {0: own[n], 1: sorted(own[n] + own[(n - 1) % nodes]), 2: own[n]},
+                "parity": {2: [[str(n // 2), 2]]},
+                "groups": {2: groups[n]},
+                "placement": placement,
+            }
+        out.append(
+            Inventory(r, n, needs, ranges, parts=n % 2 == 0, whole=[3] if r % 4 else [], **held)
+        )
     return out
 
 
@@ -111,9 +122,7 @@ def test_what_every_rank_receives_grows_with_files_not_ranks_times_files():
 def test_a_group_description_and_the_placement_travel_once():
     taken = _taken(4, 4, 32)
     moved = simulate_exchange(taken)[1]
-    without = simulate_exchange(
-        [replace(inv, groups={}, placement=None) for inv in taken]
-    )[1]  # fmt: skip
+    without = simulate_exchange([replace(inv, groups={}, placement=None) for inv in taken])[1]
     descs = {g: d for inv in taken for gs in inv.groups.values() for g, d in gs.items()}
     once = sum(len(json.dumps(d)) for d in descs.values()) + len(json.dumps(taken[0].placement))
     assert moved.everyone - without.everyone < once + 400  # the indices naming them

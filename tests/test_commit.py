@@ -86,8 +86,11 @@ def test_failed_overwrite_keeps_the_old_checkpoint_intact(tmp_path):
     dcp.save(_state(1), storage_writer=MultiLevelWriter(path))
     before = (path / "manifest.json").read_bytes()
     with pytest.raises(CheckpointException) as info:
-        dcp.save(_state(2), storage_writer=MultiLevelWriter(path, overwrite=True),
-                 planner=_FailingPlanner())  # fmt: skip
+        dcp.save(
+            _state(2),
+            storage_writer=MultiLevelWriter(path, overwrite=True),
+            planner=_FailingPlanner(),
+        )
     assert "No space left on device (injected)" in str(rank_errors(info.value)[0])
     assert (path / "manifest.json").read_bytes() == before
     _assert_loads(path, 1)

@@ -181,9 +181,12 @@ def test_a_codec_gone_since_the_level_was_made_is_refused_by_the_manager(tmp_pat
         "    version = 1\n"
     )
     install_fake_distribution(
-        tmp_path, monkeypatch, "acme-plain",
-        "[dcp_multilevel.codecs]\nacme.plain = acme_plain:Plain\n", {"acme_plain": source},
-    )  # fmt: skip
+        tmp_path,
+        monkeypatch,
+        "acme-plain",
+        "[dcp_multilevel.codecs]\nacme.plain = acme_plain:Plain\n",
+        {"acme_plain": source},
+    )
     CODECS.refresh()
     first = str(tmp_path / "ckpt")
     level = Level(first, codec="acme.plain")  # installed now

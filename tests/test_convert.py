@@ -42,11 +42,22 @@ CODECS = [None, "zstd", "bytegroup"]
 
 #: dtypes safetensors (>= 0.8) stores; the complex and the fnuz/e8m0 fp8 ones it does not.
 SAFETENSORS_DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint64, torch.uint32, torch.uint16, torch.uint8,
-    torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
-]  # fmt: skip
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint64,
+    torch.uint32,
+    torch.uint16,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
 
 
 def assert_same(actual: Any, expected: Any, where: str = "state") -> None:
@@ -102,9 +113,14 @@ def test_ours_to_torch_save_matches_dcp_to_torch_save(tmp_path, all_dtypes_state
     assert_same(loaded, torch.load(tmp_path / "stock.pt", weights_only=True))
     nbytes = sum(t.nbytes for t in _tensors(all_dtypes_state))
     assert report == ConvertReport(
-        "ours", "torch", str(tmp_path / "ours"), str(tmp_path / "model.pt"),
-        items=len(_leaves(all_dtypes_state)), tensor_bytes=nbytes, seconds=report.seconds,
-    )  # fmt: skip
+        "ours",
+        "torch",
+        str(tmp_path / "ours"),
+        str(tmp_path / "model.pt"),
+        items=len(_leaves(all_dtypes_state)),
+        tensor_bytes=nbytes,
+        seconds=report.seconds,
+    )
     # Progress: two passes (decode to scratch, write), monotonic, ending at the total.
     assert seen[-1] == (2 * nbytes, 2 * nbytes)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
@@ -115,13 +131,15 @@ def test_ours_to_torch_save_matches_dcp_to_torch_save(tmp_path, all_dtypes_state
 @pytest.mark.parametrize("codec", CODECS)
 def test_ours_to_safetensors(tmp_path, codec):
     state = {
-        "model": {str(d).removeprefix("torch."): random_tensor((3, 5), d, i)
-                  for i, d in enumerate(SAFETENSORS_DTYPES)},
+        "model": {
+            str(d).removeprefix("torch."): random_tensor((3, 5), d, i)
+            for i, d in enumerate(SAFETENSORS_DTYPES)
+        },
         "scalar": torch.tensor(2.5, dtype=torch.float64),
         "empty": torch.empty(0, 7),
         "step": 12,
         "info": {"name": "run-1"},
-    }  # fmt: skip
+    }
     dcp.save(state, storage_writer=MultiLevelWriter(tmp_path / "ours", codec=codec))
     dst = tmp_path / "model.safetensors"
     report = convert(tmp_path / "ours", dst, to="safetensors", skip_non_tensors=True)
@@ -193,9 +211,12 @@ def test_torch_save_to_ours(tmp_path, all_dtypes_state):
     torch.save(all_dtypes_state, tmp_path / "model.pt")
     seen: list[tuple[int, int]] = []
     report = convert(
-        tmp_path / "model.pt", tmp_path / "ours", to="ours", codec="bytegroup",
+        tmp_path / "model.pt",
+        tmp_path / "ours",
+        to="ours",
+        codec="bytegroup",
         progress=lambda *a: seen.append(a),
-    )  # fmt: skip
+    )
     assert (report.source_kind, report.target_kind) == ("torch", "ours")
     assert_same(load_ours(tmp_path / "ours", all_dtypes_state), all_dtypes_state)
     nbytes = sum(t.nbytes for t in _tensors(all_dtypes_state))
@@ -293,8 +314,11 @@ def memory_growth(big_sources) -> dict[tuple[str, str], dict[str, Any]]:
         args += [str(big_sources / source), str(big_sources / name), to]
     run = subprocess.run(
         [sys.executable, "-W", "ignore", str(_CHILD), "convert", *args],
-        check=True, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     lines = [json.loads(line) for line in run.stdout.strip().splitlines()]
     return dict(zip(_DIRECTIONS, lines[-len(_DIRECTIONS) :], strict=True))
 

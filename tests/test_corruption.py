@@ -127,8 +127,13 @@ def test_malicious_object_is_refused_and_never_executed(ckpt, tmp_path):
     evil_file = item["file"].rsplit("/", 1)[0] + "/9-0.bin"
     (path / evil_file).write_bytes(evil)
     manifest["files"][evil_file] = len(evil)
-    item.update(file=evil_file, pos=0, length=len(evil), raw_length=len(evil),
-                checksum=f"xxh3_64:{xxhash.xxh3_64_hexdigest(evil)}")  # fmt: skip
+    item.update(
+        file=evil_file,
+        pos=0,
+        length=len(evil),
+        raw_length=len(evil),
+        checksum=f"xxh3_64:{xxhash.xxh3_64_hexdigest(evil)}",
+    )
     (path / "manifest.json").write_bytes(seal_manifest(manifest))
 
     err = _load_error(path)

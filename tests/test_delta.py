@@ -265,8 +265,9 @@ def test_a_delta_loads_from_an_object_store_reading_each_byte_once(
 
     monkeypatch.setattr(fs, "cat_file", counted)
     out = empty_like(c)
-    dcp.load(out, storage_reader=MultiLevelReader(f"{url}/step-2", storage_options=opts),
-             no_dist=True)  # fmt: skip
+    dcp.load(
+        out, storage_reader=MultiLevelReader(f"{url}/step-2", storage_options=opts), no_dist=True
+    )
     assert_state_equal(out, c)
     assert manifest_of(fs, f"{url}/step-2")["reference"]["checkpoint"] == "step-1"
     assert manifest_of(fs, f"{url}/step-1")["reference"]["checkpoint"] == "step-0"
@@ -452,9 +453,11 @@ class _Ref:
 def _one_chunk(record: bytes, payload, width: int, rotate: int, raw_len: int, chunk: int = MiB):
     """The frames of one item of one chunk: ``(read, stored_length)`` for decode_frames."""
     stream = (
-        frames.pack_header(width, rotate, chunk, raw_len) + record + bytes(payload)
+        frames.pack_header(width, rotate, chunk, raw_len)
+        + record
+        + bytes(payload)
         + frames.pack_chunk(frames.METHOD_RAW, 0, 0, 0)
-    )  # fmt: skip
+    )
     pos = 0
 
     def read(k: int) -> memoryview:
@@ -493,10 +496,15 @@ def test_delta_chunks_decode_to_their_bytes(n, dtype, flips, codec_name, seed, t
     out = bytearray(len(new))
     source = _Ref(ref.tobytes())
     decode_frames(
-        read, memoryview(out), codec, stored_length=stored,
-        pool=_POOL if threaded else None, window=1,
-        on_chunk_error=lambda i, why: ValueError(why), reference=source,
-    )  # fmt: skip
+        read,
+        memoryview(out),
+        codec,
+        stored_length=stored,
+        pool=_POOL if threaded else None,
+        window=1,
+        on_chunk_error=lambda i, why: ValueError(why),
+        reference=source,
+    )
     assert bytes(out) == new.tobytes()
     assert source.finished
     if flips == 0 and record[0] != frames.METHOD_RAW:
@@ -534,10 +542,15 @@ def test_a_reference_that_fails_while_decoding_fails_the_item(threaded) -> None:
     read, stored = _one_chunk(record, payload, 4, 1, new.nbytes)
     with pytest.raises(CorruptCheckpointError, match="reference's chunk is corrupt"):
         decode_frames(
-            read, memoryview(bytearray(new.nbytes)), codec, stored_length=stored,
-            pool=_POOL if threaded else None, window=1,
-            on_chunk_error=lambda i, why: ValueError(why), reference=_FailingRef(ref.tobytes()),
-        )  # fmt: skip
+            read,
+            memoryview(bytearray(new.nbytes)),
+            codec,
+            stored_length=stored,
+            pool=_POOL if threaded else None,
+            window=1,
+            on_chunk_error=lambda i, why: ValueError(why),
+            reference=_FailingRef(ref.tobytes()),
+        )
     assert _POOL.submit(lambda: True).result(timeout=5)  # nothing left running on the pool
 
 
@@ -549,9 +562,14 @@ def test_a_delta_chunk_without_a_reference_is_corrupt_framing() -> None:
     read, stored = _one_chunk(record, payload, 4, 1, len(data))
     with pytest.raises(ValueError, match="delta chunk"):
         decode_frames(
-            read, memoryview(bytearray(len(data))), codec, stored_length=stored,
-            pool=None, window=1, on_chunk_error=lambda i, why: ValueError(why),
-        )  # fmt: skip
+            read,
+            memoryview(bytearray(len(data))),
+            codec,
+            stored_length=stored,
+            pool=None,
+            window=1,
+            on_chunk_error=lambda i, why: ValueError(why),
+        )
 
 
 # --------------------------------------------------------------------------- the command line

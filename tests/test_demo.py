@@ -25,12 +25,27 @@ SHORT = ["--steps", "80", "--mtbf-seconds", "2", "--remote-max-seconds", "2", "-
 def demo(out: Path, phase: str, cwd: Path) -> tuple[int, str, str]:
     """One torchrun of the demo: (exit status, stdout, stderr)."""
     torchrun = Path(sys.executable).parent / "torchrun"
-    command = [str(torchrun), "--standalone", "--nproc-per-node=4",
-               str(REPO / "examples/train_demo.py"), "--out", str(out), *SHORT, phase]  # fmt: skip
+    command = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node=4",
+        str(REPO / "examples/train_demo.py"),
+        "--out",
+        str(out),
+        *SHORT,
+        phase,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # A process group of its own: on a timeout the ranks go too, not only torchrun.
-    with subprocess.Popen(command, cwd=cwd, env=env, text=True, start_new_session=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) as run:  # fmt: skip
+    with subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        text=True,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as run:
         try:
             stdout, stderr = run.communicate(timeout=240)
         except subprocess.TimeoutExpired:
@@ -59,8 +74,9 @@ def test_the_demo_loses_a_node_and_resumes_bit_exact(tmp_path):
     command = hint.split("look inside:", 1)[1].split("(")[0].split()
     assert command == ["dcp-multilevel", "ls", str(out / "remote")]
     script = Path(sys.executable).parent / "dcp-multilevel"
-    listed = subprocess.run([str(script), *command[1:]], check=False, capture_output=True,
-                            text=True, timeout=60)  # fmt: skip
+    listed = subprocess.run(
+        [str(script), *command[1:]], check=False, capture_output=True, text=True, timeout=60
+    )
     assert listed.returncode == 0, listed.stderr
     assert "complete" in listed.stdout
 
@@ -76,11 +92,19 @@ def test_the_demo_loses_a_node_and_resumes_bit_exact(tmp_path):
 def _node_loss(out: Path, phase: str, cwd: Path) -> tuple[int, str]:
     """One torchrun of ``make demo-nodeloss``'s partner run: (exit status, output)."""
     torchrun = Path(sys.executable).parent / "torchrun"
-    command = [str(torchrun), "--standalone", "--nproc-per-node=4",
-               str(REPO / "examples/node_loss.py"), "--out", str(out), phase]  # fmt: skip
+    command = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node=4",
+        str(REPO / "examples/node_loss.py"),
+        "--out",
+        str(out),
+        phase,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(command, cwd=cwd, env=env, text=True, capture_output=True,
-                         timeout=240, check=False)  # fmt: skip
+    run = subprocess.run(
+        command, cwd=cwd, env=env, text=True, capture_output=True, timeout=240, check=False
+    )
     return run.returncode, run.stdout + run.stderr
 
 

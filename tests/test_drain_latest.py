@@ -53,8 +53,12 @@ def check(loaded: dict, v: int) -> None:
 
 def gated(root: Path, gate: Path, **level) -> Level:
     """A remote level below ``root`` whose uploads stall until ``gate`` exists."""
-    options = {"target_protocol": "file", "target_options": {"auto_mkdir": True},
-               "wait_for": {"put_file": str(gate)}, "skip_instance_cache": True}  # fmt: skip
+    options = {
+        "target_protocol": "file",
+        "target_options": {"auto_mkdir": True},
+        "wait_for": {"put_file": str(gate)},
+        "skip_instance_cache": True,
+    }
     return Level(f"faulty://{root}/run", storage_options=options, **level)
 
 
@@ -76,8 +80,12 @@ def test_the_final_checkpoint_reaches_the_remote_when_saves_outpace_the_drain(tm
     mgr.close()
     assert mgr.steps(1) == [1, 4]
     outcome = {r.step: (r.committed, r.superseded_by, r.error) for r in mgr.drain_results}
-    assert outcome == {1: (True, None, None), 2: (False, 4, None), 3: (False, 4, None),
-                       4: (True, None, None)}  # fmt: skip
+    assert outcome == {
+        1: (True, None, None),
+        2: (False, 4, None),
+        3: (False, 4, None),
+        4: (True, None, None),
+    }
     drains = {r["step"]: r for r in records if r["kind"] == "drain"}
     assert drains[2]["superseded_by"] == 4 and drains[3]["superseded_by"] == 4
     # The lag a user watches: commit on the first level -> durable on the remote,
@@ -85,8 +93,15 @@ def test_the_final_checkpoint_reaches_the_remote_when_saves_outpace_the_drain(tm
     assert drains[4]["lag_seconds"] >= drains[4]["queued_seconds"] > 0
     # Losing the node (the first level) loses nothing: step 4 comes from the remote.
     shutil.rmtree(tmp_path / "l1")
-    again = CheckpointManager([l1, Level(remote.url, storage_options={
-        "target_protocol": "file", "target_options": {"auto_mkdir": True}})])  # fmt: skip
+    again = CheckpointManager(
+        [
+            l1,
+            Level(
+                remote.url,
+                storage_options={"target_protocol": "file", "target_options": {"auto_mkdir": True}},
+            ),
+        ]
+    )
     loaded = blank()
     assert again.load_latest(loaded) == 4
     check(loaded, 4)
@@ -95,8 +110,7 @@ def test_the_final_checkpoint_reaches_the_remote_when_saves_outpace_the_drain(tm
 
 def test_retention_keeps_what_a_waiting_or_running_drain_reads(tmp_path):
     gate = tmp_path / "gate"
-    mgr = CheckpointManager([Level(str(tmp_path / "l1"), keep=1),
-                             gated(tmp_path / "remote", gate)])  # fmt: skip
+    mgr = CheckpointManager([Level(str(tmp_path / "l1"), keep=1), gated(tmp_path / "remote", gate)])
     for s in (1, 2, 3):
         mgr.save(state(s), step=s)
     assert mgr.steps(0) == [1, 2, 3]  # 1 is being drained, 2 and 3 wait: all kept
@@ -114,8 +128,11 @@ def test_retention_keeps_what_a_waiting_or_running_drain_reads(tmp_path):
 def test_wait_covers_every_level_and_skip_and_wait_stay_options(tmp_path):
     # Two slow levels, different intervals: wait() returns with each one's newest due step.
     gate = tmp_path / "gate"
-    levels = [Level(str(tmp_path / "l1"), keep=1), gated(tmp_path / "a", gate),
-              gated(tmp_path / "b", gate, every=2)]  # fmt: skip
+    levels = [
+        Level(str(tmp_path / "l1"), keep=1),
+        gated(tmp_path / "a", gate),
+        gated(tmp_path / "b", gate, every=2),
+    ]
     mgr = CheckpointManager(levels)
     for s in range(1, 8):
         mgr.save(state(s), step=s)
@@ -127,8 +144,9 @@ def test_wait_covers_every_level_and_skip_and_wait_stay_options(tmp_path):
     for policy, expected in (("skip", [1]), ("wait", [1, 2, 3])):
         gate = tmp_path / f"gate-{policy}"
         remote = gated(tmp_path / f"r-{policy}", gate)
-        mgr = CheckpointManager([Level(str(tmp_path / f"l1-{policy}")), remote],
-                                drain_policy=policy)  # fmt: skip
+        mgr = CheckpointManager(
+            [Level(str(tmp_path / f"l1-{policy}")), remote], drain_policy=policy
+        )
         if policy == "wait":
             gate.touch()  # "wait" blocks save() until the level is free
         for s in (1, 2, 3):
@@ -155,8 +173,7 @@ class GatedPartner(PartnerLevel):
 
 
 def _partner_levels(root: str) -> list[Level]:
-    return [Level(f"{root}/n{{node}}/l1", keep=2),
-            Level(f"gated:{root}/n{{node}}/partner", keep=2)]  # fmt: skip
+    return [Level(f"{root}/n{{node}}/l1", keep=2), Level(f"gated:{root}/n{{node}}/partner", keep=2)]
 
 
 def _partner_save(rank: int, world: int, root: str) -> list[tuple[int, bool, int | None]]:
@@ -200,8 +217,11 @@ def _superseding(rank: int, world: int, root: str) -> list[tuple[int, bool, int 
     # Rank 1's lane is free long before rank 0's (rank 0's upload stalls), so each
     # rank alone would start step 2 on rank 1 and step 4 on rank 0.
     gate = Path(root, "gate")
-    options = {"target_protocol": "file", "target_options": {"auto_mkdir": True},
-               "skip_instance_cache": True}  # fmt: skip
+    options = {
+        "target_protocol": "file",
+        "target_options": {"auto_mkdir": True},
+        "skip_instance_cache": True,
+    }
     if rank == 0:
         options["wait_for"] = {"put_file": str(gate)}
     remote = Level(f"faulty://{root}/remote", storage_options=options)
@@ -292,15 +312,18 @@ def test_sigkill_loses_no_promise_the_restart_drains_the_newest_due_step(tmp_pat
     l1, remote = tmp_path / "l1", tmp_path / "remote"
     marker = tmp_path / "marker"
     steps = "2,3" if waiting else "2"
-    child = subprocess.Popen([sys.executable, str(HERE / "_latest_child.py"), str(l1),
-                              str(remote), str(marker), steps])  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, str(HERE / "_latest_child.py"), str(l1), str(remote), str(marker), steps]
+    )
     try:
         _kill_when(marker, child)
     finally:
         child.kill()
         child.wait()
-    level = Level(f"faulty://{remote}/run", storage_options={
-        "target_protocol": "file", "target_options": {"auto_mkdir": True}})  # fmt: skip
+    level = Level(
+        f"faulty://{remote}/run",
+        storage_options={"target_protocol": "file", "target_options": {"auto_mkdir": True}},
+    )
     mgr = CheckpointManager([Level(str(l1), keep=1), level])
     assert mgr.steps(1) == [1]  # the drain of 2 died mid-upload; 3 (if any) waited
     newest = 3 if waiting else 2
@@ -325,13 +348,19 @@ def test_seeded_saves_with_slow_drains_keep_every_promise(tmp_path, seed):
     tag = uuid.uuid4().hex[:6]
 
     def slow(name: str, **level) -> Level:
-        options = {"target_protocol": "file", "target_options": {"auto_mkdir": True},
-                   "delay": {"put_file": rng.choice([0.0, 0.01, 0.05])},
-                   "skip_instance_cache": True}  # fmt: skip
+        options = {
+            "target_protocol": "file",
+            "target_options": {"auto_mkdir": True},
+            "delay": {"put_file": rng.choice([0.0, 0.01, 0.05])},
+            "skip_instance_cache": True,
+        }
         return Level(f"faulty://{tmp_path}/{name}-{tag}", storage_options=options, **level)
 
-    levels = [Level(str(tmp_path / "l1"), keep=2), slow("a", keep=3),
-              slow("b", every=3, keep=2, codec="bytegroup")]  # fmt: skip
+    levels = [
+        Level(str(tmp_path / "l1"), keep=2),
+        slow("a", keep=3),
+        slow("b", every=3, keep=2, codec="bytegroup"),
+    ]
     mgr = CheckpointManager(levels)
     due: dict[int, list[int]] = {1: [], 2: []}
     step = 0
@@ -360,8 +389,9 @@ def test_seeded_saves_with_slow_drains_keep_every_promise(tmp_path, seed):
             assert set(held) <= committed and len(held) == min(levels[i].keep, len(committed))
             for s in held:
                 loaded = blank()
-                reader = MultiLevelReader(levels[i].checkpoint_url(s),
-                                          storage_options=levels[i].storage_options)  # fmt: skip
+                reader = MultiLevelReader(
+                    levels[i].checkpoint_url(s), storage_options=levels[i].storage_options
+                )
                 dcp.load(loaded, storage_reader=reader)
                 check(loaded, s)
     mgr.close()

@@ -217,8 +217,9 @@ def test_one_corrupt_item_is_read_from_the_fallback(copies, logged, fqn, destina
 def test_damaged_primary_data_file_is_read_from_the_fallback(raw_then_packed, logged, damage):
     primary, fallback = raw_then_packed
     name, size = next(iter(primary.manifest()["files"].items()))
-    in_file = sorted((i for i in primary.manifest()["items"] if i["file"] == name),
-                     key=lambda i: i["pos"])  # fmt: skip
+    in_file = sorted(
+        (i for i in primary.manifest()["items"] if i["file"] == name), key=lambda i: i["pos"]
+    )
     assert 0 < len(in_file) < primary.n_items()  # the other file still serves its items
     if damage == "truncated":
         with open(primary.path / name, "r+b") as f:
@@ -296,8 +297,10 @@ def test_item_corrupt_on_every_copy_fails_naming_every_copy(copies, logged):
         f"{reason_primary}; (2) {fallback.url}: {reason_fallback}"
     )
     assert (err.checkpoint, err.file, err.fqn) == (
-        fallback.url, fallback.item("layer.w")["file"], "layer.w"
-    )  # fmt: skip
+        fallback.url,
+        fallback.item("layer.w")["file"],
+        "layer.w",
+    )
     assert torch.count_nonzero(target["layer"]["w"]) == 0  # no unverified byte reached it
     assert len(logged()) == 1  # primary -> fallback; the failure itself is the error
 

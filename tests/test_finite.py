@@ -10,8 +10,14 @@ from dcp_multilevel.format.tensor_bytes import byte_view
 from dcp_multilevel.health import finite
 from dcp_multilevel.health.finite import DeviceCount, count, count_on_device, rule_for
 
-FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16,
-          torch.complex64, torch.complex128]  # fmt: skip
+FLOATS = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+]
 FLOAT8 = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
 
 

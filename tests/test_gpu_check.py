@@ -21,10 +21,23 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
 def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict, str]:
     out = tmp_path / "report.json"
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--dir", str(tmp_path / "ck"),
-         "--json", str(out), *args],
-        check=False, capture_output=True, text=True, timeout=240, env={**os.environ, **(env or {})},
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--device",
+            "cpu",
+            "--dir",
+            str(tmp_path / "ck"),
+            "--json",
+            str(out),
+            *args,
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, **(env or {})},
+    )
     return r.returncode, json.loads(out.read_text()), r.stdout + r.stderr
 
 
@@ -58,8 +71,11 @@ def test_methods_can_be_chosen_and_unknown_ones_are_named(tmp_path: Path) -> Non
     assert set(report["bench"]["methods"]) == {"ours", "stock-best"}
     r = subprocess.run(
         [sys.executable, str(SCRIPT), "--methods", "ours,fastest"],
-        check=False, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "--methods: unknown ['fastest']" in r.stderr
 
 

@@ -439,8 +439,7 @@ def test_after_a_restart_retention_still_counts_an_older_quarantined_step_last(t
 @pytest.mark.multiprocess
 def test_a_run_resumed_from_a_clean_step_saves_over_the_quarantined_ones(tmp_path):
     root = str(tmp_path)
-    run_ranks(_manager_job, 1, root, (3, 2), [1, 2, 3, 4, 5, 6], [3, 4, 5, 6], False,
-              timeout=240)  # fmt: skip
+    run_ranks(_manager_job, 1, root, (3, 2), [1, 2, 3, 4, 5, 6], [3, 4, 5, 6], False, timeout=240)
     assert _steps(tmp_path / "l1") == [1, 2, 6]
     # Resumed from step 2, the run saves steps 3 to 6 again, clean: step 6 replaces
     # the quarantined one (no CheckpointExistsError) and climbs like any clean step.

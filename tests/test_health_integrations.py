@@ -52,8 +52,16 @@ def _poison(optimizer: torch.optim.Optimizer) -> None:
 # ---------------------------------------------------------------- torchtitan
 
 
-def _titan_job(rank: int, world: int, root: str, options: dict, run_to: int, total: int,
-               snapshot_at: list[int], poison_after: int | None) -> dict:  # fmt: skip
+def _titan_job(
+    rank: int,
+    world: int,
+    root: str,
+    options: dict,
+    run_to: int,
+    total: int,
+    snapshot_at: list[int],
+    poison_after: int | None,
+) -> dict:
     """torchtitan's job (``test_integration_torchtitan._job``); with ``poison_after``, its
     optimizers get a NaN after that many steps."""
     import test_integration_torchtitan as titan
@@ -83,14 +91,17 @@ def test_torchtitan_resumes_from_the_newest_clean_step(tmp_path):
     assert first[0]["levels"] == [[2, 4, 6, 8], [2, 4]]  # the poisoned ones stay below
     assert _steps(tmp_path / "remote") == [2, 4]
     assert [_quarantined(tmp_path / "n0" / "l1" / f"step-{s}") for s in (4, 6, 8)] == [
-        False, True, True,
-    ]  # fmt: skip
+        False,
+        True,
+        True,
+    ]
     # The restart: torchtitan's load(step=-1), as its Trainer makes it.
     restart = run_ranks(_titan_job, WORLD, root, options, 4, 10, [], None, timeout=180)
     for rank in range(WORLD):
         assert restart[rank]["load_returned"] and restart[rank]["loaded"] == 4
-        titan._assert_same(restart[rank]["snapshots"]["loaded"], first[rank]["snapshots"][4],
-                           f"rank {rank}")  # fmt: skip
+        titan._assert_same(
+            restart[rank]["snapshots"]["loaded"], first[rank]["snapshots"][4], f"rank {rank}"
+        )
 
 
 # ---------------------------------------------------------------- Lightning
@@ -114,8 +125,12 @@ def _lightning_fit(rank: int, world: int, root: str, levels: list, poison_epoch:
             _poison(optimizer)
 
     module.on_train_epoch_start = on_train_epoch_start
-    callback = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), filename="{epoch}-{step}",
-                               save_last=True, save_on_train_epoch_end=True)  # fmt: skip
+    callback = ModelCheckpoint(
+        dirpath=os.path.join(root, "ckpt"),
+        filename="{epoch}-{step}",
+        save_last=True,
+        save_on_train_epoch_end=True,
+    )
     lt._trainer(lt._level_strategy(levels), os.path.join(root, "first"), 4, [callback]).fit(module)
     return taken
 
@@ -129,8 +144,9 @@ def _lightning_resume(rank: int, world: int, root: str, levels: list, ckpt_path:
 
     lt._as_node(rank)
     # What each kind of path resolves to: a marker of a quarantined step, "step-<N>".
-    targets = [past_quarantine(level_target(path), levels).location
-               for path in (ckpt_path, "step-12")]  # fmt: skip
+    targets = [
+        past_quarantine(level_target(path), levels).location for path in (ckpt_path, "step-12")
+    ]
     module = lt._module("fsdp2")
     taken: dict = {}
 
@@ -156,8 +172,10 @@ def test_lightning_resumes_from_the_newest_clean_step(tmp_path):
         assert _steps(tmp_path / f"n{node}" / "l1") == [3, 6, 9, 12]
     assert _steps(tmp_path / "remote") == [3, 6]
     assert [_quarantined(tmp_path / "n0" / "l1" / f"step-{s}") for s in (6, 9, 12)] == [
-        False, True, True,
-    ]  # fmt: skip
+        False,
+        True,
+        True,
+    ]
     # last.ckpt names step 12, the newest save: the resume passes over 12 and 9.
     ckpt_path = str(tmp_path / "ckpt" / "last.ckpt")
     resumed = run_ranks(_lightning_resume, WORLD, root, levels, ckpt_path, timeout=180)

@@ -396,8 +396,11 @@ def test_levels_must_be_a_list_of_levels(tmp_path):
 
 def test_writer_options_the_levels_set_themselves_are_refused(tmp_path):
     with pytest.raises(ConfigError) as info:
-        MultiLevelAccelerator(cpu=True, levels=[Level(str(tmp_path))],
-                              writer_options={"codec": "zstd", "thread_count": 2})  # fmt: skip
+        MultiLevelAccelerator(
+            cpu=True,
+            levels=[Level(str(tmp_path))],
+            writer_options={"codec": "zstd", "thread_count": 2},
+        )
     assert str(info.value) == (
         "MultiLevelAccelerator(levels=...): writer_options sets codec, which the levels set "
         "themselves: set them on each Level (Level(..., codec=..., storage_options=...); "
@@ -410,8 +413,11 @@ def _end_training_then_check(rank: int, world: int, root: str) -> list[bool]:
 
     warnings.filterwarnings("ignore")
     os.environ["DCP_ML_NODE"] = "0"
-    slow = {"target_protocol": "file", "target_options": {"auto_mkdir": True},
-            "delay": {"put_file": 0.3}}  # fmt: skip
+    slow = {
+        "target_protocol": "file",
+        "target_options": {"auto_mkdir": True},
+        "delay": {"put_file": 0.3},
+    }
     levels = [Level(f"{root}/l1"), Level(f"faulty://{root}/remote", storage_options=slow)]
     accelerator = _fsdp2_on_cpu(rank, world, levels=levels)
     parts = _prepared(accelerator, seed=0)

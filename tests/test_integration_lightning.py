@@ -255,8 +255,12 @@ def _fit_to_levels(rank: int, world: int, root: str, levels: list) -> dict:
     whole = _module("fsdp2")
     _trainer(_strategy("fsdp2"), os.path.join(root, "whole"), 3).fit(whole)
     first = _module("fsdp2")
-    callback = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), filename="{epoch}-{step}",
-                               save_last=True, save_on_train_epoch_end=True)  # fmt: skip
+    callback = ModelCheckpoint(
+        dirpath=os.path.join(root, "ckpt"),
+        filename="{epoch}-{step}",
+        save_last=True,
+        save_on_train_epoch_end=True,
+    )
     _trainer(_level_strategy(levels), os.path.join(root, "first"), 2, [callback]).fit(first)
     return {"whole": whole.losses, "first": first.losses}
 

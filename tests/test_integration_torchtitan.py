@@ -155,9 +155,15 @@ def _snapshot(model, optimizers, lr_schedulers, train_state) -> dict[str, Any]:
 
 
 def _job(
-    rank: int, world: int, root: str, options: dict[str, Any], run_to: int, total: int,
-    snapshot_at: list[int], seed: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+    rank: int,
+    world: int,
+    root: str,
+    options: dict[str, Any],
+    run_to: int,
+    total: int,
+    snapshot_at: list[int],
+    seed: bool = False,
+) -> dict[str, Any]:
     """One run of a torchtitan-style job: load, train to ``run_to`` (``total`` is the
     run's last step: ``run_to < total`` is a job killed after step ``run_to``)."""
     os.environ["DCP_ML_NODE"] = str(rank)
@@ -165,12 +171,17 @@ def _job(
     model = TinyLM()
     optimizers = OptimizersContainer(
         OptimizersContainer.Config(
-            param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
-                                           optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1})],
+            param_groups=[
+                ParamGroupConfig(
+                    pattern=".*",
+                    optimizer_name="AdamW",
+                    optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1},
+                )
+            ],
             implementation="for-loop",
         ),
         model_parts=[model],
-    )  # fmt: skip
+    )
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
         optimizers=optimizers, training_steps=total
     )
@@ -180,10 +191,14 @@ def _job(
     kind = CheckpointManager if stock else MultiLevelCheckpointManager
     config = kind.Config(enable=True, **options)
     checkpointer = config.build(
-        dataloader=dataloader, model_parts=[model], optimizers=optimizers,
-        lr_schedulers=lr_schedulers, states={"train_state": train_state},
-        sd_adapter=TinyAdapter(), base_folder=root,
-    )  # fmt: skip
+        dataloader=dataloader,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=lr_schedulers,
+        states={"train_state": train_state},
+        sd_adapter=TinyAdapter(),
+        base_folder=root,
+    )
     out: dict[str, Any] = {"saved": [], "held": {}, "snapshots": {}, "batches": {}}
     try:
         if seed:  # what torchtitan's train.py does with create_seed_checkpoint
@@ -231,8 +246,14 @@ def _job(
     return out
 
 
-def _run(root: Path, options: dict[str, Any], run_to: int, total: int,
-         snapshot_at: list[int] = (), seed: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+def _run(
+    root: Path,
+    options: dict[str, Any],
+    run_to: int,
+    total: int,
+    snapshot_at: list[int] = (),
+    seed: bool = False,
+) -> list[dict[str, Any]]:
     return run_ranks(_job, WORLD, str(root), options, run_to, total, list(snapshot_at), seed)
 
 
@@ -299,8 +320,9 @@ def test_keep_latest_k_is_the_levels_retention(interval_runs):
         assert set(steps) <= {s for s in (1, 2, 4) if s <= step} and len(steps) <= 3, held
     # Once the drains and retention followed the last save: the 2 newest.
     assert first[0]["levels"] == [[2, 4]] and first[1]["levels"] == [[2, 4]]
-    assert sorted(p.name for p in (root / "checkpoint").iterdir()
-                  if p.name.startswith("step-")) == ["step-2", "step-4"]  # fmt: skip
+    assert sorted(
+        p.name for p in (root / "checkpoint").iterdir() if p.name.startswith("step-")
+    ) == ["step-2", "step-4"]
     assert not first[0]["purge_thread"]  # torchtitan's own purge is off
 
 
@@ -309,13 +331,17 @@ def test_restart_resumes_bit_exact(interval_runs):
     for rank in range(WORLD):
         assert restart[rank]["loaded"] == 4  # the newest full checkpoint
         # model, optimizer, lr scheduler, dataloader position, train state
-        _assert_same(restart[rank]["snapshots"]["loaded"], first[rank]["snapshots"][4],
-                     f"rank {rank} after load")  # fmt: skip
+        _assert_same(
+            restart[rank]["snapshots"]["loaded"],
+            first[rank]["snapshots"][4],
+            f"rank {rank} after load",
+        )
         # ... and training goes on as if never stopped: the dataloader goes on where it
         # was (the same batches), and the same updates follow.
         assert restart[rank]["batches"] == {s: first[rank]["batches"][s] for s in (5, 6)}
-        _assert_same(restart[rank]["snapshots"][6], first[rank]["snapshots"][6],
-                     f"rank {rank} at step 6")  # fmt: skip
+        _assert_same(
+            restart[rank]["snapshots"][6], first[rank]["snapshots"][6], f"rank {rank} at step 6"
+        )
 
 
 def test_last_step_exports_hf_safetensors(interval_runs):
@@ -334,8 +360,13 @@ def test_last_step_exports_hf_safetensors(interval_runs):
 
 def test_load_step_exclude_from_loading_and_load_only(interval_runs):
     root, first, _ = interval_runs
-    options = {**INTERVAL_RUN, "load_step": 2, "exclude_from_loading": ["dataloader"],
-               "load_only": True, "async_mode": "disabled"}  # fmt: skip
+    options = {
+        **INTERVAL_RUN,
+        "load_step": 2,
+        "exclude_from_loading": ["dataloader"],
+        "load_only": True,
+        "async_mode": "disabled",
+    }
     out = _run(root, options, run_to=4, total=6)
     for rank in range(WORLD):
         assert out[rank]["loaded"] == 2
@@ -343,8 +374,9 @@ def test_load_step_exclude_from_loading_and_load_only(interval_runs):
         _assert_same(out[rank]["snapshots"]["loaded"], first[rank]["snapshots"][2])
         # The dataloader was not loaded: it starts from its first batch again.
         assert out[rank]["batches"][3] == first[rank]["batches"][1]
-    assert sorted(p.name for p in (root / "checkpoint").iterdir()
-                  if p.name.startswith("step-")) == ["step-2", "step-4"]  # fmt: skip
+    assert sorted(
+        p.name for p in (root / "checkpoint").iterdir() if p.name.startswith("step-")
+    ) == ["step-2", "step-4"]
 
 
 # ---------------------------------------------------------------- a lost node
@@ -355,8 +387,12 @@ def test_lost_node_resumes_from_the_partner_level(tmp_path):
         Level(f"{tmp_path}/n{{node}}/l1", keep=2),
         Level(f"partner:{tmp_path}/n{{node}}/partner", keep=2, replicas=2),
     ]
-    options = {"interval": 2, "levels": levels, "async_mode": "async_with_pinned_mem",
-               "drain_policy": "wait"}  # fmt: skip
+    options = {
+        "interval": 2,
+        "levels": levels,
+        "async_mode": "async_with_pinned_mem",
+        "drain_policy": "wait",
+    }
     first = _run(tmp_path, options, run_to=4, total=8, snapshot_at=[4])  # killed after step 4
     assert first[0]["saved"] == [2, 4]
     assert first[0].get("fenced"), "async_with_pinned_mem saved without overlapped copies"
@@ -364,8 +400,9 @@ def test_lost_node_resumes_from_the_partner_level(tmp_path):
     restart = _run(tmp_path, options, run_to=4, total=8)
     for rank in range(WORLD):
         assert restart[rank]["loaded"] == 4
-        _assert_same(restart[rank]["snapshots"]["loaded"], first[rank]["snapshots"][4],
-                     f"rank {rank}")  # fmt: skip
+        _assert_same(
+            restart[rank]["snapshots"]["loaded"], first[rank]["snapshots"][4], f"rank {rank}"
+        )
     assert restart[1]["restore"], "node 1's files were not brought back"
     assert any("partner" in source for source in restart[1]["restore"]), restart[1]["restore"]
 
@@ -382,8 +419,9 @@ def test_full_last_step_reaches_every_level_and_seeds_another_run(tmp_path):
     # last step (5) though its every=4 does not divide it.
     assert first[0]["levels"] == [[4, 5], [4, 5]]
     # A new run (its own folder) starts from that checkpoint's model only.
-    second = _run(tmp_path / "run2", {"initial_load_path": f"{tmp_path}/run1/l1/step-5"},
-                  run_to=0, total=5)  # fmt: skip
+    second = _run(
+        tmp_path / "run2", {"initial_load_path": f"{tmp_path}/run1/l1/step-5"}, run_to=0, total=5
+    )
     for rank in range(WORLD):
         assert second[rank]["load_returned"] and second[rank]["loaded"] == 0
         got = second[rank]["snapshots"]["loaded"]
@@ -429,14 +467,24 @@ def test_the_adapter_uses_one_private_torchtitan_name():
     # A private name is torchtitan's when the adapter reads it without defining it, or
     # defines it over torchtitan's (an override); the module docstring names each one.
     tree = ast.parse(inspect.getsource(adapter))
-    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
-            and n.attr.startswith("_") and not n.attr.startswith("__")}  # fmt: skip
+    used = {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+    }
     defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
-    defined |= {t.attr for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign))
-                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
-                if isinstance(t, ast.Attribute)}  # fmt: skip
-    overridden = {n for n in defined if n.startswith("_") and not n.startswith("__")
-                  and hasattr(CheckpointManager, n)}  # fmt: skip
+    defined |= {
+        t.attr
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+        if isinstance(t, ast.Attribute)
+    }
+    overridden = {
+        n
+        for n in defined
+        if n.startswith("_") and not n.startswith("__") and hasattr(CheckpointManager, n)
+    }
     private = (used - defined) | overridden
     assert private == {"_states_to_load"}, private
     assert all(hasattr(CheckpointManager, name) for name in private)

@@ -25,12 +25,24 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from dcp_multilevel import MultiLevelReader, MultiLevelWriter
 
 DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16,
-    torch.complex128, torch.complex64,
-    torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint64, torch.uint32, torch.uint16, torch.uint8,
-    torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
-]  # fmt: skip
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex128,
+    torch.complex64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint64,
+    torch.uint32,
+    torch.uint16,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
 
 
 def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:

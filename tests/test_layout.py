@@ -106,3 +106,17 @@ def test_every_public_name_imports_from_the_package():
         assert getattr(dcp_multilevel, name) is not None
     plugin = importlib.import_module("dcp_multilevel.plugin")
     assert plugin.__all__ == ["BalancedSavePlanner", "MultiLevelReader", "MultiLevelWriter"]
+
+
+def test_no_code_is_folded_past_the_formatter():
+    """A module is one idea whatever its length: nothing is folded with ``# fmt: skip``
+    (or ``# fmt: off``) to look shorter."""
+    repo = PACKAGE.parent
+    folded = [
+        f"{p.relative_to(repo)}:{n}"
+        for folder in ("dcp_multilevel", "tests", "benchmarks", "examples")
+        for p in sorted((repo / folder).rglob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), start=1)
+        if line.rstrip().endswith(("# fmt: skip", "# fmt: off"))
+    ]
+    assert folded == []

@@ -63,10 +63,14 @@ def test_a_manager_of_levels_warns_nothing(tmp_path):
     [
         ("every", 0, "Level('/x').every must be an integer >= 1, got 0"),
         ("every", True, "Level('/x').every must be an integer >= 1, got True"),
-        ("keep", 0, "Level('/x').keep must be None or an integer >= 1 (the newest complete "
-                    "checkpoint is never deleted), got 0"),
+        (
+            "keep",
+            0,
+            "Level('/x').keep must be None or an integer >= 1 (the newest complete "
+            "checkpoint is never deleted), got 0",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_level_options_are_named(field, value, message):
     with pytest.raises(ConfigError) as info:
         Level("/x", **{field: value})
@@ -120,10 +124,12 @@ def mirror_kind(tmp_path, monkeypatch):
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     install_fake_distribution(
-        pkg, monkeypatch, "mirror-level-pkg",
+        pkg,
+        monkeypatch,
+        "mirror-level-pkg",
         "[dcp_multilevel.levels]\nmirror = mirror_level_mod:MirrorLevel\n",
         {"mirror_level_mod": source},
-    )  # fmt: skip
+    )
     LEVEL_KINDS.refresh()
     yield tmp_path
     LEVEL_KINDS.refresh()
@@ -256,8 +262,11 @@ def test_a_drain_runs_the_drains_it_needs_first(tmp_path, outcome):
     drainer = Drainer(policy="wait")
     drainer.submit(_jobs(tmp_path / "l1", target, [1, 2, 3]))
     if outcome == "fail":
-        with pytest.raises(DrainError, match=r"step 3 to .*: step 1, which it needs there, "
-                           r"was not copied first \(DrainError: the disk is full\)"):  # fmt: skip
+        with pytest.raises(
+            DrainError,
+            match=r"step 3 to .*: step 1, which it needs there, "
+            r"was not copied first \(DrainError: the disk is full\)",
+        ):
             drainer.wait()
     else:
         drainer.wait()

@@ -36,10 +36,20 @@ _LOAD = textwrap.dedent(
 
 def _load(where: str, how: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-W", "ignore:torch.distributed is disabled:UserWarning",
-         "-c", _LOAD, where, how],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-W",
+            "ignore:torch.distributed is disabled:UserWarning",
+            "-c",
+            _LOAD,
+            where,
+            how,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
 
 
 @pytest.mark.parametrize(

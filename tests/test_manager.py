@@ -149,8 +149,9 @@ def test_configuration_errors():
 
 
 def test_remote_down_keeps_training_and_the_first_tier_and_reports_it(tmp_path):
-    down = dict(retries=0, skip_instance_cache=True,
-                fail_first={"put_file": 10**9, "pipe_file": 10**9})  # fmt: skip
+    down = dict(
+        retries=0, skip_instance_cache=True, fail_first={"put_file": 10**9, "pipe_file": 10**9}
+    )
     remote = Level("faulty://down/run", storage_options=down)
     mgr = CheckpointManager([Level(str(tmp_path / "l1"), keep=1), remote], drain_policy="wait")
     for s in (1, 2, 3):
@@ -167,8 +168,13 @@ def test_remote_down_keeps_training_and_the_first_tier_and_reports_it(tmp_path):
 
 
 def test_flaky_remote_succeeds_after_retries(tmp_path):
-    flaky = dict(retries=20, backoff=0.0, skip_instance_cache=True, seed=3,
-                 fail_rate={"put_file": 0.4, "pipe_file": 0.4, "info": 0.2})  # fmt: skip
+    flaky = dict(
+        retries=20,
+        backoff=0.0,
+        skip_instance_cache=True,
+        seed=3,
+        fail_rate={"put_file": 0.4, "pipe_file": 0.4, "info": 0.2},
+    )
     root = f"faulty://flaky-{uuid.uuid4().hex[:6]}/run"
     mgr = CheckpointManager([Level(str(tmp_path / "l1")), Level(root, storage_options=flaky)])
     mgr.save(state(5), step=5)
@@ -280,8 +286,9 @@ def test_a_remote_failing_or_stalling_every_call_never_stalls_or_breaks_save(tmp
         options = {**faults, "record": tag, "skip_instance_cache": True}
         remote = Level(f"faulty://{tag}/run", storage_options=options)
         # No sweep at construction: it lists every level, the remote too, by design.
-        mgr = CheckpointManager([Level(str(tmp_path / name), keep=1), remote],
-                                sweep_older_than_s=None)  # fmt: skip
+        mgr = CheckpointManager(
+            [Level(str(tmp_path / name), keep=1), remote], sweep_older_than_s=None
+        )
         for s in (1, 2):
             mgr.save(state(s), step=s)  # never raises for the remote's sake
         assert mgr.steps(0)[-1] == 2
@@ -353,11 +360,16 @@ def _skip_together(rank: int, world: int, root: str) -> list[list[str]]:
     # Rank 0 applies the remote's retention after each commit; a slow listing keeps
     # its drain busy after rank 1's has ended. Each rank deciding alone, rank 0 would
     # skip step 2 and rank 1 would wait forever for rank 0's share of it.
-    options = {"target_protocol": "file", "target_options": {"auto_mkdir": True},
-               "delay": {"ls": 2.0}, "skip_instance_cache": True}  # fmt: skip
+    options = {
+        "target_protocol": "file",
+        "target_options": {"auto_mkdir": True},
+        "delay": {"ls": 2.0},
+        "skip_instance_cache": True,
+    }
     remote = Level(f"faulty://{root}/remote", storage_options=options)
-    mgr = CheckpointManager([Level(_node_dir(root, rank)), remote], drain_timeout_s=30,
-                            drain_policy="skip")  # fmt: skip
+    mgr = CheckpointManager(
+        [Level(_node_dir(root, rank)), remote], drain_timeout_s=30, drain_policy="skip"
+    )
     first = mgr.save(_replicated(1), step=1)
     time.sleep(1.0)  # rank 1's drain has ended, rank 0's is listing the remote
     second = mgr.save(_replicated(2), step=2)
@@ -419,8 +431,9 @@ def test_drain_copies_files_verbatim_when_the_codecs_agree(
     (result,) = mgr.wait()
     assert result.committed and result.gbps > 0
     assert (result.details["files_verbatim"] > 0, result.details["files_encoded"] > 0) == (
-        verbatim, not verbatim,
-    )  # fmt: skip
+        verbatim,
+        not verbatim,
+    )
     ours = json.loads((tmp_path / "l1" / "step-4" / "manifest.json").read_text())
     theirs = json.loads(mgr.drivers[1].root.store.read_bytes("step-4/manifest.json"))
     assert ours["save_id"] == theirs["save_id"]
@@ -546,8 +559,12 @@ def test_abandoned_spool_and_temporary_files_are_swept(tmp_path):
     spool, l1 = tmp_path / "spool", tmp_path / "l1"
     (l1 / "step-1" / "data").mkdir(parents=True)
     spool.mkdir()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     dead_pid = int(dead.stdout)
     files = {
         "dead_old": spool / f"dcp-ml-spool-{dead_pid}-abc",
@@ -598,8 +615,9 @@ def _two_managers_job(rank: int, world: int, root: str) -> list[bool]:
         if name == "b" and rank == 0:  # rank 0 commits late: nobody may finish before it
             copy = store.copy_rank_files
             store.copy_rank_files = lambda *a, copy=copy: (time_.sleep(1.5), copy(*a))[1]
-        mgr = CheckpointManager([Level(f"{root}/{name}/l1"), Level(f"{root}/{name}/remote")],
-                                drain_policy="wait")  # fmt: skip
+        mgr = CheckpointManager(
+            [Level(f"{root}/{name}/l1"), Level(f"{root}/{name}/remote")], drain_policy="wait"
+        )
         mgr.save({"w": torch.full((32, 32), 7.0)}, step=1)  # (replicas: equal)
         done = all(r.committed and r.error is None for r in mgr.wait())
         # A finished drain means "on the level": its manifest is there.

@@ -109,11 +109,16 @@ def _gated_job(rank: int, world: int, root: str) -> dict[str, Any]:
 def test_an_async_save_returns_before_its_write_and_blocks_only_for_staging(tmp_path: Path):
     for r in run_ranks(_gated_job, 2, str(tmp_path), timeout=180):
         assert r == {
-            "committed": False, "bytes": 0, "listed": [],
-            "same": True, "bytes_after": r["bytes_after"], "committed_after": True,
-            "blocked_before_the_gate_opened": True, "blocked_kept": True,
+            "committed": False,
+            "bytes": 0,
+            "listed": [],
+            "same": True,
+            "bytes_after": r["bytes_after"],
+            "committed_after": True,
+            "blocked_before_the_gate_opened": True,
+            "blocked_kept": True,
             "waited_is_the_write": True,
-        }, r  # fmt: skip
+        }, r
         assert r["bytes_after"] > 0, r
 
 
@@ -171,8 +176,9 @@ def test_overlapped_staging_saves_behind_the_fence_the_manager_keeps(tmp_path: P
     for budget in (None, 0):
         root = tmp_path / str(budget)
         staging = StagingConfig(overlap=True, budget_bytes=budget, check_fence=True)
-        mgr = CheckpointManager([Level(str(root / "l1"), every=1, keep=3)], async_save=True,
-                                staging=staging)  # fmt: skip
+        mgr = CheckpointManager(
+            [Level(str(root / "l1"), every=1, keep=3)], async_save=True, staging=staging
+        )
         # 256 MiB: its copy or write is still running when save() returns, so a
         # wait_for_staging that did not wait would let the change below into the
         # save (the fence check fails it).

@@ -34,8 +34,11 @@ def trained(step: int) -> dict:
 
 
 def blank() -> dict:
-    return {"w": torch.zeros(300, 1000), "h": torch.zeros(100, 1000, dtype=torch.bfloat16),
-            "meta": {"step": -1}}  # fmt: skip
+    return {
+        "w": torch.zeros(300, 1000),
+        "h": torch.zeros(100, 1000, dtype=torch.bfloat16),
+        "meta": {"step": -1},
+    }
 
 
 def check(loaded: dict, step: int) -> None:
@@ -199,10 +202,12 @@ def test_delta_configuration_errors(tmp_path):
     with pytest.raises(ConfigError, match="keyframe_every"):
         Level(str(tmp_path), codec="zstd", keyframe_every=0)
     with pytest.raises(ConfigError, match="deltas are stored on store levels"):
-        CheckpointManager([
-            Level(str(tmp_path / "l1")),
-            Level(f"partner:{tmp_path}/p", replicas=2, codec="zstd", keyframe_every=3),
-        ])  # fmt: skip
+        CheckpointManager(
+            [
+                Level(str(tmp_path / "l1")),
+                Level(f"partner:{tmp_path}/p", replicas=2, codec="zstd", keyframe_every=3),
+            ]
+        )
 
 
 def test_sigkill_during_delta_saves_and_drains_leaves_every_checkpoint_restorable(tmp_path):
@@ -214,8 +219,9 @@ def test_sigkill_during_delta_saves_and_drains_leaves_every_checkpoint_restorabl
         with log.open("w") as err:
             child = subprocess.Popen(
                 [sys.executable, str(HERE / "_delta_child.py"), l1, remote, str(marker)],
-                cwd=HERE, stderr=err,
-            )  # fmt: skip
+                cwd=HERE,
+                stderr=err,
+            )
         try:
             deadline = time.monotonic() + 120
             while not marker.exists():

@@ -81,9 +81,15 @@ def test_the_manifest_is_one_json_document_written_in_batches(tmp_path):
     m = decode_manifest(raw, checkpoint="ck")
     assert len(m.locations) == 152
     out = encode_manifest(
-        m.metadata, m.locations, m.files, save_id="s", world_size=2, created_unix=1.5,
-        reference=Reference(save_id="r", checkpoint="step-8"), extra={"k": [1, 2.5, None]},
-    )  # fmt: skip
+        m.metadata,
+        m.locations,
+        m.files,
+        save_id="s",
+        world_size=2,
+        created_unix=1.5,
+        reference=Reference(save_id="r", checkpoint="step-8"),
+        extra={"k": [1, 2.5, None]},
+    )
     doc = json.loads(out)
     assert out == json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
     assert doc["reference"] == {"save_id": "r", "checkpoint": "step-8"}

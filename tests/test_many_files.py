@@ -70,8 +70,11 @@ class RequestLog:
         self._lock = threading.Lock()
 
     def __call__(self, environ: dict, start_response: Any) -> Any:
-        request = (environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""),
-                   parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True))  # fmt: skip
+        request = (
+            environ["REQUEST_METHOD"],
+            environ.get("PATH_INFO", ""),
+            parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True),
+        )
         with self._lock:
             self.requests.append(request)
             refused = request[1] in self.refused
@@ -204,8 +207,9 @@ def test_s3_requests_grow_with_steps_never_with_files(counted, s3_roots, op):
 def test_s3_gc_removes_a_step_with_one_listing_of_its_prefix_and_batched_deletes(counted):
     server, log = counted
     root = S3Root(server, 30)
-    plan, requests = log.during(lambda: cli("gc", root.url, "--keep", str(STEPS - 1),
-                                            options=server.storage_options))  # fmt: skip
+    plan, requests = log.during(
+        lambda: cli("gc", root.url, "--keep", str(STEPS - 1), options=server.storage_options)
+    )
     assert plan["expired"] == [0]
     assert server.keys(root.bucket, "root/step-0/") == []
     assert len(server.keys(root.bucket, "root/")) == (STEPS - 1) * 31 + 1
@@ -413,8 +417,9 @@ def test_a_drain_to_a_store_level_removes_an_earlier_attempts_leftovers(tmp_path
     dead.mkdir(parents=True)
     (dead / "0-0.deaddeaddeaddead.bin").write_bytes(b"x" * 64)
     (dead / "0-1.deaddeaddeaddead.bin.tmp-abcdef").write_bytes(b"x")
-    mgr = CheckpointManager([Level(str(l1)), Level(str(l2))], drain_policy="wait",
-                            sweep_older_than_s=None)  # fmt: skip
+    mgr = CheckpointManager(
+        [Level(str(l1)), Level(str(l2))], drain_policy="wait", sweep_older_than_s=None
+    )
     try:
         mgr.save({"w": torch.arange(64.0)}, step=5)
         (result,) = mgr.wait()

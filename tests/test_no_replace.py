@@ -172,8 +172,13 @@ def test_a_replacing_drain_stopped_before_its_commit_leaves_the_old_step(tmp_pat
     # The same place through a store whose manifest uploads fail: every data file
     # of the new save arrives, its commit never does.
     protocol, _, path = url.rpartition("://")
-    broken = dict(target_protocol=protocol or "file", target_options=options, retries=0,
-                  skip_instance_cache=True, fail_first={"pipe_file": 10**9})  # fmt: skip
+    broken = dict(
+        target_protocol=protocol or "file",
+        target_options=options,
+        retries=0,
+        skip_instance_cache=True,
+        fail_first={"pipe_file": 10**9},
+    )
     remote = Level(f"faulty://{path}", every=2, storage_options=broken, overwrite=True)
     second = run(tmp_path / "b", remote, {4: 104})
     with pytest.raises(DrainError, match="RemoteStoreError"):
@@ -230,8 +235,10 @@ def test_a_delta_drain_never_rebases_onto_a_committed_step(tmp_path):
     second.close()
     new = {s: save_id(str(tmp_path / "b" / f"step-{s}")) for s in (2, 4)}
     for s in (2, 4):
-        assert f"step {s} is committed on level {url} as save {old[s]}; the drain of save " \
-               f"{new[s]} would replace it" in str(info.value)  # fmt: skip
+        assert (
+            f"step {s} is committed on level {url} as save {old[s]}; the drain of save "
+            f"{new[s]} would replace it" in str(info.value)
+        )
     assert snapshot(url) == before
     step, loaded, _ = load_remote(tmp_path, delta_remote(url))
     assert step == 4
@@ -274,8 +281,14 @@ def test_copy_onto_another_committed_step_is_refused_and_overwrite_replaces_it(t
     )
     assert snapshot(str(dest)) == before
 
-    done = cli("copy", tmp_path / "b" / "step-2", tmp_path / "remote", "--into-root",
-               "--overwrite", "--json")  # fmt: skip
+    done = cli(
+        "copy",
+        tmp_path / "b" / "step-2",
+        tmp_path / "remote",
+        "--into-root",
+        "--overwrite",
+        "--json",
+    )
     assert done.exit_code == 0, done.stderr
     assert json.loads(done.stdout)["status"] == "replaced"
     assert save_id(str(dest)) == new
@@ -299,9 +312,12 @@ def test_copy_with_overwrite_never_rewrites_a_file_the_old_step_names(tmp_path):
     shutil.copytree(tmp_path / "src" / "step-1" / "data", dest / "data")
     m = StoredCheckpoint.at(str(tmp_path / "src" / "step-1")).manifest()
     StoredCheckpoint.at(str(dest)).commit(  # another save, the same file names
-        m.metadata, m.locations, m.files, save_id="20260101T000000-0123456789ab",
+        m.metadata,
+        m.locations,
+        m.files,
+        save_id="20260101T000000-0123456789ab",
         world_size=m.world_size,
-    )  # fmt: skip
+    )
     (data,) = (dest / "data").iterdir()
     damaged = bytearray(data.read_bytes())
     damaged[-1] ^= 0xFF
@@ -326,12 +342,15 @@ def test_copy_with_overwrite_never_rewrites_a_file_the_old_step_names(tmp_path):
 
 
 def node_levels(root: str, first: str, **partner: Any) -> list[Level]:
-    return [Level(f"{root}/n{{node}}/{first}"), Level(f"partner:{root}/n{{node}}/partner",
-                                                     replicas=2, **partner)]  # fmt: skip
+    return [
+        Level(f"{root}/n{{node}}/{first}"),
+        Level(f"partner:{root}/n{{node}}/partner", replicas=2, **partner),
+    ]
 
 
-def _node_save_job(rank: int, world: int, root: str, first: str, v: int, overwrite: bool
-                   ) -> tuple[str | None, str]:  # fmt: skip
+def _node_save_job(
+    rank: int, world: int, root: str, first: str, v: int, overwrite: bool
+) -> tuple[str | None, str]:
     """Save step 1 as ``state(v)``; (the drain error or None, this node's save id)."""
     os.environ["DCP_ML_NODE"] = str(rank)
     mgr = CheckpointManager(node_levels(root, first, overwrite=overwrite), drain_policy="wait")
@@ -422,14 +441,15 @@ def test_a_restore_never_writes_into_another_saves_step_on_a_node(tmp_path):
     assert run_ranks(_node_load_job, 2, root, "l1", timeout=240) == [(1, 1, None)] * 2
 
 
-def _erasure_save_job(rank: int, world: int, root: str, first: str, v: int, overwrite: bool
-                      ) -> str | None:  # fmt: skip
+def _erasure_save_job(
+    rank: int, world: int, root: str, first: str, v: int, overwrite: bool
+) -> str | None:
     os.environ["DCP_ML_NODE"] = str(rank)
     levels = [
         Level(f"{root}/n{{node}}/{first}"),
         Level(f"erasure:{root}/n{{node}}/erasure", data=2, parity=1, overwrite=overwrite),
     ]
-    mgr = CheckpointManager(levels, drain_policy="wait")  # fmt: skip
+    mgr = CheckpointManager(levels, drain_policy="wait")
     mgr.save(state(v), step=1)
     try:
         mgr.wait()
@@ -442,8 +462,10 @@ def _erasure_save_job(rank: int, world: int, root: str, first: str, v: int, over
 
 def _erasure_load_job(rank: int, world: int, root: str, first: str) -> tuple[int | None, int]:
     os.environ["DCP_ML_NODE"] = str(rank)
-    levels = [Level(f"{root}/n{{node}}/{first}"),
-              Level(f"erasure:{root}/n{{node}}/erasure", data=2, parity=1)]  # fmt: skip
+    levels = [
+        Level(f"{root}/n{{node}}/{first}"),
+        Level(f"erasure:{root}/n{{node}}/erasure", data=2, parity=1),
+    ]
     mgr = CheckpointManager(levels)
     loaded = blank()
     step = mgr.load_latest(loaded)
@@ -460,8 +482,9 @@ def test_an_erasure_drain_refuses_or_replaces_with_parity_of_its_own(tmp_path):
     assert run_ranks(_erasure_save_job, 3, root, "l1a", 1, False, timeout=300) == [None] * 3
     parity = {n: snapshot(f"{root}/n{n}/erasure") for n in range(3)}
     errors = run_ranks(_erasure_save_job, 3, root, "l1b", 101, False, timeout=300)
-    assert all("step 1 is committed on level erasure:" in e and "would replace it" in e
-               for e in errors), errors  # fmt: skip
+    assert all(
+        "step 1 is committed on level erasure:" in e and "would replace it" in e for e in errors
+    ), errors
     assert {n: snapshot(f"{root}/n{n}/erasure") for n in range(3)} == parity
 
     assert run_ranks(_erasure_save_job, 3, root, "l1c", 201, True, timeout=300) == [None] * 3

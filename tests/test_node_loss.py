@@ -57,9 +57,15 @@ def _levels(root: str, kind: str, options: dict, remote: bool = False) -> list[L
 
 
 def _save_job(
-    rank: int, world: int, root: str, per_node: int, kind: str, options: dict, steps: list[int],
+    rank: int,
+    world: int,
+    root: str,
+    per_node: int,
+    kind: str,
+    options: dict,
+    steps: list[int],
     remote: bool = False,
-) -> list[dict]:  # fmt: skip
+) -> list[dict]:
     os.environ["DCP_ML_NODE"] = str(rank // per_node)
     mgr = CheckpointManager(_levels(root, kind, options, remote), drain_policy="wait")
     for step in steps:
@@ -73,9 +79,14 @@ def _save_job(
 
 
 def _load_job(
-    rank: int, world: int, root: str, per_node: int, kind: str, options: dict,
+    rank: int,
+    world: int,
+    root: str,
+    per_node: int,
+    kind: str,
+    options: dict,
     remote: bool = False,
-) -> tuple[int | None, bool, dict, dict | str]:  # fmt: skip
+) -> tuple[int | None, bool, dict, dict | str]:
     """(step, bit-exact, what the restore brought, the reader's sources or the error)."""
     os.environ["DCP_ML_NODE"] = str(rank // per_node)
     return load_latest_report(_levels(root, kind, options, remote), _state)
@@ -113,8 +124,9 @@ def test_partner_level_restores_a_replaced_node_and_a_shrunk_world(tmp_path):
     # its own files (hard links).
     for node in (0, 1):
         assert sorted(p.name for p in (tmp_path / f"n{node}/partner").iterdir()) == [
-            "step-2", "step-3",
-        ]  # fmt: skip
+            "step-2",
+            "step-3",
+        ]
     held = sorted(p.name.split("-")[0] for p in (tmp_path / "n1/partner/step-3/data").iterdir())
     assert held == ["0", "1", "2", "3"]
     assert (tmp_path / "n1/partner/step-3/manifest.json").exists()
@@ -197,8 +209,10 @@ def test_erasure_level_rebuilds_any_lost_node(tmp_path):
     run_ranks(_save_job, 3, root, 1, "erasure", opts, [1, 2], timeout=240)
     # Groups: nodes {0, 1} with parity on node 2; node {2} with parity on node 0.
     assert sorted(p.name for p in (tmp_path / "n2/erasure/step-2/parity").iterdir()) == [
-        "0-2.bin", "group-0.json", "group-1.json",
-    ]  # fmt: skip
+        "0-2.bin",
+        "group-0.json",
+        "group-1.json",
+    ]
     saved = tmp_path.parent / f"{tmp_path.name}-saved"
     shutil.copytree(tmp_path, saved)
     for lost in (0, 2):  # a member of group 0; its parity node (also group 1's member)
@@ -560,8 +574,13 @@ def _wire_job(rank: int, world: int, root: str) -> list[str]:
     from dcp_multilevel.stores.local import LocalStore
 
     size, block = (21 << 20) + 12345, 1 << 20
-    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator()
-                         .manual_seed(7)).numpy().tobytes()  # fmt: skip
+    data = (
+        torch.randint(
+            0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)
+        )
+        .numpy()
+        .tobytes()
+    )
     outcomes = []
     for name in ("a.bin", "b.bin", "c.bin"):
         if rank == 0:

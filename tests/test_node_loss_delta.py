@@ -56,9 +56,16 @@ def _levels(root: str, kind: str, options: dict, every: int, remote: bool) -> li
 
 
 def _save_job(
-    rank: int, world: int, root: str, per_node: int, kind: str, options: dict, every: int,
-    steps: list[int], remote: bool = False,
-) -> list[tuple[int, bool, str | None]]:  # fmt: skip
+    rank: int,
+    world: int,
+    root: str,
+    per_node: int,
+    kind: str,
+    options: dict,
+    every: int,
+    steps: list[int],
+    remote: bool = False,
+) -> list[tuple[int, bool, str | None]]:
     os.environ["DCP_ML_NODE"] = str(rank // per_node)
     mgr = CheckpointManager(_levels(root, kind, options, every, remote), drain_policy="wait")
     for step in steps:
@@ -69,9 +76,15 @@ def _save_job(
 
 
 def _load_job(
-    rank: int, world: int, root: str, per_node: int, kind: str, options: dict, every: int,
+    rank: int,
+    world: int,
+    root: str,
+    per_node: int,
+    kind: str,
+    options: dict,
+    every: int,
     remote: bool = False,
-) -> tuple[int | None, bool, dict, dict | str]:  # fmt: skip
+) -> tuple[int | None, bool, dict, dict | str]:
     """(step, bit-exact, what the restore brought, the reader's sources or the error)."""
     os.environ["DCP_ML_NODE"] = str(rank // per_node)
     return load_latest_report(_levels(root, kind, options, every, remote), _state)
@@ -123,8 +136,7 @@ def test_a_partner_level_receives_each_delta_beside_its_reference(tmp_path):
     # The partner level takes every 2nd step, so step 1 and step 5 are copied
     # there first (before 2 and 6); keep=1 keeps step 6 and its reference.
     root, opts = str(tmp_path), {"replicas": 2}
-    drained = run_ranks(_save_job, 4, root, 2, "partner", opts, 2, [1, 2, 3, 4, 5, 6],
-                        timeout=300)  # fmt: skip
+    drained = run_ranks(_save_job, 4, root, 2, "partner", opts, 2, [1, 2, 3, 4, 5, 6], timeout=300)
     assert [s for s, ok, err in drained[0] if ok and err is None] == [1, 2, 4, 5, 6]
     for node in (0, 1):
         part = tmp_path / f"n{node}/partner"
@@ -211,8 +223,9 @@ def test_a_damaged_reference_on_the_first_level_is_fetched_intact_from_another_n
 def _killed_mid_delta_copy_job(rank: int, world: int, root: str) -> None:
     """Saves steps 1 and 2 (copied to partners), then dies by SIGKILL in step 3's copy."""
     os.environ["DCP_ML_NODE"] = str(rank)
-    mgr = CheckpointManager(_levels(root, "partner", {"replicas": 2}, 1, False),
-                            drain_policy="wait")  # fmt: skip
+    mgr = CheckpointManager(
+        _levels(root, "partner", {"replicas": 2}, 1, False), drain_policy="wait"
+    )
     save_then_die_in_last_copy(mgr, _state, [1, 2, 3], rank, dying=1)
 
 

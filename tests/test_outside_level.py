@@ -122,8 +122,11 @@ class TestMirror3(Mirror3Tests):
 
     def test_its_options_are_its_own(self):
         assert driver_for(Level("mirror3:/m", options={"copies": 4})).copies == 4
-        with pytest.raises(ConfigError, match=r"sets \['replicas'\]; a mirror3 level takes "
-                           r"\['copies'\]"):  # fmt: skip
+        with pytest.raises(
+            ConfigError,
+            match=r"sets \['replicas'\]; a mirror3 level takes "
+            r"\['copies'\]",
+        ):
             driver_for(Level("mirror3:/m", options={"replicas": 2}))
         with pytest.raises(ConfigError, match="copies must be an integer >= 2"):
             driver_for(Level("mirror3:/m", options={"copies": 1}))

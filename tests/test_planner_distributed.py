@@ -57,8 +57,10 @@ def _state(mesh) -> dict[str, Any]:
 
 
 def _blank(mesh) -> dict[str, Any]:
-    state = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None
-             for k, v in _replicated().items()}  # fmt: skip
+    state = {
+        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None
+        for k, v in _replicated().items()
+    }
     state["meta"] = {"step": 0, "name": ""}
     full = torch.zeros(16, 8)
     state["sharded"] = distribute_tensor(full, mesh, [Shard(0)]) if mesh is not None else full
@@ -100,12 +102,18 @@ def _save_job(rank: int, world: int, root: str) -> dict[str, Any]:
     dcp.save(state, storage_writer=MultiLevelWriter(root_p / "ours"), planner=bytes_only)
     dcp.save(state, storage_writer=MultiLevelWriter(root_p / "stock_planner"))
     dcp.save(state, storage_writer=FileSystemWriter(root_p / "fs"), planner=BalancedSavePlanner())
-    dcp.save(state, storage_writer=MultiLevelWriter(root_p / "compressed", codec="bytegroup"),
-             planner=BalancedSavePlanner())  # fmt: skip
+    dcp.save(
+        state,
+        storage_writer=MultiLevelWriter(root_p / "compressed", codec="bytegroup"),
+        planner=BalancedSavePlanner(),
+    )
 
     # Load back at the same world size, both formats.
-    for name, reader in [("ours", MultiLevelReader), ("fs", FileSystemReader),
-                         ("compressed", MultiLevelReader)]:  # fmt: skip
+    for name, reader in [
+        ("ours", MultiLevelReader),
+        ("fs", FileSystemReader),
+        ("compressed", MultiLevelReader),
+    ]:
         blank = _blank(mesh)
         dcp.load(blank, storage_reader=reader(root_p / name))
         _check(blank)
@@ -140,8 +148,9 @@ def _save_job(rank: int, world: int, root: str) -> dict[str, Any]:
     # The replica check (on by default): one rank's "replicated" tensor differs.
     if rank == world - 1:
         state["model.layer3.weight"] = state["model.layer3.weight"] + 1
-    dcp.save(state, storage_writer=MultiLevelWriter(root_p / "unequal"),
-             planner=BalancedSavePlanner())  # fmt: skip
+    dcp.save(
+        state, storage_writer=MultiLevelWriter(root_p / "unequal"), planner=BalancedSavePlanner()
+    )
     dist.barrier()
     return {
         "cached_calls": cached_calls if rank == 0 else None,
@@ -213,8 +222,11 @@ def test_balanced_checkpoints_load_with_three_ranks(saved):
 
 def test_balanced_checkpoints_load_in_one_process(saved):
     for w in (2, 4):
-        for name, reader in [("ours", MultiLevelReader), ("fs", FileSystemReader),
-                             ("compressed", MultiLevelReader)]:  # fmt: skip
+        for name, reader in [
+            ("ours", MultiLevelReader),
+            ("fs", FileSystemReader),
+            ("compressed", MultiLevelReader),
+        ]:
             blank = _blank(None)
             dcp.load(blank, storage_reader=reader(saved[w][0] / name))
             _check(blank)

@@ -340,9 +340,15 @@ def _bert_large_adamw() -> list[tuple[str, tuple[int, ...]]]:
         for name, shape in [
             *((f"q{k}", (h, h)) for k in "qkvo"),
             *((f"q{k}.b", (h,)) for k in "qkvo"),
-            ("in", (i, h)), ("in.b", (i,)), ("out", (h, i)), ("out.b", (h,)),
-            ("ln1.w", (h,)), ("ln1.b", (h,)), ("ln2.w", (h,)), ("ln2.b", (h,)),
-        ]:  # fmt: skip
+            ("in", (i, h)),
+            ("in.b", (i,)),
+            ("out", (h, i)),
+            ("out.b", (h,)),
+            ("ln1.w", (h,)),
+            ("ln1.b", (h,)),
+            ("ln2.w", (h,)),
+            ("ln2.b", (h,)),
+        ]:
             params.append((f"layer.{n}.{name}", shape))
     params += [("pool", (h, h)), ("pool.b", (h,)), ("cls.bias", (v,)), ("cls.dec", (v, h))]
     return [(f"{kind}.{name}", s) for kind in ("model", "m1", "m2") for name, s in params]

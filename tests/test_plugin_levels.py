@@ -134,8 +134,9 @@ def _async_job(rank: int, world: int, root: str) -> list:
     writer = MultiLevelWriter(levels=levels)  # one writer, reused: its buffers too
     for step in (1, 2):
         state = _state(step)
-        future = dcp.async_save(state, storage_writer=writer, checkpoint_id=f"step-{step}",
-                                process_group=group)  # fmt: skip
+        future = dcp.async_save(
+            state, storage_writer=writer, checkpoint_id=f"step-{step}", process_group=group
+        )
         for t in (state["w"], *state["layers"].values()):
             t.add_(1000.0)  # training goes on: the save holds the staged values
         future.result()
@@ -265,13 +266,17 @@ def _exit_after_save(tmp_path, remote: str, options: dict) -> subprocess.Complet
     code = textwrap.dedent(CHILD).format(
         tests=str(HERE), l1=str(tmp_path / "l1"), remote=remote, options=options
     )
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def test_a_process_that_exits_right_after_its_last_save_finishes_its_drains(tmp_path):
-    options = {"target_protocol": "file", "target_options": {"auto_mkdir": True},
-               "delay": {"put_file": 0.5}}  # fmt: skip
+    options = {
+        "target_protocol": "file",
+        "target_options": {"auto_mkdir": True},
+        "delay": {"put_file": 0.5},
+    }
     remote = f"faulty://{tmp_path}/remote"
     done = _exit_after_save(tmp_path, remote, options)
     assert done.returncode == 0, done.stderr
@@ -280,8 +285,11 @@ def test_a_process_that_exits_right_after_its_last_save_finishes_its_drains(tmp_
 
 
 def test_a_process_that_exits_with_drains_failing_names_what_did_not_land(tmp_path):
-    options = {"target_protocol": "file", "target_options": {"auto_mkdir": True},
-               "fail_first": {"put_file": 1000}}  # fmt: skip
+    options = {
+        "target_protocol": "file",
+        "target_options": {"auto_mkdir": True},
+        "fail_first": {"put_file": 1000},
+    }
     remote = f"faulty://{tmp_path}/remote"
     done = _exit_after_save(tmp_path, remote, options)
     assert done.returncode == 0, done.stderr
@@ -362,9 +370,12 @@ def test_ranks_that_exit_right_after_their_last_save_finish_every_levels_copy(tm
     torchrun = Path(sys.executable).parent / "torchrun"
     done = subprocess.run(
         [str(torchrun), "--standalone", "--nproc-per-node=2", str(script), str(tmp_path)],
-        capture_output=True, text=True, timeout=180, check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     for level in ("n0/partner", "n1/partner", "remote"):
         assert (tmp_path / level / "step-2" / "manifest.json").exists(), level
@@ -413,9 +424,11 @@ def _process_mode_job(rank: int, world: int, root: str) -> str:
     levels = [Level(f"{root}/l1"), Level(f"{root}/remote")]
     writer = MultiLevelWriter(levels=levels)
     future = dcp.async_save(
-        {"w": torch.ones(8)}, storage_writer=writer, checkpoint_id="step-1",
+        {"w": torch.ones(8)},
+        storage_writer=writer,
+        checkpoint_id="step-1",
         async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-    )  # fmt: skip
+    )
     with pytest.raises(ConfigError) as info:
         future.result()
     return str(info.value)

@@ -40,8 +40,11 @@ def test_one_file_is_read_by_several_threads_bit_exact(tmp_path):
     for threads, expect_many in ((1, False), (4, True)):
         back = {k: torch.zeros_like(v) for k, v in state.items()}
         planner = _Recording()
-        dcp.load(back, storage_reader=MultiLevelReader(tmp_path / "c", thread_count=threads),
-                 planner=planner)  # fmt: skip
+        dcp.load(
+            back,
+            storage_reader=MultiLevelReader(tmp_path / "c", thread_count=threads),
+            planner=planner,
+        )
         assert bit_equal(back, state)
         readers = {t for t in planner.threads if t.startswith("dcp-ml-read")}
         assert (len(readers) >= 2) == expect_many, planner.threads

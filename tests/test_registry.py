@@ -27,10 +27,12 @@ def fake_distribution(tmp_path, monkeypatch):
         """
     )
     install_fake_distribution(
-        tmp_path, monkeypatch, "fake-store-pkg",
+        tmp_path,
+        monkeypatch,
+        "fake-store-pkg",
         "[dcp_multilevel.stores]\nfake = fake_store_mod:FakeStore\nbroken = no_such_module:X\n",
         {"fake_store_mod": source},
-    )  # fmt: skip
+    )
     STORES.refresh()
     yield tmp_path
     STORES.refresh()
@@ -117,9 +119,12 @@ def fake_codec_distribution(tmp_path, monkeypatch):
         """
     )
     install_fake_distribution(
-        tmp_path, monkeypatch, "acme-codec",
-        "[dcp_multilevel.codecs]\nacme.xor = acme_codec:XorCodec\n", {"acme_codec": source},
-    )  # fmt: skip
+        tmp_path,
+        monkeypatch,
+        "acme-codec",
+        "[dcp_multilevel.codecs]\nacme.xor = acme_codec:XorCodec\n",
+        {"acme_codec": source},
+    )
     CODECS.refresh()
     yield tmp_path
     CODECS.refresh()

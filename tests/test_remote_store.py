@@ -623,9 +623,11 @@ def test_dcp_round_trip_on_memory(memory_root, all_dtypes_state):
 def faulty_scheme(tmp_path, monkeypatch):
     """Make faulty:// a store the way a third-party package would (entry point)."""
     install_fake_distribution(
-        tmp_path, monkeypatch, "faulty-store",
+        tmp_path,
+        monkeypatch,
+        "faulty-store",
         "[dcp_multilevel.stores]\nfaulty = dcp_multilevel.stores.remote:RemoteStore\n",
-    )  # fmt: skip
+    )
     STORES.refresh()
     yield
     STORES.refresh()

@@ -86,8 +86,10 @@ def test_a_replaced_node_copies_from_the_lowest_level_then_the_lowest_rank():
 def test_only_the_files_a_node_needs_are_fetched():
     files = _files(2)
     names = sorted(files)
-    invs = [Inventory(0, 0, [names[0]], files={0: [names[0]], 1: [names[1]]}),
-            Inventory(1, 1, [names[1]])]  # fmt: skip
+    invs = [
+        Inventory(0, 0, [names[0]], files={0: [names[0]], 1: [names[1]]}),
+        Inventory(1, 1, [names[1]]),
+    ]
     plan = plan_restore(7, files, invs, URLS)
     assert list(plan.actions) == [Copy(names[1], 1, 0, 1)]
 
@@ -95,8 +97,10 @@ def test_only_the_files_a_node_needs_are_fetched():
 def test_a_damaged_source_is_left_out_and_a_store_level_covers_the_rest():
     files = _files(2)
     names = sorted(files)
-    invs = [Inventory(0, 0, None, files={0: [names[0]], 1: names}, whole=[3]),
-            Inventory(1, 1, None, whole=[3])]  # fmt: skip
+    invs = [
+        Inventory(0, 0, None, files={0: [names[0]], 1: names}, whole=[3]),
+        Inventory(1, 1, None, whole=[3]),
+    ]
     bad = {CopyFault(0, names[1])}
     plan = plan_restore(7, files, invs, URLS, bad)
     assert plan.ok
@@ -171,10 +175,16 @@ def test_a_plan_from_inventories_merged_per_node_is_the_plan_from_every_ranks_ow
         unknown = data.draw(st.integers(0, 9)) == 0
         # Each node holds its own file and a partner copy of the next node's.
         held = {0: [names[node]], 1: [names[(node + 1) % nodes]]}
-        invs.append(Inventory(
-            rank, node, None if unknown else sorted(needs), None if unknown else partly,
-            parts=True, files={} if node == lost else held,
-        ))  # fmt: skip
+        invs.append(
+            Inventory(
+                rank,
+                node,
+                None if unknown else sorted(needs),
+                None if unknown else partly,
+                parts=True,
+                files={} if node == lost else held,
+            )
+        )
     merged = []
     for node in range(nodes):
         mine = [inv for inv in invs if inv.node == node]
@@ -238,10 +248,14 @@ def _erasure_inventories(
     descs = {}
     for g, (members, keepers) in enumerate(layout):
         descs[str(g)] = {
-            "group": str(g), "data": len(members), "parity": parity, "chunk": 64,
-            "stripe": 128, "parity_nodes": keepers,
+            "group": str(g),
+            "data": len(members),
+            "parity": parity,
+            "chunk": 64,
+            "stripe": 128,
+            "parity_nodes": keepers,
             "members": [{"node": n, "files": [[f"data/{n}-0.t.bin", 100 + n]]} for n in members],
-        }  # fmt: skip
+        }
     invs = []
     for node in range(nodes):
         if node in lost:
@@ -253,10 +267,22 @@ def _erasure_inventories(
             for g, d in descs.items()
             if node in d["parity_nodes"] or node in [m["node"] for m in d["members"]]
         }
-        held = [[g, d["data"] + d["parity_nodes"].index(node)]
-                for g, d in descs.items() if node in d["parity_nodes"]]  # fmt: skip
-        invs.append(Inventory(node, node, None, files={0: own, 2: own}, parity={2: held},
-                              groups={2: mine}, placement=list(range(nodes))))  # fmt: skip
+        held = [
+            [g, d["data"] + d["parity_nodes"].index(node)]
+            for g, d in descs.items()
+            if node in d["parity_nodes"]
+        ]
+        invs.append(
+            Inventory(
+                node,
+                node,
+                None,
+                files={0: own, 2: own},
+                parity={2: held},
+                groups={2: mine},
+                placement=list(range(nodes)),
+            )
+        )
     return files, invs
 
 
@@ -447,8 +473,10 @@ def test_every_copy_comes_from_a_rank_that_holds_the_file_by_then(nodes, per_nod
     # every node ends with what its ranks need.
     files = {f"data/{i}-0.t.bin": rnd.randint(1, 300) for i in range(n_files * nodes)}
     where = {f: rnd.sample(range(nodes), rnd.randint(1, nodes)) for f in files}
-    held = [{lvl: sorted(f for f in files if node in where[f] and rnd.random() < 0.7)
-             for lvl in (0, 1)} for node in range(nodes)]  # fmt: skip
+    held = [
+        {lvl: sorted(f for f in files if node in where[f] and rnd.random() < 0.7) for lvl in (0, 1)}
+        for node in range(nodes)
+    ]
     for f in files:  # every file somewhere
         if not any(f in fs for h in held for fs in h.values()):
             held[where[f][0]][0].append(f)

@@ -193,8 +193,9 @@ def test_checkpoint_manager_resumes_after_losing_a_node_and_saves_on(tmp_path, a
 # ---------------------------------------------------------------- torchtitan
 
 
-def _titan_job(rank: int, world: int, root: str, options: dict, run_to: int,
-               snapshot_at: list[int]) -> dict:  # fmt: skip
+def _titan_job(
+    rank: int, world: int, root: str, options: dict, run_to: int, snapshot_at: list[int]
+) -> dict:
     """torchtitan's job (``test_integration_torchtitan._job``: its checkpointer, optimizers,
     lr schedulers and dataloader driven as ``Trainer.train`` drives them), killed after
     step ``run_to`` of 20; with the replacements its saves logged."""
@@ -220,8 +221,9 @@ def test_torchtitan_resumes_after_losing_a_node_and_saves_on(tmp_path, async_mod
     for rank in range(WORLD):
         got = resumed[rank]
         assert got["load_returned"] and got["loaded"] == 4, got["loaded"]
-        titan._assert_same(got["snapshots"]["loaded"], first[rank]["snapshots"][4],
-                           f"rank {rank} after load")  # fmt: skip
+        titan._assert_same(
+            got["snapshots"]["loaded"], first[rank]["snapshots"][4], f"rank {rank} after load"
+        )
         assert got["saved"] == [5, 6, 7, 8]
         assert {6, 8} <= set(got["levels"][1]), got["levels"]
     _check_levels_after(tmp_path, {6, 8}, 8)
@@ -232,16 +234,18 @@ def test_torchtitan_resumes_after_losing_a_node_and_saves_on(tmp_path, async_mod
     again = run_ranks(_titan_job, WORLD, root, options, 8, [])
     for rank in range(WORLD):
         assert again[rank]["loaded"] == 8
-        titan._assert_same(again[rank]["snapshots"]["loaded"], resumed[rank]["snapshots"][8],
-                           f"rank {rank} after the second load")  # fmt: skip
+        titan._assert_same(
+            again[rank]["snapshots"]["loaded"],
+            resumed[rank]["snapshots"][8],
+            f"rank {rank} after the second load",
+        )
         assert any("partner" in source for source in again[1]["restore"]), again[1]["restore"]
 
 
 # ---------------------------------------------------------------- Lightning
 
 
-def _lightning_fit(rank: int, world: int, root: str, ckpt_path: str | None,
-                   epochs: int) -> dict:  # fmt: skip
+def _lightning_fit(rank: int, world: int, root: str, ckpt_path: str | None, epochs: int) -> dict:
     """``Trainer.fit`` for ``epochs`` epochs of 3 steps (``test_integration_lightning``'s
     job), a ``ModelCheckpoint`` saving a top-k checkpoint and ``last.ckpt`` at each
     epoch's end, resuming from ``ckpt_path``. The weights and AdamW states (as bytes)
@@ -263,10 +267,15 @@ def _lightning_fit(rank: int, world: int, root: str, ckpt_path: str | None,
 
     module.on_train_start = lambda: take("start")
     module.on_train_epoch_end = lambda: take(f"step-{module.trainer.global_step}")
-    callback = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), filename="{epoch}-{step}",
-                               save_last=True, save_on_train_epoch_end=True)  # fmt: skip
-    trainer = lt._trainer(lt._level_strategy(_levels(root)), os.path.join(root, "run"), epochs,
-                          [callback])  # fmt: skip
+    callback = ModelCheckpoint(
+        dirpath=os.path.join(root, "ckpt"),
+        filename="{epoch}-{step}",
+        save_last=True,
+        save_on_train_epoch_end=True,
+    )
+    trainer = lt._trainer(
+        lt._level_strategy(_levels(root)), os.path.join(root, "run"), epochs, [callback]
+    )
     trainer.fit(module, ckpt_path=ckpt_path)
     return {"taken": taken, "replacing": _replacing(kept), "global_step": trainer.global_step}
 

@@ -205,8 +205,11 @@ def test_bad_thread_count_is_a_config_error(tmp_path, bad):
 
 def test_use_collectives_false_is_refused_with_a_clear_error(tmp_path):
     with pytest.raises(ConfigError) as info:
-        dcp.save({"x": torch.ones(1)}, storage_writer=MultiLevelWriter(tmp_path / "c"),
-                 use_collectives=False)  # fmt: skip
+        dcp.save(
+            {"x": torch.ones(1)},
+            storage_writer=MultiLevelWriter(tmp_path / "c"),
+            use_collectives=False,
+        )
     assert str(info.value) == (
         "MultiLevelWriter needs dcp.save(..., use_collectives=True) (the default): "
         "the checkpoint is committed once, by the coordinator, for all ranks"

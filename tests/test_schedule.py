@@ -181,11 +181,21 @@ def test_fixed_intervals_pace_every_level_the_first_included():
     policy = FixedInterval()
     assert policy.deterministic
     levels = (Level("/l1", every=2), Level("partner:/p", replicas=2, every=3), LEVELS[2])
-    obs = [Observation(s, 0.0, tuple(LevelState(i, lv) for i, lv in enumerate(levels)))
-           for s in range(9)]  # fmt: skip
+    obs = [
+        Observation(s, 0.0, tuple(LevelState(i, lv) for i, lv in enumerate(levels)))
+        for s in range(9)
+    ]
     assert [sorted(policy.decide(o).levels) for o in obs] == [
-        [0, 1, 2], [], [0], [0, 1], [0, 2], [], [0, 1], [], [0, 2],
-    ]  # fmt: skip
+        [0, 1, 2],
+        [],
+        [0],
+        [0, 1],
+        [0, 2],
+        [],
+        [0, 1],
+        [],
+        [0, 2],
+    ]
 
 
 def test_convergence_aware_intervals_grow_as_progress_slows():
@@ -297,8 +307,9 @@ def _feed(policy, steps, step_seconds=6.0, losses=_curve):
     out = []
     for s in steps:
         t = s * step_seconds
-        obs = Observation(s, t, _obs(t, [0.0] * 3, [0.239, 1.7, 2.1]).levels, step_seconds,
-                          loss=losses(s))  # fmt: skip
+        obs = Observation(
+            s, t, _obs(t, [0.0] * 3, [0.239, 1.7, 2.1]).levels, step_seconds, loss=losses(s)
+        )
         intervals, inputs = policy.intervals(obs)
         out.append((s, intervals, inner.intervals(obs)[0], inputs))
     return out
@@ -359,9 +370,11 @@ def test_progress_value_goes_on_from_the_curve_a_checkpoint_kept():
     auto = Schedule.auto(mtbf_hours=8, convergence=True)
     assert auto.state() is None  # nothing seen yet
     # What is not such a state is refused (the manager then starts the policy afresh).
-    for bad in ({"policy": "TimeBounds"}, {"policy": "ProgressValue", "own": {"steps": [2, 1],
-                "losses": [1.0, 1.0]}}, {"policy": "ProgressValue", "own": {"steps": [1],
-                "losses": []}}):  # fmt: skip
+    for bad in (
+        {"policy": "TimeBounds"},
+        {"policy": "ProgressValue", "own": {"steps": [2, 1], "losses": [1.0, 1.0]}},
+        {"policy": "ProgressValue", "own": {"steps": [1], "losses": []}},
+    ):
         with pytest.raises(ValueError):
             ProgressValue(inner).load_state(bad)
     with pytest.raises(ValueError, match="keeps no state"):

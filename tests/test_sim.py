@@ -102,10 +102,14 @@ def test_simulated_optimum_lands_on_young_interval():
     found = best_fixed(job, [grid], seeds=24)
     intervals = np.array([combo[0] for combo in found.tried])
     blocked, lost = (
-        np.array([sum(getattr(r, part) for r in s.runs) / sum(r.useful for r in s.runs)
-                  for s in found.tried.values()])
+        np.array(
+            [
+                sum(getattr(r, part) for r in s.runs) / sum(r.useful for r in s.runs)
+                for s in found.tried.values()
+            ]
+        )
         for part in ("blocked", "lost")
-    )  # fmt: skip
+    )
     assert sum(len(r.failures) for s in found.tried.values() for r in s.runs) > 10_000
     a, _ = np.linalg.lstsq(np.c_[1 / intervals, np.ones_like(intervals)], blocked, rcond=None)[0]
     b, _ = np.linalg.lstsq(np.c_[intervals, np.ones_like(intervals)], lost, rcond=None)[0]
@@ -129,13 +133,15 @@ def test_young_daly_beats_a_bad_fixed_interval():
 @pytest.mark.parametrize(
     ("fast", "slow"),
     [
-        (YoungDalyAhead(FailureModel(0.5, CLASSES), ("first", "node", "store")),
-         YoungDaly(FailureModel(0.5, CLASSES), ("first", "node", "store"))),
+        (
+            YoungDalyAhead(FailureModel(0.5, CLASSES), ("first", "node", "store")),
+            YoungDaly(FailureModel(0.5, CLASSES), ("first", "node", "store")),
+        ),
         (FixedSeconds((35.0, 61.0, 400.0)), Recording(FixedSeconds((35.0, 61.0, 400.0)))),
         (FixedSeconds((math.inf, 25.0, 1e9)), Recording(FixedSeconds((math.inf, 25.0, 1e9)))),
         (EverySteps((3, 4, 40)), Recording(EverySteps((3, 4, 40)))),
     ],
-)  # fmt: skip
+)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_skipping_steps_gives_the_same_run(fast, slow, seed):
     """A policy with look-ahead lets the run skip steps: the run is the same, to the bit."""
@@ -169,11 +175,16 @@ def test_hand_placed_failures_add_up():
         (1, 2),
     )
     assert (first.level, first.restored_step, first.lost_seconds, first.restore_seconds) == (
-        1, 8, 16.0, 4.0,
-    )  # fmt: skip
+        1,
+        8,
+        16.0,
+        4.0,
+    )
     assert (second.step, second.checkpoints, second.survivors) == (
-        17, ((16, 187.0), (16, 187.0), None), (2,),
-    )  # fmt: skip
+        17,
+        ((16, 187.0), (16, 187.0), None),
+        (2,),
+    )
     assert (second.level, second.restored_step, second.lost_seconds) == (None, 0, 172.0)
     # What the policy saw right after the first restart: level 1's checkpoint as fresh
     # as the resumed job (t=104), level 0 wiped, level 2 empty.
@@ -211,8 +222,13 @@ def test_three_accountings_on_hand_placed_failures():
     curve = Recorded((0, 4, 20), (5.0, 1.0, 0.0))
     job = _job(levels=(SimLevel("first", 1.0, 2.0),), loss=curve)
     run = simulate(job, EverySteps((6,)), failures=[(35.0, "process"), (180.0, "process")])
-    assert (run.blocked, run.lost, run.restore, run.useful, run.wall) == (3.0, 58.0, 2.0, 200.0,
-                                                                         263.0)  # fmt: skip
+    assert (run.blocked, run.lost, run.restore, run.useful, run.wall) == (
+        3.0,
+        58.0,
+        2.0,
+        200.0,
+        263.0,
+    )
     assert [(f.restored_step, f.lost_seconds) for f in run.failures] == [(0, 35.0), (12, 23.0)]
     assert run.value_lost == pytest.approx(140.0 + 5.75)
     # Plain time: every second is a second.
@@ -226,8 +242,11 @@ def test_three_accountings_on_hand_placed_failures():
     assert summary.progress_fraction.mean == pytest.approx(150.75 / 200.0)
     assert summary.fraction.mean == pytest.approx(63.0 / 200.0)
     # Without a loss curve, all three are the plain overhead.
-    flat = simulate(_job(levels=(SimLevel("first", 1.0, 2.0),)), EverySteps((6,)),
-                    failures=[(35.0, "process"), (180.0, "process")])  # fmt: skip
+    flat = simulate(
+        _job(levels=(SimLevel("first", 1.0, 2.0),)),
+        EverySteps((6,)),
+        failures=[(35.0, "process"), (180.0, "process")],
+    )
     assert flat.progress_overhead == flat.value_overhead == flat.overhead == 63.0
 
 
@@ -236,12 +255,15 @@ def test_failures_during_a_save_and_during_a_restore():
     lost step 1); a crash 3 s into step 2 (restore step 1, 3 s), and another 2 s into
     that restore (restore again)."""
     job = _job(levels=(SimLevel("first", 5.0, 3.0),), total_steps=2)
-    run = simulate(job, EverySteps((1,)), failures=[(12.0, "process"), (30.0, "process"),
-                                                   (32.0, "process")])  # fmt: skip
+    run = simulate(
+        job, EverySteps((1,)), failures=[(12.0, "process"), (30.0, "process"), (32.0, "process")]
+    )
     assert (run.blocked, run.lost, run.restore, run.wall) == (7.0, 13.0, 5.0, 45.0)
     assert [(f.restored_step, f.lost_seconds, f.restore_seconds) for f in run.failures] == [
-        (0, 10.0, 0.0), (1, 3.0, 2.0), (1, 0.0, 3.0),
-    ]  # fmt: skip
+        (0, 10.0, 0.0),
+        (1, 3.0, 2.0),
+        (1, 0.0, 3.0),
+    ]
 
 
 def test_a_class_no_level_survives_restarts_from_step_zero():

@@ -38,9 +38,11 @@ def held_until_copied(tmp_path, device: str = "cpu", snapshot_bytes: int = 0) ->
     earlier = []
     for s in (1, 2):
         r = dcp.async_save(
-            _made_for_the_save(s, device), storage_writer=writer, planner=planner,
+            _made_for_the_save(s, device),
+            storage_writer=writer,
+            planner=planner,
             checkpoint_id=tmp_path / f"s{s}",
-        )  # fmt: skip
+        )
         earlier.append(r)
     for r in earlier:  # staged into the two buffer sets; their writes wait at the gate
         r.staging_completion.result()
@@ -69,9 +71,11 @@ def held_until_copied(tmp_path, device: str = "cpu", snapshot_bytes: int = 0) ->
     # Let go once copied: held no longer. (The overlap thread copies one save at
     # a time, in order: once a fourth save's copy is done, the third's is over.)
     fourth = dcp.async_save(
-        {"x": torch.ones(3, device=device)}, storage_writer=writer, planner=planner,
+        {"x": torch.ones(3, device=device)},
+        storage_writer=writer,
+        planner=planner,
         checkpoint_id=tmp_path / "s4",
-    )  # fmt: skip
+    )
     fourth.upload_completion.result()
     writer.close()
     del third

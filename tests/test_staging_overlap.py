@@ -172,9 +172,11 @@ def test_with_both_buffer_sets_taken_async_save_returns_and_the_fence_waits_or_f
         held = []
         for name in ("a", "b"):  # "a" writes nothing until the gate opens; "b" waits for it
             response = dcp.async_save(
-                sd, storage_writer=writer, checkpoint_id=tmp_path / name,
+                sd,
+                storage_writer=writer,
+                checkpoint_id=tmp_path / name,
                 planner=GatedPlanner(gate),
-            )  # fmt: skip
+            )
             response.staging_completion.result(timeout=30)
             held.append(response.upload_completion)
         sd["w"].add_(1.0)

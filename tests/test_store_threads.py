@@ -57,9 +57,12 @@ def _job(rank: int, world: int, port: int) -> str:
     # A TCPStore-backed group, as torchrun makes (run_ranks' own is a FileStore).
     dist.destroy_process_group()
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=timedelta(seconds=60),
-    )  # fmt: skip
+    )
     got: list[object] = []
     if rank == 0:
         _dist.store_set("warm", 0)  # this (main) thread's client exists

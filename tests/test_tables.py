@@ -26,8 +26,9 @@ MARKERS = f"{tables.BEGIN}\nold table\n{tables.END}"
 
 
 def _git(*args: str) -> str:
-    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
-                          check=True).stdout.strip()  # fmt: skip
+    return subprocess.run(
+        ["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def _f(value: float, unit: str = "s") -> dict:
@@ -36,46 +37,76 @@ def _f(value: float, unit: str = "s") -> dict:
 
 HAND_MADE = {
     "save_load": {
-        "stock-t1.save_gbps": _f(1.0), "stock-t2.save_gbps": _f(1.2),
-        "ours-t1.save_gbps": _f(3.0), "ours-t2.save_gbps": _f(2.4),
-        "stock-t1.warm_gbps": _f(3.5), "stock-t2.warm_gbps": _f(3.0),
-        "ours-t1.warm_gbps": _f(7.0), "ours-t2.warm_gbps": _f(8.75),
-        "stock-t1.cold_gbps": _f(1.0), "stock-t2.cold_gbps": _f(1.1),
-        "ours-t1.cold_gbps": _f(0.7), "ours-t2.cold_gbps": _f(1.0),
-        "raw disk.cold_gbps": _f(0.8), "torch.save.save_gbps": _f(0.5),
+        "stock-t1.save_gbps": _f(1.0),
+        "stock-t2.save_gbps": _f(1.2),
+        "ours-t1.save_gbps": _f(3.0),
+        "ours-t2.save_gbps": _f(2.4),
+        "stock-t1.warm_gbps": _f(3.5),
+        "stock-t2.warm_gbps": _f(3.0),
+        "ours-t1.warm_gbps": _f(7.0),
+        "ours-t2.warm_gbps": _f(8.75),
+        "stock-t1.cold_gbps": _f(1.0),
+        "stock-t2.cold_gbps": _f(1.1),
+        "ours-t1.cold_gbps": _f(0.7),
+        "ours-t2.cold_gbps": _f(1.0),
+        "raw disk.cold_gbps": _f(0.8),
+        "torch.save.save_gbps": _f(0.5),
         "ours-t1.disk_bytes": figure([1.47e9], "B"),
     },
     "planner": {
         "ranks1024.stock.balance": figure([29.0], "x"),
         "ranks1024.ours.balance": figure([1.007], "x"),
-        "ranks1024.stock.plan_s": _f(16.0), "ranks1024.ours.plan_s": _f(4.0),
+        "ranks1024.stock.plan_s": _f(16.0),
+        "ranks1024.ours.plan_s": _f(4.0),
     },
     "codecs": {
         f"{s}.{c}.{k}": figure([v], "u")
         for s in ("bert-adamw-fp32", "bert-adamw-bf16", "minilm-fp32", "minilm-bf16")
-        for c, ratio, mbps in (("stock-zstd", 0.9, 300), ("ours-bytegroup", 0.8, 1500),
-                               ("zipnn", 0.81, 700))
+        for c, ratio, mbps in (
+            ("stock-zstd", 0.9, 300),
+            ("ours-bytegroup", 0.8, 1500),
+            ("zipnn", 0.81, 700),
+        )
         for k, v in (("ratio", ratio), ("comp_mbps.t2", mbps))
     },
     "async": {
-        **{f"{v}.{k}": _f(b) for v, b in (("stock", 1.2), ("stock-best", 0.001), ("ours", 0.3),
-                                            ("ours-overlap", 0.002)) for k in ("blocked_s",)},
+        **{
+            f"{v}.{k}": _f(b)
+            for v, b in (
+                ("stock", 1.2),
+                ("stock-best", 0.001),
+                ("ours", 0.3),
+                ("ours-overlap", 0.002),
+            )
+            for k in ("blocked_s",)
+        },
         **{f"{v}.held_s": _f(0.4) for v in ("stock-best", "ours-overlap", "ours")},
         **{f"{v}.slowdown": _f(0.05, "share") for v in ("stock-best", "ours-overlap", "ours")},
         "state_bytes": figure([1.5e9], "B"),
     },
     "manager": {
-        "s3-none.direct_s": _f(7.0), "s3-none.blocked_s": _f(0.35),
-        "s3-none.durable_s": _f(7.7), "s3-none.state_bytes": figure([0.41e9], "B"),
+        "s3-none.direct_s": _f(7.0),
+        "s3-none.blocked_s": _f(0.35),
+        "s3-none.durable_s": _f(7.7),
+        "s3-none.state_bytes": figure([0.41e9], "B"),
     },
     "nodeloss": {
-        **{f"{c}.restore_s": _f(v) for c, v in (("remote-2n", 12.0), ("partner-2n", 3.0),
-                                               ("remote-4n", 8.0), ("erasure-4n", 4.0))},
-        **{f"{c}.blocked_s": _f(0.5) for c in ("remote-2n", "partner-2n", "remote-4n",
-                                               "erasure-4n")},
+        **{
+            f"{c}.restore_s": _f(v)
+            for c, v in (
+                ("remote-2n", 12.0),
+                ("partner-2n", 3.0),
+                ("remote-4n", 8.0),
+                ("erasure-4n", 4.0),
+            )
+        },
+        **{
+            f"{c}.blocked_s": _f(0.5)
+            for c in ("remote-2n", "partner-2n", "remote-4n", "erasure-4n")
+        },
         "state_bytes": figure([1.23e9], "B"),
     },
-}  # fmt: skip
+}
 
 
 def write_results(results: Path, name: str, **override: object) -> dict:
@@ -101,8 +132,9 @@ def paths(tmp_path: Path) -> tuple[Path, Path, Path]:
 
 
 def _run(results: Path, readme: Path, docs: Path, *extra: str) -> int:
-    return tables.main(["--results", str(results), "--readme", str(readme), "--docs", str(docs),
-                        *extra])  # fmt: skip
+    return tables.main(
+        ["--results", str(results), "--readme", str(readme), "--docs", str(docs), *extra]
+    )
 
 
 def test_rows_come_from_the_results_files_and_only_the_table_changes(paths, capsys):
@@ -145,10 +177,23 @@ def test_rows_come_from_the_results_files_and_only_the_table_changes(paths, caps
 def test_a_real_benchmark_run_makes_its_row(paths):
     results, readme, docs = paths
     subprocess.run(
-        [sys.executable, str(BENCH / "bench_planner.py"), "--max-ranks", "4", "--min-ranks", "4",
-         "--skip-e2e", "--repeat", "1", "--results", str(results / "planner.json")],
-        check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCH / "bench_planner.py"),
+            "--max-ranks",
+            "4",
+            "--min-ranks",
+            "4",
+            "--skip-e2e",
+            "--repeat",
+            "1",
+            "--results",
+            str(results / "planner.json"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     doc = json.loads((results / "planner.json").read_text())
     assert doc["command"].startswith("python benchmarks/bench_planner.py --max-ranks 4")
     assert doc["commit"] == _git("rev-parse", "HEAD") and doc["alternated"] == ["stock", "ours"]

@@ -27,11 +27,19 @@ from dcp_multilevel.levels.topology import Topology, expand_node, node_from_env
         ({"DCP_ML_NODE": "", "GROUP_RANK": "4"}, 4),
         ({"NODE_RANK": "2"}, 2),
         ({"GROUP_RANK": "1", "RANK": "7", "LOCAL_WORLD_SIZE": "2"}, 1),
-        ({"DCP_ML_NODE": "0", "GROUP_RANK": "1", "NODE_RANK": "2", "RANK": "7",
-          "LOCAL_WORLD_SIZE": "2"}, 0),
+        (
+            {
+                "DCP_ML_NODE": "0",
+                "GROUP_RANK": "1",
+                "NODE_RANK": "2",
+                "RANK": "7",
+                "LOCAL_WORLD_SIZE": "2",
+            },
+            0,
+        ),
         ({"RANK": "7"}, 0),
     ],
-)  # fmt: skip
+)
 def test_node_from_env_precedence(env, node):
     assert node_from_env(env) == node
 

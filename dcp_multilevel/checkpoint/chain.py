@@ -69,8 +69,10 @@ class Trail:
         if after is not None:
             logger.warning(
                 "dcp_multilevel: cannot use the copy at %s (%s); reading the checkpoint from %s",
-                url, error, after,
-            )  # fmt: skip
+                url,
+                error,
+                after,
+            )
 
     def no_usable_copy(self) -> Exception:
         """The error when no copy has a usable manifest.
@@ -101,8 +103,11 @@ class Trail:
             logger.warning(
                 "dcp_multilevel: cannot use the copy at %s for %d item(s) (%s); reading them "
                 "from %s",
-                url, len(pending), error, after,
-            )  # fmt: skip
+                url,
+                len(pending),
+                error,
+                after,
+            )
 
     def failed(self, url: str, failures: list[Failure], after: str | None) -> None:
         """Copy ``url`` could not serve ``failures``; ``after`` is tried next."""
@@ -117,14 +122,23 @@ class Trail:
             what = "is corrupt" if isinstance(f.error, CorruptCheckpointError) else "cannot be read"
             logger.warning(
                 "dcp_multilevel: item %s in %s of %s %s (%s); reading it from %s",
-                item_name(f.req), f.file, url, what, f.error, after,
-            )  # fmt: skip
+                item_name(f.req),
+                f.file,
+                url,
+                what,
+                f.error,
+                after,
+            )
         for file, fs in whole_files.items():
             logger.warning(
                 "dcp_multilevel: data file %s of %s cannot be read (%s); reading its %d "
                 "item(s) from %s",
-                file, url, fs[0].error, len(fs), after,
-            )  # fmt: skip
+                file,
+                url,
+                fs[0].error,
+                len(fs),
+                after,
+            )
 
     def unreadable(self, pending: list[tuple[int, ReadItem]]) -> Exception:
         """The error when no copy could serve the ``pending`` items (named: the first).

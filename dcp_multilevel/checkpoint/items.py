@@ -109,9 +109,15 @@ def read_item(
         )
 
     decode_frames(
-        read, out, codec, stored_length=loc.length, pool=pool, window=window,
-        on_chunk_error=chunk_error, reference=reference,
-    )  # fmt: skip
+        read,
+        out,
+        codec,
+        stored_length=loc.length,
+        pool=pool,
+        window=window,
+        on_chunk_error=chunk_error,
+        reference=reference,
+    )
     verify(hasher, ref)
 
 

@@ -106,19 +106,21 @@ def open_reference(
     chain = (*chain, ref.url)
     if ref_manifest.save_id != link.save_id:
         raise _broken(
-            chain, index,
+            chain,
+            index,
             f"it holds save {ref_manifest.save_id}, the delta was coded against save "
             f"{link.save_id} (the reference was replaced)",
-        )  # fmt: skip
+        )
     ref_loc = ref_manifest.locations.get(index)
     if ref_loc is None:
         raise _broken(chain, index, "it does not store the item")
     if ref_loc.checksum != loc.reference:
         raise _broken(
-            chain, index,
+            chain,
+            index,
             f"its item has checksum {ref_loc.checksum}, the delta was coded against "
             f"{loc.reference}",
-        )  # fmt: skip
+        )
     return ItemStream.opened(ref, index, ref_loc, chain, files)
 
 

@@ -281,14 +281,24 @@ class StoredCheckpoint:
             OSError: the store could not be written (nothing is committed).
         """
         doc = encode_manifest(
-            metadata, locations, files, save_id=save_id, world_size=world_size,
-            created_unix=time.time(), reference=reference, extra=extra, health=health,
-        )  # fmt: skip
+            metadata,
+            locations,
+            files,
+            save_id=save_id,
+            world_size=world_size,
+            created_unix=time.time(),
+            reference=reference,
+            extra=extra,
+            health=health,
+        )
         self.commit_manifest(doc, stock_hint=stock_hint)
         logger.info(
             "committed checkpoint %s: %d items, %d bytes in %d files",
-            self.url, len(locations), sum(files.values()), len(files),
-        )  # fmt: skip
+            self.url,
+            len(locations),
+            sum(files.values()),
+            len(files),
+        )
 
     def commit_manifest(self, manifest: bytes, *, stock_hint: bool = True) -> None:
         """Write an encoded manifest (a copy's, or :meth:`commit`'s), last.

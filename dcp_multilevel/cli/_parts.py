@@ -177,8 +177,9 @@ def not_committed(ckpt: StoredCheckpoint) -> CheckpointNotFoundError:
         if hint is not None
         else f" (no {MANIFEST_NAME}: not a checkpoint, or a save that did not finish)"
     )
-    return CheckpointNotFoundError(f"no committed checkpoint at {ckpt.url}{why}",
-                                   checkpoint=ckpt.url)  # fmt: skip
+    return CheckpointNotFoundError(
+        f"no committed checkpoint at {ckpt.url}{why}", checkpoint=ckpt.url
+    )
 
 
 # --------------------------------------------------------------------------- parts
@@ -232,8 +233,12 @@ class Absent:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON shape (``verify --json``'s ``elsewhere``, ``inspect --json``'s)."""
-        return {"node": self.node, "ranks": list(self.ranks), "files": list(self.files),
-                "items": self.items}  # fmt: skip
+        return {
+            "node": self.node,
+            "ranks": list(self.ranks),
+            "files": list(self.files),
+            "items": self.items,
+        }
 
 
 class Parts:
@@ -293,8 +298,10 @@ class Parts:
     @classmethod
     def _at_nodes(cls, url: str, storage_options: Mapping[str, Any]) -> Parts:
         locations = node_locations(url, storage_options)
-        here = {n: StoredCheckpoint.at(loc, _options_for(loc, storage_options))
-                for n, loc in locations.items()}  # fmt: skip
+        here = {
+            n: StoredCheckpoint.at(loc, _options_for(loc, storage_options))
+            for n, loc in locations.items()
+        }
         committed = [n for n, ckpt in here.items() if ckpt.is_committed()]
         if not committed:
             raise CheckpointNotFoundError(
@@ -330,10 +337,15 @@ class Parts:
         save id of another save committed there (None: none)."""
         files = set(self.manifest.files)
         return [
-            {"node": p.node, "url": p.ckpt.url, "manifest": p.committed,
-             "files": len(p.files & files), "other_save": p.other_save}
+            {
+                "node": p.node,
+                "url": p.ckpt.url,
+                "manifest": p.committed,
+                "files": len(p.files & files),
+                "other_save": p.other_save,
+            }
             for p in self.parts
-        ]  # fmt: skip
+        ]
 
     def holders(self, file: str) -> list[Part]:
         """The parts that hold data file ``file``."""

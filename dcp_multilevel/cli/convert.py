@@ -30,27 +30,50 @@ __all__ = ["convert"]
 @click.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--to", "to", required=True, type=click.Choice(TARGET_KINDS),
-              help="torch: one torch.save file; safetensors: one .safetensors file (tensors "
-              "only); dcp: a stock FileSystemWriter directory; ours: a dcp_multilevel "
-              "checkpoint.")  # fmt: skip
-@click.option("--codec", default=None, metavar="NAME",
-              help="With --to ours: none (default), zstd or bytegroup.")  # fmt: skip
+@click.option(
+    "--to",
+    "to",
+    required=True,
+    type=click.Choice(TARGET_KINDS),
+    help="torch: one torch.save file; safetensors: one .safetensors file (tensors "
+    "only); dcp: a stock FileSystemWriter directory; ours: a dcp_multilevel "
+    "checkpoint.",
+)
+@click.option(
+    "--codec",
+    default=None,
+    metavar="NAME",
+    help="With --to ours: none (default), zstd or bytegroup.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace what is at DST.")
-@click.option("--skip-non-tensors", is_flag=True,
-              help="With --to safetensors: leave non-tensor values out instead of "
-              "failing.")  # fmt: skip
-@click.option("--scratch-dir", default=None, metavar="DIR",
-              help="Where decoded tensors are spooled, file-backed (default: beside "
-              "DST; a disk, not tmpfs).")  # fmt: skip
+@click.option(
+    "--skip-non-tensors",
+    is_flag=True,
+    help="With --to safetensors: leave non-tensor values out instead of failing.",
+)
+@click.option(
+    "--scratch-dir",
+    default=None,
+    metavar="DIR",
+    help="Where decoded tensors are spooled, file-backed (default: beside DST; a disk, not tmpfs).",
+)
 @storage_options_option(help_text="Store options for SRC when it is a remote URL (JSON).")
 @storage_options_option(
     "--dest-storage-options", help_text="Store options for DST when it is a remote URL (JSON)."
 )
 @json_option
-def convert(src: str, dst: str, to: str, codec: str | None, overwrite: bool,
-            skip_non_tensors: bool, scratch_dir: str | None, storage_options: dict[str, Any],
-            dest_storage_options: dict[str, Any], as_json: bool) -> None:  # fmt: skip
+def convert(
+    src: str,
+    dst: str,
+    to: str,
+    codec: str | None,
+    overwrite: bool,
+    skip_non_tensors: bool,
+    scratch_dir: str | None,
+    storage_options: dict[str, Any],
+    dest_storage_options: dict[str, Any],
+    as_json: bool,
+) -> None:
     """Convert the checkpoint SRC (ours, a stock DCP directory or a torch.save file)
     into DST in the format --to."""
     codec = None if codec in (None, "none") else codec
@@ -63,11 +86,17 @@ def convert(src: str, dst: str, to: str, codec: str | None, overwrite: bool,
             state["done"] = done
 
         result = convert_checkpoint(
-            src, dst, to=to, codec=codec,
+            src,
+            dst,
+            to=to,
+            codec=codec,
             storage_options=options_for(src, storage_options) or None,
-            dst_storage_options=options_for(dst, dest_storage_options) or None, progress=report,
-            overwrite=overwrite, skip_non_tensors=skip_non_tensors, scratch_dir=scratch_dir,
-        )  # fmt: skip
+            dst_storage_options=options_for(dst, dest_storage_options) or None,
+            progress=report,
+            overwrite=overwrite,
+            skip_non_tensors=skip_non_tensors,
+            scratch_dir=scratch_dir,
+        )
     if as_json:
         emit_json({**dataclasses.asdict(result), "skipped": list(result.skipped)})
         return

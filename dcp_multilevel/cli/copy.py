@@ -94,9 +94,14 @@ def copy_checkpoint(
     manifest = source.manifest()
     manifest_bytes = source.manifest_bytes()
     result: dict[str, Any] = {
-        "source": source.url, "dest": dest.url, "save_id": manifest.save_id,
-        "status": "copied", "copied": [], "kept": [], "bytes_copied": 0,
-    }  # fmt: skip
+        "source": source.url,
+        "dest": dest.url,
+        "save_id": manifest.save_id,
+        "status": "copied",
+        "copied": [],
+        "kept": [],
+        "bytes_copied": 0,
+    }
     old: dict[str, int] = {}  # the files of the checkpoint this copy replaces
     if dest.is_committed():
         if dest.manifest_bytes() == manifest_bytes:
@@ -119,9 +124,11 @@ def copy_checkpoint(
         old = dict(dest.manifest().files)
     # The source's manifest, read against DEST's files: checks what an earlier run left.
     staged = StoredCheckpoint(
-        dest.store, location=dest.location, manifest_bytes=manifest_bytes,
+        dest.store,
+        location=dest.location,
+        manifest_bytes=manifest_bytes,
         storage_options=dest.storage_options,
-    )  # fmt: skip
+    )
     _check_reference(staged)
     kept = {f for f in manifest.files if dest.store.exists(f) and not verify_file(staged, f)}
     clash = sorted((set(manifest.files) & set(old)) - kept)
@@ -161,8 +168,10 @@ def copy_checkpoint(
     is_flag=True,
     help="DEST is a root (a level): copy to DEST/step-<N>, N from CKPT's step-<N> name.",
 )
-@storage_options_option(help_text="Store options (JSON object) for CKPT, and for DEST too "
-                        "unless --dest-storage-options is given.")  # fmt: skip
+@storage_options_option(
+    help_text="Store options (JSON object) for CKPT, and for DEST too "
+    "unless --dest-storage-options is given."
+)
 @storage_options_option("--dest-storage-options", help_text="Store options (JSON) for DEST.")
 @click.option(
     "--overwrite",

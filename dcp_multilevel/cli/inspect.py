@@ -47,12 +47,18 @@ def _items(manifest: Manifest) -> dict[str, dict[str, Any]]:
     """Every FQN with its type, dtype, shape and stored chunks (sorted by FQN)."""
     chunks: dict[str, list[dict[str, Any]]] = {}
     for index, loc in manifest.locations.items():
-        chunks.setdefault(index.fqn, []).append({
-            "offsets": None if index.offset is None else list(index.offset),
-            "file": loc.file, "pos": loc.offset, "length": loc.length,
-            "raw_length": loc.raw_length, "transforms": list(loc.transforms),
-            "checksum": loc.checksum, "reference_checksum": loc.reference,
-        })  # fmt: skip
+        chunks.setdefault(index.fqn, []).append(
+            {
+                "offsets": None if index.offset is None else list(index.offset),
+                "file": loc.file,
+                "pos": loc.offset,
+                "length": loc.length,
+                "raw_length": loc.raw_length,
+                "transforms": list(loc.transforms),
+                "checksum": loc.checksum,
+                "reference_checksum": loc.reference,
+            }
+        )
     out: dict[str, dict[str, Any]] = {}
     for fqn, md in sorted(manifest.metadata.state_dict_metadata.items()):
         parts = sorted(chunks.get(fqn, []), key=lambda c: c["offsets"] or [])
@@ -65,9 +71,12 @@ def _items(manifest: Manifest) -> dict[str, dict[str, Any]]:
         raw = sum(c["raw_length"] for c in parts)
         stored = sum(c["length"] for c in parts)
         entry.update(
-            raw_bytes=raw, stored_bytes=stored, ratio=_ratio(raw, stored),
-            codecs=sorted({t for c in parts for t in c["transforms"]}), chunks=parts,
-        )  # fmt: skip
+            raw_bytes=raw,
+            stored_bytes=stored,
+            ratio=_ratio(raw, stored),
+            codecs=sorted({t for c in parts for t in c["transforms"]}),
+            chunks=parts,
+        )
         out[fqn] = entry
     return out
 
@@ -103,8 +112,9 @@ def describe(manifest: Manifest, url: str, parts: Parts | None = None) -> dict[s
     # Checked when the manifest was read; None: written before manifests carried one.
     doc["manifest_digest"] = manifest.digest
     link = manifest.reference
-    doc["reference"] = None if link is None else {"checkpoint": link.checkpoint,
-                                                  "save_id": link.save_id}  # fmt: skip
+    doc["reference"] = (
+        None if link is None else {"checkpoint": link.checkpoint, "save_id": link.save_id}
+    )
     # ``items`` and ``files`` are lists here (ls gives their counts).
     doc.update(
         stored_chunks=len(manifest.locations),
@@ -131,13 +141,18 @@ def _header(doc: dict[str, Any]) -> Table:
         ("written by", f"dcp_multilevel {doc['plugin_version']}, torch {doc['torch_version']}"),
         ("world size", str(doc["world_size"])),
         ("items", f"{len(doc['items'])} ({doc['stored_chunks']} stored chunks)"),
-        ("size", f"{format_bytes(doc['stored_bytes'])} on disk, "
-                 f"{format_bytes(doc['raw_bytes'])} raw "
-                 f"(ratio {_ratio(doc['raw_bytes'], doc['stored_bytes']) or '-'})"),
+        (
+            "size",
+            f"{format_bytes(doc['stored_bytes'])} on disk, "
+            f"{format_bytes(doc['raw_bytes'])} raw "
+            f"(ratio {_ratio(doc['raw_bytes'], doc['stored_bytes']) or '-'})",
+        ),
         ("codecs", format_codecs(doc["codecs"])),
-        ("manifest digest", doc["manifest_digest"] or "none (written before manifests "
-                                                     "carried one: not checked)"),
-    ]  # fmt: skip
+        (
+            "manifest digest",
+            doc["manifest_digest"] or "none (written before manifests carried one: not checked)",
+        ),
+    ]
     if doc.get("reference"):
         deltas = sum(any(c["reference_checksum"] for c in it["chunks"]) for it in doc["items"])
         ref = doc["reference"]
@@ -145,8 +160,12 @@ def _header(doc: dict[str, Any]) -> Table:
     if "nodes" in doc:
         manifests = [n["node"] for n in doc["nodes"] if n["manifest"]]
         held = [n["node"] for n in doc["nodes"] if n["files"]]
-        rows.append(("nodes", f"manifest on {counted('node', manifests)}; data files on "
-                              f"{counted('node', held)}"))  # fmt: skip
+        rows.append(
+            (
+                "nodes",
+                f"manifest on {counted('node', manifests)}; data files on {counted('node', held)}",
+            )
+        )
     rows.append(("health", _health_line(doc)))
     for k, v in rows:
         table.add_row(k, v)
@@ -162,35 +181,47 @@ def _health_line(doc: dict[str, Any]) -> str:
     if not health.quarantined:
         return f"clean ({checked})"
     n = len(health.findings)
-    return (f"QUARANTINED: {n} finding{'s' if n > 1 else ''} ({checked}); "
-            "not drained to other levels")  # fmt: skip
+    return (
+        f"QUARANTINED: {n} finding{'s' if n > 1 else ''} ({checked}); not drained to other levels"
+    )
 
 
 def _findings_table(doc: dict[str, Any]) -> Table:
-    table = Table(title="health findings (why the checkpoint is quarantined)",
-                  title_justify="left")  # fmt: skip
+    table = Table(title="health findings (why the checkpoint is quarantined)", title_justify="left")
     for name in ("check", "message", "ranks", "items"):
         table.add_column(name)
     for f in doc["health"]["findings"]:
-        table.add_row(f["check"], f["message"], ", ".join(map(str, f["ranks"])) or "-",
-                      ", ".join(f["items"]) or "-")  # fmt: skip
+        table.add_row(
+            f["check"],
+            f["message"],
+            ", ".join(map(str, f["ranks"])) or "-",
+            ", ".join(f["items"]) or "-",
+        )
     return table
 
 
 def _items_table(items: list[dict[str, Any]]) -> Table:
     table = Table(title="items", title_justify="left")
     for name, justify in [
-        ("FQN", "left"), ("dtype", "left"), ("shape", "left"), ("raw", "right"),
-        ("stored", "right"), ("ratio", "right"), ("chunks", "right"),
-    ]:  # fmt: skip
+        ("FQN", "left"),
+        ("dtype", "left"),
+        ("shape", "left"),
+        ("raw", "right"),
+        ("stored", "right"),
+        ("ratio", "right"),
+        ("chunks", "right"),
+    ]:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for it in items:
         table.add_row(
-            it["fqn"], it["dtype"] or "bytes",
+            it["fqn"],
+            it["dtype"] or "bytes",
             "-" if it["shape"] is None else "x".join(map(str, it["shape"])) or "()",
-            str(it["raw_bytes"]), str(it["stored_bytes"]), str(it["ratio"] or "-"),
+            str(it["raw_bytes"]),
+            str(it["stored_bytes"]),
+            str(it["ratio"] or "-"),
             str(len(it["chunks"])),
-        )  # fmt: skip
+        )
     return table
 
 
@@ -200,17 +231,24 @@ def _chunks_table(item: dict[str, Any]) -> Table:
         table.add_column(name)
     for c in item["chunks"]:
         table.add_row(
-            "-" if c["offsets"] is None else str(c["offsets"]), c["file"],
-            f"{c['pos']}..{c['pos'] + c['length']}", str(c["raw_length"]),
-            format_codecs(c["transforms"]), c["checksum"],
-        )  # fmt: skip
+            "-" if c["offsets"] is None else str(c["offsets"]),
+            c["file"],
+            f"{c['pos']}..{c['pos'] + c['length']}",
+            str(c["raw_length"]),
+            format_codecs(c["transforms"]),
+            c["checksum"],
+        )
     return table
 
 
 def _files_table(doc: dict[str, Any]) -> Table:
     table = Table(title="files", title_justify="left")
-    for name, justify in [("file", "left"), ("rank", "right"), ("items", "right"),
-                          ("bytes", "right")]:  # fmt: skip
+    for name, justify in [
+        ("file", "left"),
+        ("rank", "right"),
+        ("items", "right"),
+        ("bytes", "right"),
+    ]:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     # Where each file is: with {node}, its nodes; else only when one is not here.
     where = "nodes" in doc or any(not f.get("present", True) for f in doc["files"])
@@ -222,8 +260,9 @@ def _files_table(doc: dict[str, Any]) -> Table:
         if "nodes" in f:
             row.append(counted("node", f["nodes"]) if f["nodes"] else "missing")
         elif where:
-            row.append("here" if f["present"] else
-                       "elsewhere" if f["path"] in elsewhere else "missing")  # fmt: skip
+            row.append(
+                "here" if f["present"] else "elsewhere" if f["path"] in elsewhere else "missing"
+            )
         table.add_row(*row)
     return table
 

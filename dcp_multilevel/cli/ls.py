@@ -61,8 +61,12 @@ REASON_WIDTH = 60
 def _entry(
     step: int | None, ckpt: StoredCheckpoint, committed: bool, url: str | None = None
 ) -> dict[str, Any]:
-    entry: dict[str, Any] = {"step": step, "url": url or ckpt.url, "complete": committed,
-                             "error": None}  # fmt: skip
+    entry: dict[str, Any] = {
+        "step": step,
+        "url": url or ckpt.url,
+        "complete": committed,
+        "error": None,
+    }
     if not committed:
         return entry
     try:
@@ -166,10 +170,15 @@ def _heading(listing: dict[str, Any], label: str) -> str:
 def _table(listing: dict[str, Any]) -> Table:
     table = Table()
     for name, justify in [
-        ("step", "right"), ("saved (UTC)", "left"), ("on disk", "right"),
-        ("raw", "right"), ("codec", "left"), ("world", "right"), ("state", "left"),
+        ("step", "right"),
+        ("saved (UTC)", "left"),
+        ("on disk", "right"),
+        ("raw", "right"),
+        ("codec", "left"),
+        ("world", "right"),
+        ("state", "left"),
         ("health", "left"),
-    ]:  # fmt: skip
+    ]:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for c in listing["checkpoints"]:
         if c["error"] is not None:
@@ -237,6 +246,8 @@ def ls(roots: tuple[str, ...], storage_options: dict, every: bool, as_json: bool
         console.print(_table(listing))
         if "older" in listing:
             o = listing["older"]
-            console.print(f"... and {o['complete'] + o['incomplete']} older step(s) "
-                          f"({o['incomplete']} incomplete): --all describes them",
-                          highlight=False)  # fmt: skip
+            console.print(
+                f"... and {o['complete'] + o['incomplete']} older step(s) "
+                f"({o['incomplete']} incomplete): --all describes them",
+                highlight=False,
+            )

@@ -103,8 +103,9 @@ def _expand_nodes(url: str, storage_options: dict, *, latest: bool) -> list[Part
             f"{MANIFEST_NAME} or a committed step-<N> ({counted('node', roots)} looked at)",
             checkpoint=template_url(url),
         )
-    return [Parts.at(checkpoint_url(url, s), storage_options)
-            for s in (steps[-1:] if latest else steps)]  # fmt: skip
+    return [
+        Parts.at(checkpoint_url(url, s), storage_options) for s in (steps[-1:] if latest else steps)
+    ]
 
 
 def _problem(p: ItemProblem, node: int | None) -> dict[str, Any]:
@@ -140,10 +141,14 @@ def check(parts: Parts, on_bytes: Callable[[int], None] | None = None) -> dict[s
             node = parts.expected_node(file)
             for index, loc in items:
                 problem = ItemProblem(
-                    index.fqn, None if index.offset is None else tuple(index.offset), file,
-                    loc.offset, loc.offset + loc.length, "TruncatedDataError",
+                    index.fqn,
+                    None if index.offset is None else tuple(index.offset),
+                    file,
+                    loc.offset,
+                    loc.offset + loc.length,
+                    "TruncatedDataError",
                     parts.missing_message(file, index.fqn),
-                )  # fmt: skip
+                )
                 problems.append(_problem(problem, node))
             checked += size
             if on_bytes is not None:
@@ -211,9 +216,11 @@ def _head(report: dict[str, Any]) -> str:
         return f"BAD  {url}: {len(report['problems'])} of {items} items bad"
     if "elsewhere" in report:
         unchecked = sum(a["items"] for a in report["elsewhere"])
-        return (f"part {url}: {items - unchecked} of {items} items checked, all good "
-                f"({format_bytes(report['stored_bytes'])}); the other {unchecked} are in "
-                "files not on this disk")  # fmt: skip
+        return (
+            f"part {url}: {items - unchecked} of {items} items checked, all good "
+            f"({format_bytes(report['stored_bytes'])}); the other {unchecked} are in "
+            "files not on this disk"
+        )
     head = f"ok   {url}: {items} items, {format_bytes(report['stored_bytes'])} checked"
     if "nodes" in report:
         held = [n["node"] for n in report["nodes"] if n["files"]]

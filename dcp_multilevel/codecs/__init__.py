@@ -153,10 +153,15 @@ def compress_tensor(t: torch.Tensor, compression: Compression) -> memoryview:
     if pool is None:
         return _code_in_place(out, header, view, codec, width, rotate, chunk_size)
     parts = encode_frames(
-        view, codec, width=width, rotate=rotate, chunk_size=chunk_size,
-        pool=pool, window=2 * compression.threads,
+        view,
+        codec,
+        width=width,
+        rotate=rotate,
+        chunk_size=chunk_size,
+        pool=pool,
+        window=2 * compression.threads,
         buffers=_TOOL_BUFFERS,
-    )  # fmt: skip
+    )
     pos = 0
     for part in parts:  # each payload buffer is reused once the next part is pulled
         # numpy copies with the GIL released (a memoryview slice copy holds it,
@@ -231,9 +236,15 @@ def encode_item(
     assert codec is not None and compression is not None  # item_layout checked
     width, rotate = layout
     frames = encode_frames(
-        view, codec, width=width, rotate=rotate, chunk_size=compression.chunk_size,
-        pool=pool, window=window, reference=reference,
-    )  # fmt: skip
+        view,
+        codec,
+        width=width,
+        rotate=rotate,
+        chunk_size=compression.chunk_size,
+        pool=pool,
+        window=window,
+        reference=reference,
+    )
     return (codec.descriptor,), frames
 
 
@@ -249,9 +260,14 @@ def decode_buffer(
         return data[pos - n : pos]
 
     decode_frames(
-        read, out, codec, stored_length=len(data), pool=pool, window=window,
+        read,
+        out,
+        codec,
+        stored_length=len(data),
+        pool=pool,
+        window=window,
         on_chunk_error=on_chunk_error,
-    )  # fmt: skip
+    )
 
 
 def decompress_tensor(

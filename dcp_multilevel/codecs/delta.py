@@ -39,7 +39,8 @@ def xor_into(a: memoryview, b: memoryview, out: memoryview) -> None:
     x, y, z = (np.frombuffer(v, np.uint8) for v in (a, b, out))
     words = n - n % 8
     if words:
-        np.bitwise_xor(x[:words].view(np.uint64), y[:words].view(np.uint64),
-                       out=z[:words].view(np.uint64))  # fmt: skip
+        np.bitwise_xor(
+            x[:words].view(np.uint64), y[:words].view(np.uint64), out=z[:words].view(np.uint64)
+        )
     if words < n:
         np.bitwise_xor(x[words:], y[words:], out=z[words:])

@@ -143,18 +143,20 @@ def convert(
             write_stock_dcp(state, dst, done)
         else:
             write_ours(
-                state, dst, done, codec=codec, overwrite=overwrite,
+                state,
+                dst,
+                done,
+                codec=codec,
+                overwrite=overwrite,
                 storage_options=dst_storage_options,
-            )  # fmt: skip
+            )
         nbytes = sum(v.nbytes for v in flat.values() if isinstance(v, torch.Tensor))
         items = len(flat) - len(skipped)
     finally:
         if scratch is not None:
             scratch.close()
     done.finish()
-    return ConvertReport(
-        kind, to, src, dst, items, nbytes, time.monotonic() - began, skipped
-    )  # fmt: skip
+    return ConvertReport(kind, to, src, dst, items, nbytes, time.monotonic() - began, skipped)
 
 
 def _check_options(

@@ -13,13 +13,28 @@ from ..errors import UnsupportedStateError
 __all__ = ["DTYPE_BY_NAME", "dtype_from_name", "dtype_name"]
 
 _NAMES = (
-    "float64", "float32", "float16", "bfloat16",
-    "complex128", "complex64", "complex32",
-    "int64", "int32", "int16", "int8",
-    "uint64", "uint32", "uint16", "uint8",
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "complex128",
+    "complex64",
+    "complex32",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint64",
+    "uint32",
+    "uint16",
+    "uint8",
     "bool",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-)  # fmt: skip
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+)
 
 # Only the names this torch build knows: fp8 variants came in over releases.
 DTYPE_BY_NAME: dict[str, torch.dtype] = {

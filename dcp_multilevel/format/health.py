@@ -58,8 +58,11 @@ class Finding:
         """One line: the check, its message, the ranks and the first items."""
         where = []
         if self.ranks:
-            where.append("rank" + ("s " if len(self.ranks) > 1 else " ")
-                         + ", ".join(map(str, self.ranks[:8])))  # fmt: skip
+            where.append(
+                "rank"
+                + ("s " if len(self.ranks) > 1 else " ")
+                + ", ".join(map(str, self.ranks[:8]))
+            )
         if self.items:
             more = f" and {len(self.items) - 3} more" if len(self.items) > 3 else ""
             where.append(", ".join(repr(i) for i in self.items[:3]) + more)

@@ -96,8 +96,15 @@ class _Checker:
 
 
 def _tname(typ: type | tuple[type, ...]) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", int: "an integer",
-             float: "a number", type(None): "null", bool: "a boolean"}  # fmt: skip
+    names = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        type(None): "null",
+        bool: "a boolean",
+    }
     types = typ if isinstance(typ, tuple) else (typ,)
     return " or ".join(names.get(t, t.__name__) for t in types)
 
@@ -185,8 +192,9 @@ def decode_manifest(data: bytes, *, checkpoint: str | None = None) -> Manifest:
             "the manifest of checkpoint %s has no digest (written by dcp_multilevel %s, "
             "before manifests carried one): it is read unchecked, so a change to it would go "
             "unnoticed. Save the state again to have a checked manifest.",
-            checkpoint or "(unnamed)", plugin_version,
-        )  # fmt: skip
+            checkpoint or "(unnamed)",
+            plugin_version,
+        )
     return manifest
 
 

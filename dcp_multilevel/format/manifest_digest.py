@@ -34,11 +34,24 @@ DIGEST_FIELD = "digest"
 
 #: The top-level fields of every manifest written before the digest (format
 #: versions 1 and 2); a manifest without a digest has no others.
-LEGACY_FIELDS = frozenset({
-    "format", "format_version", "plugin_version", "torch_version", "save_id",
-    "created_unix", "world_size", "dcp_version", "planner_data", "state_dict",
-    "files", "items", "reference", "extra",
-})  # fmt: skip
+LEGACY_FIELDS = frozenset(
+    {
+        "format",
+        "format_version",
+        "plugin_version",
+        "torch_version",
+        "save_id",
+        "created_unix",
+        "world_size",
+        "dcp_version",
+        "planner_data",
+        "state_dict",
+        "files",
+        "items",
+        "reference",
+        "extra",
+    }
+)
 
 _OPEN = f',"{DIGEST_FIELD}":"'.encode()
 _CLOSE = b'"}'

@@ -25,8 +25,17 @@ __all__ = [
 ]
 
 # Exceptions torch.load raises for refused or malformed pickles.
-_LOAD_ERRORS = (pickle.UnpicklingError, RuntimeError, ValueError, TypeError, EOFError,
-                AttributeError, ImportError, KeyError, IndexError)  # fmt: skip
+_LOAD_ERRORS = (
+    pickle.UnpicklingError,
+    RuntimeError,
+    ValueError,
+    TypeError,
+    EOFError,
+    AttributeError,
+    ImportError,
+    KeyError,
+    IndexError,
+)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 

@@ -89,8 +89,10 @@ class LossSpike:
         if len(seen) >= self.warmup:
             median = statistics.median(seen)
             if median > 0 and loss > self.ratio * median:
-                return (f"the loss {loss:.4g} is over {self.ratio:g}x the median {median:.4g} "
-                        f"of the last {len(seen)} losses")  # fmt: skip
+                return (
+                    f"the loss {loss:.4g} is over {self.ratio:g}x the median {median:.4g} "
+                    f"of the last {len(seen)} losses"
+                )
         return None
 
     def observe(self, loss: float) -> None:
@@ -195,5 +197,4 @@ class Tally:
             total = sum(counts.values())
             values = f"{total} non-finite value" + ("s" if total != 1 else "")
             tensors = f"{len(counts)} tensor" + ("s" if len(counts) > 1 else "")
-            yield Finding("nonfinite", f"{values} in {tensors}",
-                          tuple(sorted(counts)), (rank,))  # fmt: skip
+            yield Finding("nonfinite", f"{values} in {tensors}", tuple(sorted(counts)), (rank,))

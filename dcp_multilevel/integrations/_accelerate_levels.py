@@ -102,8 +102,12 @@ class StepMarker:
 
     def write(self, folder: str | os.PathLike[str]) -> None:
         """Write the marker into ``folder``, atomically (a load sees the old one or this)."""
-        doc = {"format": _MARKER_FORMAT, "step": self.step, "parts": list(self.parts),
-               "levels": self.levels}  # fmt: skip
+        doc = {
+            "format": _MARKER_FORMAT,
+            "step": self.step,
+            "parts": list(self.parts),
+            "levels": self.levels,
+        }
         final = os.path.join(os.fspath(folder), MARKER_NAME)
         temporary = f"{final}.{uuid.uuid4().hex}.tmp"
         with open(temporary, "w", encoding="utf-8") as f:
@@ -129,8 +133,7 @@ class StepMarker:
             doc = json.loads(text)
             if doc["format"] != _MARKER_FORMAT:
                 raise ValueError(f"format {doc['format']!r}")
-            marker = cls(int(doc["step"]), tuple(str(p) for p in doc["parts"]),
-                         str(doc["levels"]))  # fmt: skip
+            marker = cls(int(doc["step"]), tuple(str(p) for p in doc["parts"]), str(doc["levels"]))
         except (ValueError, KeyError, TypeError) as e:
             raise ManifestError(
                 f"{path} is not a dcp_multilevel step marker ({type(e).__name__}: {e}); it names "
@@ -171,8 +174,10 @@ class PartLevels:
 
     def of_part(self, part: str) -> list[Level]:
         """The level list of ``part``: each level's URL with the part's folder name appended."""
-        return [dataclasses.replace(level, url=f"{level.url.rstrip('/')}/{part}")
-                for level in self.levels]  # fmt: skip
+        return [
+            dataclasses.replace(level, url=f"{level.url.rstrip('/')}/{part}")
+            for level in self.levels
+        ]
 
 
 class LevelRoutes:
@@ -218,9 +223,13 @@ class LevelRoutes:
         """Our writer of the part ``path`` names, at this save's step, on its levels."""
         folder, part = _split(path)
         self.saved.setdefault(folder, []).append(part)
-        return functools.partial(MultiLevelWriter, f"step-{self.step}",
-                                 levels=self.levels.of_part(part), topology=self.levels.topology,
-                                 **self.writer_options)  # fmt: skip
+        return functools.partial(
+            MultiLevelWriter,
+            f"step-{self.step}",
+            levels=self.levels.of_part(part),
+            topology=self.levels.topology,
+            **self.writer_options,
+        )
 
     def reader(self, path: str | os.PathLike[str]) -> Callable[[], Any] | None:
         """Our reader of the part ``path`` names, at the step its folder's marker names
@@ -230,16 +239,21 @@ class LevelRoutes:
         if folder not in self.markers:
             marker = self.markers[folder] = _rank0_marker(folder)
             if marker is not None:
-                self.steps[folder] = _step_to_load(marker, self.levels, folder,
-                                                   self.allow_quarantined)  # fmt: skip
+                self.steps[folder] = _step_to_load(
+                    marker, self.levels, folder, self.allow_quarantined
+                )
         marker = self.markers[folder]
         if marker is None:
             return self.fallback.reader(path)
         self.marked_step = marker.step
         self.loaded_step = self.steps[folder]
-        return functools.partial(MultiLevelReader, f"step-{self.loaded_step}",
-                                 levels=self.levels.of_part(part), topology=self.levels.topology,
-                                 **self.reader_options)  # fmt: skip
+        return functools.partial(
+            MultiLevelReader,
+            f"step-{self.loaded_step}",
+            levels=self.levels.of_part(part),
+            topology=self.levels.topology,
+            **self.reader_options,
+        )
 
     def commit(self, writes: bool) -> None:
         """After ``save_state``: mark each folder it saved parts into with the step (where
@@ -271,8 +285,7 @@ def _rank0_marker(folder: str) -> StepMarker | None:
         box = [None if found is None else dataclasses.asdict(found), error]
         dist.broadcast_object_list(box, src=0)
         doc, error = box
-        found = None if doc is None else StepMarker(doc["step"], tuple(doc["parts"]),
-                                                    doc["levels"])  # fmt: skip
+        found = None if doc is None else StepMarker(doc["step"], tuple(doc["parts"]), doc["levels"])
     if error is not None:
         raise ManifestError(error, checkpoint=folder)
     return found
@@ -285,9 +298,12 @@ def _step_to_load(
     where a part of it is quarantined (:func:`_clean_step`, unless ``allow_quarantined``)
     or cannot be restored by every rank (:func:`_restorable_step`); every part from the
     same step."""
-    ladders = {part: ladder_for(levels.of_part(part), topology=levels.topology,
-                                who="MultiLevelAccelerator.load_state")
-               for part in marker.parts}  # fmt: skip
+    ladders = {
+        part: ladder_for(
+            levels.of_part(part), topology=levels.topology, who="MultiLevelAccelerator.load_state"
+        )
+        for part in marker.parts
+    }
     step = marker.step if allow_quarantined else _clean_step(marker, ladders, folder)
     return _restorable_step(step, marker, ladders, folder, allow_quarantined)
 
@@ -311,12 +327,17 @@ def _clean_step(marker: StepMarker, ladders: Mapping[str, Ladder], folder: str) 
 
     step, passed, error = _dist.rank0_decides(decide)
     if error is not None:
-        logger.warning("dcp_multilevel: could not read the health of %s's steps (%s); "
-                       "loading step %d, the one its marker names", folder, error,
-                       marker.step)  # fmt: skip
+        logger.warning(
+            "dcp_multilevel: could not read the health of %s's steps (%s); "
+            "loading step %d, the one its marker names",
+            folder,
+            error,
+            marker.step,
+        )
     for older, why in passed:
-        logger.warning("dcp_multilevel: passing over step %d of %s, quarantined: %s",
-                       older, folder, why)  # fmt: skip
+        logger.warning(
+            "dcp_multilevel: passing over step %d of %s, quarantined: %s", older, folder, why
+        )
     if step is None:
         first = ladders[marker.parts[0]].given[0].url
         raise CheckpointNotFoundError(
@@ -327,16 +348,24 @@ def _clean_step(marker: StepMarker, ladders: Mapping[str, Ladder], folder: str) 
             checkpoint=folder,
         )
     if step != marker.step:
-        logger.warning("dcp_multilevel: loading step %d of the levels, the newest clean one; "
-                       "Accelerate's own files in %s (RNG states, schedulers, samplers) are "
-                       "those of step %d's save", step, folder, marker.step)  # fmt: skip
+        logger.warning(
+            "dcp_multilevel: loading step %d of the levels, the newest clean one; "
+            "Accelerate's own files in %s (RNG states, schedulers, samplers) are "
+            "those of step %d's save",
+            step,
+            folder,
+            marker.step,
+        )
     return step
 
 
 def _restorable_step(
-    step: int, marker: StepMarker, ladders: Mapping[str, Ladder], folder: str,
+    step: int,
+    marker: StepMarker,
+    ladders: Mapping[str, Ladder],
+    folder: str,
     allow_quarantined: bool,
-) -> int:  # fmt: skip
+) -> int:
     """``step``, or where some part of it cannot be restored by every rank, the newest
     older step that can be in every part (and, unless ``allow_quarantined``, is clean
     in every part), so that every part comes from the same step. Collective: every
@@ -365,11 +394,16 @@ def _restorable_step(
         # Part by part, stopping at the first that cannot: every rank stops at the same.
         if all(ladders[p].loader.plan(candidate, views[p], _every_file).ok for p in ladders):
             if unrestorable:
-                logger.warning("dcp_multilevel: loading step %d of the levels, the newest every "
-                               "rank can restore in every part (not steps %s); Accelerate's own "
-                               "files in %s (RNG states, schedulers, samplers) are those of "
-                               "step %d's save", candidate, unrestorable, folder,
-                               marker.step)  # fmt: skip
+                logger.warning(
+                    "dcp_multilevel: loading step %d of the levels, the newest every "
+                    "rank can restore in every part (not steps %s); Accelerate's own "
+                    "files in %s (RNG states, schedulers, samplers) are those of "
+                    "step %d's save",
+                    candidate,
+                    unrestorable,
+                    folder,
+                    marker.step,
+                )
             return candidate
         unrestorable.append(candidate)
     raise CheckpointNotFoundError(
@@ -410,8 +444,9 @@ def _newest_clean(
     if why is None:
         return newest, passed
     passed.append((newest, why))
-    listed = [{s for driver in ladder.drivers for s in driver.steps()}
-              for ladder in ladders.values()]  # fmt: skip
+    listed = [
+        {s for driver in ladder.drivers for s in driver.steps()} for ladder in ladders.values()
+    ]
     for step in sorted((s for s in set.intersection(*listed) if s < newest), reverse=True):
         why = _quarantined_parts(step, ladders)
         if why is None:
@@ -422,6 +457,9 @@ def _newest_clean(
 
 def _quarantined_parts(step: int, ladders: Mapping[str, Ladder]) -> str | None:
     """Why ``step`` is quarantined, part by part (None: in no part)."""
-    found = [f"{part}: {why}" for part, ladder in ladders.items()
-             if (why := ladder.quarantine_of(step)) is not None]  # fmt: skip
+    found = [
+        f"{part}: {why}"
+        for part, ladder in ladders.items()
+        if (why := ladder.quarantine_of(step)) is not None
+    ]
     return "; ".join(found) or None

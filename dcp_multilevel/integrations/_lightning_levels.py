@@ -246,6 +246,10 @@ def past_quarantine(
     why = _dist.rank0_decides(lambda: ladder.quarantine_of(step))
     if why is None:
         return target
-    logger.warning("dcp_multilevel: the checkpoint marker names step %d, which is QUARANTINED "
-                   "(%s): resuming from the newest clean step", step, why)  # fmt: skip
+    logger.warning(
+        "dcp_multilevel: the checkpoint marker names step %d, which is QUARANTINED "
+        "(%s): resuming from the newest clean step",
+        step,
+        why,
+    )
     return LevelStep(LATEST)

@@ -160,10 +160,8 @@ def _routed(routes: Routes) -> Iterator[None]:
     owner = threading.get_ident()
     with _SWAP_LOCK:
         stock_writer, stock_reader = dcp.FileSystemWriter, dcp.FileSystemReader
-        dcp.FileSystemWriter = _ThreadRouted(stock_writer, "MultiLevelWriter", routes.writer,
-                                             owner)  # fmt: skip
-        dcp.FileSystemReader = _ThreadRouted(stock_reader, "MultiLevelReader", routes.reader,
-                                             owner)  # fmt: skip
+        dcp.FileSystemWriter = _ThreadRouted(stock_writer, "MultiLevelWriter", routes.writer, owner)
+        dcp.FileSystemReader = _ThreadRouted(stock_reader, "MultiLevelReader", routes.reader, owner)
         try:
             yield
         finally:
@@ -368,15 +366,22 @@ class MultiLevelAccelerator(Accelerator):
         assert self.levels is not None
         plugin = self.state.fsdp_plugin if self.distributed_type == DistributedType.FSDP else None
         if plugin is None or plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
-            how = (f"{DistributedType(self.distributed_type).value}, not FSDP" if plugin is None
-                   else f"FSDP with {StateDictType(plugin.state_dict_type).name}")  # fmt: skip
+            how = (
+                f"{DistributedType(self.distributed_type).value}, not FSDP"
+                if plugin is None
+                else f"FSDP with {StateDictType(plugin.state_dict_type).name}"
+            )
             raise ConfigError(
                 f"MultiLevelAccelerator(levels=...).{call}: the levels hold FSDP's "
                 f"SHARDED_STATE_DICT model and optimizer states, and this accelerator runs {how}; "
                 "use FSDP with FullyShardedDataParallelPlugin(state_dict_type="
                 "'SHARDED_STATE_DICT'), or pass no levels"
             )
-        return LevelRoutes(self.levels, self.save_iteration, self.writer_options,
-                           self.reader_options,
-                           _FolderRoutes(self.writer_options, self.reader_options),
-                           allow_quarantined)  # fmt: skip
+        return LevelRoutes(
+            self.levels,
+            self.save_iteration,
+            self.writer_options,
+            self.reader_options,
+            _FolderRoutes(self.writer_options, self.reader_options),
+            allow_quarantined,
+        )

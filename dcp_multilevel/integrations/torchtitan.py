@@ -211,8 +211,9 @@ class MultiLevelCheckpointManager(CheckpointManager):
         )
         # Collective (every rank, as torchtitan builds its checkpointer): the ladder is
         # made here, with the drain policy, which writers cannot pass.
-        self.ladder: Ladder = ladder_for(self.levels, who="MultiLevelCheckpointManager",
-                                         drain_policy=config.drain_policy)  # fmt: skip
+        self.ladder: Ladder = ladder_for(
+            self.levels, who="MultiLevelCheckpointManager", drain_policy=config.drain_policy
+        )
         #: One writer for every async save: its staging buffers are reused.
         self._async_writer: MultiLevelWriter | None = None
         if self.async_mode != AsyncMode.DISABLED:
@@ -250,8 +251,9 @@ class MultiLevelCheckpointManager(CheckpointManager):
         """
         step = self._step_of(checkpoint_id)
         if step is None:
-            return super().dcp_save(state_dict, checkpoint_id, async_mode,
-                                    enable_garbage_collection, to_hf)  # fmt: skip
+            return super().dcp_save(
+                state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
+            )
         if self._saving_last and step > 0 and self.last_save_model_only:
             self._export(state_dict, step, to_hf)
         elif async_mode == AsyncMode.DISABLED:
@@ -294,9 +296,12 @@ class MultiLevelCheckpointManager(CheckpointManager):
             )
         writer.due = self._due(step)  # the save before has committed: not read any more
         return dcp.async_save(
-            state_dict, storage_writer=writer, checkpoint_id=step_dir(step),
-            planner=self.planner, process_group=self.pg,
-        )  # fmt: skip
+            state_dict,
+            storage_writer=writer,
+            checkpoint_id=step_dir(step),
+            planner=self.planner,
+            process_group=self.pg,
+        )
 
     def _step_of(self, checkpoint_id: str) -> int | None:
         """The step ``checkpoint_id`` names when it is ``folder/step-N`` (None otherwise)."""
@@ -318,8 +323,9 @@ class MultiLevelCheckpointManager(CheckpointManager):
         path = filesystem.join(self.export_folder, step_dir(step))
         if to_hf:
             # torchtitan's own path: its state dict adapter and HuggingFaceStorageWriter.
-            super().dcp_save(state_dict, checkpoint_id=path, async_mode=AsyncMode.DISABLED,
-                             to_hf=True)  # fmt: skip
+            super().dcp_save(
+                state_dict, checkpoint_id=path, async_mode=AsyncMode.DISABLED, to_hf=True
+            )
         else:
             writer = MultiLevelWriter(path, overwrite=True, codec=self.levels[0].codec)
             dcp.save(state_dict, storage_writer=writer)
@@ -349,8 +355,11 @@ class MultiLevelCheckpointManager(CheckpointManager):
         if step == -1 and max(held) == 0:  # only the seed: torchtitan loads its model alone
             step = 0
         states = self._states_to_load(model_only=step == 0)
-        reader = MultiLevelReader(LATEST if step == -1 else step_dir(step), levels=self.levels,
-                                  allow_quarantined=allow_quarantined)  # fmt: skip
+        reader = MultiLevelReader(
+            LATEST if step == -1 else step_dir(step),
+            levels=self.levels,
+            allow_quarantined=allow_quarantined,
+        )
         try:
             dcp.load(states, storage_reader=reader)
         except CheckpointException as e:  # the ranks could not agree on the step, or bring it
@@ -433,8 +442,9 @@ def _levels(config: MultiLevelCheckpointManager.Config, folder: str) -> list[Lev
     where it sets no ``keep``, the first with ``codec`` where it sets none."""
     keep = config.keep_latest_k or None
     levels = list(config.levels) or [Level(folder)]
-    levels = [lvl if lvl.keep is not None else dataclasses.replace(lvl, keep=keep)
-              for lvl in levels]  # fmt: skip
+    levels = [
+        lvl if lvl.keep is not None else dataclasses.replace(lvl, keep=keep) for lvl in levels
+    ]
     if config.codec is not None and levels[0].codec is None:
         levels[0] = dataclasses.replace(levels[0], codec=config.codec)
     return levels

@@ -124,8 +124,7 @@ class DeltaChains:
                 try:
                     steps = [s for s in self._drivers[i].steps() if s <= upto]
                 except OSError as e:  # the chain starts over: costs bytes, never data
-                    logger.warning("dcp_multilevel: listing %s failed: %s",
-                                   self._levels[i].url, e)  # fmt: skip
+                    logger.warning("dcp_multilevel: listing %s failed: %s", self._levels[i].url, e)
                     continue
                 histories[i] = sorted(self.refs(i, steps).items())
             return histories

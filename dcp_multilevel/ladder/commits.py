@@ -167,8 +167,9 @@ class Commits:
 
     # ------------------------------------------------------------------ saving threads
 
-    def begin(self, step: int, due: tuple[int, ...], reference: int | None,
-              count: int) -> SaveTicket:  # fmt: skip
+    def begin(
+        self, step: int, due: tuple[int, ...], reference: int | None, count: int
+    ) -> SaveTicket:
         """A save of ``step`` starts on this rank; the saves begun before it are over."""
         with self._cond:
             if self._closed:
@@ -302,8 +303,9 @@ class Commits:
                 decision = self._decision(ticket) if outcome == "committed" else None
                 self._apply(ticket, decision)
             except Exception as e:  # noqa: BLE001 - the follower must go on to the next save
-                logger.error("dcp_multilevel: after step %d: %s: %s", ticket.step,
-                             type(e).__name__, e)  # fmt: skip
+                logger.error(
+                    "dcp_multilevel: after step %d: %s: %s", ticket.step, type(e).__name__, e
+                )
             if self._shared:
                 self._sweep(ticket)
             with self._cond:
@@ -354,8 +356,9 @@ class Commits:
                 for what in ("end", "decision", "applied"):
                     _dist.store_delete(self._path(old, what))
         except RuntimeError as e:  # housekeeping: a store that cannot delete keeps them
-            logger.debug("dcp_multilevel: the store keeps the values of step %d: %s",
-                         ticket.step, e)  # fmt: skip
+            logger.debug(
+                "dcp_multilevel: the store keeps the values of step %d: %s", ticket.step, e
+            )
 
     def _decision(self, ticket: SaveTicket) -> dict[str, Any]:
         """Rank 0's decision for a committed save, on every rank."""

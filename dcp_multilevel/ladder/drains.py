@@ -97,9 +97,12 @@ class Drains:
         self._instance = instance
         self._generation = 0
         self.drainer = Drainer(
-            policy=policy, timeout_s=timeout_s, on_committed=holdings.committed,
-            on_result=self._ended, key=f"m{self._instance}",
-        )  # fmt: skip
+            policy=policy,
+            timeout_s=timeout_s,
+            on_committed=holdings.committed,
+            on_result=self._ended,
+            key=f"m{self._instance}",
+        )
 
     # ------------------------------------------------------------------ saves
 
@@ -131,8 +134,9 @@ class Drains:
         for i in due:
             skip = i in decision.skip
             ref = None if skip else self.chains.reference(i)
-            job = self._job(i, step, self._drain_id(i, step), committed_unix,
-                            decision.before.get(i, ()), ref)  # fmt: skip
+            job = self._job(
+                i, step, self._drain_id(i, step), committed_unix, decision.before.get(i, ()), ref
+            )
             job = replace(job, supersedes=supersedes)
             url = self.levels[i].url
             queued = self.drainer.busy(self.drivers[i])
@@ -182,8 +186,9 @@ class Drains:
             DrainJob(s, source.checkpoint(s), target, f"{drain_id}-ref{s}", committed)
             for s in first
         )
-        return DrainJob(step, source.checkpoint(step), target, drain_id, committed, reference,
-                        before)  # fmt: skip
+        return DrainJob(
+            step, source.checkpoint(step), target, drain_id, committed, reference, before
+        )
 
     def _ended(self, result: DrainResult) -> None:
         """Every drain's outcome, in the thread that decided it: its metrics record; a
@@ -216,8 +221,9 @@ class Drains:
         )
         self._generation += 1
         for i, step in resumed.items():
-            logger.info("dcp_multilevel: resuming the drain of step %d to %s",
-                        step, self.levels[i].url)  # fmt: skip
+            logger.info(
+                "dcp_multilevel: resuming the drain of step %d to %s", step, self.levels[i].url
+            )
             job = self._job(i, step, self._drain_id(i, step, "resume"), time.time(), before[i])
             self.drainer.submit(job, skip=False)  # every rank alike: never skipped
 
@@ -258,8 +264,9 @@ class Drains:
                     "dcp_multilevel: step %d is not drained again to %s: some rank's files of "
                     "it are not on its node's first level (a replaced node; the load read them "
                     "from another level); the next save there is copied as usual",
-                    step, self.levels[i].url,
-                )  # fmt: skip
+                    step,
+                    self.levels[i].url,
+                )
         return {i: step for i, step in resumed.items() if step in whole}
 
     def reprotect(self, plan: Any) -> None:
@@ -298,17 +305,25 @@ class Drains:
                 return  # the copies follow the saving job's placement (node_local.py)
             own = own and set(rank_files(manifest, _dist.rank())) <= first.data_files()
         if not all(_dist.all_gather_object(own)):
-            logger.warning("dcp_multilevel: step %d is not on every node of %s, and some rank's "
-                           "files are not on its first level to copy again; the next save "
-                           "there protects the nodes again", plan.step,
-                           [self.levels[i].url for i in redo])  # fmt: skip
+            logger.warning(
+                "dcp_multilevel: step %d is not on every node of %s, and some rank's "
+                "files are not on its first level to copy again; the next save "
+                "there protects the nodes again",
+                plan.step,
+                [self.levels[i].url for i in redo],
+            )
             return
         self._generation += 1
         for i, steps in redo.items():
             for step in steps:
-                logger.info("dcp_multilevel: step %d is on %s on nodes %s only; copying it "
-                            "again for nodes %s", step, self.levels[i].url,
-                            sorted(holders[i, step]), sorted(nodes - holders[i, step]))  # fmt: skip
+                logger.info(
+                    "dcp_multilevel: step %d is on %s on nodes %s only; copying it "
+                    "again for nodes %s",
+                    step,
+                    self.levels[i].url,
+                    sorted(holders[i, step]),
+                    sorted(nodes - holders[i, step]),
+                )
             drain_id = self._drain_id(i, steps[-1], "reprotect")
             job = self._job(i, steps[-1], drain_id, time.time(), steps[:-1])
             self.drainer.submit(job, skip=False)

@@ -185,8 +185,9 @@ class Holdings:
         refs = self.chains.refs(index, complete)
         with self._lock:
             quarantined = set(self._quarantined)
-        doomed = self._rules[index].doomed(complete, found.uncommitted, protected, refs,
-                                           quarantined)  # fmt: skip
+        doomed = self._rules[index].doomed(
+            complete, found.uncommitted, protected, refs, quarantined
+        )
         for step in doomed:
             driver.delete(step)
             logger.info("dcp_multilevel: retention removed step %d from %s", step, level.url)

@@ -91,11 +91,25 @@ class Ladder:
         self.part_share = part_share
         self.chains = DeltaChains(self.levels, self.drivers)
         self.holdings = Holdings(self.levels, self.drivers, None, self.chains, self.topology)
-        self.drains = Drains(self.levels, self.drivers, self.chains, self.holdings,
-                             self.topology, policy=policy, timeout_s=timeout_s,
-                             instance=instance, on_result=self._drain_ended)  # fmt: skip
-        transfers = Transfers(self.drivers, binding.names, self.topology, binding.restore_group,
-                              self.drains.drainer, part_share)  # fmt: skip
+        self.drains = Drains(
+            self.levels,
+            self.drivers,
+            self.chains,
+            self.holdings,
+            self.topology,
+            policy=policy,
+            timeout_s=timeout_s,
+            instance=instance,
+            on_result=self._drain_ended,
+        )
+        transfers = Transfers(
+            self.drivers,
+            binding.names,
+            self.topology,
+            binding.restore_group,
+            self.drains.drainer,
+            part_share,
+        )
         self.loader = Loader(transfers)
         self.commits = Commits(
             f"L{instance}", timeout_s, self._decide, self._apply, name=describe(self.given)
@@ -128,8 +142,9 @@ class Ladder:
 
     # ------------------------------------------------------------------ saves
 
-    def begin(self, step: int, due: Sequence[int] | None = None,
-              reference: int | None = None) -> SaveTicket:  # fmt: skip
+    def begin(
+        self, step: int, due: Sequence[int] | None = None, reference: int | None = None
+    ) -> SaveTicket:
         """A save of ``step`` starts (every rank, as DCP starts it): its ticket.
 
         ``due``: the higher levels it goes to (indices); None: each level whose
@@ -146,8 +161,11 @@ class Ladder:
 
     def check_due(self, due: Sequence[int]) -> tuple[int, ...]:
         """``due`` as the sorted indices of higher levels (ConfigError naming the levels)."""
-        bad = [i for i in due if isinstance(i, bool) or not isinstance(i, int)
-               or not 0 < i < len(self.levels)]  # fmt: skip
+        bad = [
+            i
+            for i in due
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 < i < len(self.levels)
+        ]
         if bad:
             raise ConfigError(
                 f"due={list(due)!r}: {bad} are not indices of higher levels of "
@@ -228,8 +246,7 @@ class Ladder:
         except OSError as e:  # housekeeping: the save itself succeeded
             logger.warning("dcp_multilevel: retention on %s failed: %s", self.first.url, e)
             removed = []
-        return {"drains": decision.to_json(), "removed": removed,
-                "oldest": self.holdings.oldest}  # fmt: skip
+        return {"drains": decision.to_json(), "removed": removed, "oldest": self.holdings.oldest}
 
     def _apply(self, ticket: SaveTicket, decision: dict[str, Any] | None) -> None:
         """Every rank, once ``ticket``'s outcome is known (in save order)."""
@@ -241,16 +258,24 @@ class Ladder:
         if decision is None:  # dropped: no outcome
             return
         if "error" in decision:
-            logger.error("dcp_multilevel: step %d is committed on %s, but no drain was started "
-                         "for it: %s", ticket.step, self.first.url, decision["error"])  # fmt: skip
+            logger.error(
+                "dcp_multilevel: step %d is committed on %s, but no drain was started for it: %s",
+                ticket.step,
+                self.first.url,
+                decision["error"],
+            )
             return
         self.holdings.removed_on_first(decision["removed"], decision.get("oldest"))
         if ticket.quarantine is None:
             self.holdings.cleared(ticket.step)
         else:
             self._quarantine(ticket)
-            logger.warning("dcp_multilevel: step %d is quarantined on %s and goes to no other "
-                           "level: %s", ticket.step, self.first.url, ticket.quarantine)  # fmt: skip
+            logger.warning(
+                "dcp_multilevel: step %d is quarantined on %s and goes to no other level: %s",
+                ticket.step,
+                self.first.url,
+                ticket.quarantine,
+            )
             return
         self.chains.stored(0, ticket.step, ticket.reference)
         ticket.sent = self.drains.submit(
@@ -262,8 +287,12 @@ class Ladder:
         )
         with self._lock:  # saved again: a later save of the step replaces nothing unasked
             self.superseded = self.superseded - {ticket.step}
-        logger.info("dcp_multilevel: step %d committed on %s; draining to %s", ticket.step,
-                    self.first.url, ticket.sent.started or "no level")  # fmt: skip
+        logger.info(
+            "dcp_multilevel: step %d committed on %s; draining to %s",
+            ticket.step,
+            self.first.url,
+            ticket.sent.started or "no level",
+        )
 
     def _quarantine(self, ticket: SaveTicket) -> None:
         """``ticket``'s step stays on the first level: due nowhere else (so the first
@@ -323,8 +352,9 @@ class Ladder:
             with self._lock:
                 self._saves = max(self._saves, record["save"])
         # Newer steps were not restorable: their files are not all there to drain.
-        view = {i: [s for s in steps if s <= restore.step]
-                for i, steps in views.everyone[0].items()}  # fmt: skip
+        view = {
+            i: [s for s in steps if s <= restore.step] for i, steps in views.everyone[0].items()
+        }
         self._recall_due(view)
         self.drains.resume(view)
         if not self.holdings.is_quarantined(restore.step):  # (never copied to other nodes)

@@ -147,9 +147,15 @@ def ladder_for(
         _check_options(existing, settings, options, who)
         return existing
     binding = Binding.build(given, topology, settings["timeout_s"])  # collective
-    ladder = Ladder(given, binding, key=key, instance=next(_INSTANCES),
-                    policy=settings["drain_policy"], timeout_s=settings["timeout_s"],
-                    part_share=settings["part_share"])  # fmt: skip
+    ladder = Ladder(
+        given,
+        binding,
+        key=key,
+        instance=next(_INSTANCES),
+        policy=settings["drain_policy"],
+        timeout_s=settings["timeout_s"],
+        part_share=settings["part_share"],
+    )
     with _LOCK:
         _LADDERS[root] = ladder
         _hook_exit()
@@ -240,8 +246,13 @@ def _finish_at_exit() -> None:
         except DrainError as e:
             logger.error("dcp_multilevel: at exit, checkpoints did not reach their levels: %s", e)
         except Exception as e:  # noqa: BLE001 - the exit must go on to the other ladders
-            logger.error("dcp_multilevel: at exit, %r could not finish: %s: %s  (left: %s)",
-                         ladder, type(e).__name__, e, ladder.unfinished())  # fmt: skip
+            logger.error(
+                "dcp_multilevel: at exit, %r could not finish: %s: %s  (left: %s)",
+                ladder,
+                type(e).__name__,
+                e,
+                ladder.unfinished(),
+            )
         finally:
             ladder.close()
 
@@ -299,13 +310,20 @@ def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def _check_options(ladder: Ladder, settings: dict[str, Any], given: dict[str, Any],
-                   who: str) -> None:  # fmt: skip
+def _check_options(
+    ladder: Ladder, settings: dict[str, Any], given: dict[str, Any], who: str
+) -> None:
     """Options given for a ladder that exists must be the ones it was made with."""
-    have = {"drain_policy": ladder.policy, "timeout_s": ladder.timeout_s,
-            "part_share": ladder.part_share}  # fmt: skip
-    differ = {k: (have[k], settings[k]) for k in have if given.get(k) is not None
-              and have[k] != settings[k]}  # fmt: skip
+    have = {
+        "drain_policy": ladder.policy,
+        "timeout_s": ladder.timeout_s,
+        "part_share": ladder.part_share,
+    }
+    differ = {
+        k: (have[k], settings[k])
+        for k in have
+        if given.get(k) is not None and have[k] != settings[k]
+    }
     if differ:
         raise ConfigError(
             f"{who}: the levels {describe(ladder.given)} are in use in this process with "

@@ -132,13 +132,22 @@ class DrainResult:
     def record(self, rank: int) -> dict[str, Any]:
         """This drain as a metrics record (see ``metrics.py``)."""
         return {
-            "kind": "drain", "rank": rank, "step": self.step, "level": self.level,
-            "bytes": self.bytes_stored, "seconds": self.seconds, "gbps": self.gbps,
-            "lag_seconds": self.lag_seconds, "queued_seconds": self.queued_seconds,
-            "committed": self.committed, "skipped": self.skipped,
-            "superseded_by": self.superseded_by, "error": self.error, **self.details,
+            "kind": "drain",
+            "rank": rank,
+            "step": self.step,
+            "level": self.level,
+            "bytes": self.bytes_stored,
+            "seconds": self.seconds,
+            "gbps": self.gbps,
+            "lag_seconds": self.lag_seconds,
+            "queued_seconds": self.queued_seconds,
+            "committed": self.committed,
+            "skipped": self.skipped,
+            "superseded_by": self.superseded_by,
+            "error": self.error,
+            **self.details,
             "unix": time.time(),
-        }  # fmt: skip
+        }
 
 
 class LevelDriver(abc.ABC):
@@ -278,8 +287,11 @@ class LevelDriver(abc.ABC):
             )
         logger.warning(
             "dcp_multilevel: replacing step %d on %s (save %s) with save %s (overwrite=True)",
-            job.step, self.url, held, manifest.save_id,
-        )  # fmt: skip
+            job.step,
+            self.url,
+            held,
+            manifest.save_id,
+        )
         return True
 
     @abc.abstractmethod

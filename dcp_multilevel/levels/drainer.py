@@ -72,8 +72,9 @@ def run_drain(job: DrainJob, *, timeout_s: float) -> DrainResult:
     link = DrainLink(job.drain_id, timeout_s)
     try:
         raw = link.share_manifest(job.source.manifest_bytes, job.source.url)
-        source = StoredCheckpoint(job.source.store, location=job.source.location,
-                                  manifest_bytes=raw)  # fmt: skip
+        source = StoredCheckpoint(
+            job.source.store, location=job.source.location, manifest_bytes=raw
+        )
         manifest = source.manifest()
         return job.target.drain(replace(job, source=source), manifest, link)
     except Exception as e:
@@ -203,8 +204,10 @@ class Drainer:
         if skip:
             logger.warning(
                 "dcp_multilevel: step %d not copied to %s: the drain of an earlier step "
-                "is still running (policy 'skip')", job.step, job.target.url,
-            )  # fmt: skip
+                "is still running (policy 'skip')",
+                job.step,
+                job.target.url,
+            )
             self._record(DrainResult(job.step, job.target.url, skipped=True))
             return None
         if self.policy == "wait":
@@ -212,8 +215,9 @@ class Drainer:
         entry = _Waiting(job, Future())
         with self._cond:
             if self._closed:
-                raise DrainError(f"the drainer is closed: step {job.step} cannot drain to "
-                                 f"{job.target.url}")  # fmt: skip
+                raise DrainError(
+                    f"the drainer is closed: step {job.step} cannot drain to {job.target.url}"
+                )
             lane = self._lanes.get(job.target)
             if lane is None:
                 # Lanes are named in the order their levels are first submitted to,
@@ -224,9 +228,11 @@ class Drainer:
             lane.waiting.append(entry)
             if lane.thread is None:
                 lane.thread = threading.Thread(
-                    target=self._serve, args=(lane,), daemon=True,
+                    target=self._serve,
+                    args=(lane,),
+                    daemon=True,
                     name=f"dcp-ml-drain-{len(self._lanes)}",
-                )  # fmt: skip
+                )
                 lane.thread.start()
             self._cond.notify_all()
         return entry.future
@@ -239,8 +245,7 @@ class Drainer:
         (that lane's only)."""
         with self._cond:
             lanes = [lane for t, lane in self._lanes.items() if target in (None, t)]
-            entries = [e for lane in lanes
-                       for e in (lane.running, *lane.waiting) if e is not None]  # fmt: skip
+            entries = [e for lane in lanes for e in (lane.running, *lane.waiting) if e is not None]
         out: set[int] = set()
         for e in entries:
             out.add(e.job.step)
@@ -339,11 +344,16 @@ class Drainer:
                     pick = len(lane.waiting) - 1 if self.policy == "latest" else 0
                     chosen = self._take(lane, lane.waiting[pick].job.drain_id)
                 picked = chosen[0]
-                before = [b for b in picked.job.before
-                          if b.step not in picked.recheck or not _committed(b)]  # fmt: skip
+                before = [
+                    b
+                    for b in picked.job.before
+                    if b.step not in picked.recheck or not _committed(b)
+                ]
                 if _dist.world_size() > 1:
-                    _dist.store_set(key, {"drain": chosen[0].job.drain_id,
-                                          "before": [b.drain_id for b in before]})  # fmt: skip
+                    _dist.store_set(
+                        key,
+                        {"drain": chosen[0].job.drain_id, "before": [b.drain_id for b in before]},
+                    )
             else:
                 (value,) = _dist.store_wait_get([key], self.timeout_s)
                 chosen = self._take_when_submitted(lane, value["drain"])
@@ -354,9 +364,12 @@ class Drainer:
         entry, superseded = chosen
         for old in superseded:
             result = DrainResult(old.job.step, old.job.target.url, superseded_by=entry.job.step)
-            logger.info("dcp_multilevel: step %d is not drained to %s: step %d, due there "
-                        "too, replaces it", old.job.step, old.job.target.url,
-                        entry.job.step)  # fmt: skip
+            logger.info(
+                "dcp_multilevel: step %d is not drained to %s: step %d, due there too, replaces it",
+                old.job.step,
+                old.job.target.url,
+                entry.job.step,
+            )
             self._record(result)
             old.future.set_result(result)
         entry.queued_seconds = time.perf_counter() - entry.since
@@ -381,8 +394,10 @@ class Drainer:
             while drain_id not in {e.job.drain_id for e in lane.waiting}:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise DrainError(f"rank 0 chose drain {drain_id}, which this rank was "
-                                     f"not given within {self.timeout_s:.0f} s")  # fmt: skip
+                    raise DrainError(
+                        f"rank 0 chose drain {drain_id}, which this rank was "
+                        f"not given within {self.timeout_s:.0f} s"
+                    )
                 self._cond.wait(left)
             return self._take(lane, drain_id)
 
@@ -409,9 +424,12 @@ class Drainer:
             if done.error is None:  # skipped (another world size): so is this one
                 result = DrainResult(job.step, job.target.url, skipped=True)
             else:
-                result = DrainResult(job.step, job.target.url,
-                                     error=f"step {first.step}, which it needs there, was not "
-                                           f"copied first ({done.error})")  # fmt: skip
+                result = DrainResult(
+                    job.step,
+                    job.target.url,
+                    error=f"step {first.step}, which it needs there, was not "
+                    f"copied first ({done.error})",
+                )
             self._record(result)
             return result
         t0 = time.perf_counter()
@@ -419,8 +437,12 @@ class Drainer:
             result = run_drain(job, timeout_s=self.timeout_s)
         except Exception as e:  # noqa: BLE001 - every failure must reach wait() and metrics
             result = DrainResult(job.step, job.target.url, error=f"{type(e).__name__}: {e}")
-            logger.error("dcp_multilevel: drain of step %d to %s failed: %s",
-                         job.step, job.target.url, result.error)  # fmt: skip
+            logger.error(
+                "dcp_multilevel: drain of step %d to %s failed: %s",
+                job.step,
+                job.target.url,
+                result.error,
+            )
         result.seconds = time.perf_counter() - t0
         result.queued_seconds = queued_seconds
         self._record(result)

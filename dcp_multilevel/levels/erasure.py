@@ -129,13 +129,20 @@ class ErasureLevel(NodeLocalLevel):
                 files = [f for r in topology.ranks_on(node) for f in rank_files(manifest, r)]
                 described.append({"node": node, "files": [[f, manifest.files[f]] for f in files]})
             sizes = [sum(size for _, size in m["files"]) for m in described]
-            out.append({
-                "group": str(g), "data": len(members), "parity": self.parity, "chunk": CHUNK,
-                "coder": ErasureCode(len(members), self.parity).coder,
-                "stripe": stripe_length(sizes, CHUNK), "members": described,
-                "parity_nodes": parity_nodes, "save_id": manifest.save_id,
-                **({"tag": save_tag(manifest.save_id)} if self.replacing else {}),
-            })  # fmt: skip
+            out.append(
+                {
+                    "group": str(g),
+                    "data": len(members),
+                    "parity": self.parity,
+                    "chunk": CHUNK,
+                    "coder": ErasureCode(len(members), self.parity).coder,
+                    "stripe": stripe_length(sizes, CHUNK),
+                    "members": described,
+                    "parity_nodes": parity_nodes,
+                    "save_id": manifest.save_id,
+                    **({"tag": save_tag(manifest.save_id)} if self.replacing else {}),
+                }
+            )
         return out
 
     def exchange(
@@ -152,8 +159,12 @@ class ErasureLevel(NodeLocalLevel):
             keepers = [topology.leader(n) for n in desc["parity_nodes"]]
             if rank in senders:
                 member = desc["members"][senders.index(rank)]
-                sent += send_block(member_chunks(job.source, member["files"], stripe, CHUNK),
-                                   stripe, keepers[0], self.group)  # fmt: skip
+                sent += send_block(
+                    member_chunks(job.source, member["files"], stripe, CHUNK),
+                    stripe,
+                    keepers[0],
+                    self.group,
+                )
             elif rank == keepers[0]:
                 stored += self._encode(desc, senders, keepers, target, link)
             elif rank in keepers:
@@ -219,8 +230,9 @@ class ErasureLevel(NodeLocalLevel):
                 try:
                     target.store.remove_tree(f"{PARITY_DIR}/{name}")
                 except OSError as e:  # committed already: leftovers only cost space
-                    logger.warning("could not delete stale %s/%s in %s: %s",
-                                   PARITY_DIR, name, target.url, e)  # fmt: skip
+                    logger.warning(
+                        "could not delete stale %s/%s in %s: %s", PARITY_DIR, name, target.url, e
+                    )
 
     @staticmethod
     def _names_of(groups: list[dict[str, Any]]) -> list[str]:
@@ -229,8 +241,10 @@ class ErasureLevel(NodeLocalLevel):
         for desc in groups:
             tag = desc.get("tag")
             out.append(description_path(desc["group"], tag))
-            out += [parity_path(desc["group"], b, tag)
-                    for b in range(desc["data"], desc["data"] + desc["parity"])]  # fmt: skip
+            out += [
+                parity_path(desc["group"], b, tag)
+                for b in range(desc["data"], desc["data"] + desc["parity"])
+            ]
         return out
 
     def holdings(self, step: int) -> dict[str, Any]:

@@ -69,8 +69,9 @@ def _suffix(tag: str | None) -> str:
 # --------------------------------------------------------------------------- streams
 
 
-def rechunk(views: Iterable[memoryview], chunk: int, length: int
-            ) -> Generator[memoryview, None, None]:  # fmt: skip
+def rechunk(
+    views: Iterable[memoryview], chunk: int, length: int
+) -> Generator[memoryview, None, None]:
     """``views`` back to back, cut in ``chunk``-byte pieces, zero-padded to ``length``."""
     buf = bytearray(chunk)
     fill = emitted = 0
@@ -101,8 +102,9 @@ def member_chunks(
     )
 
 
-def parity_chunks(ckpt: StoredCheckpoint, desc: dict[str, Any], block: int
-                  ) -> Generator[memoryview, None, None]:  # fmt: skip
+def parity_chunks(
+    ckpt: StoredCheckpoint, desc: dict[str, Any], block: int
+) -> Generator[memoryview, None, None]:
     """Parity block ``block`` of group ``desc``, each chunk checked against its checksum."""
     sums = desc["checksums"][str(block)]
     chunk = desc["chunk"]
@@ -124,8 +126,9 @@ def parity_chunks(ckpt: StoredCheckpoint, desc: dict[str, Any], block: int
             yield buf
 
 
-def block_chunks(ckpt: StoredCheckpoint, desc: dict[str, Any], block: int
-                 ) -> Generator[Any, None, None]:  # fmt: skip
+def block_chunks(
+    ckpt: StoredCheckpoint, desc: dict[str, Any], block: int
+) -> Generator[Any, None, None]:
     """Block ``block`` of group ``desc`` as this node holds it, chunk by chunk, verified."""
     if block < desc["data"]:
         files = desc["members"][block]["files"]
@@ -157,8 +160,13 @@ def send_block(chunks: Generator[Any, None, None], length: int, dst: int, group:
 class _MemberWriter:
     """Writes a member's bytes across its files, checking every item as it goes."""
 
-    def __init__(self, stack: ExitStack, store: Store, manifest: StoredCheckpoint,
-                 files: Sequence[Sequence[Any]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        stack: ExitStack,
+        store: Store,
+        manifest: StoredCheckpoint,
+        files: Sequence[Sequence[Any]],
+    ) -> None:
         self._files = [(name, size) for name, size in files]
         self._stack = stack
         self._store = store
@@ -285,8 +293,9 @@ def rebuild(
     return []
 
 
-def _padded_on_error(chunks: Iterator[Any], chunk: int, length: int, on_error: Any
-                     ) -> Iterator[Any]:  # fmt: skip
+def _padded_on_error(
+    chunks: Iterator[Any], chunk: int, length: int, on_error: Any
+) -> Iterator[Any]:
     """``chunks``, or zeros for the rest of ``length`` once reading them failed."""
     sent = 0
     try:

@@ -196,8 +196,11 @@ class NodeLocalLevel(LevelDriver):
             logger.warning(
                 "dcp_multilevel: not copying step %d to %s: it was saved by %d ranks, this job "
                 "has %d (its files follow the saving job's placement)",
-                job.step, self.url, manifest.world_size, topology.world_size,
-            )  # fmt: skip
+                job.step,
+                self.url,
+                manifest.world_size,
+                topology.world_size,
+            )
             result.skipped = True
             return result
         # Before anything moves. Drains of one level run one at a time (one lane).
@@ -230,8 +233,10 @@ class NodeLocalLevel(LevelDriver):
         result.lag_seconds = time.time() - job.committed_unix
         logger.info(
             "dcp_multilevel: step %d committed on %s on every node (lag %.2f s)",
-            job.step, self.url, result.lag_seconds,
-        )  # fmt: skip
+            job.step,
+            self.url,
+            result.lag_seconds,
+        )
         return result
 
     def _own_files(

@@ -121,8 +121,7 @@ class WriteBehind:
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         #: The first error ``write`` raised (None: none so far).
         self.error: Exception | None = None
-        self._thread = threading.Thread(target=self._run, name="dcp-ml-write-behind",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(target=self._run, name="dcp-ml-write-behind", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:

@@ -56,9 +56,14 @@ class StoreLevel(LevelDriver):
         token = uuid.uuid4().hex[:16]
         delta = self._delta_target(job)
         stats = copy_rank_files(
-            manifest, job.source, target.store, _dist.rank(), token,
-            Compression.of(self.level.codec), delta,
-        )  # fmt: skip
+            manifest,
+            job.source,
+            target.store,
+            _dist.rank(),
+            token,
+            Compression.of(self.level.codec),
+            delta,
+        )
         reached("drain", job.step)
         result = DrainResult(job.step, self.url, bytes_stored=stats.bytes_stored)
         result.details = {
@@ -87,9 +92,14 @@ class StoreLevel(LevelDriver):
                 raise DrainError(f"a rank coded deltas of step {job.step} that rank 0 could not")
             reference = Reference(delta.manifest.save_id, step_dir(job.reference))  # type: ignore[arg-type]
         target.commit(
-            manifest.metadata, locations, files, save_id=manifest.save_id,
-            world_size=manifest.world_size, reference=reference, extra=manifest.extra,
-        )  # fmt: skip
+            manifest.metadata,
+            locations,
+            files,
+            save_id=manifest.save_id,
+            world_size=manifest.world_size,
+            reference=reference,
+            extra=manifest.extra,
+        )
         link.announce_commit()
         result.committed = True
         # bytes_stored stays this rank's share (as on every rank: sums add up);
@@ -98,8 +108,11 @@ class StoreLevel(LevelDriver):
         result.lag_seconds = time.time() - job.committed_unix
         logger.info(
             "dcp_multilevel: step %d committed on %s (%d bytes, lag %.2f s)",
-            job.step, self.url, result.details["level_bytes"], result.lag_seconds,
-        )  # fmt: skip
+            job.step,
+            self.url,
+            result.details["level_bytes"],
+            result.lag_seconds,
+        )
         # As a save's commit does: what an earlier attempt at this drain left (it died),
         # or the files of the save this one replaced (overwrite=True), go now (after
         # the announcement: no peer waits for it). The sweep of a local level then
@@ -116,8 +129,12 @@ class StoreLevel(LevelDriver):
         except (DcpMultilevelError, OSError) as e:
             logger.warning(
                 "dcp_multilevel: step %d goes to %s whole: its reference, step %d, is not "
-                "usable there (%s)", job.step, self.url, job.reference, e,
-            )  # fmt: skip
+                "usable there (%s)",
+                job.step,
+                self.url,
+                job.reference,
+                e,
+            )
             return None
         # The first level's copy of the same save, when it is still there: local reads.
         local = StoredCheckpoint.at(

@@ -294,9 +294,14 @@ class _Recoder:
                             hasher.update(part)
                             dst.write(part)
                     locations[index] = ItemLocation(
-                        out, start, dst.tell() - start, loc.raw_length,
-                        hasher.hexdigest(), transforms, ref() if ref is not None else None,
-                    )  # fmt: skip
+                        out,
+                        start,
+                        dst.tell() - start,
+                        loc.raw_length,
+                        hasher.hexdigest(),
+                        transforms,
+                        ref() if ref is not None else None,
+                    )
                 size = dst.tell()
         return out, locations, size
 
@@ -326,9 +331,14 @@ class _Recoder:
         self.source.read_item(src, index, loc, raw, pool=self.pool, window=window)
         stream = self._reference(index, loc, dtype, streams)
         transforms, parts = encode_item(
-            raw, dtype, self.codec, self.compression, pool=self.pool, window=window,
+            raw,
+            dtype,
+            self.codec,
+            self.compression,
+            pool=self.pool,
+            window=window,
             reference=stream,
-        )  # fmt: skip
+        )
         if stream is None:
             return transforms, parts, None
         checksum = self.delta.manifest.locations[index].checksum  # type: ignore[union-attr]

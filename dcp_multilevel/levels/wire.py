@@ -259,8 +259,9 @@ def range_blocks(
                 if handle.read_into(pos, view) != len(view):
                     raise TruncatedDataError(
                         f"data file {file!r} of {ckpt.url} ended at byte {pos}",
-                        checkpoint=ckpt.url, file=file,
-                    )  # fmt: skip
+                        checkpoint=ckpt.url,
+                        file=file,
+                    )
                 verifier.feed(pos, view)
                 yield view
                 pos += len(view)
@@ -297,9 +298,13 @@ def send_ranges(
 
 
 def recv_ranges(
-    path: str, size: int, ranges: Sequence[tuple[int, int]], src: int, group: Any,
+    path: str,
+    size: int,
+    ranges: Sequence[tuple[int, int]],
+    src: int,
+    group: Any,
     block: int = WIRE_BLOCK,
-) -> bool:  # fmt: skip
+) -> bool:
     """Receive what :func:`send_ranges` sends into the local file ``path`` (made
     ``size`` bytes long; other ranges it holds are kept), each range at its own
     offset; False when the sender found its copy damaged (the bytes written are

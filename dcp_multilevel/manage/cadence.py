@@ -201,8 +201,10 @@ class Cadence:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             logger.warning(
                 "dcp_multilevel: step %d kept a schedule state this version cannot read (%s); "
-                "the schedule starts afresh", step, e,
-            )  # fmt: skip
+                "the schedule starts afresh",
+                step,
+                e,
+            )
             return
         if state.get("policy") is not None:
             try:
@@ -210,8 +212,11 @@ class Cadence:
             except (KeyError, TypeError, ValueError, AttributeError) as e:
                 logger.warning(
                     "dcp_multilevel: step %d kept the state of another schedule (%s); %r "
-                    "starts afresh", step, e, self.policy,
-                )  # fmt: skip
+                    "starts afresh",
+                    step,
+                    e,
+                    self.policy,
+                )
         self._offset, self._last, self.blocked_seconds = clock, last, blocked
         self.step_seconds = None if step_seconds is None else float(step_seconds)
         self._save_seconds.clear()
@@ -226,7 +231,8 @@ class Cadence:
         blocked = statistics.median(self._save_seconds) if self._save_seconds else None
         states = tuple(
             LevelState(
-                i, level,
+                i,
+                level,
                 last_step=self._last[i][0] if i in self._last else None,
                 last_time=self._last[i][1] if i in self._last else None,
                 cost_seconds=blocked if i == 0 else drains.get(i),
@@ -234,9 +240,8 @@ class Cadence:
                 busy=i in busy,
             )
             for i, level in enumerate(self.levels)
-        )  # fmt: skip
-        return Observation(step, self.clock, states, self.step_seconds, loss,
-                           self.blocked_seconds)  # fmt: skip
+        )
+        return Observation(step, self.clock, states, self.step_seconds, loss, self.blocked_seconds)
 
     def tick(self, step: int, loss: float | None, costs: Costs) -> Tick:
         """The decision for ``step`` (collective at check steps; see the module docstring)."""
@@ -245,9 +250,11 @@ class Cadence:
             self._start = now
         elif self._last_return is not None:
             took = now - self._last_return
-            self.step_seconds = took if self.step_seconds is None else (
-                (1 - _STEP_WEIGHT) * self.step_seconds + _STEP_WEIGHT * took
-            )  # fmt: skip
+            self.step_seconds = (
+                took
+                if self.step_seconds is None
+                else ((1 - _STEP_WEIGHT) * self.step_seconds + _STEP_WEIGHT * took)
+            )
         deterministic = self.policy.deterministic
         decision: Decision | None = None
         if deterministic:  # the step number decides: no costs to gather

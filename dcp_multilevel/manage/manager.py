@@ -155,9 +155,14 @@ class CheckpointManager:
             ]
         # Collective: the process's ladder for these levels (shared with any writer or
         # reader given them), made the first time.
-        ladder = ladder_for(levels, topology=topology, who="CheckpointManager",
-                            drain_policy=drain_policy, timeout_s=drain_timeout_s,
-                            part_share=0.0 if restore_whole_files else PART_SHARE)  # fmt: skip
+        ladder = ladder_for(
+            levels,
+            topology=topology,
+            who="CheckpointManager",
+            drain_policy=drain_policy,
+            timeout_s=drain_timeout_s,
+            part_share=0.0 if restore_whole_files else PART_SHARE,
+        )
         ladder.holders += 1
         # A manager dropped without close() lets go of its ladder too (its drains
         # waited for); at interpreter exit the ladders' own hook does that.
@@ -170,15 +175,25 @@ class CheckpointManager:
         self.schedule = schedule if schedule is not None else FixedInterval()
         if ladder.holdings.schedule is None:  # steps no save recorded: this schedule's
             ladder.holdings.schedule = self.schedule
-        self._cadence = Cadence(self.schedule, self.levels, ladder.binding.survives(),
-                                check_seconds=check_seconds,
-                                save_on_sigterm=save_on_sigterm)  # fmt: skip
+        self._cadence = Cadence(
+            self.schedule,
+            self.levels,
+            ladder.binding.survives(),
+            check_seconds=check_seconds,
+            save_on_sigterm=save_on_sigterm,
+        )
         self._sink = MetricsSink(metrics_path, on_metrics, _dist.rank())
         self._drain_results: list[DrainResult] = []
         self._unlisten = ladder.listen(self._drain_ended)
-        self._saves = FirstLevelSaves(ladder, self._given, topology,
-                                      planner or BalancedSavePlanner(), async_save=async_save,
-                                      staging=staging, timeout_s=ladder.timeout_s)  # fmt: skip
+        self._saves = FirstLevelSaves(
+            ladder,
+            self._given,
+            topology,
+            planner or BalancedSavePlanner(),
+            async_save=async_save,
+            staging=staging,
+            timeout_s=ladder.timeout_s,
+        )
         if checks is not None and not isinstance(checks, Checks):
             raise ConfigError(f"CheckpointManager(checks=...) takes a Checks, got {checks!r}")
         #: The health checks every save runs (its loss rule remembers :meth:`step`'s losses).
@@ -212,8 +227,9 @@ class CheckpointManager:
                 metrics = self._save(state_dict, step, [])
                 self.finish_save()  # an async save: committed before the exit
                 self._cadence.saved(step, [0], metrics.seconds)
-                self._sink.emit({"kind": "sigterm", "rank": _dist.rank(), "step": step,
-                                 "unix": time.time()})  # fmt: skip
+                self._sink.emit(
+                    {"kind": "sigterm", "rank": _dist.rank(), "step": step, "unix": time.time()}
+                )
                 logger.warning("dcp_multilevel: step %d committed after SIGTERM; exiting", step)
                 self._cadence.close()
                 raise SystemExit(128 + signal.SIGTERM)
@@ -222,8 +238,9 @@ class CheckpointManager:
                     self.checks.loss.observe(loss)
                 return None
             self._ladder.holdings.decided(step, tick.decision.levels)
-            self._sink.emit({**tick.decision.record(), "step": step, "rank": _dist.rank(),
-                             "unix": time.time()})  # fmt: skip
+            self._sink.emit(
+                {**tick.decision.record(), "step": step, "rank": _dist.rank(), "unix": time.time()}
+            )
             higher = sorted(i for i in tick.decision.levels if i > 0)
             metrics = self._save(state_dict, step, higher)
             if self._saves.pending is not None:  # async: its drains start at finish_save
@@ -264,8 +281,9 @@ class CheckpointManager:
         if self.async_save:
             return self._saves.save_async(state_dict, step, extra, due)
         writer = self._saves.save(state_dict, step, extra, due)
-        metrics = SaveMetrics(step, self.levels[0].url, writer.bytes_written,
-                              time.perf_counter() - t0)  # fmt: skip
+        metrics = SaveMetrics(
+            step, self.levels[0].url, writer.bytes_written, time.perf_counter() - t0
+        )
         self._committed(writer, metrics)
         return metrics
 
@@ -313,9 +331,13 @@ class CheckpointManager:
         self.metrics.append(metrics)
         logger.info(
             "dcp_multilevel: step %d committed on %s in %.3f s (%.2f GB/s on this rank); "
-            "draining to %s", metrics.step, metrics.level, metrics.blocked_seconds, metrics.gbps,
+            "draining to %s",
+            metrics.step,
+            metrics.level,
+            metrics.blocked_seconds,
+            metrics.gbps,
             metrics.drains_started or "no level",
-        )  # fmt: skip
+        )
         self._sink.emit(metrics.record(_dist.rank()))
 
     def _drain_ended(self, result: DrainResult) -> None:
@@ -378,8 +400,9 @@ class CheckpointManager:
         allow_quarantined: bool = False,
     ) -> int:
         """``dcp.load`` of ``what`` through the levels; the step loaded. Collective."""
-        reader = MultiLevelReader(what, levels=self._given, topology=self._topology,
-                                  allow_quarantined=allow_quarantined)  # fmt: skip
+        reader = MultiLevelReader(
+            what, levels=self._given, topology=self._topology, allow_quarantined=allow_quarantined
+        )
         loads = reader.loads
         assert loads is not None
         # What each rank reads, from a dry run of the load planner: the restore brings

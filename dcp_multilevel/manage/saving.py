@@ -117,9 +117,15 @@ class FirstLevelSaves:
 
     def _writer(self, step: int, due: Sequence[int], **options: Any) -> MultiLevelWriter:
         """A writer of ``step`` onto the levels (collective)."""
-        return MultiLevelWriter(step_dir(step), levels=self.levels, topology=self.topology,
-                                due=due, checks=self.checks, loss=self.loss,
-                                **options)  # fmt: skip
+        return MultiLevelWriter(
+            step_dir(step),
+            levels=self.levels,
+            topology=self.topology,
+            due=due,
+            checks=self.checks,
+            loss=self.loss,
+            **options,
+        )
 
     def save_async(
         self, state_dict: dict[str, Any], step: int, extra: dict[str, Any] | None, due: list[int]
@@ -136,9 +142,12 @@ class FirstLevelSaves:
         writer.loss = self.loss
         writer.extra = dict(extra or {})
         future = dcp.async_save(
-            state_dict, storage_writer=writer, checkpoint_id=step_dir(step),
-            planner=self.planner, process_group=self._async_group,
-        )  # fmt: skip
+            state_dict,
+            storage_writer=writer,
+            checkpoint_id=step_dir(step),
+            planner=self.planner,
+            process_group=self._async_group,
+        )
         fence = None
         if isinstance(future, AsyncSaveResponse):  # overlap: the copies run behind a fence
             fence, future = future.staging_completion, future.upload_completion
@@ -200,8 +209,10 @@ class FirstLevelSaves:
                 raise
             logger.warning(
                 "dcp_multilevel: step %d could not be coded against %s (%s); saving it whole",
-                step, writer.reference.url, why,  # type: ignore[union-attr]
-            )  # fmt: skip
+                step,
+                writer.reference.url,
+                why,  # type: ignore[union-attr]
+            )
             return None
         return writer
 

@@ -115,11 +115,13 @@ def write_file(
     pool = writer._pool()
     streams = ExitStack()  # the reference's data files, while their items are coded
     coded = encode_items(
-        _jobs(writer, path, items, planner, lock, streams, tally), writer._codec,
-        chunk_size=c.chunk_size if c else 0, pool=pool,
+        _jobs(writer, path, items, planner, lock, streams, tally),
+        writer._codec,
+        chunk_size=c.chunk_size if c else 0,
+        pool=pool,
         window=_WINDOW_PER_THREAD * c.threads if c and pool else 1,
         buffers=writer._payload_buffers,
-    )  # fmt: skip
+    )
     # (coded is lazy: the items are resolved and read in the loop, following the marks)
     with (
         (marks or StreamMarks()).following(),

@@ -99,8 +99,9 @@ class LevelLoads:
         self.views = gather_views(self.ladder.drivers)
         self.failure = None
         try:
-            self.restore = self.ladder.loader.choose(self.views, self.target, self.reads,
-                                                     self.allow_quarantined)  # fmt: skip
+            self.restore = self.ladder.loader.choose(
+                self.views, self.target, self.reads, self.allow_quarantined
+            )
             if self.restore is None:
                 names = ", ".join(lv.url for lv in self.ladder.given)
                 raise CheckpointNotFoundError(
@@ -128,8 +129,9 @@ class LevelLoads:
 
         known = self.reads is not None  # then brought with the step
         try:
-            self.restore = self.ladder.loader.complete(self.restore, self.views,
-                                                       None if known else reads)  # fmt: skip
+            self.restore = self.ladder.loader.complete(
+                self.restore, self.views, None if known else reads
+            )
         except DcpMultilevelError as e:
             self.failure = e
             raise
@@ -153,8 +155,9 @@ class LevelLoads:
             self.ladder.loaded(self.restore, self.views)
 
     @staticmethod
-    def checkpoints(copies: list[Copy], have: list[StoredCheckpoint],
-                    manifest: bytes | None = None) -> list[StoredCheckpoint]:  # fmt: skip
+    def checkpoints(
+        copies: list[Copy], have: list[StoredCheckpoint], manifest: bytes | None = None
+    ) -> list[StoredCheckpoint]:
         """``copies`` as a reader's, reusing those it ``have`` (with their manifests);
         ``manifest``: the first copy's, when this rank may not see it there."""
         known = {c.location: c for c in have}

@@ -362,14 +362,22 @@ def check_replicas(
             split_ranks.update(r for g in groups.values() for r in g)
     findings = []
     if minority_items:
-        findings.append(Finding(
-            "replicas", "replicated tensors differ from the other ranks' copies; the "
-            "majority's bytes are written", tuple(sorted(set(minority_items))),
-            tuple(sorted(minority_ranks)),
-        ))  # fmt: skip
+        findings.append(
+            Finding(
+                "replicas",
+                "replicated tensors differ from the other ranks' copies; the "
+                "majority's bytes are written",
+                tuple(sorted(set(minority_items))),
+                tuple(sorted(minority_ranks)),
+            )
+        )
     if split_items:
-        findings.append(Finding(
-            "replicas", "replicated tensors differ across ranks with no majority",
-            tuple(sorted(set(split_items))), tuple(sorted(split_ranks)),
-        ))  # fmt: skip
+        findings.append(
+            Finding(
+                "replicas",
+                "replicated tensors differ across ranks with no majority",
+                tuple(sorted(set(split_items))),
+                tuple(sorted(split_ranks)),
+            )
+        )
     return findings, outvoted

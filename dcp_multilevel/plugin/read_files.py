@@ -72,10 +72,14 @@ def read_file(
                     )
                 else:
                     copy.read_item(
-                        handle, req.storage_index, loc, landing.out,
-                        pool=codec_pool(), window=window,
+                        handle,
+                        req.storage_index,
+                        loc,
+                        landing.out,
+                        pool=codec_pool(),
+                        window=window,
                         references=references,
-                    )  # fmt: skip
+                    )
             except COPY_ERRORS as e:
                 if isinstance(e, (CorruptCheckpointError, ManifestError)):
                     failures.append(Failure(i, req, file, e, whole_file=False))

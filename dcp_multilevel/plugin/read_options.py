@@ -46,5 +46,6 @@ def warn_if_quarantined(manifest: Manifest, url: str) -> None:
     """Warn that the checkpoint at ``url`` is quarantined (``docs/health.md``): its
     checks found poisoned state; it is read all the same, as asked."""
     if manifest.quarantined:
-        logger.warning("dcp_multilevel: loading %s, which is QUARANTINED: %s", url,
-                       manifest.health.reason())  # type: ignore[union-attr]  # fmt: skip
+        logger.warning(
+            "dcp_multilevel: loading %s, which is QUARANTINED: %s", url, manifest.health.reason()
+        )  # type: ignore[union-attr]

@@ -90,8 +90,9 @@ class Digests:
 
 def stripped(plans: Sequence[SavePlan]) -> tuple[list[dict[MetadataIndex, str]], list[SavePlan]]:
     """The coordinator: each rank's digests, and the plans as DCP made them."""
-    digests = [p.planner_data.digests if isinstance(p.planner_data, LocalDigests) else {}
-               for p in plans]  # fmt: skip
+    digests = [
+        p.planner_data.digests if isinstance(p.planner_data, LocalDigests) else {} for p in plans
+    ]
     plain = [
         dataclasses.replace(p, planner_data=p.planner_data.mappings)
         if isinstance(p.planner_data, LocalDigests)

@@ -77,6 +77,9 @@ def replaces_quarantined(checkpoint: StoredCheckpoint) -> bool:
     except (DcpMultilevelError, OSError):
         return False
     if manifest.quarantined:
-        logger.warning("dcp_multilevel: replacing %s, quarantined (%s)", checkpoint.url,
-                       manifest.health.reason())  # type: ignore[union-attr]  # fmt: skip
+        logger.warning(
+            "dcp_multilevel: replacing %s, quarantined (%s)",
+            checkpoint.url,
+            manifest.health.reason(),
+        )  # type: ignore[union-attr]
     return manifest.quarantined

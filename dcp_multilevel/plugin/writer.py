@@ -176,9 +176,14 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         #: What the last committed save's checks found (the coordinator's; None before).
         self.health: Health | None = None
         self._levels = LevelSaves.of(
-            levels, topology, due, path, codec=codec, storage_options=storage_options,
+            levels,
+            topology,
+            due,
+            path,
+            codec=codec,
+            storage_options=storage_options,
             reference=reference,
-        )  # fmt: skip
+        )
         if self._levels is not None:  # the first level's options are the writer's
             first = self._levels.ladder.first
             codec, storage_options = first.codec, first.storage_options
@@ -421,8 +426,9 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         reached("write", self._levels.step if self._levels is not None else None)
         self.bytes_written = sum(r.size_in_bytes for r in results)
         self.delta_items = sum(r.storage_data.reference is not None for r in results)
-        results.append(rank_report(self.checks, self.rank, self.is_coordinator, planner,
-                                   self.loss, tally))  # fmt: skip
+        results.append(
+            rank_report(self.checks, self.rank, self.is_coordinator, planner, self.loss, tally)
+        )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -445,17 +451,24 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
             locations[wr.index] = loc
             files[loc.file] = max(files.get(loc.file, 0), loc.offset + loc.length)
         self.checkpoint.commit(
-            metadata, locations, files, save_id=self.save_id, world_size=len(results),
+            metadata,
+            locations,
+            files,
+            save_id=self.save_id,
+            world_size=len(results),
             reference=self._delta and self._delta.checked(self.checkpoint, locations),
             extra=self.extra,
             stock_hint=self.stock_hint,
             health=health,
-        )  # fmt: skip
+        )
         self._committed_id = self.save_id
         self.health = health
         if health is not None and health.quarantined:
-            logger.warning("dcp_multilevel: %s is committed QUARANTINED: %s", self.checkpoint.url,
-                           health.reason())  # fmt: skip
+            logger.warning(
+                "dcp_multilevel: %s is committed QUARANTINED: %s",
+                self.checkpoint.url,
+                health.reason(),
+            )
             if self._levels is not None:
                 self._levels.quarantined(health.reason())
         # dcp.save returns this metadata: its storage_meta names the save, as stock's.

@@ -164,8 +164,15 @@ def restorable(
         return Restore(step, levels, raw, RestorePlan(step), (inventory,))
     everyone = gather_inventories(inventory, members, group)
     urls = list(names) if names is not None else [d.url for d in drivers]
-    plan = plan_restore(step, manifest.files, everyone, urls, transfers=transfers,
-                        part_share=part_share, rebuilders=rebuilders(drivers))  # fmt: skip
+    plan = plan_restore(
+        step,
+        manifest.files,
+        everyone,
+        urls,
+        transfers=transfers,
+        part_share=part_share,
+        rebuilders=rebuilders(drivers),
+    )
     return Restore(step, levels, raw, plan, tuple(everyone), plan.reasons, inventory)
 
 

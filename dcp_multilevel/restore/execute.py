@@ -93,8 +93,14 @@ class RestoreReport:
     received: dict[str, int] = field(default_factory=dict)  # source -> files brought here
     seconds: float = 0.0
 
-    def add(self, plan: RestorePlan, names: Sequence[str], inventories: Sequence[Inventory],
-            node: int, bad: set[Fault]) -> None:  # fmt: skip
+    def add(
+        self,
+        plan: RestorePlan,
+        names: Sequence[str],
+        inventories: Sequence[Inventory],
+        node: int,
+        bad: set[Fault],
+    ) -> None:
         """Count the files ``plan`` brought onto ``node``, by where they came from
         (``names``: each level as the user wrote it; ``bad``: the sources that failed)."""
         nodes = {inv.rank: inv.node for inv in inventories}
@@ -142,15 +148,15 @@ def set_aside_damaged(first: StoredCheckpoint, node: Sequence[Inventory]) -> lis
             path = first.store.local_path(file)
             if path is None:
                 continue  # not a local directory: the reader's fallbacks are all there is
-            logger.warning("dcp_multilevel: %s of %s is damaged (%s); setting it aside",
-                           file, first.url, e)  # fmt: skip
+            logger.warning(
+                "dcp_multilevel: %s of %s is damaged (%s); setting it aside", file, first.url, e
+            )
             os.replace(path, f"{path}.damaged-{int(time.time())}")
             damaged.append(file)
     return damaged
 
 
-def _failed(action: Link | Copy | Rebuild, nodes: dict[int, int], bad: set[Fault]
-            ) -> bool:  # fmt: skip
+def _failed(action: Link | Copy | Rebuild, nodes: dict[int, int], bad: set[Fault]) -> bool:
     if isinstance(action, Copy):
         return CopyFault(nodes[action.src], action.file) in bad
     if isinstance(action, Rebuild):

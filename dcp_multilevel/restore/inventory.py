@@ -372,22 +372,34 @@ def simulate_exchange(taken: Sequence[Inventory]) -> tuple[list[Inventory], Exch
 
 def _member(leader: Inventory, rank: int, whole: list[int]) -> Inventory:
     return Inventory(
-        rank=rank, node=leader.node, needs=[], ranges={}, parts=leader.parts,
-        files={k: list(v) for k, v in leader.files.items()}, whole=list(whole),
+        rank=rank,
+        node=leader.node,
+        needs=[],
+        ranges={},
+        parts=leader.parts,
+        files={k: list(v) for k, v in leader.files.items()},
+        whole=list(whole),
         parity={k: [list(b) for b in v] for k, v in leader.parity.items()},
-        groups={k: dict(v) for k, v in leader.groups.items()}, placement=leader.placement,
+        groups={k: dict(v) for k, v in leader.groups.items()},
+        placement=leader.placement,
         merged=True,
-    )  # fmt: skip
+    )
 
 
 def _inventory(d: dict[str, Any]) -> Inventory:
     return Inventory(
-        rank=d["rank"], node=d["node"], needs=d["needs"], ranges=d["ranges"], parts=d["parts"],
-        files={int(k): v for k, v in d["files"].items()}, whole=list(d["whole"]),
+        rank=d["rank"],
+        node=d["node"],
+        needs=d["needs"],
+        ranges=d["ranges"],
+        parts=d["parts"],
+        files={int(k): v for k, v in d["files"].items()},
+        whole=list(d["whole"]),
         parity={int(k): v for k, v in d["parity"].items()},
-        groups={int(k): v for k, v in d["groups"].items()}, placement=d["placement"],
+        groups={int(k): v for k, v in d["groups"].items()},
+        placement=d["placement"],
         merged=d["merged"],
-    )  # fmt: skip
+    )
 
 
 def whole_files_of(

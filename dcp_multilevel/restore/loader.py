@@ -119,8 +119,9 @@ class Loader:
                 continue
             why = _quarantine_of(plan)
             if why is not None and not allow_quarantined:
-                logger.warning("dcp_multilevel: passing over step %d, quarantined: %s",
-                               candidate, why)  # fmt: skip
+                logger.warning(
+                    "dcp_multilevel: passing over step %d, quarantined: %s", candidate, why
+                )
                 passed.append(candidate)
                 continue
             if why is not None:
@@ -297,12 +298,14 @@ class Loader:
         """The last load's metrics record: where the time went, what came from where."""
         restore = self.last_restore
         return {
-            "kind": "load", "rank": _dist.rank(), "step": step,
+            "kind": "load",
+            "rank": _dist.rank(),
+            "step": step,
             **{f"{name}_seconds": seconds for name, seconds in self.last_phases.items()},
             "sources": dict(self.last_load_sources),
             "received": dict(restore.received) if restore is not None else {},
             "unix": time.time(),
-        }  # fmt: skip
+        }
 
     def kept(self, plan: Restore, key: str) -> Any:
         """What the loaded step's manifest keeps under ``key`` in its ``extra`` (rank 0
@@ -341,10 +344,17 @@ class Loader:
                 return whole_files_of(ranges, manifest) if whole_files else ranges
 
             return restorable(
-                at, self.drivers, views, node=t.node(), needs=needs,
-                transfers=t.group is not None, names=t.names,
-                members=t.node_ranks(), group=t.group, part_share=t.part_share,
-            )  # fmt: skip
+                at,
+                self.drivers,
+                views,
+                node=t.node(),
+                needs=needs,
+                transfers=t.group is not None,
+                names=t.names,
+                members=t.node_ranks(),
+                group=t.group,
+                part_share=t.part_share,
+            )
 
         plan = agree(step, whole_files=False)
         chain: list[Restore] = []  # the references, newest first while they are found
@@ -359,21 +369,29 @@ class Loader:
                 why = "; ".join(ref.reasons) or "only store levels hold it"
                 if views.on_a_store(step, self.drivers):
                     # The reader falls back, item by item, to the store level.
-                    logger.warning("dcp_multilevel: step %d is a delta against step %d, which "
-                                   "cannot be restored onto the nodes (%s); reading it from a "
-                                   "store level", step, link, why)  # fmt: skip
+                    logger.warning(
+                        "dcp_multilevel: step %d is a delta against step %d, which "
+                        "cannot be restored onto the nodes (%s); reading it from a "
+                        "store level",
+                        step,
+                        link,
+                        why,
+                    )
                     chain.clear()
                     break
-                why_not.append(f"step {step} is a delta against step {link}, which cannot "
-                               f"be restored: {why}")  # fmt: skip
+                why_not.append(
+                    f"step {step} is a delta against step {link}, which cannot be restored: {why}"
+                )
                 break
             chain.append(ref)
             link = ref.reference_step()
-        plan = dataclasses.replace(plan, chain=tuple(reversed(chain)),
-                                   reasons=(*plan.reasons, *why_not))  # fmt: skip
+        plan = dataclasses.replace(
+            plan, chain=tuple(reversed(chain)), reasons=(*plan.reasons, *why_not)
+        )
         if not plan.ok:
-            logger.warning("dcp_multilevel: step %d cannot be restored: %s", step,
-                           "; ".join(plan.reasons))  # fmt: skip
+            logger.warning(
+                "dcp_multilevel: step %d cannot be restored: %s", step, "; ".join(plan.reasons)
+            )
         return plan
 
 
@@ -390,8 +408,9 @@ def _quarantine_of(plan: Restore) -> str | None:
 def _warn_if_quarantined(plan: Restore, how: str) -> None:
     why = _quarantine_of(plan)
     if why is not None:
-        logger.warning("dcp_multilevel: loading step %d, which is QUARANTINED (%s): %s",
-                       plan.step, how, why)  # fmt: skip
+        logger.warning(
+            "dcp_multilevel: loading step %d, which is QUARANTINED (%s): %s", plan.step, how, why
+        )
 
 
 def _every_file(manifest: Manifest) -> None:

@@ -163,8 +163,9 @@ class TransferOrder:
         """At ``now``: each idle rank of each node to scan takes the best copy it can."""
         scan, self.rescan = self.rescan, set()
         wake, self.woken = self.woken, set()
-        order = sorted((n for n in scan | wake if self.copies.get(n)),
-                       key=lambda n: (-self.left[n], n))  # fmt: skip
+        order = sorted(
+            (n for n in scan | wake if self.copies.get(n)), key=lambda n: (-self.left[n], n)
+        )
         for node in order:
             if node not in scan and not any(self.free.get(r, 0) <= self.now for r in self.fresh):
                 # Nodes before it took what woke it: it waits on as it did.

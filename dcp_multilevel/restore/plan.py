@@ -176,9 +176,15 @@ def plan_restore(
     origins, entering = ring_origins(ring_held, files) if ring else ({}, {})
     for node, enter in sorted(entering.items()):  # onto a ring node first (ring.py)
         wanted.update(enter)
-        todo.append(_NodeNeeds(node, nodes[node], min(inv.rank for inv in nodes[node]),
-                               dict.fromkeys(enter),
-                               all(inv.whole for n in ring for inv in nodes[n])))  # fmt: skip
+        todo.append(
+            _NodeNeeds(
+                node,
+                nodes[node],
+                min(inv.rank for inv in nodes[node]),
+                dict.fromkeys(enter),
+                all(inv.whole for n in ring for inv in nodes[n]),
+            )
+        )
     held = _holders(inventories, bad, wanted)
     # Files needed whole first: a lost member is then rebuilt on a node that needs
     # it whole, and the nodes that need a few of its items take them from there.
@@ -249,8 +255,9 @@ def plan_restore(
             for f in ((a.file,) if isinstance(a, Copy) else a.brings)
             if (node_of[a.dst], f) in enter
         }
-        built = build_ring({n: [inv.rank for inv in nodes[n]] for n in ring}, ring_held, files,
-                           origins, landed)  # fmt: skip
+        built = build_ring(
+            {n: [inv.rank for inv in nodes[n]] for n in ring}, ring_held, files, origins, landed
+        )
         if built.files:
             ordered.append(built)
     return RestorePlan(step, tuple(ordered))
@@ -324,8 +331,9 @@ def merge_node_needs(invs: Sequence[Inventory]) -> Inventory:
     return replace(first, needs=needs, ranges=ranges, merged=False)
 
 
-def _part_of(file: str, size: int, invs: Sequence[Inventory], dst: int, part_share: float
-             ) -> tuple[tuple[int, int], ...] | None:  # fmt: skip
+def _part_of(
+    file: str, size: int, invs: Sequence[Inventory], dst: int, part_share: float
+) -> tuple[tuple[int, int], ...] | None:
     """The byte ranges of ``file`` a node's ranks ``invs`` read, when that is a small
     part (at most ``part_share`` of ``size``) and the receiving rank ``dst`` can take
     parts; None: copy the whole file."""
@@ -429,13 +437,16 @@ def _rebuild_for(
         if rebuilder is None:
             continue
         choice = rebuilder.plan(
-            level, file, wanted, descs, inventories,
+            level,
+            file,
+            wanted,
+            descs,
+            inventories,
             copyable=lambda f: _copy_source(f, node, held, bad) is not None,
             block_damaged=lambda g, b, r, level=level: BlockFault(level, g, b, r) in bad,
-        )  # fmt: skip
+        )
         if isinstance(choice, RebuildChoice):
-            return Rebuild(level, choice.group, choice.members, choice.sources, dst,
-                           choice.brings)  # fmt: skip
+            return Rebuild(level, choice.group, choice.members, choice.sources, dst, choice.brings)
         if choice is not None:
             reason = f"{level_urls[level]}: step {step}: {choice}"
     return reason

@@ -73,8 +73,9 @@ def lane_rank(ring: Ring, position: int, lane: int) -> int:
     return ranks[lane % len(ranks)]
 
 
-def ring_origins(held: Mapping[int, Mapping[str, int]], files: Mapping[str, int]
-                 ) -> tuple[dict[str, int], dict[int, list[str]]]:  # fmt: skip
+def ring_origins(
+    held: Mapping[int, Mapping[str, int]], files: Mapping[str, int]
+) -> tuple[dict[str, int], dict[int, list[str]]]:
     """Where each file that a ring node lacks starts (file -> node), and the files an
     earlier action must bring onto their origin first (node -> files). ``held``: each
     ring node's files. Entries are the files no ring node holds, and those that

@@ -83,8 +83,12 @@ class Transfers:
             return
         first = self.drivers[0].checkpoint(plan.step)
         if not first.is_committed():
-            logger.info("dcp_multilevel: step %d: its manifest was lost with rank 0's node; "
-                        "writing it again on %s", plan.step, first.url)  # fmt: skip
+            logger.info(
+                "dcp_multilevel: step %d: its manifest was lost with rank 0's node; "
+                "writing it again on %s",
+                plan.step,
+                first.url,
+            )
             first.store.write_atomic(MANIFEST_NAME, plan.manifest)
 
     def keep_manifest(self, step: int, data: bytes) -> None:
@@ -118,8 +122,12 @@ class Transfers:
         everyone = _dist.all_gather_object((node, found))
         bad: set[Fault] = {CopyFault(n, f) for n, files in everyone for f in files}
         if bad:
-            logger.warning("dcp_multilevel: step %d: damaged first-level files set aside, "
-                           "fetching intact copies: %s", plan.step, sorted(bad))  # fmt: skip
+            logger.warning(
+                "dcp_multilevel: step %d: damaged first-level files set aside, "
+                "fetching intact copies: %s",
+                plan.step,
+                sorted(bad),
+            )
         return bad
 
     def bring_files(
@@ -153,10 +161,15 @@ class Transfers:
             for drain_driver in self.drivers:  # a running drain must not race the restore
                 self._drainer.finish(drain_driver)
             found = [
-                execute(steps[i], self.drivers, parts[i].manifest, self.group,  # type: ignore[arg-type]
-                        parts[i].inventories)
+                execute(
+                    steps[i],
+                    self.drivers,
+                    parts[i].manifest,
+                    self.group,  # type: ignore[arg-type]
+                    parts[i].inventories,
+                )
                 for i in todo
-            ]  # fmt: skip
+            ]
             reached("restore", parts[-1].step)
             everyone = _dist.all_gather_object(found)
             for k, i in enumerate(todo):
@@ -168,14 +181,21 @@ class Transfers:
                 if found_everywhere:
                     bads[i] |= found_everywhere
                     damaged = sorted(map(repr, found_everywhere))
-                    logger.warning("dcp_multilevel: damaged sources for step %d: %s; trying "
-                                   "others", part.step, damaged)  # fmt: skip
+                    logger.warning(
+                        "dcp_multilevel: damaged sources for step %d: %s; trying others",
+                        part.step,
+                        damaged,
+                    )
                     parts[i] = self.replan(part, bads[i])
                     steps[i] = parts[i].plan
         report.seconds += time.perf_counter() - t0
         if report.received:
-            logger.info("dcp_multilevel: step %d restored onto this node: %s in %.2f s",
-                        report.step, report.received, report.seconds)  # fmt: skip
+            logger.info(
+                "dcp_multilevel: step %d restored onto this node: %s in %.2f s",
+                report.step,
+                report.received,
+                report.seconds,
+            )
         return report
 
     def replan(self, plan: Restore, bad: set[Fault]) -> Restore:
@@ -183,12 +203,20 @@ class Transfers:
         assert plan.manifest is not None
         manifest = self.drivers[0].checkpoint(plan.step, manifest_bytes=plan.manifest).manifest()
         mine = plan.mine or next(i for i in plan.inventories if i.rank == _dist.rank())
-        inventory = take_inventory(plan.step, self.drivers, manifest,
-                                   (mine.needs, mine.ranges), mine.node, mine.whole)  # fmt: skip
+        inventory = take_inventory(
+            plan.step, self.drivers, manifest, (mine.needs, mine.ranges), mine.node, mine.whole
+        )
         everyone = gather_inventories(inventory, self.node_ranks(), self.group)
         kinds = rebuilders(self.drivers)
-        steps = plan_restore(plan.step, manifest.files, everyone, self.names, bad,
-                             part_share=self.part_share, rebuilders=kinds)  # fmt: skip
+        steps = plan_restore(
+            plan.step,
+            manifest.files,
+            everyone,
+            self.names,
+            bad,
+            part_share=self.part_share,
+            rebuilders=kinds,
+        )
         if not steps.ok:
             raise CheckpointNotFoundError(
                 f"step {plan.step} cannot be restored: " + "; ".join(steps.reasons),

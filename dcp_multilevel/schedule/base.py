@@ -115,10 +115,12 @@ class Decision:
     def record(self) -> dict[str, Any]:
         """This decision as a metrics record (JSON-able)."""
         return {
-            "kind": "decision", "levels": sorted(self.levels), "policy": self.policy,
+            "kind": "decision",
+            "levels": sorted(self.levels),
+            "policy": self.policy,
             "inputs": dict(self.inputs),
             "intervals": {str(k): v for k, v in sorted(self.intervals.items())},
-        }  # fmt: skip
+        }
 
 
 class SavePolicy:

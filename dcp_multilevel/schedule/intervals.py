@@ -163,8 +163,7 @@ class OverheadBound(AdjustedPolicy):
             blocked = observation.blocked_seconds
             over = blocked is not None and blocked + cost > self.target * (observation.time + cost)
             if since < cost / self.target or over:
-                return Decision(frozenset(), "overhead-bound", decision.inputs,
-                                decision.intervals)  # fmt: skip
+                return Decision(frozenset(), "overhead-bound", decision.inputs, decision.intervals)
         return decision
 
 

@@ -120,9 +120,11 @@ class ProgressValue(AdjustedPolicy):
         if not self._steps:
             return None
         n = len(self._steps)
-        keep = range(n) if n <= KEPT_POINTS else sorted(
-            {round(i * (n - 1) / (KEPT_POINTS - 1)) for i in range(KEPT_POINTS)}
-        )  # fmt: skip
+        keep = (
+            range(n)
+            if n <= KEPT_POINTS
+            else sorted({round(i * (n - 1) / (KEPT_POINTS - 1)) for i in range(KEPT_POINTS)})
+        )
         return {"steps": [self._steps[i] for i in keep], "losses": [self._losses[i] for i in keep]}
 
     def load_own_state(self, state: dict[str, Any]) -> None:

@@ -129,13 +129,16 @@ class _Run:
             newest = self.running[i] or self.done[i]
             out.append(
                 LevelState(
-                    i, self.configs[i],
+                    i,
+                    self.configs[i],
                     None if newest is None else newest[0],
                     None if newest is None else newest[1],
-                    level.cost_seconds, level.restore_seconds,
-                    survives=level.kind, busy=self.running[i] is not None,
+                    level.cost_seconds,
+                    level.restore_seconds,
+                    survives=level.kind,
+                    busy=self.running[i] is not None,
                 )
-            )  # fmt: skip
+            )
         return tuple(out)
 
     def _settle(self, now: float) -> None:
@@ -166,12 +169,15 @@ class _Run:
                 self._settle(now)  # a drain ended: its level is no longer busy
                 self.states = self._states()
             obs = Observation(
-                self.step, now, self.states, self.dt,
+                self.step,
+                now,
+                self.states,
+                self.dt,
                 None if self.value.losses is None else self.value.losses[self.step],
                 # What the manager counts: every second blocked saving so far, saves
                 # interrupted by a failure included (OverheadBound's run-long rule).
                 blocked_seconds=self.blocked,
-            )  # fmt: skip
+            )
             decision = self.policy.decide(obs)
             if decision.levels:
                 self._save(decision, obs)
@@ -261,9 +267,10 @@ class _Run:
             lost = (self.step - restored) * self.dt + partial
             self.lost += lost
             self.v_lost += (
-                self.value.at(self.step) - self.value.at(restored)
+                self.value.at(self.step)
+                - self.value.at(restored)
                 + partial * self.value.weight(self.step)
-            )  # fmt: skip
+            )
             for i in range(self.n):
                 if i not in survivors:
                     self.done[i] = None
@@ -275,9 +282,18 @@ class _Run:
             self.restore += spent
             self.v_restore += spent * self.value.weight(restored)
             self.records.append(
-                FailureRecord(failure.time, failure.name, reached, checkpoints, survivors,
-                              level, restored, lost, spent)
-            )  # fmt: skip
+                FailureRecord(
+                    failure.time,
+                    failure.name,
+                    reached,
+                    checkpoints,
+                    survivors,
+                    level,
+                    restored,
+                    lost,
+                    spent,
+                )
+            )
             partial = 0.0
             if following.time < failure.time + cost:
                 continue  # struck again while restoring
@@ -296,13 +312,22 @@ class _Run:
         useful = self.step * self.dt
         wall = self.time_at(self.step)
         return RunResult(
-            steps=self.step, stopped_early=stopped_early, gave_up=self.step < self.stop,
-            wall=wall, useful=useful,
-            blocked=self.blocked, lost=self.lost, restore=self.restore,
-            value_useful=self.value.at(self.step), value_blocked=self.v_blocked,
-            value_lost=self.v_lost, value_restore=self.v_restore,
-            saves=tuple(self.saves), skipped=tuple(self.skipped), failures=tuple(self.records),
-        )  # fmt: skip
+            steps=self.step,
+            stopped_early=stopped_early,
+            gave_up=self.step < self.stop,
+            wall=wall,
+            useful=useful,
+            blocked=self.blocked,
+            lost=self.lost,
+            restore=self.restore,
+            value_useful=self.value.at(self.step),
+            value_blocked=self.v_blocked,
+            value_lost=self.v_lost,
+            value_restore=self.v_restore,
+            saves=tuple(self.saves),
+            skipped=tuple(self.skipped),
+            failures=tuple(self.records),
+        )
 
 
 def simulate(

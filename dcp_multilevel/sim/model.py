@@ -122,7 +122,12 @@ class Job:
     def level_states(self) -> tuple[LevelState, ...]:
         """The levels as a policy sees them before the first save."""
         return tuple(
-            LevelState(i, lv.config(i), cost_seconds=lv.cost_seconds,
-                       restore_seconds=lv.restore_seconds, survives=lv.kind)
+            LevelState(
+                i,
+                lv.config(i),
+                cost_seconds=lv.cost_seconds,
+                restore_seconds=lv.restore_seconds,
+                survives=lv.kind,
+            )
             for i, lv in enumerate(self.levels)
-        )  # fmt: skip
+        )

@@ -128,8 +128,11 @@ def uncopied_storages(state: Any, staged: Any) -> frozenset[int]:
     """Storage pointers of the tensors ``staged`` still shares with ``state``."""
     # A staged value that is the very object of the live state was not copied.
     live = {id(t) for t in iter_tensors(state)}
-    kept = [src if (src := pool_source(t)) is not None else t
-            for t in iter_tensors(staged) if id(t) in live]  # fmt: skip
+    kept = [
+        src if (src := pool_source(t)) is not None else t
+        for t in iter_tensors(staged)
+        if id(t) in live
+    ]
     return frozenset(t.untyped_storage().data_ptr() for t in kept if t.numel())
 
 

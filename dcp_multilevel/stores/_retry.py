@@ -60,9 +60,18 @@ _PERMANENT_OS_ERRORS = (
 #: error codes onto these errnos, and unlike EIO/EBUSY (5xx, SlowDown) sending
 #: the same request again gets the same answer.
 _PERMANENT_ERRNO_NAMES = (
-    "EINVAL", "EACCES", "EPERM", "EROFS", "ENAMETOOLONG", "EMSGSIZE", "ENOSYS",
-    "ENOTEMPTY", "EREMCHG", "ENOSPC", "EDQUOT",
-)  # fmt: skip
+    "EINVAL",
+    "EACCES",
+    "EPERM",
+    "EROFS",
+    "ENAMETOOLONG",
+    "EMSGSIZE",
+    "ENOSYS",
+    "ENOTEMPTY",
+    "EREMCHG",
+    "ENOSPC",
+    "EDQUOT",
+)
 _PERMANENT_ERRNOS = frozenset(
     getattr(errno, name) for name in _PERMANENT_ERRNO_NAMES if hasattr(errno, name)
 )

@@ -24,8 +24,17 @@ from ..plugin import MultiLevelReader, MultiLevelWriter
 __all__ = ["CodecTests"]
 
 #: dtypes every codec must round-trip (floats, ints, bool, complex).
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
-          torch.int8, torch.uint8, torch.bool, torch.complex64)  # fmt: skip
+DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+)
 
 
 def _values(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
