@@ -47,7 +47,7 @@ from types import SimpleNamespace
 from _cli import parser
 from _report import REPO, markdown_table, print_header
 from dcp_multilevel import _dist
-from dcp_multilevel.restore.agreement import Views, _manifest_source
+from dcp_multilevel.restore.agreement import Views, _manifest_sources
 from dcp_multilevel.restore.inventory import (
     _inventory,
     expand_records,
@@ -269,7 +269,7 @@ def views_row(layout: Layout) -> tuple[int, float]:
     t0 = time.perf_counter()
     v = Views(everyone[0], everyone)
     for step in reversed(v.candidates()):  # the newest one every rank can read
-        _manifest_source(step, drivers, v)
+        next(_manifest_sources(step, drivers, v), None)  # the first holder, as a load asks
         if v.on_a_store(step, drivers):  # type: ignore[arg-type]
             break
     return received, time.perf_counter() - t0
