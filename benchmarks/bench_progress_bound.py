@@ -34,8 +34,8 @@ import numpy as np
 
 from _cli import add_json, args_record, parser
 from _report import markdown_table
-from dcp_multilevel.sim import Recorded
-from dcp_multilevel.sim import measured as m
+from sim import Recorded
+from sim import measured as m
 
 #: Steps of the simulated runs: bench_schedule.py's 72 h of 6 s steps, and shorter.
 RUNS = {"72 h": 43_200, "24 h": 14_400, "12 h": 7_200}

@@ -1,9 +1,9 @@
 """Simulated fault-tolerance overhead of save policies, with measured costs.
 
-A simulation, not a measurement: ``dcp_multilevel.sim`` plays training runs
+A simulation, not a measurement: ``benchmarks/sim`` plays training runs
 with failures and counts what each save policy costs (time blocked saving,
 progress lost and computed again, restores). The costs per save and restore
-come from this project's benchmarks (``dcp_multilevel/sim/measured.py`` says
+come from this project's benchmarks (``benchmarks/sim/measured.py`` says
 which); the failure rates from
 the published reports (``FailureModel.for_gpus``: Meta 2024, Llama 3).
 
@@ -82,7 +82,7 @@ from dcp_multilevel.schedule import (
     YoungDaly,
     daly_interval,
 )
-from dcp_multilevel.sim import (
+from sim import (
     Estimate,
     EverySteps,
     FixedSeconds,
@@ -92,7 +92,7 @@ from dcp_multilevel.sim import (
     best_fixed,
     evaluate,
 )
-from dcp_multilevel.sim import measured as m
+from sim import measured as m
 
 GPUS = (1024, 16384)
 # The brute-force grid, around Young/Daly's interval per level: the first level's own
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.seeds, args.search_seeds, args.hours = 8, 4, 24.0
     three = m.three_levels()
-    print("## Simulated fault-tolerance overhead (dcp_multilevel.sim)\n")
+    print("## Simulated fault-tolerance overhead (benchmarks/sim)\n")
     args.curve = None
     total = round(args.hours * 3600 / m.STEP_SECONDS)
     if args.losses is not None:

@@ -1,10 +1,12 @@
-"""The failure simulator (dcp_multilevel.sim): it reproduces Young's optimum, its
+"""The failure simulator (benchmarks/sim): it reproduces Young's optimum, its
 bookkeeping adds up on hand-placed failures, and its invariants hold (hypothesis)."""
 
 from __future__ import annotations
 
 import math
 import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +24,11 @@ from dcp_multilevel.schedule import (
     YoungDaly,
     young_interval,
 )
-from dcp_multilevel.sim import (
+
+# The simulator is a benchmark tool: it lives beside the benchmarks that use it.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from sim import (
     Estimate,
     EverySteps,
     FixedSeconds,
@@ -37,8 +43,8 @@ from dcp_multilevel.sim import (
     evaluate,
     simulate,
 )
-from dcp_multilevel.sim import measured as m
-from dcp_multilevel.sim.arrivals import Random
+from sim import measured as m
+from sim.arrivals import Random
 
 #: Every class of failure, each survived by a different kind of level.
 CLASSES = (

@@ -18,7 +18,7 @@ Call order and contract (every rank, main thread)::
     policy.load_state(state)          after the manager loaded a checkpoint
                                       that kept one (rank 0's ``state()``)
     policy.decide(observation)        at each training step (the failure
-                                      simulator, ``dcp_multilevel.sim``, calls it too)
+                                      simulator, ``benchmarks/sim``, calls it too)
     policy.state()                    at each save (rank 0)
     policy.due(index, level, step)    for each level index >= 1, at each save,
                                       at retention and at load_latest

@@ -38,7 +38,7 @@ value of the steps a failure discards (``V(reached) - V(restored)``) plus the
 step under way at its weight: with ``blocked`` and ``restore`` as seconds it
 makes COCI's accounting (``RunResult.progress_overhead``).
 
-Speed: a policy that implements :class:`~dcp_multilevel.sim.policies.Lookahead`
+Speed: a policy that implements :class:`~sim.policies.Lookahead`
 (it says when it will next decide to save, if nothing is saved before) lets
 the run skip the steps in between without asking; every other policy is
 asked at every step. Both give the same run.
@@ -50,8 +50,9 @@ import math
 
 import numpy as np
 
-from ..errors import ConfigError
-from ..schedule.base import Decision, LevelState, Observation, SavePolicy
+from dcp_multilevel.errors import ConfigError
+from dcp_multilevel.schedule.base import Decision, LevelState, Observation, SavePolicy
+
 from .arrivals import Arrivals, Failure, Injected, Random
 from .model import Job
 from .policies import Lookahead

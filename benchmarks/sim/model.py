@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError
-from ..levels.options import Level
-from ..schedule.base import LevelState
-from ..schedule.failures import SURVIVORS, FailureModel
+from dcp_multilevel.errors import ConfigError
+from dcp_multilevel.levels.options import Level
+from dcp_multilevel.schedule.base import LevelState
+from dcp_multilevel.schedule.failures import SURVIVORS, FailureModel
+
 from .loss import LossCurve
 
 __all__ = ["Job", "SimLevel"]

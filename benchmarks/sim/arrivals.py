@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
-from ..schedule.failures import FailureModel
+from dcp_multilevel.errors import ConfigError
+from dcp_multilevel.schedule.failures import FailureModel
 
 __all__ = ["Arrivals", "Failure", "Injected", "Random"]
 

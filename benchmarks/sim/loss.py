@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
+from dcp_multilevel.errors import ConfigError
 
 __all__ = ["CHINCHILLA", "LossCurve", "PowerLaw", "Recorded"]
 

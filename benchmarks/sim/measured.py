@@ -36,7 +36,8 @@ probability :data:`EXPLORATORY_STOP_PROBABILITY`.
 
 from __future__ import annotations
 
-from ..schedule.failures import FailureModel
+from dcp_multilevel.schedule.failures import FailureModel
+
 from .loss import PowerLaw
 from .model import Job, SimLevel
 

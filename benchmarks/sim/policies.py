@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 from typing import Protocol, runtime_checkable
 
-from ..errors import ConfigError
-from ..schedule.base import Decision, Observation, SavePolicy
-from ..schedule.young_daly import YoungDaly
+from dcp_multilevel.errors import ConfigError
+from dcp_multilevel.schedule.base import Decision, Observation, SavePolicy
+from dcp_multilevel.schedule.young_daly import YoungDaly
 
 __all__ = ["EverySteps", "FixedSeconds", "Lookahead", "YoungDalyAhead"]
 

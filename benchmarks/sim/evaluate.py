@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..schedule.base import SavePolicy
+from dcp_multilevel.schedule.base import SavePolicy
+
 from .engine import simulate
 from .model import Job
 from .policies import FixedSeconds
