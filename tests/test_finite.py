@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _required import missing
 
 from dcp_multilevel.format.tensor_bytes import byte_view
 from dcp_multilevel.health import finite
@@ -38,7 +39,7 @@ def _expected(t: torch.Tensor) -> int:
 @pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
 def test_counts_as_torch_does(dtype, native, monkeypatch):
     if native and not finite.NATIVE:
-        pytest.skip("the native kernel is not built here")
+        missing("the native kernel (health/_finite.c) is not built here")
     if not native:
         monkeypatch.setattr(finite, "_native", None)
     t = _poisoned(dtype)

@@ -15,6 +15,7 @@ import warnings
 
 import pytest
 import torch
+from _required import require
 
 from dcp_multilevel import Level
 from dcp_multilevel.checkpoint import StoredCheckpoint
@@ -82,7 +83,7 @@ def _titan_job(
 
 
 def test_torchtitan_resumes_from_the_newest_clean_step(tmp_path):
-    titan = pytest.importorskip("test_integration_torchtitan")
+    titan = require("test_integration_torchtitan")
     root = str(tmp_path)
     options = {"interval": 2, "levels": _levels(root)}
     # Saves at 2, 4, 6, 8; the NaN after step 5 is in the states of 6 and 8.
@@ -162,8 +163,8 @@ def _lightning_resume(rank: int, world: int, root: str, levels: list, ckpt_path:
 
 
 def test_lightning_resumes_from_the_newest_clean_step(tmp_path):
-    pytest.importorskip("test_integration_lightning")
-    pytest.importorskip("accelerate")  # its test's _local_bytes
+    require("test_integration_lightning")
+    require("accelerate")  # its test's _local_bytes
     root = str(tmp_path)
     levels = _levels(root)
     # Saves at steps 3, 6, 9, 12; the NaN at the start of the 3rd epoch (after step 6).
@@ -237,7 +238,7 @@ def _accelerate_resume(rank: int, world: int, root: str, levels: list) -> dict:
 
 
 def test_accelerate_resumes_from_the_newest_step_clean_in_every_part(tmp_path):
-    test_accelerate = pytest.importorskip("test_integration_accelerate")
+    test_accelerate = require("test_integration_accelerate")
     root = str(tmp_path)
     # A first level every node reads, so that a quarantined step (on no other level) can
     # be loaded on purpose: with a node-local one, no node holds the other's files.

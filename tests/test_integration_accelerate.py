@@ -25,8 +25,9 @@ import threading
 import warnings
 
 import pytest
+from _required import require
 
-pytest.importorskip("accelerate", minversion="1.15")
+require("accelerate", minversion="1.15")
 
 import torch
 import torch.distributed as dist

@@ -19,8 +19,9 @@ import shutil
 import warnings
 
 import pytest
+from _required import require
 
-pytest.importorskip("lightning", minversion="2.6")
+require("lightning", minversion="2.6")
 
 import torch
 

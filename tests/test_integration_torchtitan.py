@@ -27,10 +27,11 @@ from typing import Any
 
 import pytest
 import torch
+from _required import require
 
-pytest.importorskip("torchtitan.components.checkpoint")
-pytest.importorskip("torchdata.stateful_dataloader")
-pytest.importorskip("spmd_types")  # torchtitan.components.optimizer imports it
+require("torchtitan.components.checkpoint")
+require("torchdata.stateful_dataloader")
+require("spmd_types")  # torchtitan.components.optimizer imports it
 
 import torch.distributed as dist
 from safetensors.torch import load_file

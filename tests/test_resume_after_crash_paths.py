@@ -33,6 +33,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _required import require
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_multilevel
@@ -208,7 +209,7 @@ def _titan_job(
 
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_torchtitan_resumes_after_losing_a_node_and_saves_on(tmp_path, async_mode):
-    titan = pytest.importorskip("test_integration_torchtitan")
+    titan = require("test_integration_torchtitan")
     root = str(tmp_path)
     # interval=1: torchtitan saves every step; the schedule (FixedInterval) sends the even
     # ones to the partner level. Killed after step 5: step 5 is on the first level only.
@@ -281,8 +282,8 @@ def _lightning_fit(rank: int, world: int, root: str, ckpt_path: str | None, epoc
 
 
 def test_lightning_resumes_from_last_ckpt_after_losing_a_node_and_saves_on(tmp_path):
-    pytest.importorskip("test_integration_lightning")
-    pytest.importorskip("accelerate")  # its test's _local_bytes
+    require("test_integration_lightning")
+    require("accelerate")  # its test's _local_bytes
     root = str(tmp_path)
     ckpt_path = str(tmp_path / "ckpt" / "last.ckpt")
     # 3 epochs: saves at steps 3, 6, 9; every=2 sends the 2nd save (6) to the partner level.
@@ -345,7 +346,7 @@ def _accelerate_job(rank: int, world: int, root: str, resume: bool, saves: int) 
 
 
 def test_accelerate_resumes_after_losing_a_node_and_saves_on(tmp_path):
-    accelerate = pytest.importorskip("test_integration_accelerate")
+    accelerate = require("test_integration_accelerate")
     root = str(tmp_path)
     # save_state 3 times: steps 0, 1, 2 of each part; every=2 sends the 2nd save (step 1)
     # to the partner level. The folder's marker names step 2.

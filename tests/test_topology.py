@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import run_ranks
+from _required import require
 from conftest import assert_bit_equal
 from hypothesis import given
 from hypothesis import strategies as st
@@ -73,7 +74,7 @@ def _documented_topology(where: str) -> str:
     if where.endswith(".md"):
         return (Path(__file__).resolve().parent.parent / where).read_text()
     if where == "MultiLevelAccelerator":
-        accelerate = pytest.importorskip("dcp_multilevel.integrations.accelerate")
+        accelerate = require("dcp_multilevel.integrations.accelerate")
         return accelerate.MultiLevelAccelerator.__doc__ or ""
     import dcp_multilevel
 
