@@ -14,7 +14,16 @@ import dcp_multilevel
 PACKAGE = Path(dcp_multilevel.__file__).parent
 
 #: What the package root holds: the public face and the private bases every folder uses.
-ROOT_MODULES = {"__init__", "__main__", "errors", "_version", "_dist", "_registry", "_phases"}
+ROOT_MODULES = {
+    "__init__",
+    "__main__",
+    "abc",
+    "errors",
+    "_version",
+    "_dist",
+    "_registry",
+    "_phases",
+}
 #: The root modules a folder may import.
 IMPORTABLE_FROM_ROOT = {"errors", "_version", "_dist", "_registry", "_phases"}
 
