@@ -5,18 +5,16 @@ from __future__ import annotations
 import torch
 
 
-def golden_state(version: int = 4) -> dict:
-    """The state a ``v<version>-*`` golden checkpoint holds.
+def golden_state() -> dict:
+    """The state every golden checkpoint but the delta pair's holds.
 
-    Later versions add tensors (never change earlier ones), so each golden
-    folder is compared with the state its release wrote: v3 adds ``sq``, an
-    Adam ``exp_avg_sq``-like positive tensor whose planes take the third
-    bytegroup/3 plane method, and v4 ``pruned``, a tensor of mostly zeros
-    whose planes are stored sparse (bytegroup/4's plane method 4).
+    ``sq`` is an Adam ``exp_avg_sq``-like positive tensor, whose planes take
+    bytegroup's third plane method (a split with a constant sign), and
+    ``pruned`` a tensor of mostly zeros, whose planes are stored sparse.
     """
     g = torch.Generator().manual_seed(1234)
     w = torch.randn(64, 48, generator=g) * 0.02
-    state = {
+    return {
         "model": {
             "w": w,
             "w_bf16": w.to(torch.bfloat16),
@@ -30,22 +28,20 @@ def golden_state(version: int = 4) -> dict:
             "complex": torch.complex(w[:4], -w[4:8]),
             "scalar": torch.tensor(0.5),
             "empty": torch.empty(0, 4),
+            "sq": (w * w).contiguous(),
+            # Mostly zeros (|w| under 1.5 sigma): sparse planes.
+            "pruned": torch.where(w.abs() > 0.03, w, 0.0),
         },
         "step": 42,
         "info": {"name": "golden", "lr": 3e-4, "tags": ["a", "b"]},
     }
-    if version >= 3:
-        state["model"]["sq"] = (w * w).contiguous()
-    if version >= 4:  # mostly zeros (|w| under 1.5 sigma): sparse planes, bytegroup/4
-        state["model"]["pruned"] = torch.where(w.abs() > 0.03, w, 0.0)
-    return state
 
 
 def golden_delta_states() -> tuple[dict, dict]:
-    """The two checkpoints of ``tests/golden/fmt2-delta``: ``step-0`` (whole) and
+    """The two checkpoints of ``tests/golden/0.1.0-delta``: ``step-0`` (whole) and
     ``step-1`` (format version 2, its floats stored as deltas against ``step-0``)."""
-    first = golden_state(3)
-    second = golden_state(3)
+    first = golden_state()
+    second = golden_state()
     g = torch.Generator().manual_seed(99)
     for key in ("w", "sq"):
         t = first["model"][key]

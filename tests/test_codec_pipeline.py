@@ -1,4 +1,4 @@
-"""bytegroup/2 (rotation, sampling), frame version 2 and the cross-item coding window."""
+"""bytegroup's rotation and sampling, frame version 2 and the cross-item coding window."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from dcp_multilevel.codecs import (
     encode_items,
 )
 from dcp_multilevel.codecs.bytegroup import ByteGroupCodec
+from dcp_multilevel.codecs.extension import ByteGroupExtension
 from dcp_multilevel.format import frames
 from dcp_multilevel.format.tensor_bytes import byte_view
 
@@ -65,17 +66,24 @@ def test_hostile_frame_headers_are_refused(header, message):
     assert str(info.value) == message
 
 
-def test_bytegroup_reads_versions_1_to_4_and_refuses_others():
+def test_bytegroup_reads_version_4():
     assert ByteGroupCodec().descriptor == "dcp_multilevel.bytegroup/4"
-    for version in ("1", "2", "3", "4"):
-        assert isinstance(
-            codec_from_descriptor(f"dcp_multilevel.bytegroup/{version}"), ByteGroupCodec
-        )
+    assert isinstance(codec_from_descriptor("dcp_multilevel.bytegroup/4"), ByteGroupCodec)
+
+
+@pytest.mark.parametrize("version", ["1", "2", "3", "5"])
+def test_bytegroup_refuses_every_other_version(version):
     with pytest.raises(RegistryError) as info:
-        codec_from_descriptor("dcp_multilevel.bytegroup/5")
+        codec_from_descriptor(f"dcp_multilevel.bytegroup/{version}")
     assert str(info.value) == (
-        "codec 'dcp_multilevel.bytegroup' version '5' is not readable by the installed codec "
-        "(version 4); install a dcp_multilevel release that reads it"
+        f"codec 'dcp_multilevel.bytegroup' version '{version}' is not readable by the "
+        "installed codec (version 4); install a dcp_multilevel release that reads it"
+    )
+    with pytest.raises(ValueError) as info:
+        ByteGroupExtension.from_descriptor(version)
+    assert str(info.value) == (
+        f"dcp_multilevel.bytegroup version '{version}' is not supported by this "
+        "dcp_multilevel (it reads version 4); upgrade it"
     )
 
 
@@ -91,20 +99,20 @@ def test_bytegroup_reads_versions_1_to_4_and_refuses_others():
         (torch.int32, (4, 0)),
     ],
 )
-def test_version_2_layout_per_dtype(dtype, layout):
+def test_layout_per_dtype(dtype, layout):
     assert ByteGroupCodec().layout(dtype) == layout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_three_bit_rotation_beats_version_1_on_weight_like_floats(dtype):
+def test_three_bit_rotation_beats_one_bit_on_weight_like_floats(dtype):
     t = _structured(1 << 19, dtype, 11)
     codec = ByteGroupCodec()
-    v2 = _encode(t, codec, 1 << 20)
-    v1_job = EncodeJob(None, byte_view(t), element_layout(dtype))
-    (v1,) = _coded([v1_job], None, 1, chunk_size=1 << 20)
-    assert len(v2) < len(v1) - 0.002 * t.nbytes  # measured: 0.3 % (fp32), 0.6 % (bf16)
-    assert_bit_equal(_decode(v1, t, codec), t, "v1 rotation")
-    assert_bit_equal(_decode(v2, t, codec), t, "v2 rotation")
+    three = _encode(t, codec, 1 << 20)
+    one_bit_job = EncodeJob(None, byte_view(t), element_layout(dtype))
+    (one,) = _coded([one_bit_job], None, 1, chunk_size=1 << 20)
+    assert len(three) < len(one) - 0.002 * t.nbytes  # measured: 0.3 % (fp32), 0.6 % (bf16)
+    assert_bit_equal(_decode(one, t, codec), t, "one-bit rotation")
+    assert_bit_equal(_decode(three, t, codec), t, "three-bit rotation")
 
 
 def test_random_chunk_is_rejected_from_its_sample_and_mixed_planes_are_kept():

@@ -1,6 +1,6 @@
 """The manifest's digest of its own bytes: any edit or flipped byte of a manifest is refused,
 at every place that reads one (decode, load and its fallback, the manager, a drain's
-source, the command-line tool, convert); manifests written before it still load."""
+source, the command-line tool, convert), and so is a manifest without a digest."""
 
 from __future__ import annotations
 
@@ -126,13 +126,13 @@ def test_whitespace_and_key_order_edits_are_refused(real_manifest, edit):
         decode_manifest(edit(real_manifest), checkpoint="ck")
 
 
-def test_a_damaged_digest_field_is_refused_not_taken_for_an_old_manifest(real_manifest):
+def test_a_damaged_digest_field_is_refused(real_manifest):
     renamed = real_manifest.replace(b',"digest":"', b',"digesu":"')
     with pytest.raises(ManifestDigestError) as info:
         decode_manifest(renamed, checkpoint="s3://b/run/step-3")
     assert str(info.value) == (
-        "manifest s3://b/run/step-3/manifest.json has no digest but has field(s) 'digesu', "
-        f"'health', which only manifests with a digest may have. {WHAT_TO_DO}"
+        "manifest s3://b/run/step-3/manifest.json has no digest: every manifest "
+        'dcp_multilevel writes ends with ,"digest":"xxh3_64:<16 hex digits>"}. ' + WHAT_TO_DO
     )
     not_hex = real_manifest[:-3] + b'g"}'
     with pytest.raises(ManifestDigestError) as info:
@@ -150,23 +150,23 @@ def test_seal_manifest_reseals_an_edited_document(real_manifest):
     assert decode_manifest(seal_manifest(doc)).extra == {"note": 1}
 
 
-# --------------------------------------------------------------------------- old manifests
+# --------------------------------------------------------------------------- no digest
 
 
-def test_a_manifest_without_a_digest_loads_with_a_warning(tmp_path, caplog):
+def test_a_manifest_without_a_digest_is_refused(tmp_path):
     path = saved(tmp_path / "c")
     doc = json.loads((path / "manifest.json").read_text())
     del doc["digest"], doc["health"]
-    (path / "manifest.json").write_text(json.dumps(doc))  # as releases before it wrote them
-    caplog.set_level(logging.WARNING, logger="dcp_multilevel")
-    loaded = zeros_like_state(make_state())
-    dcp.load(loaded, storage_reader=MultiLevelReader(path))
-    assert_state_equal(loaded, make_state())
-    assert [r.getMessage() for r in caplog.records if r.name.startswith("dcp_multilevel")] == [
-        f"the manifest of checkpoint file://{path} has no digest (written by dcp_multilevel "
-        "0.1.0, before manifests carried one): it is read unchecked, so a change to it would "
-        "go unnoticed. Save the state again to have a checked manifest."
-    ]
+    (path / "manifest.json").write_text(json.dumps(doc, separators=(",", ":")))
+    with pytest.raises(ManifestDigestError) as info:
+        MultiLevelReader(path).read_metadata()
+    assert str(info.value) == (
+        f"manifest file://{path}/manifest.json has no digest: every manifest dcp_multilevel "
+        'writes ends with ,"digest":"xxh3_64:<16 hex digits>"}. ' + WHAT_TO_DO
+    )
+    assert info.value.checkpoint == f"file://{path}"
+    with pytest.raises(CheckpointException, match="has no digest"):
+        dcp.load(zeros_like_state(make_state()), storage_reader=MultiLevelReader(path))
 
 
 def test_a_new_manifest_loads_without_a_warning(tmp_path, caplog):

@@ -109,7 +109,7 @@ def describe(manifest: Manifest, url: str, parts: Parts | None = None) -> dict[s
         r["bytes"] += size
         r["files"] += 1
     doc = {"url": url, **summary(manifest), "dcp_version": manifest.metadata.version}
-    # Checked when the manifest was read; None: written before manifests carried one.
+    # Checked when the manifest was read.
     doc["manifest_digest"] = manifest.digest
     link = manifest.reference
     doc["reference"] = (
@@ -148,10 +148,7 @@ def _header(doc: dict[str, Any]) -> Table:
             f"(ratio {_ratio(doc['raw_bytes'], doc['stored_bytes']) or '-'})",
         ),
         ("codecs", format_codecs(doc["codecs"])),
-        (
-            "manifest digest",
-            doc["manifest_digest"] or "none (written before manifests carried one: not checked)",
-        ),
+        ("manifest digest", doc["manifest_digest"]),
     ]
     if doc.get("reference"):
         deltas = sum(any(c["reference_checksum"] for c in it["chunks"]) for it in doc["items"])

@@ -51,7 +51,7 @@ SAMPLE_SAVING = MIN_SAVING / 2
 #: The cheapest plane method within 1/SPLIT_SLACK byte per value of the
 #: smallest estimate is chosen (``SPLIT_SLACK`` in ``_planes.c`` says why).
 SPLIT_SLACK = 256.0
-#: The plane method of a sparse plane (bytegroup/4): a bitmap and the non-zero bytes.
+#: The plane method of a sparse plane: a bitmap and the non-zero bytes.
 SPARSE = 4
 
 

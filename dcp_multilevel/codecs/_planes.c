@@ -228,7 +228,7 @@ static unsigned long judge(const uint8_t *src, Py_ssize_t n, int width, int rota
     return plan;
 }
 
-/* Split methods (bytegroup/3). A float plane whose structure is in its low
+/* Split planes (methods 2 and 3). A float plane whose structure is in its low
  * k bits (k = 2 or 3: with rotate 3, plane 0 ends in the sign and the two top
  * exponent bits, above five near-random mantissa bits) is stored as its high
  * 8 - k bits packed raw, then a zstd frame of its low k bits. Only the low

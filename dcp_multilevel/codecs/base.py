@@ -54,7 +54,7 @@ class Codec(abc.ABC):
 
     @property
     def descriptor(self) -> str:
-        """What the manifest records, e.g. ``dcp_multilevel.bytegroup/2``."""
+        """What the manifest records, e.g. ``dcp_multilevel.bytegroup/4``."""
         return f"{self.name}/{self.version}"
 
     @classmethod
@@ -119,7 +119,7 @@ class Codec(abc.ABC):
 
 
 def element_layout(dtype: torch.dtype) -> tuple[int, int]:
-    """``(width, rotate)`` of version-1 codecs: floats rotated by one bit.
+    """The default ``(width, rotate)``: floats rotated by one bit.
 
     One bit moves the sign below the mantissa, so the top plane of fp32/bf16/
     fp64 holds (the top of) the exponent.

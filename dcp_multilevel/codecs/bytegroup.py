@@ -1,28 +1,30 @@
-"""Float-aware byte grouping (``dcp_multilevel.bytegroup/4``; reads ``/1`` to ``/3`` too).
+"""Float-aware byte grouping (``dcp_multilevel.bytegroup/4``).
 
 A chunk of ``width``-byte values is split into ``width`` planes: plane ``p``
 holds byte ``p`` of every value. Floats are first rotated left by ``rotate``
 bits (recorded in the frame header). Each plane is compressed with zstd, or
-split (below), only if that pays, else stored raw; if no plane pays, the
-whole chunk is stored raw by the caller (``encode`` returns None).
+split or stored sparse (below), only if that pays, else stored raw; if no
+plane pays, the whole chunk is stored raw by the caller (``encode`` returns
+None).
 
-Rotation: version 1 rotated by one bit (the top plane is the exponent, the
-sign joins the mantissa). Version 2 rotates fp32 and bf16 by three: the top
+Rotation: fp32 and bf16 (and complex64's parts) rotate by three bits: the top
 plane then holds the low six exponent bits and the top two mantissa bits,
 and the two top exponent bits, which barely vary in weights and optimizer
 states (values well inside (2**-63, 2)), join the sign at the bottom of the
 lowest plane. That plane then compresses instead of being stored raw, and the
 top mantissa bits, skewed within each binade, are coded together with the
 exponent. Measured (plane-wise zstd, 1 MiB chunks) on MiniLM and 1-layer
-BERT-large + AdamW: fp32 0.8198 -> 0.8172 and 0.8201 -> 0.8175, bf16 0.6656
--> 0.6617 and 0.6403 -> 0.6350; 2 and 4 bits were worse than 3, and fp16
-(5 exponent bits) does best with 1.
+BERT-large + AdamW, against a one-bit rotation (the top plane exactly the
+exponent, the sign joining the mantissa): fp32 0.8198 -> 0.8172 and 0.8201 ->
+0.8175, bf16 0.6656 -> 0.6617 and 0.6403 -> 0.6350; 2 and 4 bits were worse
+than 3. The other floats rotate by one bit (fp16, with 5 exponent bits, does
+best with 1).
 
-Split planes (version 3): with rotate 3, the lowest plane of fp32 and bf16
-holds five near-random mantissa bits above the sign and the two top exponent
-bits. zstd on the whole plane spends its time Huffman-coding the random
-bits. A split stores the plane's high ``8 - k`` bits packed raw and codes only
-its low ``k`` bits with zstd: method 2 (k = 2, for a random sign) or method 3
+Split planes: with rotate 3, the lowest plane of fp32 and bf16 holds five
+near-random mantissa bits above the sign and the two top exponent bits. zstd
+on the whole plane spends its time Huffman-coding the random bits. A split
+stores the plane's high ``8 - k`` bits packed raw and codes only its low
+``k`` bits with zstd: method 2 (k = 2, for a random sign) or method 3
 (k = 3, for a sign that never changes, as in Adam's ``exp_avg_sq``). The
 split comes out as small as zstd on the whole plane, or smaller, and coding
 it costs a fraction of the time. Measured per 1 MiB chunk on MiniLM and
@@ -35,7 +37,7 @@ the judge picks per chunk. The packing (``_planes.c``: split_plane) cuts the
 plane into 4 (k = 2) or 8 (k = 3) segments and packs slot ``j`` of every
 segment together, so both directions are contiguous, vectorized loops.
 
-Sparse planes (version 4). The planes of an XOR delta (``MultiLevelWriter(
+Sparse planes. The planes of an XOR delta (``MultiLevelWriter(
 reference=...)``: a chunk XOR its reference) are mostly zero bytes where the
 values did not change, but rarely all zero. zstd codes such a plane as
 Huffman literals, and a Huffman code spends at least one bit on every byte:
@@ -54,8 +56,8 @@ bitmap (0.158) lose where the plane is sparsest: each stream is coded, kept raw
 weighs method 4 against zstd (both as Huffman codes with the one-bit floor)
 only on a sample plane over 3/4 zero (under it, joining the plane back costs
 more than zstd's decoding: 1.8x at 54 % zeros). Float
-checkpoints rarely have such a plane: MiniLM + AdamW-like states code as in
-version 3 but for 3 of 88 fp32 chunks, whose ratio moves by under 0.00001.
+checkpoints rarely have such a plane: of MiniLM + AdamW-like states' 88 fp32
+chunks, 3 take one, and their ratio moves by under 0.00001.
 
 Payload layout: ``width`` u8, then per plane ``method u8 | length u32``, then
 the planes' bytes in order. Method 0 is raw and 1 is one zstd frame. Methods
@@ -136,8 +138,9 @@ _native_zstd = NATIVE_ZSTD  # tests switch this off to compare the two paths
 _PLANE = struct.Struct("<BI")
 #: A sparse plane's header: the stored length of its bitmap.
 _SPARSE = struct.Struct("<I")
-#: Rotation (bits) of version 2 per float dtype; others use version 1's.
-_ROTATE_V2 = {torch.float32: 3, torch.bfloat16: 3, torch.complex64: 3}
+#: Rotation (bits) of the floats whose two top exponent bits join the sign (see
+#: the module docstring); other dtypes take :func:`element_layout`'s.
+_ROTATE = {torch.float32: 3, torch.bfloat16: 3, torch.complex64: 3}
 
 # Each kernel below runs in ``_planes.c`` when it built, else in numpy
 # (``_bytegroup_np.py``): both write the same bytes.
@@ -286,12 +289,11 @@ class ByteGroupCodec(Codec):
 
     name = "dcp_multilevel.bytegroup"
     version = 4
-    read_versions = frozenset({1, 2, 3, 4})
 
     def layout(self, dtype: torch.dtype) -> tuple[int, int]:
-        """As :meth:`Codec.layout`, but fp32, bf16 and complex64 rotate by 3 bits (version 2)."""
+        """As :meth:`Codec.layout`, but fp32, bf16 and complex64 rotate by 3 bits."""
         width, rotate = element_layout(dtype)
-        return width, _ROTATE_V2.get(dtype, rotate)
+        return width, _ROTATE.get(dtype, rotate)
 
     def payload_bound(self, raw_len: int, width: int) -> int:
         """Bytes :meth:`encode_into` needs: plane table, raw bytes, one plane's zstd slack."""
@@ -381,7 +383,7 @@ class ByteGroupCodec(Codec):
         return [_zstd.compress_plane_into(planes[p], room) is not None for p in range(width)]
 
     def decode(self, payload: memoryview, out: memoryview, width: int, rotate: int) -> None:
-        """Decode a payload of any version this class reads into ``out``.
+        """Decode a payload into ``out``.
 
         Raises:
             ValueError: the plane table, a plane's length or method, or the

@@ -8,8 +8,7 @@
 
 All integers little-endian. ``rotate``: bits each value was rotated left
 before coding. Version 1 headers hold it as a flag (bit 0: one bit); version 2
-headers hold the count (written only when it is more than 1, so a stream that
-version 1 can describe stays readable by releases that only know version 1).
+headers hold the count (written only when it is more than 1).
 ``method`` 0 = payload is the raw bytes, 1 = payload
 is coded by the item's codec (named in the manifest), 2 = payload is the
 codec's coding of the chunk's raw bytes XOR the reference checkpoint's raw

@@ -31,7 +31,7 @@ Layout (format version 1; version 2 adds the two delta fields below)::
 
 ``digest``, always the last field, is the xxh3-64 of every byte of the file
 before its value (``manifest_digest.py``): a reader checks it before it
-parses anything else. Manifests written before it have none and still load.
+parses anything else, and refuses a manifest without one.
 
 A delta checkpoint (format version 2, written only when the checkpoint has
 a reference) adds ``"reference": {"save_id": "<hex>", "checkpoint":
@@ -135,7 +135,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
     reference: Reference | None = None
-    #: The digest the manifest's bytes matched (None: written before manifests had one).
+    #: The digest the manifest's bytes matched (every decoded manifest has one).
     digest: str | None = None
     #: What the save's checks found (``health.py``); None: no record, a clean step.
     health: Health | None = None

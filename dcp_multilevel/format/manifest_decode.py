@@ -9,14 +9,13 @@ by another rank). The document itself, and its encoder, are in ``manifest.py``.
 
 Before anything is parsed, the manifest's bytes are checked against the digest
 it ends with (``manifest_digest.py``), so an edited or damaged manifest is
-refused even where every field would still pass; one written before manifests
-had a digest is read with a warning.
+refused even where every field would still pass, and so is one without a
+digest: every manifest a release writes has one.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -45,12 +44,10 @@ from .manifest import (
     Manifest,
     Reference,
 )
-from .manifest_digest import check_unsealed, verify_sealed
+from .manifest_digest import unsealed_error, verify_sealed
 from .paths import validate_relpath
 
 __all__ = ["decode_manifest", "locations_from_json"]
-
-logger = logging.getLogger(__name__)
 
 # Hard bounds on untrusted numbers: no tensor or file is this big, and they keep
 # products like prod(sizes) * itemsize inside what Python ints and seeks accept.
@@ -126,10 +123,10 @@ def decode_manifest(data: bytes, *, checkpoint: str | None = None) -> Manifest:
         raise c.fail(f"it is not valid JSON ({e})") from None
     if not isinstance(doc, dict):
         raise c.fail("the top level must be an object")
-    if digest is None:
-        check_unsealed(set(doc), checkpoint=checkpoint)
     if doc.get("format") != FORMAT_NAME:
         raise c.fail(f"field 'format' is {doc.get('format')!r}, expected {FORMAT_NAME!r}")
+    if digest is None:
+        raise unsealed_error(set(doc), checkpoint=checkpoint)
     version = c.get(doc, "format_version", int, "manifest")
     if version not in (FORMAT_VERSION, DELTA_FORMAT_VERSION):
         where = f"checkpoint {checkpoint!r}" if checkpoint else "this checkpoint"
@@ -172,7 +169,7 @@ def decode_manifest(data: bytes, *, checkpoint: str | None = None) -> Manifest:
         storage_meta=StorageMeta(checkpoint_id=checkpoint, save_id=save_id),
         version=dcp_version,
     )
-    manifest = Manifest(
+    return Manifest(
         metadata=metadata,
         locations=locations,
         files=files,
@@ -187,15 +184,6 @@ def decode_manifest(data: bytes, *, checkpoint: str | None = None) -> Manifest:
         digest=digest,
         health=health,
     )
-    if digest is None:
-        logger.warning(
-            "the manifest of checkpoint %s has no digest (written by dcp_multilevel %s, "
-            "before manifests carried one): it is read unchecked, so a change to it would go "
-            "unnoticed. Save the state again to have a checked manifest.",
-            checkpoint or "(unnamed)",
-            plugin_version,
-        )
-    return manifest
 
 
 def _decode_reference(c: _Checker, raw: Any, version: int) -> Reference | None:

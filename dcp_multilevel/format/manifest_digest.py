@@ -14,10 +14,9 @@ checks it before parsing anything. Any change to the hashed bytes is a
 mismatch; a change to the field itself leaves a value that is not the
 recorded hash, bytes that are not JSON, or a document with no valid digest.
 
-Manifests written before the digest have no such field and are still read
-(with a warning). A document without a digest whose top level has a field
-those releases never wrote is one whose digest field was damaged, and is
-refused (:func:`check_unsealed`).
+Every manifest a release writes is sealed, so one that does not end with a
+digest had its digest field damaged or was not written by dcp_multilevel, and
+is refused (:func:`unsealed_error`).
 """
 
 from __future__ import annotations
@@ -28,30 +27,9 @@ from ..errors import ManifestDigestError
 from .checksum import checksum_of
 from .layout import MANIFEST_NAME
 
-__all__ = ["DIGEST_FIELD", "LEGACY_FIELDS", "check_unsealed", "seal", "verify_sealed"]
+__all__ = ["DIGEST_FIELD", "seal", "unsealed_error", "verify_sealed"]
 
 DIGEST_FIELD = "digest"
-
-#: The top-level fields of every manifest written before the digest (format
-#: versions 1 and 2); a manifest without a digest has no others.
-LEGACY_FIELDS = frozenset(
-    {
-        "format",
-        "format_version",
-        "plugin_version",
-        "torch_version",
-        "save_id",
-        "created_unix",
-        "world_size",
-        "dcp_version",
-        "planner_data",
-        "state_dict",
-        "files",
-        "items",
-        "reference",
-        "extra",
-    }
-)
 
 _OPEN = f',"{DIGEST_FIELD}":"'.encode()
 _CLOSE = b'"}'
@@ -97,27 +75,21 @@ def verify_sealed(data: bytes, *, checkpoint: str | None) -> str | None:
     return recorded
 
 
-def check_unsealed(fields: set[str] | frozenset[str], *, checkpoint: str | None) -> None:
-    """Refuse a manifest without a digest that cannot be one written before digests.
+def unsealed_error(
+    fields: set[str] | frozenset[str], *, checkpoint: str | None
+) -> ManifestDigestError:
+    """The error for a manifest that does not end with its digest.
 
-    ``fields``: its top-level field names.
-
-    Raises:
-        ManifestDigestError: it has a ``digest`` field that is not the file's
-            last bytes in the sealed form, or a field no earlier release wrote.
+    ``fields``: its top-level field names, which tell a malformed digest field
+    from a missing one.
     """
+    trailer = f',"{DIGEST_FIELD}":"xxh3_64:<16 hex digits>"}}'
     if DIGEST_FIELD in fields:
-        raise ManifestDigestError(
-            f"manifest {_where(checkpoint)} has a malformed digest: the field "
-            f"'{DIGEST_FIELD}' must be the file's last bytes, ,\"{DIGEST_FIELD}\":"
-            f'"xxh3_64:<16 hex digits>"}}. {_WHAT_TO_DO}',
-            checkpoint=checkpoint,
+        problem = (
+            f"has a malformed digest: the field '{DIGEST_FIELD}' must be the file's last bytes,"
         )
-    unknown = sorted(fields - LEGACY_FIELDS)
-    if unknown:
-        raise ManifestDigestError(
-            f"manifest {_where(checkpoint)} has no digest but has field(s) "
-            f"{', '.join(map(repr, unknown))}, which only manifests with a digest may "
-            f"have. {_WHAT_TO_DO}",
-            checkpoint=checkpoint,
-        )
+    else:
+        problem = "has no digest: every manifest dcp_multilevel writes ends with"
+    return ManifestDigestError(
+        f"manifest {_where(checkpoint)} {problem} {trailer}. {_WHAT_TO_DO}", checkpoint=checkpoint
+    )

@@ -1,13 +1,19 @@
-"""Write the golden checkpoints in this folder. Run ONCE per new format/codec version.
+"""Write golden checkpoints into this folder, each named ``<release>-<kind>``.
 
-    python tests/golden/make_golden.py v1                # every codec
-    python tests/golden/make_golden.py v2 bytegroup      # only the codecs that changed
-    python tests/golden/make_golden.py v4 bytegroup      # bytegroup/4: sparse planes
-    python tests/golden/make_golden.py fmt2-delta        # a delta checkpoint and its reference
-    python tests/golden/make_golden.py manifest-digest   # a manifest sealed by its digest
+    python tests/golden/make_golden.py raw zstd delta
 
-Existing folders are never rewritten: they are what an earlier release wrote,
-and tests/test_golden.py must keep loading them bit-exactly forever.
+writes, for the plugin version installed (``dcp_multilevel.__version__``):
+
+- ``<release>-raw``: uncoded items;
+- ``<release>-zstd``: ``dcp_multilevel.zstd``;
+- ``<release>-bytegroup``: ``dcp_multilevel.bytegroup``;
+- ``<release>-delta``: ``step-0`` (bytegroup, whole) and ``step-1`` (format
+  version 2: its floats stored as deltas against ``step-0``).
+
+Run it once per release, for every kind whose bytes that release changed.
+0.1.0's bytegroup checkpoint is ``manifest-digest`` (not ``0.1.0-bytegroup``).
+Existing folders are never rewritten: they are what a release wrote, and
+tests/test_golden.py must keep loading them bit-exactly.
 """
 
 from __future__ import annotations
@@ -21,53 +27,34 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 from golden_state import golden_delta_states, golden_state  # noqa: E402
 
-from dcp_multilevel import MultiLevelWriter  # noqa: E402
+from dcp_multilevel import MultiLevelWriter, __version__  # noqa: E402
 
-CODECS = {"raw": None, "zstd": "zstd", "bytegroup": "bytegroup"}
+#: kind -> the codec its checkpoint is written with.
+CODECS = {"raw": None, "zstd": "zstd", "bytegroup": "bytegroup", "delta": "bytegroup"}
 
 
-def delta() -> None:
-    """``fmt2-delta/step-0`` (whole) and ``step-1`` (deltas against it)."""
-    root = HERE / "fmt2-delta"
+def _writer(path: Path, kind: str, reference: Path | None = None) -> MultiLevelWriter:
+    return MultiLevelWriter(path, codec=CODECS[kind], reference=reference, stock_hint=False)
+
+
+def write(kind: str) -> None:
+    """``<release>-<kind>``, unless it exists."""
+    root = HERE / f"{__version__}-{kind}"
     if root.exists():
         print(f"keeping {root} (golden files are never rewritten)")
         return
-    first, second = golden_delta_states()
-    dcp.save(first, storage_writer=MultiLevelWriter(root / "step-0", codec="bytegroup"))
-    writer = MultiLevelWriter(root / "step-1", codec="bytegroup", reference=root / "step-0")
-    dcp.save(second, storage_writer=writer)
+    if kind == "delta":
+        first, second = golden_delta_states()
+        dcp.save(first, storage_writer=_writer(root / "step-0", kind))
+        dcp.save(second, storage_writer=_writer(root / "step-1", kind, root / "step-0"))
+    else:
+        dcp.save(golden_state(), storage_writer=_writer(root, kind))
     print(f"wrote {root}")
-
-
-def digest() -> None:
-    """``manifest-digest``: a checkpoint whose manifest ends with the digest of its bytes."""
-    root = HERE / "manifest-digest"
-    if root.exists():
-        print(f"keeping {root} (golden files are never rewritten)")
-        return
-    writer = MultiLevelWriter(root, codec="bytegroup", stock_hint=False)
-    dcp.save(golden_state(4), storage_writer=writer)
-    print(f"wrote {root}")
-
-
-def main(version: str, names: list[str]) -> None:
-    if version == "fmt2-delta":
-        delta()
-        return
-    if version == "manifest-digest":
-        digest()
-        return
-    for name, codec in CODECS.items():
-        if names and name not in names:
-            continue
-        path = HERE / f"{version}-{name}"
-        if path.exists():
-            print(f"keeping {path} (golden files are never rewritten)")
-            continue
-        state = golden_state(int(version.removeprefix("v")))
-        dcp.save(state, storage_writer=MultiLevelWriter(path, codec=codec))
-        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    kinds = sys.argv[1:]
+    if not kinds or not set(kinds) <= set(CODECS):
+        sys.exit(f"usage: make_golden.py KIND..., each KIND one of {', '.join(CODECS)}")
+    for kind in kinds:
+        write(kind)
