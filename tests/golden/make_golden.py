@@ -10,7 +10,9 @@ writes, for the plugin version installed (``dcp_multilevel.__version__``):
 - ``<release>-delta``: ``step-0`` (bytegroup, whole) and ``step-1`` (format
   version 2: its floats stored as deltas against ``step-0``).
 
-Run it once per release, for every kind whose bytes that release changed.
+Run it once per release, for every kind whose bytes that release changed,
+with that release's package first on the path (``PYTHONPATH=<a checkout of the
+release tag>``): ``0.1.0-*`` were written so, by the 0.1.0 release's code.
 0.1.0's bytegroup checkpoint is ``manifest-digest`` (not ``0.1.0-bytegroup``).
 Existing folders are never rewritten: they are what a release wrote, and
 tests/test_golden.py must keep loading them bit-exactly.
