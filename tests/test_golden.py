@@ -132,6 +132,7 @@ def test_a_pre_release_bytegroup_version_is_refused(tmp_path, version):
     assert str(error) == (
         f"item 'model.w' in '{doc['items'][0]['file']}' of checkpoint file://{path} needs "
         f"codec 'dcp_multilevel.bytegroup/{version}': codec 'dcp_multilevel.bytegroup' "
-        f"version '{version}' is not readable by the installed codec (version 4); install a "
-        "dcp_multilevel release that reads it"
+        f"version '{version}' is not readable by the installed codec (version 4); an older "
+        "version that this release no longer reads: load it with the release that wrote it "
+        "and save it again"
     )

@@ -74,7 +74,7 @@ def codec_from_descriptor(descriptor: str) -> Codec:
     if not cls.reads(version):
         raise RegistryError(
             f"codec {name!r} version {version!r} is not readable by the installed codec "
-            f"(version {cls.version}); install a dcp_multilevel release that reads it"
+            f"(version {cls.version}); {cls.remedy(version)}"
         )
     return cls()
 

@@ -58,6 +58,17 @@ class Codec(abc.ABC):
         return f"{self.name}/{self.version}"
 
     @classmethod
+    def remedy(cls, version: str) -> str:
+        """What to do with a chunk recorded as ``<name>/<version>`` that this class does
+        not read: an older version is no longer read, a newer one needs an upgrade."""
+        if version.isdigit() and int(version) < cls.version:
+            return (
+                "an older version that this release no longer reads: load it with the "
+                "release that wrote it and save it again"
+            )
+        return "install a dcp_multilevel release that reads it"
+
+    @classmethod
     def reads(cls, version: str) -> bool:
         """Whether a chunk recorded as ``<name>/<version>`` is decodable by this class."""
         readable = cls.read_versions or frozenset({cls.version})

@@ -46,7 +46,8 @@ class CodecExtension(StreamTransformExtension):
         if not cls.codec_cls.reads(version):
             raise ValueError(
                 f"{cls.codec_cls.name} version {version!r} is not supported by this "
-                f"dcp_multilevel (it reads version {cls.codec_cls.version}); upgrade it"
+                f"dcp_multilevel (it reads version {cls.codec_cls.version}); "
+                + cls.codec_cls.remedy(version)
             )
         return cls()
 
