@@ -429,11 +429,12 @@ def test_big_tensors_are_written_from_the_staging_buffer_wherever_they_sit(tmp_p
         locs = StoredCheckpoint.at(str(path)).manifest().locations
         return {i.fqn: (loc.offset, loc.length) for i, loc in locs.items()}
 
-    writer = MultiLevelWriter(tmp_path / "a")
+    direct = {"direct_io": True}  # O_DIRECT: asked for (the default writes through the cache)
+    writer = MultiLevelWriter(tmp_path / "a", storage_options=direct)
     dcp.async_save(sd, storage_writer=writer, checkpoint_id=tmp_path / "a").result()
     (buffers,) = writer.staging_pool.sets
     in_buffer = copy_into(sd, buffers.flat)  # the layout that save used (it is fixed)
-    dcp.save(sd, storage_writer=MultiLevelWriter(tmp_path / "s"))
+    dcp.save(sd, storage_writer=MultiLevelWriter(tmp_path / "s", storage_options=direct))
     staged_at, live_at = offsets(tmp_path / "a"), offsets(tmp_path / "s")
     if _direct.available() and not _direct.memory_backed(tmp_path):
         big = ("big", "big2")

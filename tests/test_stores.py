@@ -112,18 +112,18 @@ def _resident_pages(path) -> tuple[int, int]:
 
 
 @needs_direct
-def test_synced_local_files_bypass_the_page_cache_unless_turned_off(tmp_path):
+def test_local_files_bypass_the_page_cache_only_when_asked(tmp_path):
     if _direct.memory_backed(tmp_path):
         pytest.skip("the temporary directory is in memory (tmpfs): no cache to bypass")
     data = np.random.default_rng(0).integers(0, 256, (8 << 20) + 1234, dtype=np.uint8).tobytes()
-    for direct_io in (None, False):
+    for direct_io in (True, None):
         store = LocalStore(tmp_path / str(direct_io), direct_io=direct_io)
         with store.open_write("data.bin") as f:
             for i in range(0, len(data), 3 << 20):  # pieces that straddle the bounce buffer
                 f.write(data[i : i + (3 << 20)])
         path = tmp_path / str(direct_io) / "data.bin"
         resident, pages = _resident_pages(path)
-        if direct_io is None:  # the default: only the last, partial block went through it
+        if direct_io:  # asked for: only the last, partial block went through the cache
             assert resident <= 2, (resident, pages)
         else:
             assert resident > pages // 2, (resident, pages)
@@ -284,8 +284,9 @@ def test_file_systems_in_memory_keep_ordinary_writes_unless_asked(tmp_path):
 
 
 def test_direct_io_is_a_local_storage_option_checked_at_construction(tmp_path):
-    assert LocalStore(tmp_path).direct_io == _direct.available()
-    assert not LocalStore(tmp_path, sync=False).direct_io  # scratch data stays cached
+    assert not LocalStore(tmp_path).direct_io  # the default: read back soon, from the cache
+    assert LocalStore(tmp_path, direct_io=True).direct_io == _direct.available()
+    assert store_for(str(tmp_path), direct_io=True).direct_io == _direct.available()
     assert not store_for(str(tmp_path), direct_io=False).direct_io
     with pytest.raises(ConfigError, match=r"direct_io .* must be True, False or None, got 'yes'"):
         LocalStore(tmp_path, direct_io="yes")

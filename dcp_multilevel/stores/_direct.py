@@ -31,8 +31,12 @@ the file the ordinary way; the file's bytes are the same either way.
 
 On a file system in memory (tmpfs, ramfs: ``/dev/shm``) there is no page
 cache to skip, only the bounce copy to add: measured there, 0.67 s against
-0.58 s for the same save. :func:`memory_backed` tells the store to leave
-those alone unless asked.
+0.58 s for the same save: leave it off there (:func:`memory_backed` tells
+where that is).
+
+The local store writes through the page cache unless its storage option
+``direct_io=True`` asks for this: a checkpoint is usually read back soon (a
+restart on the same node, the drains to higher levels), from the cache.
 """
 
 from __future__ import annotations

@@ -53,14 +53,13 @@ class LocalStore(Store):
         sync: fsync files and directories before publishing them. Turn off only
             for scratch data (e.g. tests on tmpfs): without it a power loss can
             leave a published file empty.
-        direct_io: write whole blocks with ``O_DIRECT``, past the page cache
-            (see ``_direct.py``: a fraction of the CPU an ordinary write takes,
-            which matters while training runs beside an async save). Default
-            (None): on for synced stores where the file system takes it,
-            except file systems in memory (tmpfs, ``/dev/shm``: nothing to
-            skip); off for ``sync=False`` (scratch data is read back soon,
-            from the cache). ``True`` uses it wherever it is taken; the
-            storage option ``direct_io=False`` turns it off.
+        direct_io: write whole blocks with ``O_DIRECT``, past the page cache,
+            where the file system takes it (see ``_direct.py``: a fraction of
+            the CPU an ordinary write takes, which matters while training runs
+            beside an async save). Off by default (False or None): a checkpoint
+            is read back soon after it is written (a restart on the same node,
+            the drains to the higher levels), and through the page cache those
+            reads cost no disk (``docs/benchmarks.md``).
     """
 
     supports_atomic_rename = True
@@ -88,9 +87,7 @@ class LocalStore(Store):
                 f"direct_io for the local store at {root!r} must be True, False or None, "
                 f"got {direct_io!r}"
             )
-        self.direct_io = (sync if direct_io is None else direct_io) and _direct.available()
-        # Auto: a root in memory is found at the first write (it may not exist yet).
-        self._check_memory_fs = direct_io is None
+        self.direct_io = bool(direct_io) and _direct.available()
 
     @property
     def url(self) -> str:
@@ -113,9 +110,6 @@ class LocalStore(Store):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         direct: DirectWriteHandle | None = None
         try:
-            if self._check_memory_fs:  # threads racing here all find the same answer
-                self.direct_io = self.direct_io and not _direct.memory_backed(final.parent)
-                self._check_memory_fs = False
             dfd = _direct.open_direct(tmp) if self.direct_io else None
             if dfd is not None:
                 direct = DirectWriteHandle(fd, dfd)
