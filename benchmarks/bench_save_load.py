@@ -7,7 +7,8 @@ disk is faster for compressible data than for random bytes, which are measured
 too for reference), then for each configuration:
 
 * save into a fresh directory (timed: the ``dcp.save`` call, fsync included),
-* load from the page cache right after the save (warm: every file read once first),
+* load right after the save (warm: the page cache as the save left it, what a
+  restart on the same node reads),
 * load after ``os.sync()`` + ``posix_fadvise(DONTNEED)`` on every file (cold),
   starting ``--settle`` seconds after the save ended (the raw read likewise
   after the raw write: this VM's host caches recent writes, so a read's speed
@@ -51,7 +52,6 @@ from _disk import (
     resident_fraction,
     state_bytes,
     tree_nbytes,
-    warm_tree,
 )
 from _measure import PhaseTimer, gbps, median, rounds, timed
 from _report import Results, figure, fmt, goal_line, markdown_table, measured, print_header, samples
@@ -193,7 +193,8 @@ def measure(
     path: Path,
     out: Samples,
 ) -> None:
-    """One save + warm load + cold load of ``cfg`` at ``path``, appended to ``out``.
+    """One save + warm load (right after it) + cold load of ``cfg`` at ``path``,
+    appended to ``out``.
 
     The cold read starts ``settle`` seconds after the end of the write, raw disk
     and configurations alike. On this VM, reads of data written a second ago run
@@ -212,8 +213,6 @@ def measure(
         for t in dest.values():
             t.zero_()
         not_before = None
-        if not cold:
-            warm_tree(path)  # ours wrote past the page cache (O_DIRECT); stock through it
         if cold:
             evict_tree(path)
             out.resident.append(resident_fraction(path))

@@ -134,7 +134,7 @@ def save_load(s: Source) -> tuple[list[Row], list[Row]]:
     rows = {}
     for kind, label in (
         ("save", "save"),
-        ("warm", "load from page cache"),
+        ("warm", "load right after the save (a restart on the same node)"),
         ("cold", "load from disk"),
     ):
         (sn, sv), (on, ov) = best(s, "stock-t", f"{kind}_gbps"), best(s, "ours-t", f"{kind}_gbps")
