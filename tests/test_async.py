@@ -35,15 +35,9 @@ from _gate import GatedPlanner
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from dcp_multilevel import (
-    AsyncSaveError,
-    ConfigError,
-    MultiLevelReader,
-    MultiLevelWriter,
-    SaveInFlightError,
-    StagingConfig,
-)
+from dcp_multilevel import ConfigError, MultiLevelReader, MultiLevelWriter, StagingConfig
 from dcp_multilevel.checkpoint import StoredCheckpoint
+from dcp_multilevel.errors import AsyncSaveError, SaveInFlightError
 from dcp_multilevel.format import MANIFEST_NAME
 from dcp_multilevel.format.tensor_bytes import PIECE_BYTES
 from dcp_multilevel.staging.buffers import (

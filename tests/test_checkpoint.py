@@ -9,8 +9,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import assert_bit_equal
 
-from dcp_multilevel import CheckpointNotFoundError, ChecksumMismatchError, MultiLevelWriter
+from dcp_multilevel import CheckpointNotFoundError, MultiLevelWriter
 from dcp_multilevel.checkpoint import CheckpointRoot, StoredCheckpoint, blocks_of
+from dcp_multilevel.errors import ChecksumMismatchError
 from dcp_multilevel.format import MANIFEST_NAME, step_dir
 from dcp_multilevel.format.tensor_bytes import byte_view
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from test_codecs import _decode, _encode, _structured
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_multilevel import Compression, MultiLevelReader, MultiLevelWriter, RegistryError
+from dcp_multilevel import Compression, MultiLevelReader, MultiLevelWriter
 from dcp_multilevel.codecs import (
     CODECS,
     MIN_SPLIT_CHUNK,
@@ -33,6 +33,7 @@ from dcp_multilevel.codecs import (
 )
 from dcp_multilevel.codecs.bytegroup import ByteGroupCodec
 from dcp_multilevel.codecs.extension import ByteGroupExtension
+from dcp_multilevel.errors import RegistryError
 from dcp_multilevel.format import frames
 from dcp_multilevel.format.tensor_bytes import byte_view
 

@@ -27,16 +27,18 @@ from dcp_multilevel import (
     BalancedSavePlanner,
     CheckpointExistsError,
     CheckpointNotFoundError,
-    ChecksumMismatchError,
     ConfigError,
-    ConvertError,
     DcpMultilevelError,
     MultiLevelReader,
     MultiLevelWriter,
+)
+from dcp_multilevel.convert import ConvertReport, convert
+from dcp_multilevel.errors import (
+    ChecksumMismatchError,
+    ConvertError,
     RegistryError,
     UnsafeObjectError,
 )
-from dcp_multilevel.convert import ConvertReport, convert
 
 CODECS = [None, "zstd", "bytegroup"]
 

@@ -13,16 +13,10 @@ import xxhash
 from conftest import rank_errors
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_multilevel import (
-    ChecksumMismatchError,
-    CorruptCheckpointError,
-    MultiLevelReader,
-    MultiLevelWriter,
-    TruncatedDataError,
-    UnsafeObjectError,
-)
+from dcp_multilevel import CorruptCheckpointError, MultiLevelReader, MultiLevelWriter
 from dcp_multilevel.checkpoint import StoredCheckpoint
 from dcp_multilevel.checkpoint.verify import verify_checkpoint
+from dcp_multilevel.errors import ChecksumMismatchError, TruncatedDataError, UnsafeObjectError
 from dcp_multilevel.format import seal_manifest
 
 

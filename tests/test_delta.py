@@ -27,11 +27,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcp_multilevel import (
-    BrokenChainError,
     Compression,
     ConfigError,
     CorruptCheckpointError,
-    ManifestError,
     MultiLevelReader,
     MultiLevelWriter,
 )
@@ -40,6 +38,7 @@ from dcp_multilevel.checkpoint.verify import verify_checkpoint
 from dcp_multilevel.codecs import codec_for
 from dcp_multilevel.codecs.decode import decode_frames
 from dcp_multilevel.codecs.pipeline import encode_chunk
+from dcp_multilevel.errors import BrokenChainError, ManifestError
 from dcp_multilevel.format import decode_manifest, frames, seal_manifest
 from dcp_multilevel.stores._retry import one_attempt_options
 

@@ -14,9 +14,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _damage import flip_byte
 
-from dcp_multilevel import ChecksumMismatchError, MultiLevelWriter
+from dcp_multilevel import MultiLevelWriter
 from dcp_multilevel.checkpoint import StoredCheckpoint
 from dcp_multilevel.checkpoint.destinations import Bounce
+from dcp_multilevel.errors import ChecksumMismatchError
 
 STATE = {
     "empty": torch.empty(0),

@@ -31,15 +31,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_multilevel import (
     CheckpointNotFoundError,
-    ChecksumMismatchError,
     ConfigError,
     CorruptCheckpointError,
     Level,
-    ManifestError,
     MultiLevelReader,
     MultiLevelWriter,
 )
 from dcp_multilevel.checkpoint import StoredCheckpoint
+from dcp_multilevel.errors import ChecksumMismatchError, ManifestError
 from dcp_multilevel.format import frames
 from dcp_multilevel.levels import DrainJob, driver_for, run_drain
 

@@ -14,8 +14,9 @@ from conftest import assert_bit_equal
 from golden_state import golden_delta_states, golden_state
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_multilevel import ManifestDigestError, ManifestError, MultiLevelReader
+from dcp_multilevel import MultiLevelReader
 from dcp_multilevel.codecs import CODECS
+from dcp_multilevel.errors import ManifestDigestError, ManifestError
 from dcp_multilevel.format import decode_manifest, frames, seal_manifest
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -21,12 +21,12 @@ from dcp_multilevel import (
     CheckpointManager,
     Checks,
     Level,
-    LossSpike,
     MultiLevelReader,
     MultiLevelWriter,
 )
 from dcp_multilevel.checkpoint import StoredCheckpoint
 from dcp_multilevel.format import seal_manifest
+from dcp_multilevel.health import LossSpike
 from dcp_multilevel.testing.levels import bit_equal
 from tests._dist import run_ranks
 

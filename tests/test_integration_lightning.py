@@ -25,7 +25,8 @@ require("lightning", minversion="2.6")
 
 import torch
 
-from dcp_multilevel import Level, ManifestError, MultiLevelReader
+from dcp_multilevel import Level, MultiLevelReader
+from dcp_multilevel.errors import ManifestError
 from dcp_multilevel.testing import run_ranks
 
 pytest_plugins = ["_s3"]

@@ -49,9 +49,10 @@ from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 import dcp_multilevel
 import dcp_multilevel.integrations.torchtitan as adapter
-from dcp_multilevel import ConfigError, FixedInterval, Level, Schedule
+from dcp_multilevel import ConfigError, Level, Schedule
 from dcp_multilevel.convert import convert
 from dcp_multilevel.integrations.torchtitan import MultiLevelCheckpointManager
+from dcp_multilevel.schedule import FixedInterval
 from dcp_multilevel.testing import run_ranks
 
 pytestmark = pytest.mark.multiprocess

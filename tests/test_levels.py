@@ -15,16 +15,9 @@ from test_manager import blank, check, memory_url, state
 
 import dcp_multilevel
 import dcp_multilevel.errors
-from dcp_multilevel import (
-    CheckpointManager,
-    ConfigError,
-    FixedInterval,
-    Level,
-    RegistryError,
-    SavePolicy,
-)
+from dcp_multilevel import CheckpointManager, ConfigError, Level
 from dcp_multilevel.checkpoint import CheckpointRoot
-from dcp_multilevel.errors import DrainError
+from dcp_multilevel.errors import DrainError, RegistryError
 from dcp_multilevel.ladder import retention
 from dcp_multilevel.levels import (
     LEVEL_KINDS,
@@ -36,6 +29,7 @@ from dcp_multilevel.levels import (
     driver_for,
     level_kind,
 )
+from dcp_multilevel.schedule import FixedInterval, SavePolicy
 
 # --------------------------------------------------------------------------- Level
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 from _gate import GatedPlanner
 
-from dcp_multilevel import CheckpointManager, ConfigError, FixedInterval, Level, StagingConfig
+from dcp_multilevel import CheckpointManager, ConfigError, Level, StagingConfig
+from dcp_multilevel.schedule import FixedInterval
 from dcp_multilevel.testing import run_ranks
 from dcp_multilevel.testing.levels import bit_equal
 

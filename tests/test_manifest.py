@@ -11,14 +11,8 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dcp_multilevel import (
-    CheckpointNotFoundError,
-    ConfigError,
-    ManifestError,
-    MultiLevelReader,
-    MultiLevelWriter,
-    UnsupportedFormatVersionError,
-)
+from dcp_multilevel import CheckpointNotFoundError, ConfigError, MultiLevelReader, MultiLevelWriter
+from dcp_multilevel.errors import ManifestError, UnsupportedFormatVersionError
 from dcp_multilevel.format import decode_manifest, encode_manifest
 from dcp_multilevel.format.manifest_digest import seal
 

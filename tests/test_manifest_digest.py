@@ -23,14 +23,13 @@ from dcp_multilevel import (
     CheckpointManager,
     CheckpointNotFoundError,
     Level,
-    ManifestDigestError,
-    ManifestError,
     MultiLevelReader,
     MultiLevelWriter,
 )
 from dcp_multilevel.checkpoint import StoredCheckpoint
 from dcp_multilevel.cli import main
 from dcp_multilevel.convert import convert
+from dcp_multilevel.errors import ManifestDigestError, ManifestError
 from dcp_multilevel.format import checksum_of, decode_manifest, seal_manifest
 from dcp_multilevel.levels import DrainJob, driver_for, run_drain
 

@@ -21,7 +21,9 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from dcp_multilevel import BalancedSavePlanner, CostModel, PlanningError
+from dcp_multilevel import BalancedSavePlanner
+from dcp_multilevel.errors import PlanningError
+from dcp_multilevel.planning import CostModel
 from dcp_multilevel.planning.fingerprint import CHUNK_WORDS, fingerprint
 
 

@@ -17,13 +17,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from dcp_multilevel import (
-    BalancedSavePlanner,
-    CostModel,
-    MultiLevelReader,
-    MultiLevelWriter,
-)
+from dcp_multilevel import BalancedSavePlanner, MultiLevelReader, MultiLevelWriter
 from dcp_multilevel.checkpoint import StoredCheckpoint
+from dcp_multilevel.planning import CostModel
 
 pytestmark = pytest.mark.multiprocess
 

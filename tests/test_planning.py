@@ -10,7 +10,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from dcp_multilevel import PlanningError
+from dcp_multilevel.errors import PlanningError
 from dcp_multilevel.planning import CostModel, Item, PartitionOptions, partition
 from dcp_multilevel.planning.split import choose_split_dim, slab_bytes
 

@@ -8,8 +8,9 @@ from importlib.metadata import entry_points
 import pytest
 from conftest import install_fake_distribution
 
-from dcp_multilevel import ConfigError, RegistryError
+from dcp_multilevel import ConfigError
 from dcp_multilevel._registry import Registry
+from dcp_multilevel.errors import RegistryError
 from dcp_multilevel.stores import STORES, store_for
 from dcp_multilevel.stores.local import LocalStore
 

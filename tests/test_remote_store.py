@@ -20,8 +20,8 @@ from conftest import install_fake_distribution
 from test_roundtrip import assert_state_equal, zeros_like_state
 from test_stores import StoreTests
 
-from dcp_multilevel import ConfigError, MultiLevelReader, MultiLevelWriter, RegistryError
-from dcp_multilevel.errors import DcpMultilevelError
+from dcp_multilevel import ConfigError, MultiLevelReader, MultiLevelWriter
+from dcp_multilevel.errors import DcpMultilevelError, RegistryError
 from dcp_multilevel.stores import STORES, Store, store_for
 from dcp_multilevel.stores import remote as remote_mod
 from dcp_multilevel.stores.remote import SPOOL_PREFIX, RemoteStore, RemoteStoreError

@@ -11,7 +11,8 @@ import torch.distributed.checkpoint as dcp
 from conftest import ALL_DTYPES, assert_bit_equal, random_tensor, rank_errors
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_multilevel import ConfigError, MultiLevelReader, MultiLevelWriter, UnsupportedStateError
+from dcp_multilevel import ConfigError, MultiLevelReader, MultiLevelWriter
+from dcp_multilevel.errors import UnsupportedStateError
 
 
 def zeros_like_state(state):

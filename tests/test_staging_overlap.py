@@ -22,14 +22,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from dcp_multilevel import (
-    ConfigError,
-    MultiLevelReader,
-    MultiLevelWriter,
-    SaveInFlightError,
-    StagingConfig,
-    StagingFenceError,
-)
+from dcp_multilevel import ConfigError, MultiLevelReader, MultiLevelWriter, StagingConfig
+from dcp_multilevel.errors import SaveInFlightError, StagingFenceError
 from dcp_multilevel.testing.levels import bit_equal
 
 

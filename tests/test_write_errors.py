@@ -13,7 +13,8 @@ import torch.distributed.checkpoint as dcp
 from _dist import run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_multilevel import CheckpointWriteError, DcpMultilevelError, Level, MultiLevelWriter
+from dcp_multilevel import DcpMultilevelError, Level, MultiLevelWriter
+from dcp_multilevel.errors import CheckpointWriteError
 
 #: What a rank's data file is called (``format/paths.py``): rank, file index, token.
 _DATA_FILE = re.compile(r"data/(\d+)-0\.[0-9a-f]{16}\.bin")

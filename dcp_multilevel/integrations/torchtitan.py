@@ -33,7 +33,7 @@ writes ``folder/step-N`` as step N of the levels, with plain ``dcp.save`` /
   is the ``keep`` of every level that sets none (0: all); torchtitan's own
   purge is off (its ``keep_latest_k`` attribute is 0);
 - the higher levels a step goes to are ``schedule.due(...)`` (default
-  :class:`~dcp_multilevel.FixedInterval`: a level's ``every`` counts steps, as
+  :class:`~dcp_multilevel.schedule.FixedInterval`: a level's ``every`` counts steps, as
   ``interval`` does); the last full step (``last_save_model_only=False``) and
   the seed (step 0) go to every level;
 - a model-only last step (torchtitan's default) is an export, not a step to
@@ -158,7 +158,7 @@ class MultiLevelCheckpointManager(CheckpointManager):
 
         schedule: SavePolicy | None = None
         """Which higher levels take each step (a deterministic
-        ``dcp_multilevel.SavePolicy``); None: ``FixedInterval()``, each level's
+        ``dcp_multilevel.schedule.SavePolicy``); None: ``FixedInterval()``, each level's
         ``every`` in steps. The last full step and the seed go to every level."""
 
         drain_policy: Literal["latest", "skip", "wait"] = "latest"

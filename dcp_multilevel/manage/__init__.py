@@ -7,3 +7,7 @@
 - ``cadence.py``: when :meth:`~dcp_multilevel.CheckpointManager.step` saves.
 - ``metrics.py``: save and drain records, and where they go.
 """
+
+from .manager import CheckpointManager, SaveMetrics
+
+__all__ = ["CheckpointManager", "SaveMetrics"]
