@@ -7,13 +7,13 @@ simulated node is a directory (``DCP_ML_NODE``, ``{node}`` in the level paths).
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _logs import Warnings
 
 import dcp_multilevel
 from dcp_multilevel import (
@@ -108,7 +108,7 @@ def _diverging_job(rank: int, world: int, levels: list, via: str) -> tuple:
     clean = bit_equal(state, _on_rank(_state(step), rank, sharded))
     # Asked for by its number, a quarantined step loads (with a warning).
     poisoned = _on_rank(_blank(), rank, sharded)
-    with _Warnings() as warned:
+    with Warnings() as warned:
         if via == "manager":
             mgr = CheckpointManager(levels)
             mgr.load(poisoned, 6)
@@ -117,24 +117,6 @@ def _diverging_job(rank: int, world: int, levels: list, via: str) -> tuple:
             dcp.load(poisoned, storage_reader=MultiLevelReader("step-6", levels=levels))
     loaded = bit_equal(poisoned, _on_rank(_state(6, poisoned=True), rank, sharded))
     return step, clean, loaded, warned.messages
-
-
-class _Warnings(logging.Handler):
-    """The warnings the package logs while the ``with`` block runs."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    def __enter__(self) -> _Warnings:
-        logging.getLogger("dcp_multilevel").addHandler(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        logging.getLogger("dcp_multilevel").removeHandler(self)
 
 
 @pytest.mark.multiprocess

@@ -10,7 +10,6 @@ deleting its directory. The newest step is saved on the first level only
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import subprocess
@@ -20,6 +19,7 @@ import textwrap
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _logs import Warnings
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_multilevel
@@ -77,19 +77,9 @@ def _first_run(rank: int, world: int, root: str) -> None:
     _save(_state(LOST, rank), LOST, levels, "sync", due=[])  # the first level only
 
 
-class _Kept(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _resumed_run(rank: int, world: int, root: str, mode: str) -> dict:
     os.environ["DCP_ML_NODE"] = str(rank)
-    kept = _Kept()
-    logging.getLogger("dcp_multilevel").addHandler(kept)
+    kept = Warnings().attach()
     levels = _levels(root)
     assert dcp_multilevel.newest_step(levels) == LOST  # node 0 still lists it
     state = _blank()

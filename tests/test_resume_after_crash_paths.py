@@ -25,7 +25,6 @@ saves on as well (the last test).
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import warnings
@@ -33,6 +32,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _logs import Warnings
 from _required import require
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -64,24 +64,11 @@ def _steps(path) -> list[int]:
     )
 
 
-class _Kept(logging.Handler):
-    """The warnings of ``dcp_multilevel``'s loggers, kept."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+def _kept() -> Warnings:
+    return Warnings().attach()
 
 
-def _kept() -> _Kept:
-    kept = _Kept()
-    logging.getLogger("dcp_multilevel").addHandler(kept)
-    return kept
-
-
-def _replacing(kept: _Kept) -> list[str]:
+def _replacing(kept: Warnings) -> list[str]:
     return [m for m in kept.messages if m.startswith("dcp_multilevel: replacing")]
 
 
