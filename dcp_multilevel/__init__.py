@@ -54,3 +54,51 @@ __all__ = [
     "newest_step",
     "wait",
 ]
+
+#: Names the root exported in 0.1.0 that now live where they belong: still found
+#: here, with a DeprecationWarning naming the new place, until the next major release.
+_MOVED = {
+    **{
+        name: "dcp_multilevel.errors"
+        for name in (
+            "AsyncSaveError",
+            "BrokenChainError",
+            "ChecksumMismatchError",
+            "ConvertError",
+            "ManifestDigestError",
+            "ManifestError",
+            "NotStockCheckpointError",
+            "PlanningError",
+            "RegistryError",
+            "RemoteStoreError",
+            "SaveInFlightError",
+            "StagingFenceError",
+            "TruncatedDataError",
+            "UnsafeObjectError",
+            "UnsupportedFormatVersionError",
+            "UnsupportedStateError",
+        )
+    },
+    "CostModel": "dcp_multilevel.planning",
+    "DrainResult": "dcp_multilevel.levels",
+    "FixedInterval": "dcp_multilevel.schedule",
+    "SaveMetrics": "dcp_multilevel.manage",
+    "SavePolicy": "dcp_multilevel.schedule",
+}
+
+
+def __getattr__(name: str) -> object:
+    """A name 0.1.0 exported here: from its new module, with a DeprecationWarning."""
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dcp_multilevel' has no attribute {name!r}")
+    import importlib  # noqa: PLC0415 - only for a moved name
+    import warnings  # noqa: PLC0415
+
+    warnings.warn(
+        f"dcp_multilevel.{name} moved to {module}.{name}; import it from there "
+        "(the old name goes in the next major release)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(module), name)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import dcp_multilevel
 
 PACKAGE = Path(dcp_multilevel.__file__).parent
@@ -129,3 +131,20 @@ def test_no_code_is_folded_past_the_formatter():
         if line.rstrip().endswith(("# fmt: skip", "# fmt: off"))
     ]
     assert folded == []
+
+
+@pytest.mark.parametrize(
+    ("name", "module"),
+    [("ManifestError", "dcp_multilevel.errors"), ("SavePolicy", "dcp_multilevel.schedule")],
+)
+def test_a_name_0_1_0_exported_at_the_root_still_imports_with_a_warning(name, module):
+    with pytest.warns(DeprecationWarning) as caught:
+        moved = getattr(dcp_multilevel, name)
+    assert moved is getattr(importlib.import_module(module), name)
+    assert str(caught[0].message) == (
+        f"dcp_multilevel.{name} moved to {module}.{name}; import it from there (the old name "
+        "goes in the next major release)"
+    )
+    assert name not in dcp_multilevel.__all__
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        dcp_multilevel.Nope  # noqa: B018
