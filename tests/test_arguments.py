@@ -31,8 +31,8 @@ from dcp_multilevel.errors import ConfigError
         ),
         (
             lambda: MultiLevelWriter("step-1", levels="/nvme/run1"),
-            "MultiLevelWriter(levels=...) takes a list of dcp_multilevel.Level(...), got "
-            "'/nvme/run1' (str)",
+            "MultiLevelWriter(levels=...) needs a non-empty list of dcp_multilevel.Level(...) "
+            "objects, got '/nvme/run1'",
         ),
         (
             lambda: MultiLevelReader(b"ckpt"),
@@ -41,8 +41,8 @@ from dcp_multilevel.errors import ConfigError
         ),
         (
             lambda: MultiLevelReader("latest", levels="/nvme/run1"),
-            "MultiLevelReader(levels=...) takes a list of dcp_multilevel.Level(...), got "
-            "'/nvme/run1' (str)",
+            "MultiLevelReader(levels=...) needs a non-empty list of dcp_multilevel.Level(...) "
+            "objects, got '/nvme/run1'",
         ),
         (
             lambda: MultiLevelReader("ckpt", allow_quarantined="no"),

@@ -55,13 +55,13 @@ import torch.distributed as dist
 
 from .. import _dist
 from ..errors import CheckpointNotFoundError, ConfigError, DcpMultilevelError, ManifestError
-from ..format import Manifest
 from ..ladder import Ladder, ladder_for
 from ..ladder.naming import describe
 from ..levels import Topology
 from ..levels.options import Level
 from ..plugin import MultiLevelReader, MultiLevelWriter
 from ..restore.agreement import Views, gather_views
+from ..restore.loader import every_file
 
 __all__ = ["MARKER_NAME", "LevelRoutes", "PartLevels", "Routes", "StepMarker"]
 
@@ -392,7 +392,7 @@ def _restorable_step(
         if older and not allow_quarantined and _quarantined_anywhere(candidate, ladders):
             continue
         # Part by part, stopping at the first that cannot: every rank stops at the same.
-        if all(ladders[p].loader.plan(candidate, views[p], _every_file).ok for p in ladders):
+        if all(ladders[p].loader.plan(candidate, views[p], every_file).ok for p in ladders):
             if unrestorable:
                 logger.warning(
                     "dcp_multilevel: loading step %d of the levels, the newest every "
@@ -412,12 +412,6 @@ def _restorable_step(
         "level holds the node's files?). Restore the nodes' disks, or start fresh.",
         checkpoint=folder,
     )
-
-
-def _every_file(manifest: Manifest) -> None:
-    """What a step must offer every rank (the parts' load plans are not known yet): every
-    file (None)."""
-    return None
 
 
 def _quarantined_anywhere(step: int, ladders: Mapping[str, Ladder]) -> bool:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _dist
@@ -135,9 +135,14 @@ class Drains:
             skip = i in decision.skip
             ref = None if skip else self.chains.reference(i)
             job = self._job(
-                i, step, self._drain_id(i, step), committed_unix, decision.before.get(i, ()), ref
+                i,
+                step,
+                self._drain_id(i, step),
+                committed_unix,
+                decision.before.get(i, ()),
+                ref,
+                supersedes,
             )
-            job = replace(job, supersedes=supersedes)
             url = self.levels[i].url
             queued = self.drainer.busy(self.drivers[i])
             if self.drainer.submit(job, skip=skip) is None:
@@ -178,6 +183,7 @@ class Drains:
         committed: float,
         first: Sequence[int] = (),
         reference: int | None = None,
+        supersedes: bool = False,
     ) -> DrainJob:
         """The drain of first-level ``step`` to level ``index``, after drains of the
         first-level steps ``first`` (see :meth:`_missing_references`)."""
@@ -187,7 +193,14 @@ class Drains:
             for s in first
         )
         return DrainJob(
-            step, source.checkpoint(step), target, drain_id, committed, reference, before
+            step,
+            source.checkpoint(step),
+            target,
+            drain_id,
+            committed,
+            reference,
+            before,
+            supersedes=supersedes,
         )
 
     def _ended(self, result: DrainResult) -> None:

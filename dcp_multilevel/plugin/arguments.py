@@ -9,7 +9,7 @@ deep inside a later call (``MultiLevelWriter(5)`` would otherwise fail in
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigError
@@ -21,7 +21,6 @@ KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "path": ((str, os.PathLike), "a path or URL (str or os.PathLike)"),
     "bool": ((bool,), "True or False"),
     "options": ((Mapping,), "a dict of options"),
-    "levels": ((Sequence,), "a list of dcp_multilevel.Level(...)"),
 }
 
 
@@ -33,11 +32,6 @@ def check_arguments(who: str, **arguments: tuple[Any, str]) -> None:
     """
     for name, (value, kind) in arguments.items():
         types, what = KINDS[kind]
-        if value is None or (isinstance(value, types) and not _text_as_levels(value, kind)):
+        if value is None or isinstance(value, types):
             continue
         raise ConfigError(f"{who}({name}=...) takes {what}, got {value!r} ({type(value).__name__})")
-
-
-def _text_as_levels(value: Any, kind: str) -> bool:
-    """A string is a sequence too, but never a list of levels."""
-    return kind == "levels" and isinstance(value, (str, bytes))

@@ -129,7 +129,6 @@ class MultiLevelReader(StorageReader):
         check_arguments(
             "MultiLevelReader",
             path=(path, "path"),
-            levels=(levels, "levels"),
             allow_quarantined=(allow_quarantined, "bool"),
             storage_options=(storage_options, "options"),
         )

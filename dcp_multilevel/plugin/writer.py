@@ -160,7 +160,6 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         check_arguments(
             "MultiLevelWriter",
             path=(path, "path"),
-            levels=(levels, "levels"),
             overwrite=(overwrite, "bool"),
             sync_files=(sync_files, "bool"),
             stock_hint=(stock_hint, "bool"),

@@ -46,7 +46,7 @@ from .execute import RestoreReport, parts_copy
 from .inventory import whole_files_of
 from .transfers import Transfers
 
-__all__ = ["Loader", "Needs"]
+__all__ = ["Loader", "Needs", "every_file"]
 
 #: What a rank reads of a step, given its manifest: per data file, byte ranges (None: all).
 Needs = Callable[[Manifest], dict[str, list[list[int]]] | None]
@@ -112,7 +112,7 @@ class Loader:
         passed: list[int] = []
         unrestorable: list[int] = []
         for candidate in reversed(candidates):
-            plan = self.plan(candidate, views, reads or _every_file)
+            plan = self.plan(candidate, views, reads or every_file)
             newest = newest or plan
             if not plan.ok:
                 unrestorable.append(candidate)
@@ -174,7 +174,7 @@ class Loader:
                 "step or load the latest.",
                 checkpoint=first.checkpoint_url(step),
             )
-        plan = self.plan(step, views, reads or _every_file)
+        plan = self.plan(step, views, reads or every_file)
         if not plan.ok:
             raise CheckpointNotFoundError(
                 f"step {step} is committed on {first.url}, but not every rank can reach "
@@ -413,7 +413,7 @@ def _warn_if_quarantined(plan: Restore, how: str) -> None:
         )
 
 
-def _every_file(manifest: Manifest) -> None:
+def every_file(manifest: Manifest) -> None:
     """What a step must offer every rank to be loadable whatever each one reads (its
     load plan is not known yet when the step is chosen): every file (None)."""
     return None
