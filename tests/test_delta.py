@@ -171,7 +171,7 @@ def test_writer_and_drain_code_the_same_items_as_deltas(tmp_path) -> None:
     # One rule (checkpoint/reference.py delta_base): a tensor reshaped to the same
     # number of bytes is stored whole by the writer and by a drain alike; only
     # chunks of the same dtype, place and shape are coded against the reference.
-    from dcp_multilevel.levels.transfer import DeltaTarget
+    from dcp_multilevel.checkpoint.copy import DeltaTarget
 
     a = first_state()
     save(tmp_path / "step-0", a)

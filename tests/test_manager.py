@@ -451,10 +451,10 @@ def test_drain_copies_files_verbatim_when_the_codecs_agree(
 
 def test_a_recoding_drain_writes_outputs_that_grow_from_small_to_the_cap(tmp_path, monkeypatch):
     # Small first outputs start the uploads early; later ones grow to the cap.
-    from dcp_multilevel.levels import transfer
+    from dcp_multilevel.checkpoint import copy
 
-    monkeypatch.setattr(transfer, "PART_FIRST", 32 << 10)
-    monkeypatch.setattr(transfer, "PART_BYTES", 128 << 10)
+    monkeypatch.setattr(copy, "PART_FIRST", 32 << 10)
+    monkeypatch.setattr(copy, "PART_BYTES", 128 << 10)
     g = torch.Generator().manual_seed(3)
     sd = {f"t{i:02d}": torch.randn(64, 64, generator=g) for i in range(40)}  # 16 KiB each
     levels = [Level(str(tmp_path / "l1")), Level(memory_url(), codec="bytegroup")]

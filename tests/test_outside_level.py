@@ -38,7 +38,8 @@ MIRROR3 = textwrap.dedent(
     """mirror3: each rank's files on its node and the next two nodes (a plugin module)."""
 
     from dcp_multilevel.errors import ConfigError, DrainError
-    from dcp_multilevel.levels.node_local import NodeLocalLevel, rank_files
+    from dcp_multilevel.format import rank_files
+    from dcp_multilevel.levels.node_local import NodeLocalLevel
     from dcp_multilevel.levels.wire import recv_file, send_file
 
 
@@ -61,7 +62,7 @@ MIRROR3 = textwrap.dedent(
             sent = received = 0
             for src in range(self.topology.world_size):
                 for dst in self.topology.partners(src, self.copies, 1):
-                    for file in rank_files(manifest, src):
+                    for file in rank_files(manifest.files, src):
                         size = manifest.files[file]
                         if src == link.rank:
                             if not send_file(job.source, file, dst, self.group):

@@ -18,7 +18,7 @@
   save codes against, as the writer checks, reads and records it.
 - ``verify.py``: :func:`verify_checkpoint`: every item of a checkpoint read
   back verified and decoded, every bad one reported (the CLI's ``verify``).
-- ``chain.py``: reading one checkpoint from a chain of copies (the reader's
+- ``fallback.py``: reading one checkpoint from a chain of copies (the reader's
   record of which copy failed for which item, and the errors it raises).
 
 Nothing here knows about levels, drains or torch.distributed.

@@ -30,8 +30,7 @@ from typing import Any
 
 from ..checkpoint import CheckpointRoot, StoredCheckpoint
 from ..errors import CheckpointNotFoundError, DcpMultilevelError
-from ..format import MANIFEST_NAME, Manifest, rank_of_file
-from ..levels.node_local import PLACEMENT_NAME
+from ..format import MANIFEST_NAME, PLACEMENT_NAME, Manifest, rank_of_file
 from ..levels.topology import NODE_FIELD, expand_node
 from ..stores import parse_location, store_for
 

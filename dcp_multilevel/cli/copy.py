@@ -3,7 +3,7 @@
 The copy keeps the source's file names, offsets and manifest bytes, so it
 is the same checkpoint (same ``save_id``, same checksums), bit for bit:
 
-1. each data file is copied as it is (``levels/transfer.py``'s verbatim
+1. each data file is copied as it is (``checkpoint/copy.py``'s verbatim
    copy), every item verified against the source's checksums on the way;
 2. a data file already at DEST is kept when it has the recorded size and
    every item in it checks out (a re-run after an interruption resumes
@@ -28,9 +28,9 @@ from typing import Any
 import click
 
 from ..checkpoint import StoredCheckpoint, verify_file
+from ..checkpoint.copy import copy_file_verbatim
 from ..errors import BrokenChainError, CheckpointExistsError, ConfigError, DcpMultilevelError
 from ..format import checkpoint_url, parse_step_dir
-from ..levels.verbatim import copy_file_verbatim
 from ..stores import store_for
 from ._common import (
     emit_json,

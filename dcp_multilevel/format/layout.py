@@ -19,15 +19,18 @@ disk describes exactly the data files it names.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 __all__ = [
     "DATA_DIR",
     "MANIFEST_NAME",
+    "PLACEMENT_NAME",
     "TMP_MARKER",
     "checkpoint_url",
     "data_file_path",
     "is_rank_file",
     "parse_step_dir",
+    "rank_files",
     "rank_of_file",
     "step_dir",
 ]
@@ -36,6 +39,9 @@ __all__ = [
 MANIFEST_NAME = "manifest.json"
 #: The directory of data files inside a checkpoint.
 DATA_DIR = "data"
+#: Which node each rank of a save was on, beside a node level's part (names lost
+#: nodes in restore errors).
+PLACEMENT_NAME = "placement.json"
 #: Marks a local file still being written (published by renaming it away).
 TMP_MARKER = ".tmp-"
 
@@ -73,3 +79,8 @@ def rank_of_file(path: str) -> int | None:
     """The rank that wrote the data file ``path`` (as :func:`data_file_path` names it), or None."""
     m = _RANK_FILE.match(path)
     return int(m.group(1)) if m else None
+
+
+def rank_files(files: Iterable[str], rank: int) -> list[str]:
+    """The data files among ``files`` (a manifest's) that ``rank`` wrote, sorted."""
+    return sorted(f for f in files if is_rank_file(f, rank))

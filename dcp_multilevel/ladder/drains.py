@@ -29,9 +29,8 @@ from typing import Any
 from .. import _dist
 from ..checkpoint import decoded_manifest
 from ..errors import DcpMultilevelError
-from ..format import is_rank_file
+from ..format import is_rank_file, rank_files
 from ..levels import Drainer, DrainJob, DrainResult, LevelDriver, Topology
-from ..levels.node_local import rank_files
 from ..levels.options import Level
 from .chains import DeltaChains
 from .holdings import Holdings
@@ -316,7 +315,7 @@ class Drains:
             manifest = decoded_manifest(restored[step].manifest, first.url)
             if manifest.world_size != _dist.world_size():
                 return  # the copies follow the saving job's placement (node_local.py)
-            own = own and set(rank_files(manifest, _dist.rank())) <= first.data_files()
+            own = own and set(rank_files(manifest.files, _dist.rank())) <= first.data_files()
         if not all(_dist.all_gather_object(own)):
             logger.warning(
                 "dcp_multilevel: step %d is not on every node of %s, and some rank's "

@@ -4,8 +4,7 @@
   :class:`DrainJob`, :class:`DrainResult`.
 - ``store.py``: :class:`StoreLevel`: each rank copies its own files to a URL.
 - ``drainer.py``: runs drains in the background (one worker per level, the
-  skip/wait policy); ``link.py``: how a drain's ranks agree (c10d store);
-  ``transfer.py``: a rank's file copy, verbatim or re-encoded.
+  skip/wait policy); ``link.py``: how a drain's ranks agree (c10d store).
 
 A level whose ``url`` is a path or store URL is a store level. A level
 ``Level("<kind>:...")`` uses the driver registered under ``<kind>`` in the

@@ -48,7 +48,7 @@ from typing import Any
 
 from ..checkpoint import StoredCheckpoint
 from ..errors import ConfigError, DrainError
-from ..format import Manifest, checksum_of
+from ..format import Manifest, checksum_of, rank_files
 from .base import DrainJob
 from .erasure_blocks import (
     PARITY_DIR,
@@ -61,7 +61,7 @@ from .erasure_blocks import (
 from .erasure_code import CHUNK, ErasureCode, stripe_length
 from .erasure_rebuild import ErasureRebuilder
 from .link import DrainLink
-from .node_local import NodeLocalLevel, rank_files
+from .node_local import NodeLocalLevel
 from .options import Level
 from .topology import Topology
 from .wire import OutStream, receive, recv_file, status
@@ -126,7 +126,7 @@ class ErasureLevel(NodeLocalLevel):
         ):
             described = []
             for node in members:
-                files = [f for r in topology.ranks_on(node) for f in rank_files(manifest, r)]
+                files = [f for r in topology.ranks_on(node) for f in rank_files(manifest.files, r)]
                 described.append({"node": node, "files": [[f, manifest.files[f]] for f in files]})
             sizes = [sum(size for _, size in m["files"]) for m in described]
             out.append(

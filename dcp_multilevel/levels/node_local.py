@@ -52,7 +52,7 @@ from .. import _dist
 from .._phases import reached
 from ..checkpoint import CheckpointRoot, StoredCheckpoint
 from ..errors import ConfigError, DrainError
-from ..format import TMP_MARKER, Manifest, is_rank_file
+from ..format import PLACEMENT_NAME, TMP_MARKER, Manifest, rank_files
 from ..stores import Store
 from ..stores.location import parse_location
 from .base import DrainJob, DrainResult, LevelContext, LevelDriver
@@ -60,17 +60,9 @@ from .link import DrainLink
 from .options import Level
 from .topology import NODE_ENV, Topology
 
-__all__ = ["PLACEMENT_NAME", "NodeLocalLevel", "link_or_copy", "rank_files"]
+__all__ = ["NodeLocalLevel", "link_or_copy"]
 
 logger = logging.getLogger(__name__)
-
-#: Which node each rank of the save was on (names lost nodes in restore errors).
-PLACEMENT_NAME = "placement.json"
-
-
-def rank_files(manifest: Manifest, rank: int) -> list[str]:
-    """The data files ``rank`` wrote, sorted."""
-    return sorted(f for f in manifest.files if is_rank_file(f, rank))
 
 
 class NodeLocalLevel(LevelDriver):
@@ -244,7 +236,7 @@ class NodeLocalLevel(LevelDriver):
     ) -> int:
         """Link (or copy) this rank's own files into this node's part; their bytes."""
         total = 0
-        for file in rank_files(manifest, rank):
+        for file in rank_files(manifest.files, rank):
             total += manifest.files[file]
             link_or_copy(source.store, target.store, file)
         return total

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from ..checkpoint import StoredCheckpoint
 from ..errors import ConfigError, DrainError
-from ..format import Manifest
+from ..format import Manifest, rank_files
 from .base import DrainJob
 from .link import DrainLink
-from .node_local import NodeLocalLevel, rank_files
+from .node_local import NodeLocalLevel
 from .options import Level
 from .topology import Topology
 from .wire import recv_file, send_file
@@ -59,7 +59,7 @@ class PartnerLevel(NodeLocalLevel):
             (src, dst, file)
             for src in range(self.topology.world_size)
             for dst in self.topology.partners(src, self.replicas, self.jump)
-            for file in rank_files(manifest, src)
+            for file in rank_files(manifest.files, src)
         ]
 
     def exchange(

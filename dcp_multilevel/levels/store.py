@@ -2,7 +2,7 @@
 
 Who sends which bytes where: every rank reads the data files it wrote on
 the first level (from its own node's view) and writes them to this level's
-store (``transfer.py``: verbatim when the codecs agree, re-encoded
+store (``checkpoint/copy.py``: verbatim when the codecs agree, re-encoded
 otherwise, every item verified on the way). Rank 0 then gathers every
 rank's new item locations and writes this level's manifest last (the
 commit). On a level with deltas (``Level.keyframe_every``), a drain given a
@@ -32,13 +32,13 @@ from typing import Any
 from .. import _dist
 from .._phases import reached
 from ..checkpoint import StoredCheckpoint
+from ..checkpoint.copy import DeltaTarget, copy_rank_files
 from ..checkpoint.stored import sibling_location
 from ..codecs import Compression
 from ..errors import DcpMultilevelError, DrainError
 from ..format import Manifest, Reference, locations_from_json, locations_to_json, step_dir
 from .base import DrainJob, DrainResult, LevelDriver
 from .link import DrainLink
-from .transfer import DeltaTarget, copy_rank_files
 
 __all__ = ["StoreLevel"]
 

@@ -16,8 +16,8 @@ from contextlib import ExitStack, closing
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from ..checkpoint import StoredCheckpoint
-from ..checkpoint.chain import Failure
 from ..checkpoint.destinations import Bounce, destination
+from ..checkpoint.fallback import Failure
 from ..checkpoint.reference_files import ReferenceFiles
 from ..checkpoint.streams import StreamMarks
 from ..errors import CorruptCheckpointError, ManifestError

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..checkpoint import StoredCheckpoint, new_save_id
-from ..checkpoint.chain import Failure, Trail, item_name, unusable_copy
+from ..checkpoint.fallback import Failure, Trail, item_name, unusable_copy
 from ..checkpoint.pinned import release_pinned
 from ..checkpoint.streams import StreamMarks
 from ..errors import ConfigError, DcpMultilevelError, ManifestError

@@ -29,9 +29,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import _dist
 from ..checkpoint import StoredCheckpoint
-from ..format import Manifest
+from ..format import PLACEMENT_NAME, Manifest
 from ..levels.base import LevelDriver
-from ..levels.node_local import PLACEMENT_NAME
 from . import plan as restore_plan
 from .execute import parts_copy
 from .plan import (

@@ -39,8 +39,7 @@ from typing import Any
 from .. import _dist
 from ..checkpoint import decoded_manifest
 from ..errors import CheckpointNotFoundError, DcpMultilevelError
-from ..format import Manifest
-from ..levels.node_local import rank_files
+from ..format import Manifest, rank_files
 from .agreement import Restore, Views, restorable
 from .execute import RestoreReport, parts_copy
 from .inventory import whole_files_of
@@ -189,7 +188,7 @@ class Loader:
     def _own_files(manifest: Manifest) -> dict[str, list[list[int]]]:
         """What a rank surely reads of a step saved by as many ranks: the files its own
         rank wrote, whole."""
-        return {f: [[0, manifest.files[f]]] for f in rank_files(manifest, _dist.rank())}
+        return {f: [[0, manifest.files[f]]] for f in rank_files(manifest.files, _dist.rank())}
 
     def _bring_first(self, plan: Restore, views: Views, reads: Needs | None) -> Restore:
         """``plan`` says the step can be had (what ``reads`` says each rank reads, else
