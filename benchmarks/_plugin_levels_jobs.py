@@ -84,21 +84,21 @@ def level_name(url: str) -> str:
     return "remote" if url.endswith("/remote") else url
 
 
-def ladder_of(levels: list) -> Any:
-    """The process's ladder for ``levels`` (made by the first writer or manager)."""
-    from dcp_multilevel.ladder import ladders
+def runtime_of(levels: list) -> Any:
+    """The process's runtime for ``levels`` (made by the first writer or manager)."""
+    from dcp_multilevel.levels.runtime import runtimes
 
-    found = [ladder for ladder in ladders() if ladder.given == levels]
+    found = [runtime for runtime in runtimes() if runtime.given == levels]
     return found[-1] if found else None
 
 
 def busy_levels(levels: list) -> list[str]:
-    """The higher levels a drain still runs or waits on (``Ladder.costs``)."""
-    ladder = ladder_of(levels)
-    if ladder is None:
+    """The higher levels a drain still runs or waits on (``Runtime.costs``)."""
+    runtime = runtime_of(levels)
+    if runtime is None:
         return []
-    _, busy = ladder.costs()
-    return sorted(level_name(ladder.given[i].url) for i in busy)
+    _, busy = runtime.costs()
+    return sorted(level_name(runtime.given[i].url) for i in busy)
 
 
 # --------------------------------------------------------------------------- blocked time
@@ -138,8 +138,8 @@ def run_config(rank: int, config: str, rep: int, state: dict, args: dict) -> dic
         if config == "stock" and rank == 0 and step > KEEP:  # keep 2, untimed
             remove_tree(base / f"step-{step - KEEP}")
         if stop is None and config in ("three-levels", "manager"):
-            ladder = ladder_of(levels)  # made by the first save
-            stop = ladder.listen(
+            runtime = runtime_of(levels)  # made by the first save
+            stop = runtime.listen(
                 lambda r: drains.append(
                     {
                         "step": r.step,
@@ -218,18 +218,18 @@ def _size(fn: Any) -> int | None:
         return None
 
 
-def book_sizes(ladder: Any) -> dict[str, int | None]:
-    """The entries of the ladder's books (None where one is not found): what it knows
+def book_sizes(runtime: Any) -> dict[str, int | None]:
+    """The entries of the runtime's books (None where one is not found): what it knows
     each level holds, the decisions and delta histories it keeps per step, the saves
     not yet followed up, the drains waiting, the outcomes it keeps; and the keys in
-    the process group's c10d store (the ladder writes some per save)."""
+    the process group's c10d store (the runtime writes some per save)."""
     import torch.distributed as dist
 
-    from dcp_multilevel.ladder import ladders
+    from dcp_multilevel.levels.runtime import runtimes
 
-    h, chains, drainer = ladder.holdings, ladder.chains, ladder.drains.drainer
+    h, chains, lanes = runtime.books, runtime.deltas, runtime.dispatcher.lanes
     return {
-        "ladders": _size(lambda: len(ladders())),
+        "runtimes": _size(lambda: len(runtimes())),
         "holdings.known": _size(lambda: sum(map(len, h._known.values()))),
         "holdings.dropped": _size(lambda: sum(map(len, h._dropped.values()))),
         "holdings.decided": _size(lambda: len(h._decided)),
@@ -240,14 +240,14 @@ def book_sizes(ladder: Any) -> dict[str, int | None]:
                 + sum(map(len, chains._read.values()))
             )
         ),
-        "commits.pending": _size(lambda: len(ladder.commits.pending())),
+        "commits.pending": _size(lambda: len(runtime.follower.pending())),
         "drains.waiting": _size(
             lambda: sum(
-                len(lane.waiting) + (lane.running is not None) for lane in drainer._lanes.values()
+                len(lane.waiting) + (lane.running is not None) for lane in lanes._lanes.values()
             )
         ),
-        "drains.results": _size(lambda: len(drainer.results)),
-        "drains.unreported": _size(lambda: len(drainer._unreported)),
+        "drains.results": _size(lambda: len(lanes.results)),
+        "drains.unreported": _size(lambda: len(lanes._unreported)),
         "c10d store keys": _size(lambda: dist.distributed_c10d._get_default_store().num_keys()),
     }
 
@@ -280,7 +280,7 @@ def memory_main(rank: int, world: int, args: dict) -> list[dict[str, Any]]:
                     "save": step,
                     "traced": tracemalloc.get_traced_memory()[0],
                     "rss": rss_bytes(),
-                    "books": book_sizes(ladder_of(levels)),
+                    "books": book_sizes(runtime_of(levels)),
                     "seconds": time.perf_counter() - t0,
                 }
             )

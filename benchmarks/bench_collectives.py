@@ -47,8 +47,9 @@ from types import SimpleNamespace
 from _cli import parser
 from _report import REPO, markdown_table, print_header
 from dcp_multilevel import _dist
-from dcp_multilevel.restore.agreement import Views, _manifest_sources
-from dcp_multilevel.restore.inventory import (
+from dcp_multilevel.levels.restore import Views, _manifest_sources
+from dcp_multilevel.levels.restore_actions import Inventory
+from dcp_multilevel.levels.restore_inventory import (
     _inventory,
     expand_records,
     join_records,
@@ -57,7 +58,7 @@ from dcp_multilevel.restore.inventory import (
     placement_senders,
     simulate_exchange,
 )
-from dcp_multilevel.restore.plan import Inventory, merge_node_needs
+from dcp_multilevel.levels.restore_plan import merge_node_needs
 
 TOKEN = "5f0c2a9e41d7b386"  # a save's token, as in every data file's name
 CHUNK = 4 << 20  # the erasure level's chunk (one parity checksum each)

@@ -30,7 +30,7 @@ round (``--repeat`` rounds, order rotated):
   levels=[first]))``, a new writer every save (as training stacks build them),
   its construction (collective) included in the time;
 * ``three-levels``: the same with ``levels=[first, partner, remote]``: the save
-  returns once the first level committed; the ladder drains it to the other
+  returns once the first level committed; the runtime drains it to the other
   two in the background;
 * ``manager``: ``CheckpointManager([first, partner, remote]).save(state, step=n)``
   (one manager per round), the same drains through the manager;
@@ -43,12 +43,12 @@ round (``--repeat`` rounds, order rotated):
   last two after each save, untimed (ours: retention, timed).
 
 The first save of each configuration and round is not counted (it binds the
-ladder of fresh levels: process groups, first use of the directories; DCP's plan
+runtime of fresh levels: process groups, first use of the directories; DCP's plan
 cache); its median is shown apart. Goal: ``three-levels`` blocks at most 1.1x
 ``first-level`` (ratio of the medians over every counted save of every round).
 
 **2. wait().** Right after the last save of a round (its drains just started),
-the time ``dcp_multilevel.wait()`` takes (``three-levels``; every ladder of the
+the time ``dcp_multilevel.wait()`` takes (``three-levels``; every runtime of the
 process: the earlier rounds' are idle) against ``CheckpointManager.wait()``
 after the same saves through the manager (``manager``): slowest rank, one sample
 per round. Goal: the plugin's no more than the manager's (median ratio; within
@@ -60,10 +60,10 @@ a new writer each, back to back (the ``latest`` drain policy supersedes drains
 that a newer save overtook). After saves 10, 50 and 100 (half of
 ``--mem-saves``, and the last): ``dcp_multilevel.wait()``, ``gc.collect()``, and
 each rank's Python-level memory (``tracemalloc``, started before the first
-save), its RSS, and the entries of the ladder's books (what it knows each level
+save), its RSS, and the entries of the runtime's books (what it knows each level
 holds, per-step decisions, delta histories, saves not followed up, drains
 waiting, the drain outcomes it keeps: the newest 64) and the keys of the
-process group's c10d store (the ladder writes a few per save there: the store
+process group's c10d store (the runtime writes a few per save there: the store
 lives in the process that serves it, torchrun's agent or rank 0). Goal: memory
 flat: the books the same size after save 50 and 100, and Python-level memory
 growing by less than 1 KiB per save between them (one ticket, drain outcome or
@@ -103,7 +103,7 @@ from _report import (
     print_header,
     times,
 )
-from dcp_multilevel.levels.drainer import RESULTS_KEPT
+from dcp_multilevel.levels.lanes import RESULTS_KEPT
 from dcp_multilevel.testing.ranks import run_ranks
 
 WORLD = 2  # ranks, one per simulated node

@@ -12,7 +12,7 @@ inventories every rank would send, for ``NODES x RANKS`` (one file per rank,
 - ``lost``: the nodes replaced by empty ones: one, or 1 % of them.
 
 Planners, alternating in one run: ``ring`` (today's: files every node of
-many needs travel around a ring, ``restore/ring.py``) and ``copies`` (the
+many needs travel around a ring, ``levels/restore_ring.py``) and ``copies`` (the
 point-to-point planner the rings replaced, ``ring_nodes`` above the node count;
 kept as the reference, run up to ``--copies-max-nodes``). Per row: planning
 seconds (median of ``--repeat``, spread), actions listed, and up to
@@ -33,16 +33,9 @@ import time
 from _cli import add_json, parser
 from _measure import median, spread
 from _report import command, fmt, markdown_table
-from dcp_multilevel.levels.erasure import group_layout
-from dcp_multilevel.levels.erasure_rebuild import ErasureRebuilder
-from dcp_multilevel.restore.plan import (
-    Copy,
-    Inventory,
-    Rebuild,
-    expand_rings,
-    plan_restore,
-    simulated_time,
-)
+from dcp_multilevel.levels.erasure import ErasureRebuilder, group_layout
+from dcp_multilevel.levels.restore_actions import Copy, Inventory, Rebuild
+from dcp_multilevel.levels.restore_plan import expand_rings, plan_restore, simulated_time
 
 URLS = ["/l1", "partner:/p", "erasure:/e"]
 SIZE = 1 << 20  # bytes per file, plus the rank: files differ a little, as real ones do

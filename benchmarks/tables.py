@@ -306,7 +306,7 @@ def plugin_levels(s: Source) -> tuple[list[Row], list[Row]]:
                 "-",
                 f"{s.med('memory.traced_per_save'):.0f} B Python-level, "
                 f"{s.med('memory.rss_per_save') / 1024:.1f} KiB RSS (saves {n // 2} to {n}); "
-                f"the ladder's books {'flat' if flat else '**grew**'}",
+                f"the runtime's books {'flat' if flat else '**grew**'}",
             )
         )
     return [], docs

@@ -24,8 +24,7 @@ from .errors import (
     DrainError,
 )
 from .health import Checks
-from .ladder import newest_step, wait
-from .levels import Level
+from .levels import Level, newest_step, wait
 from .manage.manager import CheckpointManager
 from .plugin import BalancedSavePlanner, MultiLevelReader, MultiLevelWriter
 from .schedule import Schedule

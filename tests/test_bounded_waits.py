@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from dcp_multilevel.errors import ConfigError
-from dcp_multilevel.ladder.registry import timeout_s
+from dcp_multilevel.levels.runtime import timeout_s
 
 _STUCK_SAVE = textwrap.dedent(
     """
@@ -60,7 +60,7 @@ def test_a_wait_for_a_save_that_never_ends_expires_naming_the_step(tmp_path):
     ), line
     # At exit, the same wait expires again, logged with what was left (then the
     # interpreter ends: the test's own timeout would fail it otherwise).
-    assert "dcp_multilevel: at exit, Ladder(" in proc.stderr, proc.stderr
+    assert "dcp_multilevel: at exit, Runtime(" in proc.stderr, proc.stderr
     assert "(left: ['step 7 (no outcome yet from its save)'])" in proc.stderr, proc.stderr
 
 

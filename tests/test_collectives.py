@@ -16,13 +16,14 @@ from _dist import run_ranks
 
 from dcp_multilevel import _dist
 from dcp_multilevel.errors import DrainError
-from dcp_multilevel.levels.link import DrainLink
-from dcp_multilevel.restore.inventory import (
+from dcp_multilevel.levels.base import DrainChannel
+from dcp_multilevel.levels.restore_actions import Inventory
+from dcp_multilevel.levels.restore_inventory import (
     _inventory,
     gather_inventories,
     simulate_exchange,
 )
-from dcp_multilevel.restore.plan import Inventory, merge_node_needs
+from dcp_multilevel.levels.restore_plan import merge_node_needs
 
 TOKEN = "5f0c2a9e41d7b386"
 
@@ -161,7 +162,7 @@ def test_the_exchange_over_gloo_gives_every_rank_the_simulated_inventories():
 
 
 def _done_job(rank: int, world_size: int, nodes: list[int], failing: int) -> str:
-    link = DrainLink("d1", timeout_s=30)
+    link = DrainChannel("d1", timeout_s=30)
     if rank == failing:
         link.fail(RuntimeError("disk full"))
     else:
@@ -171,7 +172,7 @@ def _done_job(rank: int, world_size: int, nodes: list[int], failing: int) -> str
     try:
         link.wait_all_done(nodes)
     except DrainError as e:
-        link.fail(e)  # as run_drain does: the failure travels on
+        link.fail(e)  # as run_one does: the failure travels on
         return str(e)
     return "all done"
 

@@ -29,7 +29,7 @@ from conftest import assert_bit_equal
 
 from dcp_multilevel import CheckpointManager, Level, MultiLevelReader
 from dcp_multilevel.checkpoint import CheckpointRoot
-from dcp_multilevel.levels import LEVEL_KINDS, Drainer, DrainJob, DrainResult, LevelDriver
+from dcp_multilevel.levels import LEVEL_KINDS, DrainJob, DrainResult, Lanes, LevelDriver
 from dcp_multilevel.levels.partner import PartnerLevel
 
 HERE = Path(__file__).parent
@@ -265,21 +265,21 @@ class Handshake(LevelDriver):
 def _lanes_agree(rank: int, world: int, root: str) -> list[tuple[int, bool, int | None]]:
     source = CheckpointRoot(f"{root}/l1")
     target = Handshake(Level(f"{root}/target"))
-    drainer = Drainer(policy="latest", timeout_s=20, key="agree")
+    lanes = Lanes(policy="latest", timeout_s=20, key="agree")
     job = lambda s: DrainJob(s, source.checkpoint(s), target, f"agree-{s}", 0.0)  # noqa: E731
-    drainer.submit(job(1))
+    lanes.submit(job(1))
     while not Path(root, "target", f"started-{rank}-1").exists():
         time.sleep(0.01)
-    drainer.submit(job(2))
+    lanes.submit(job(2))
     if rank == 0:
-        drainer.submit(job(3))
+        lanes.submit(job(3))
         Path(root, "target", "gate").touch()  # rank 0 picks 3 while rank 1 holds only 2
     else:
         time.sleep(1.0)
-        drainer.submit(job(3))
-    drainer.wait()
-    drainer.close()
-    return [(r.step, r.committed, r.superseded_by) for r in drainer.results]
+        lanes.submit(job(3))
+    lanes.wait()
+    lanes.close()
+    return [(r.step, r.committed, r.superseded_by) for r in lanes.results]
 
 
 @pytest.mark.multiprocess

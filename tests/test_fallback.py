@@ -40,7 +40,7 @@ from dcp_multilevel import (
 from dcp_multilevel.checkpoint import StoredCheckpoint
 from dcp_multilevel.errors import ChecksumMismatchError, ManifestError
 from dcp_multilevel.format import frames
-from dcp_multilevel.levels import DrainJob, driver_for, run_drain
+from dcp_multilevel.levels import DrainJob, driver_for, run_one
 
 if TYPE_CHECKING:
     from _s3 import S3Server
@@ -113,7 +113,7 @@ def drained(source: Path | str, tier_root: str, codec: str | None, **options: An
     """
     target = driver_for(Level(tier_root, codec=codec, storage_options=options))
     job = DrainJob(100, StoredCheckpoint.at(source), target, f"test-{tier_root}", time.time())
-    assert run_drain(job, timeout_s=60).committed
+    assert run_one(job, timeout_s=60).committed
 
 
 def save_copies(root: Path, state: dict[str, Any], *, packed_first: bool) -> tuple[Copy, Copy]:

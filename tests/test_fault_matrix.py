@@ -29,7 +29,8 @@ import torch.distributed.checkpoint as dcp
 import dcp_multilevel
 from dcp_multilevel import Level, MultiLevelReader, MultiLevelWriter
 from dcp_multilevel._phases import STOP_ENV
-from dcp_multilevel.levels import node_local, store
+from dcp_multilevel.levels import node_level as node_local
+from dcp_multilevel.levels import store
 from dcp_multilevel.testing.levels import bit_equal
 from tests._dist import RankError, run_ranks
 

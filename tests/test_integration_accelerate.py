@@ -41,7 +41,7 @@ from dcp_multilevel.integrations.accelerate import (
     MultiLevelAccelerator,
     multilevel_fsdp_checkpoints,
 )
-from dcp_multilevel.ladder.naming import describe
+from dcp_multilevel.levels.config import describe
 from dcp_multilevel.testing import run_ranks
 
 pytest_plugins = ["_s3"]
@@ -277,14 +277,14 @@ def _resume_from_levels(rank: int, world: int, root: str, levels: list) -> dict:
     accelerator.load_state(os.path.join(root, "ckpt"))
     loaded_iteration = accelerator.save_iteration
     received = {
-        ladder.given[0].url: dict(ladder.loader.last_restore.received)
-        for ladder in dcp_multilevel.ladder.ladders()
-        if ladder.loader.last_restore is not None
+        runtime.given[0].url: dict(runtime.restorer.last_restore.received)
+        for runtime in dcp_multilevel.levels.runtime.runtimes()
+        if runtime.restorer.last_restore is not None
     }
     # What each level served this rank, by copy (the step's location on the level).
     served = {
-        ladder.given[0].url: dict(ladder.loader.last_load_sources)
-        for ladder in dcp_multilevel.ladder.ladders()
+        runtime.given[0].url: dict(runtime.restorer.last_load_sources)
+        for runtime in dcp_multilevel.levels.runtime.runtimes()
     }
     losses = [_step(accelerator, *parts, step, rank) for step in range(2, STEPS)]
     accelerator.save_state(os.path.join(root, "ckpt-after"))  # goes on numbering: step 1

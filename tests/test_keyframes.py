@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_multilevel.ladder.keyframes import needed, next_reference
-from dcp_multilevel.ladder.retention import deletion_order, expired
+from dcp_multilevel.levels.deltas import needed, next_reference
+from dcp_multilevel.levels.retention import deletion_order, expired
 
 
 def run(saves: int, every: int, against: str) -> list[tuple[int, int | None]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,8 +44,12 @@ def _root_imports(source: str, package: str) -> list[str]:
         parts = module.split(".")
         if parts[0] != "dcp_multilevel":
             return
-        if len(parts) == 1:  # the root itself: only its private bases, by name
-            bad.extend(f"{line}: {module}.{n}" for n in names if n not in IMPORTABLE_FROM_ROOT)
+        if len(parts) == 1:  # the root itself: only its private bases and folders, by name
+            bad.extend(
+                f"{line}: {module}.{n}"
+                for n in names
+                if n not in IMPORTABLE_FROM_ROOT and not (PACKAGE / n).is_dir()
+            )
         elif (PACKAGE / f"{parts[1]}.py").exists() and parts[1] not in IMPORTABLE_FROM_ROOT:
             bad.append(f"{line}: {module}")
 
@@ -148,3 +153,75 @@ def test_a_name_0_1_0_exported_at_the_root_still_imports_with_a_warning(name, mo
     assert name not in dcp_multilevel.__all__
     with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
         dcp_multilevel.Nope  # noqa: B018
+
+
+@pytest.mark.parametrize(("old", "new"), [("Drainer", "Lanes"), ("run_drain", "run_one")])
+def test_a_levels_name_0_1_0_exported_still_imports_with_a_warning(old, new):
+    levels = importlib.import_module("dcp_multilevel.levels")
+    with pytest.warns(DeprecationWarning) as caught:
+        renamed = getattr(levels, old)
+    assert renamed is getattr(importlib.import_module("dcp_multilevel.levels.lanes"), new)
+    assert str(caught[0].message) == (
+        f"dcp_multilevel.levels.{old} is renamed dcp_multilevel.levels.{new}; use the new "
+        "name (the old one goes in the next major release)"
+    )
+
+
+#: A save and a load without levels, in a fresh interpreter: which of the package's
+#: modules it loaded, and the threads left.
+_SINGLE_LOCATION = """
+import sys, tempfile, threading, warnings
+import torch
+import torch.distributed.checkpoint as dcp
+from dcp_multilevel import MultiLevelReader, MultiLevelWriter
+warnings.simplefilter("ignore")
+path = tempfile.mkdtemp()
+state = {"w": torch.arange(8.0)}
+dcp.save(state, storage_writer=MultiLevelWriter(path))
+dcp.load(state, storage_reader=MultiLevelReader(path))
+print(",".join(sorted(m for m in sys.modules if m.startswith("dcp_multilevel."))))
+print(",".join(t.name for t in threading.enumerate() if t.name.startswith("dcp-ml")))
+"""
+
+
+def test_a_save_and_load_without_levels_load_none_of_the_levels_machinery():
+    r = subprocess.run(
+        [sys.executable, "-c", _SINGLE_LOCATION],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    modules, threads = r.stdout.splitlines()
+    levels = [m for m in modules.split(",") if m.startswith("dcp_multilevel.levels")]
+    assert levels == ["dcp_multilevel.levels", "dcp_multilevel.levels.config"]
+    assert threads == ""
+
+
+def test_every_folder_is_a_package():
+    """A folder without ``__init__.py`` imports as an empty namespace package and hides
+    a stale import until a name is used."""
+    folders = {p.parent for p in _modules()}
+    assert (
+        sorted(str(f.relative_to(PACKAGE)) for f in folders if not (f / "__init__.py").exists())
+        == []
+    )
+
+
+def test_every_module_the_docs_name_exists():
+    """``folder/module.py`` in the docs names a file that exists: a module of the package
+    (``levels/runtime.py``) or of the repository (``examples/node_loss.py``)."""
+    repo = PACKAGE.parent
+    pages = [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+    named = {
+        (page.name, m)
+        for page in pages
+        for m in re.findall(r"`(?:dcp_multilevel/)?([a-z_]+/[a-z_]+\.py)`", page.read_text())
+    }
+    missing = sorted(
+        f"{page}: {m}"
+        for page, m in named
+        if not (PACKAGE / m).exists() and not (repo / m).exists()
+    )
+    assert missing == []

@@ -18,16 +18,16 @@ import dcp_multilevel.errors
 from dcp_multilevel import CheckpointManager, ConfigError, Level
 from dcp_multilevel.checkpoint import CheckpointRoot
 from dcp_multilevel.errors import DrainError, RegistryError
-from dcp_multilevel.ladder import retention
 from dcp_multilevel.levels import (
     LEVEL_KINDS,
-    Drainer,
     DrainJob,
     DrainResult,
+    Lanes,
     LevelDriver,
     StoreLevel,
     driver_for,
     level_kind,
+    retention,
 )
 from dcp_multilevel.schedule import FixedInterval, SavePolicy
 
@@ -253,19 +253,19 @@ def test_a_drain_runs_the_drains_it_needs_first(tmp_path, outcome):
     for s in (1, 2, 3):
         mgr.save(state(s), step=s)
     target = Recording(tmp_path / "target", {1: outcome})
-    drainer = Drainer(policy="wait")
-    drainer.submit(_jobs(tmp_path / "l1", target, [1, 2, 3]))
+    lanes = Lanes(policy="wait")
+    lanes.submit(_jobs(tmp_path / "l1", target, [1, 2, 3]))
     if outcome == "fail":
         with pytest.raises(
             DrainError,
             match=r"step 3 to .*: step 1, which it needs there, "
             r"was not copied first \(DrainError: the disk is full\)",
         ):
-            drainer.wait()
+            lanes.wait()
     else:
-        drainer.wait()
-    results = {r.step: r for r in drainer.results}
+        lanes.wait()
+    results = {r.step: r for r in lanes.results}
     assert target.ran == ([1, 2, 3] if outcome == "commit" else [1])
     assert results[3].committed == (outcome == "commit")
     assert results[3].skipped == (outcome == "skip")  # another world size: skipped, no error
-    drainer.close()
+    lanes.close()

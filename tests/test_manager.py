@@ -483,7 +483,7 @@ def test_a_drain_refuses_to_copy_an_item_corrupted_on_the_first_tier(tmp_path, s
     from dcp_multilevel import MultiLevelWriter
     from dcp_multilevel.checkpoint import StoredCheckpoint
     from dcp_multilevel.errors import ChecksumMismatchError
-    from dcp_multilevel.levels import DrainJob, driver_for, run_drain
+    from dcp_multilevel.levels import DrainJob, driver_for, run_one
     from dcp_multilevel.stores import store_for
 
     src = str(tmp_path / "l1" / "step-1") if source_kind == "local" else memory_url() + "/step-1"
@@ -500,7 +500,7 @@ def test_a_drain_refuses_to_copy_an_item_corrupted_on_the_first_tier(tmp_path, s
     target = Level(str(tmp_path / "remote"), codec=codec)
     with pytest.raises(ChecksumMismatchError) as info:
         job = DrainJob(1, StoredCheckpoint.at(src), driver_for(target), "corrupt", time.time())
-        run_drain(job, timeout_s=30)
+        run_one(job, timeout_s=30)
     start, end = w["pos"], w["pos"] + w["length"]
     assert str(info.value) == (
         f"checksum mismatch for item 'w' in {w['file']!r} of checkpoint {source.url} "
@@ -628,7 +628,7 @@ def _two_managers_job(rank: int, world: int, root: str) -> list[bool]:
 
 @pytest.mark.multiprocess
 def test_two_managers_in_one_process_group_drain_apart(tmp_path):
-    # Drains agree through the c10d store, which every manager of the group shares:
+    # Dispatcher agree through the c10d store, which every manager of the group shares:
     # manager b's ranks must not take manager a's values (its commit, its manifest).
     assert run_ranks(_two_managers_job, 2, str(tmp_path), timeout=180) == [[True, True]] * 2
 

@@ -31,7 +31,7 @@ from dcp_multilevel.cli import main
 from dcp_multilevel.convert import convert
 from dcp_multilevel.errors import ManifestDigestError, ManifestError
 from dcp_multilevel.format import checksum_of, decode_manifest, seal_manifest
-from dcp_multilevel.levels import DrainJob, driver_for, run_drain
+from dcp_multilevel.levels import DrainJob, driver_for, run_one
 
 WHAT_TO_DO = (
     "The checkpoint's manifest was modified or damaged after it was written; load the "
@@ -256,7 +256,7 @@ def test_a_drain_refuses_a_source_whose_manifest_was_edited(tmp_path):
     target = driver_for(Level(str(tmp_path / "l2"), codec="zstd"))
     job = DrainJob(1, StoredCheckpoint.at(source), target, "test-digest", time.time())
     with pytest.raises(ManifestDigestError) as info:
-        run_drain(job, timeout_s=60)
+        run_one(job, timeout_s=60)
     assert str(info.value) == _mismatch(f"file://{source}/manifest.json", edited)
     assert not (tmp_path / "l2" / "step-1" / "manifest.json").exists()
 

@@ -30,7 +30,7 @@ from conftest import assert_bit_equal
 from dcp_multilevel import CheckpointManager, DrainError, Level
 from dcp_multilevel.checkpoint import StoredCheckpoint
 from dcp_multilevel.cli import main
-from dcp_multilevel.levels import Drainer, DrainJob, driver_for
+from dcp_multilevel.levels import DrainJob, Lanes, driver_for
 
 if TYPE_CHECKING:
     from _s3 import S3Server
@@ -198,11 +198,11 @@ def test_draining_the_same_save_again_is_no_replacement(tmp_path):
     first.close()
     target = driver_for(Level(str(tmp_path / "remote")))
     source = StoredCheckpoint.at(str(tmp_path / "a" / "step-2"))
-    drainer = Drainer()
+    lanes = Lanes()
     for n in range(2):  # a retry of a drain that had committed, then another
-        drainer.submit(DrainJob(2, source, target, f"again-{n}", time.time()))
-        results = drainer.wait()
-    drainer.close()
+        lanes.submit(DrainJob(2, source, target, f"again-{n}", time.time()))
+        results = lanes.wait()
+    lanes.close()
     assert [(r.committed, r.error) for r in results] == [(True, None), (True, None)]
     assert save_id(str(tmp_path / "remote" / "step-2")) == source.manifest().save_id
     step, loaded, _ = load_remote(tmp_path, Level(str(tmp_path / "remote")))

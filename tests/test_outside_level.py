@@ -39,11 +39,11 @@ MIRROR3 = textwrap.dedent(
 
     from dcp_multilevel.errors import ConfigError, DrainError
     from dcp_multilevel.format import rank_files
-    from dcp_multilevel.levels.node_local import NodeLocalLevel
+    from dcp_multilevel.levels.node_level import NodeLevel
     from dcp_multilevel.levels.wire import recv_file, send_file
 
 
-    class Mirror3Level(NodeLocalLevel):
+    class Mirror3Level(NodeLevel):
         kind = "mirror3"
         options = ("copies",)  # Level("mirror3:...", options={"copies": 3})
 

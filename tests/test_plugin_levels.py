@@ -242,7 +242,7 @@ def test_a_manager_and_plain_writers_of_the_same_levels_share_their_drains(tmp_p
     dcp.save(_state(2), storage_writer=MultiLevelWriter("step-2", levels=levels))
     results = [r for r in dcp_multilevel.wait() if r.level == levels[1].url]
     assert [(r.step, r.committed) for r in results] == [(1, True), (2, True)]
-    assert [r.step for r in mgr.drain_results] == [1, 2]  # one ladder: the manager sees both
+    assert [r.step for r in mgr.drain_results] == [1, 2]  # one runtime: the manager sees both
     mgr.close()
     state = _blank()
     dcp.load(state, storage_reader=MultiLevelReader(levels=levels))
@@ -318,9 +318,9 @@ def _books_job(rank: int, world: int, root: str, saves: int) -> tuple:
         state[f"w{rank}"].fill_(step)
         dcp.save(state, storage_writer=MultiLevelWriter(f"step-{step}", levels=levels))
     dcp_multilevel.wait()
-    (ladder,) = dcp_multilevel.ladder.ladders()
-    books = ladder.holdings
-    pending = ladder.commits.pending() + list(ladder.commits._unswept)
+    (runtime,) = dcp_multilevel.levels.runtime.runtimes()
+    books = runtime.books
+    pending = runtime.follower.pending() + list(runtime.follower._unswept)
     return len(books._decided), max(len(s) for s in books._known.values()), len(pending)
 
 
@@ -403,15 +403,15 @@ def test_first_level_retention_spares_the_saves_in_progress(tmp_path):
     for step in (10, 11):
         dcp.save(_state(step), storage_writer=MultiLevelWriter(f"step-{step}", levels=levels))
     dcp_multilevel.wait()
-    (ladder,) = [lad for lad in dcp_multilevel.ladder.ladders() if lad.given == levels]
-    ladder.begin(5)  # a save of step 5 has begun: its files are being written
+    (runtime,) = [lad for lad in dcp_multilevel.levels.runtime.runtimes() if lad.given == levels]
+    runtime.begin(5)  # a save of step 5 has begun: its files are being written
     (tmp_path / "l1" / "step-5" / "data").mkdir(parents=True)
     (tmp_path / "l1" / "step-5" / "data" / "0-0.abc.bin").write_bytes(b"x" * 64)
     (tmp_path / "l1" / "step-3").mkdir()  # a crash's leftover: swept
-    assert ladder.holdings.retain(0) == [3]
+    assert runtime.books.retain(0) == [3]
     assert sorted(os.listdir(tmp_path / "l1")) == ["step-11", "step-5"]
     dcp_multilevel.wait()  # the save of step 5 never ends: its ticket is dropped
-    assert ladder.commits.pending() == []
+    assert runtime.follower.pending() == []
 
 
 def _process_mode_job(rank: int, world: int, root: str) -> str:

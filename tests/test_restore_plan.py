@@ -13,23 +13,17 @@ from hypothesis import strategies as st
 
 from dcp_multilevel import ConfigError, Level
 from dcp_multilevel.levels import driver_for
-from dcp_multilevel.levels.erasure import group_layout
-from dcp_multilevel.levels.erasure_blocks import rechunk
+from dcp_multilevel.levels.erasure import ErasureRebuilder, group_layout, rechunk
 from dcp_multilevel.levels.erasure_code import ErasureCode
-from dcp_multilevel.levels.erasure_rebuild import ErasureRebuilder
-from dcp_multilevel.levels.topology import Topology
-from dcp_multilevel.restore.actions import CopyFault
-from dcp_multilevel.restore.plan import (
-    Copy,
-    Inventory,
-    Link,
-    Rebuild,
+from dcp_multilevel.levels.restore_actions import Copy, CopyFault, Inventory, Link, Rebuild
+from dcp_multilevel.levels.restore_plan import (
     expand_rings,
     merge_node_needs,
     merge_ranges,
     simulated_time,
 )
-from dcp_multilevel.restore.plan import plan_restore as _plan_restore
+from dcp_multilevel.levels.restore_plan import plan_restore as _plan_restore
+from dcp_multilevel.levels.topology import Topology
 
 URLS = ["/l1", "partner:/p", "erasure:/e", "s3://remote"]
 #: Level 2 (erasure) rebuilds lost members: its kind's rebuilder, as a job's driver has it.
@@ -580,7 +574,7 @@ def test_an_inventory_carries_ranges_only_for_files_read_in_part(tmp_path):
 
     from dcp_multilevel import MultiLevelWriter
     from dcp_multilevel.checkpoint import StoredCheckpoint
-    from dcp_multilevel.restore.inventory import needed_ranges, split_needs
+    from dcp_multilevel.levels.restore_inventory import needed_ranges, split_needs
 
     state = {"w": torch.arange(4096.0), "step": torch.tensor(3.0), "v": torch.ones(2048)}
     dcp.save(state, storage_writer=MultiLevelWriter(str(tmp_path)))

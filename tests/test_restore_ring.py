@@ -14,10 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcp_multilevel.errors import ConfigError
-from dcp_multilevel.levels.erasure_rebuild import ErasureRebuilder
-from dcp_multilevel.restore.actions import Copy, Inventory, Link, Rebuild, Ring
-from dcp_multilevel.restore.plan import RING_NODES, expand_rings, plan_restore, simulated_time
-from dcp_multilevel.restore.ring import hops, my_hops, received_around
+from dcp_multilevel.levels.erasure import ErasureRebuilder
+from dcp_multilevel.levels.restore_actions import Copy, Inventory, Link, Rebuild, Ring
+from dcp_multilevel.levels.restore_plan import (
+    RING_NODES,
+    expand_rings,
+    plan_restore,
+    simulated_time,
+)
+from dcp_multilevel.levels.restore_ring import hops, my_hops, received_around
 
 URLS = ["/l1", "partner:/p", "erasure:/e"]
 COPIES = 10_000  # ring_nodes above any node count here: today's point-to-point plan

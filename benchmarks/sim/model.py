@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from dcp_multilevel.errors import ConfigError
-from dcp_multilevel.levels.options import Level
+from dcp_multilevel.levels.config import Level
 from dcp_multilevel.schedule.base import LevelState
 from dcp_multilevel.schedule.failures import SURVIVORS, FailureModel
 

@@ -372,8 +372,6 @@ class _Recoder:
         return stream
 
 
-logger = logging.getLogger(__name__)
-
 #: I/O block of streamed copies and of verification reads.
 BLOCK = 16 << 20
 

@@ -1,6 +1,6 @@
 """``dcp-multilevel gc ROOT --keep N``: retention and debris sweep for one root (level).
 
-The rules are the ladder's (``ladder/retention.py``: the same
+The rules are the runtime's (``levels/retention.py``: the same
 :class:`RetentionRules` object), applied to what is in ROOT:
 
 - **expired**: committed checkpoints past the newest ``--keep``; the newest
@@ -50,7 +50,7 @@ import click
 from ..checkpoint import CheckpointRoot
 from ..errors import ConfigError, DcpMultilevelError
 from ..format import step_dir
-from ..ladder.retention import RetentionRules, deletion_order
+from ..levels.retention import RetentionRules, deletion_order
 from ._common import emit_json, json_option, resolve, stdout_console, storage_options_option
 from ._parts import part_ranks
 

@@ -6,7 +6,7 @@
   bytes (``_finite.c``, its native kernel).
 
 The record a save keeps is ``format/health.py``'s; what a quarantined step is
-spared and denied is the ladder's (``ladder/``) and the loader's (``restore/``).
+spared and denied is the runtime's (``runtime/``) and the loader's (``restore/``).
 See ``docs/health.md``.
 """
 

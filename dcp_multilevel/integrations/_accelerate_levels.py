@@ -55,13 +55,11 @@ import torch.distributed as dist
 
 from .. import _dist
 from ..errors import CheckpointNotFoundError, ConfigError, DcpMultilevelError, ManifestError
-from ..ladder import Ladder, ladder_for
-from ..ladder.naming import describe
 from ..levels import Topology
-from ..levels.options import Level
+from ..levels.config import Level, describe
+from ..levels.restore import Views, every_file, gather_views
+from ..levels.runtime import Runtime, runtime_for
 from ..plugin import MultiLevelReader, MultiLevelWriter
-from ..restore.agreement import Views, gather_views
-from ..restore.loader import every_file
 
 __all__ = ["MARKER_NAME", "LevelRoutes", "PartLevels", "Routes", "StepMarker"]
 
@@ -298,17 +296,17 @@ def _step_to_load(
     where a part of it is quarantined (:func:`_clean_step`, unless ``allow_quarantined``)
     or cannot be restored by every rank (:func:`_restorable_step`); every part from the
     same step."""
-    ladders = {
-        part: ladder_for(
+    runtimes = {
+        part: runtime_for(
             levels.of_part(part), topology=levels.topology, who="MultiLevelAccelerator.load_state"
         )
         for part in marker.parts
     }
-    step = marker.step if allow_quarantined else _clean_step(marker, ladders, folder)
-    return _restorable_step(step, marker, ladders, folder, allow_quarantined)
+    step = marker.step if allow_quarantined else _clean_step(marker, runtimes, folder)
+    return _restorable_step(step, marker, runtimes, folder, allow_quarantined)
 
 
-def _clean_step(marker: StepMarker, ladders: Mapping[str, Ladder], folder: str) -> int:
+def _clean_step(marker: StepMarker, runtimes: Mapping[str, Runtime], folder: str) -> int:
     """The step to load ``folder``'s parts at (collective): the marker's, unless a part
     of it is quarantined (``docs/health.md``); then the newest older step no part of
     which is, so that every part comes from the same step. Rank 0 decides from the
@@ -321,7 +319,7 @@ def _clean_step(marker: StepMarker, ladders: Mapping[str, Ladder], folder: str) 
 
     def decide() -> tuple[int | None, list[tuple[int, str]], str | None]:
         try:
-            return (*_newest_clean(marker.step, ladders), None)
+            return (*_newest_clean(marker.step, runtimes), None)
         except (DcpMultilevelError, OSError) as e:
             return marker.step, [], str(e)
 
@@ -339,7 +337,7 @@ def _clean_step(marker: StepMarker, ladders: Mapping[str, Ladder], folder: str) 
             "dcp_multilevel: passing over step %d of %s, quarantined: %s", older, folder, why
         )
     if step is None:
-        first = ladders[marker.parts[0]].given[0].url
+        first = runtimes[marker.parts[0]].given[0].url
         raise CheckpointNotFoundError(
             f"every step of {folder}'s parts up to step {marker.step} is quarantined in some "
             f"part (steps {sorted(s for s, _ in passed)}: their checks found poisoned state, "
@@ -362,14 +360,14 @@ def _clean_step(marker: StepMarker, ladders: Mapping[str, Ladder], folder: str) 
 def _restorable_step(
     step: int,
     marker: StepMarker,
-    ladders: Mapping[str, Ladder],
+    runtimes: Mapping[str, Runtime],
     folder: str,
     allow_quarantined: bool,
 ) -> int:
     """``step``, or where some part of it cannot be restored by every rank, the newest
     older step that can be in every part (and, unless ``allow_quarantined``, is clean
     in every part), so that every part comes from the same step. Collective: every
-    rank lists every part's levels, and each part's ladder plans the restore of each
+    rank lists every part's levels, and each part's runtime plans the restore of each
     step tried (the same verdict on every rank).
 
     After a crash, the marker's step may be lost with a node: its only copy of that
@@ -382,17 +380,17 @@ def _restorable_step(
         CheckpointNotFoundError: no step up to ``step`` can be restored in every part.
     """
     views: dict[str, Views] = {}
-    for part, ladder in ladders.items():
-        ladder.follow_up()  # this process's saves are listed
-        views[part] = gather_views(ladder.drivers)
+    for part, runtime in runtimes.items():
+        runtime.follow_up()  # this process's saves are listed
+        views[part] = gather_views(runtime.drivers)
     listed = set.intersection(*(set(v.candidates()) for v in views.values()))
     unrestorable: list[int] = []
     for candidate in sorted({step} | {s for s in listed if s < step}, reverse=True):
         older = candidate != step  # the step itself: _clean_step read its health
-        if older and not allow_quarantined and _quarantined_anywhere(candidate, ladders):
+        if older and not allow_quarantined and _quarantined_anywhere(candidate, runtimes):
             continue
         # Part by part, stopping at the first that cannot: every rank stops at the same.
-        if all(ladders[p].loader.plan(candidate, views[p], every_file).ok for p in ladders):
+        if all(runtimes[p].restorer.plan(candidate, views[p], every_file).ok for p in runtimes):
             if unrestorable:
                 logger.warning(
                     "dcp_multilevel: loading step %d of the levels, the newest every "
@@ -414,13 +412,13 @@ def _restorable_step(
     )
 
 
-def _quarantined_anywhere(step: int, ladders: Mapping[str, Ladder]) -> bool:
+def _quarantined_anywhere(step: int, runtimes: Mapping[str, Runtime]) -> bool:
     """Whether a part of ``step`` is quarantined (rank 0 reads; collective). False where
     rank 0 cannot read it: the reader warns when it loads a quarantined step."""
 
     def read() -> bool:
         try:
-            return _quarantined_parts(step, ladders) is not None
+            return _quarantined_parts(step, runtimes) is not None
         except (DcpMultilevelError, OSError):
             return False
 
@@ -428,32 +426,32 @@ def _quarantined_anywhere(step: int, ladders: Mapping[str, Ladder]) -> bool:
 
 
 def _newest_clean(
-    newest: int, ladders: Mapping[str, Ladder]
+    newest: int, runtimes: Mapping[str, Runtime]
 ) -> tuple[int | None, list[tuple[int, str]]]:
     """The newest step up to ``newest`` that every part's levels list (this rank's view)
     and no part's first level holds quarantined, and each newer step passed over, with
     why (None: there is none)."""
     passed: list[tuple[int, str]] = []
-    why = _quarantined_parts(newest, ladders)
+    why = _quarantined_parts(newest, runtimes)
     if why is None:
         return newest, passed
     passed.append((newest, why))
     listed = [
-        {s for driver in ladder.drivers for s in driver.steps()} for ladder in ladders.values()
+        {s for driver in runtime.drivers for s in driver.steps()} for runtime in runtimes.values()
     ]
     for step in sorted((s for s in set.intersection(*listed) if s < newest), reverse=True):
-        why = _quarantined_parts(step, ladders)
+        why = _quarantined_parts(step, runtimes)
         if why is None:
             return step, passed
         passed.append((step, why))
     return None, passed
 
 
-def _quarantined_parts(step: int, ladders: Mapping[str, Ladder]) -> str | None:
+def _quarantined_parts(step: int, runtimes: Mapping[str, Runtime]) -> str | None:
     """Why ``step`` is quarantined, part by part (None: in no part)."""
     found = [
         f"{part}: {why}"
-        for part, ladder in ladders.items()
-        if (why := ladder.quarantine_of(step)) is not None
+        for part, runtime in runtimes.items()
+        if (why := runtime.quarantine_of(step)) is not None
     ]
     return "; ".join(found) or None

@@ -38,9 +38,9 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from .. import _dist
 from ..errors import ManifestError
 from ..format import parse_step_dir
-from ..ladder import LATEST, ladder_for, newest_step
 from ..levels import Topology
-from ..levels.options import Level
+from ..levels.config import LATEST, Level
+from ..levels.runtime import newest_step, runtime_for
 
 __all__ = [
     "MARKER_FILE",
@@ -242,8 +242,8 @@ def past_quarantine(
     step = target.step
     if not target.marked or step is None:
         return target
-    ladder = ladder_for(levels, topology=topology, who="MultiLevelStorage")
-    why = _dist.rank0_decides(lambda: ladder.quarantine_of(step))
+    runtime = runtime_for(levels, topology=topology, who="MultiLevelStorage")
+    why = _dist.rank0_decides(lambda: runtime.quarantine_of(step))
     if why is None:
         return target
     logger.warning(

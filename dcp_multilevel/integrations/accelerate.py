@@ -78,9 +78,9 @@ from torch.distributed.fsdp import StateDictType
 
 from ..errors import ConfigError
 from ..format.stock_hint import STOCK_METADATA_NAME
-from ..ladder import wait
 from ..levels import DrainResult, Topology
-from ..levels.options import Level
+from ..levels.config import Level
+from ..levels.runtime import wait
 from ..plugin import MultiLevelReader, MultiLevelWriter
 from ._accelerate_levels import MARKER_NAME, LevelRoutes, PartLevels, Routes, StepMarker
 

@@ -94,8 +94,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from ..errors import CheckpointNotFoundError, ConfigError
-from ..ladder import LATEST, wait
-from ..levels.options import Level
+from ..levels.config import LATEST, Level
+from ..levels.runtime import wait
 from ..plugin import MultiLevelReader, MultiLevelWriter
 from ._lightning_levels import (
     META_KEY,
@@ -194,7 +194,7 @@ class MultiLevelStorage:
                 f"during the load. Resume from ckpt_path='step-{where.read}'",
                 checkpoint=reader.loads.location,
             )
-        # "latest" again, not step-<N>: the ladder takes its last load as the one the run
+        # "latest" again, not step-<N>: the runtime takes its last load as the one the run
         # resumed with, and a load of the same step by its number forgets the newer steps
         # the "latest" one passed over (lost with a node, quarantined): the resumed run's
         # saves of them would be refused (docs/levels.md, "After a crash").

@@ -28,7 +28,7 @@ writes ``folder/step-N`` as step N of the levels, with plain ``dcp.save`` /
 ``dcp.async_save`` and a :class:`~dcp_multilevel.MultiLevelWriter` given them:
 
 - the save returns once the first level committed the step (async: once
-  staged); the process's ladder for the levels sends it on in the background
+  staged); the process's runtime for the levels sends it on in the background
   and applies each level's ``keep`` as each save commits. ``keep_latest_k``
   is the ``keep`` of every level that sets none (0: all); torchtitan's own
   purge is off (its ``keep_latest_k`` attribute is 0);
@@ -108,10 +108,11 @@ from torchtitan.tools.utils import GarbageCollection
 from ..convert import detect_source
 from ..errors import CheckpointNotFoundError, ConfigError, ConvertError
 from ..format.layout import parse_step_dir, step_dir
-from ..ladder import LATEST, Ladder, ladder_for, wait
 from ..levels import Level
+from ..levels.config import LATEST
+from ..levels.restore_execute import RestoreReport
+from ..levels.runtime import Runtime, runtime_for, wait
 from ..plugin import BalancedSavePlanner, MultiLevelReader, MultiLevelWriter
-from ..restore.execute import RestoreReport
 from ..schedule import FixedInterval, SavePolicy
 from ..staging import StagingConfig
 
@@ -133,7 +134,7 @@ class MultiLevelCheckpointManager(CheckpointManager):
 
     Attributes:
         levels: the levels, ``keep_latest_k`` and ``codec`` filled in.
-        ladder: the process's ladder for them (shared with any writer or reader
+        runtime: the process's runtime for them (shared with any writer or reader
             given the same levels).
         schedule: which higher levels each step goes to.
         export_folder: where a model-only last step goes.
@@ -209,9 +210,9 @@ class MultiLevelCheckpointManager(CheckpointManager):
         self.planner = (
             BalancedSavePlanner() if config.planner == "balanced" else DefaultSavePlanner()
         )
-        # Collective (every rank, as torchtitan builds its checkpointer): the ladder is
+        # Collective (every rank, as torchtitan builds its checkpointer): the runtime is
         # made here, with the drain policy, which writers cannot pass.
-        self.ladder: Ladder = ladder_for(
+        self.runtime: Runtime = runtime_for(
             self.levels, who="MultiLevelCheckpointManager", drain_policy=config.drain_policy
         )
         #: One writer for every async save: its staging buffers are reused.
@@ -270,10 +271,10 @@ class MultiLevelCheckpointManager(CheckpointManager):
         """The writer of every async save (collective). In ``async_with_pinned_mem`` it
         is also torchtitan's ``stager``: torchtitan then builds no ``DefaultStager``
         (whose non-blocking copies need an accelerator) and closes ours."""
-        if self.ladder.first.deltas:
+        if self.runtime.first.deltas:
             raise ConfigError(
                 f"checkpoint.async_mode={self.async_mode.value!r}: the first level "
-                f"{self.ladder.first.url} stores deltas, which async saves do not code; keep "
+                f"{self.runtime.first.url} stores deltas, which async saves do not code; keep "
                 "deltas on a higher level, or set async_mode='disabled'"
             )
         overlap = self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
@@ -389,12 +390,12 @@ class MultiLevelCheckpointManager(CheckpointManager):
 
     def steps(self, level_index: int) -> list[int]:
         """Steps committed on level ``level_index`` as this rank sees it, ascending."""
-        return self.ladder.drivers[level_index].steps()
+        return self.runtime.drivers[level_index].steps()
 
     @property
     def last_restore(self) -> RestoreReport | None:
         """The last load's restore: files brought onto this rank's node, by source."""
-        return self.ladder.loader.last_restore
+        return self.runtime.restorer.last_restore
 
     def dcp_load(
         self,

@@ -1,4 +1,4 @@
-"""The level interface: what one rung of the multi-level ladder does with checkpoints.
+"""The level-kind contract: what one level does with checkpoints, and what it is handed.
 
 A :class:`~dcp_multilevel.Level` says where a level is, how often it
 takes a save, how many it keeps and how it codes them. Its
@@ -7,7 +7,7 @@ committed first-level checkpoint onto it (a drain), and where a load finds
 its copy. A store level (``store.py``) has each rank copy its own files to
 a URL; other kinds (copies on partner nodes, erasure-coded parity across a
 group) are further drivers, each in its own file, registered by kind name
-(``__init__.py``).
+(:data:`LEVEL_KINDS`).
 
 Call order (the manager makes every call; every rank unless said)::
 
@@ -37,7 +37,7 @@ A *node-local* kind (``node_local = True``: partner copies, erasure parity)
 keeps each node's part on that node's own disk: each node sees, and
 retention deletes, its own part (every rank calls ``delete`` then, like
 for the first level), and a load asks every rank what its node holds
-(``restore/inventory.py``) instead of trusting one listing.
+(``levels/restore_inventory.py``) instead of trusting one listing.
 
 No drain replaces a committed step of another save (another ``save_id``)
 unasked: a driver's ``drain`` calls :meth:`LevelDriver.refuse_replacing`
@@ -47,26 +47,87 @@ unless the level says ``overwrite=True``, or the job ``supersedes`` the step
 the old copy as not restorable or quarantined). The same save again (a retry) is
 not a replacement. A replacing drain writes its files under new names and
 its manifest last, so the old step stays loadable until the new one commits.
+
+**The drain channel** (:class:`DrainChannel`): how the ranks of one drain agree, from
+background threads, through the c10d store.
+
+A drain runs in a background thread on every rank. Background threads never
+use the trainer's process group (a collective issued there can interleave
+with the trainer's own and deadlock), so ranks exchange small JSON values
+through the c10d store instead, under keys unique to the drain
+(``dcp_multilevel/drain/<drain id>/<what>``). Large data never goes
+through the store.
+
+Call order for one drain (``link = DrainChannel(drain_id, timeout_s)``)::
+
+    every rank    link.share_manifest(read)   rank 0 reads and publishes the
+                                              source manifest, the others take it
+    rank != 0     link.send(value)            e.g. the item locations it wrote
+    rank 0        link.gather()               every other rank's value, in rank order
+    rank 0        link.announce_commit()      after its commit on the level
+    rank != 0     link.wait_commit()          returns once rank 0 committed
+    any rank      link.put(name, value)       a named value for any rank (e.g.
+                  link.get(names)             parity checksums)
+    every rank    link.done()                 this rank's part is done
+    node's lowest link.wait_all_done(nodes)   every rank's is (by node: R + 2N gets)
+    any rank      link.fail(error)            on any failure: no rank waits out
+                                              the timeout for a peer that failed
+
+With one rank (or no process group) nothing is exchanged.
+
+**Rebuilds** (:class:`Rebuilder`): what a level kind that rebuilds lost files from coded
+blocks brings to a restore.
+
+A restore (``restore.py``) copies a file a node lacks from another node when
+some node holds it; a kind whose nodes hold *blocks* instead (erasure
+parity) rebuilds it. The restore knows nothing of how: it asks the level's
+driver for its :class:`Rebuilder` (``LevelDriver.rebuilder``) and treats
+what the kind reports in the inventories (``LevelDriver.holdings``: its
+groups' descriptions and the blocks this node holds) as opaque.
+
+Call order, for one restore (every rank computes the same plan)::
+
+    holdings = driver.holdings(step)       each node, into its inventory
+    r = driver.rebuilder                   the restore's planner, for each level
+    r.plan(level, file, wanted, ...)       for a file no node can copy: which group's
+                                           members to rebuild, from which blocks
+    r.receive(desc, members, sources, ...) the receiving rank, carrying it out
+    r.send(desc, block, source, dst, ...)  each rank that holds a source block
+
+Pure in ``plan`` (no I/O); ``receive`` and ``send`` move bytes over the
+restore's group, point to point.
 """
 
 from __future__ import annotations
 
 import abc
+import base64
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from .. import _dist
+from .._registry import Registry
 from ..checkpoint import CheckpointRoot, StoredCheckpoint
 from ..checkpoint.root import StepDirs
 from ..errors import ConfigError, DcpMultilevelError, DrainError
 from ..format import Manifest
-from .link import DrainLink
-from .options import Level
-from .rebuild import Rebuilder
+from ..stores import Store
+from .config import Level
 from .topology import Topology
 
-__all__ = ["DrainJob", "DrainResult", "LevelContext", "LevelDriver"]
+__all__ = [
+    "DrainChannel",
+    "DrainJob",
+    "DrainResult",
+    "LevelContext",
+    "LevelDriver",
+    "RebuildChoice",
+    "Rebuilder",
+]
+
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +153,7 @@ class DrainJob:
     #: (None: store it whole). The drain stores it whole when that step is
     #: not there, or is not what a delta can use.
     reference: int | None = None
-    #: Drains to run first, in order, in the same worker (the first level's
+    #: Dispatcher to run first, in order, in the same worker (the first level's
     #: references of a delta step, for a level that copies files as they are and
     #: does not hold them yet). This one fails when one of them does.
     before: tuple[DrainJob, ...] = ()
@@ -219,12 +280,12 @@ class LevelDriver(abc.ABC):
 
     def holdings(self, step: int) -> dict[str, Any] | None:
         """What this node holds of ``step`` besides whole data files, for a restore's
-        inventory (``restore/inventory.py``): ``{"groups": {group: description},
+        inventory (``levels/restore_inventory.py``): ``{"groups": {group: description},
         "parity": [[group, block], ...]}`` for a level of erasure-coded groups;
         None (the default) for a level that holds whole files only."""
         return None
 
-    def held_save(self, step: int, link: DrainLink, incoming: str) -> str | None:
+    def held_save(self, step: int, link: DrainChannel, incoming: str) -> str | None:
         """The ``save_id`` of the committed ``step`` on this level (None: not committed),
         the same on every rank of the drain: rank 0 looks and tells the others through
         ``link`` (a node-local kind asks every node, ``node_local.py``, and returns a
@@ -257,7 +318,7 @@ class LevelDriver(abc.ABC):
             )
         return found["save_id"]
 
-    def refuse_replacing(self, job: DrainJob, manifest: Manifest, link: DrainLink) -> bool:
+    def refuse_replacing(self, job: DrainJob, manifest: Manifest, link: DrainChannel) -> bool:
         """Raise :class:`DrainError` (every rank alike) when ``job.step`` is committed on
         this level as another save than ``manifest``'s and the level does not say
         ``overwrite=True``; a drain calls it before it writes anything. Collective.
@@ -295,7 +356,7 @@ class LevelDriver(abc.ABC):
         return True
 
     @abc.abstractmethod
-    def drain(self, job: DrainJob, manifest: Manifest, link: DrainLink) -> DrainResult:
+    def drain(self, job: DrainJob, manifest: Manifest, link: DrainChannel) -> DrainResult:
         """Bring ``job.source`` (whose manifest is ``manifest``) onto this level.
 
         Runs in a background thread on every rank at once; ranks agree only
@@ -305,5 +366,200 @@ class LevelDriver(abc.ABC):
         that, so a finished drain means "on this level" everywhere.
 
         Raises:
-            Exception: any failure; the drainer records it and tells the other ranks.
+            Exception: any failure; the lanes records it and tells the other ranks.
         """
+
+
+class DrainChannel:
+    """The ranks of one drain, talking through the c10d store (see the module docstring)."""
+
+    def __init__(self, drain_id: str, timeout_s: float) -> None:
+        self.drain_id = drain_id
+        self.timeout_s = timeout_s
+        self.rank = _dist.rank()
+        self.world_size = _dist.world_size()
+
+    def _key(self, what: int | str) -> str:
+        return f"dcp_multilevel/drain/{self.drain_id}/{what}"
+
+    def _wait(self, keys: list[str]) -> list[Any]:
+        return _dist.store_wait_get(keys, self.timeout_s)
+
+    def share_manifest(self, read: Callable[[], bytes], source: str) -> bytes:
+        """The source manifest's bytes as rank 0 reads them with ``read()``, on every rank.
+
+        With a node-local first level only rank 0's node holds the manifest
+        (every node holds its own ranks' data files); on a shared one, all
+        ranks then still copy by the very same manifest.
+
+        Raises:
+            DrainError: rank 0 could not read it (names ``source``).
+        """
+        key = self._key("manifest")
+        if self.world_size == 1:
+            return read()
+        if self.rank == 0:
+            try:
+                raw = read()
+            except Exception as e:
+                _dist.store_set(key, {"error": f"{type(e).__name__}: {e}"})
+                raise
+            _dist.store_set(key, {"manifest": base64.b64encode(raw).decode("ascii")})
+            return raw
+        (value,) = self._wait([key])
+        if "error" in value:
+            raise DrainError(f"rank 0 could not read the manifest of {source}: {value['error']}")
+        return base64.b64decode(value["manifest"])
+
+    def send(self, value: Any) -> None:
+        """Publish this rank's JSON-able ``value`` for rank 0 (ranks other than 0)."""
+        _dist.store_set(self._key(self.rank), {"value": value})
+
+    def gather(self) -> list[Any]:
+        """Every other rank's sent value, ranks 1..n-1 in order (rank 0).
+
+        Raises:
+            DrainError: a rank reported a failure instead (names the rank).
+        """
+        if self.world_size == 1:
+            return []
+        others = self._wait([self._key(r) for r in range(1, self.world_size)])
+        for r, value in enumerate(others, start=1):
+            if "error" in value:
+                raise DrainError(f"rank {r} failed: {value['error']}")
+        return [value["value"] for value in others]
+
+    def announce_commit(self) -> None:
+        """Rank 0 committed the drain on its level: the other ranks' drains may end."""
+        if self.world_size > 1:
+            _dist.store_set(self._key("commit"), {"ok": True})
+
+    def wait_commit(self) -> None:
+        """Block until rank 0 committed (ranks other than 0).
+
+        Raises:
+            DrainError: rank 0 could not commit (its error in the message).
+        """
+        (outcome,) = self._wait([self._key("commit")])
+        if "error" in outcome:
+            raise DrainError(f"rank 0 could not commit: {outcome['error']}")
+
+    def put(self, name: str, value: Any) -> None:
+        """Publish a JSON-able ``value`` under ``name`` for any rank of this drain."""
+        if self.world_size > 1:
+            _dist.store_set(self._key(f"named/{name}"), {"value": value})
+
+    def get(self, names: list[str]) -> list[Any]:
+        """The values published under ``names`` (waits for each).
+
+        Raises:
+            DrainError: the rank that was to publish one failed instead.
+        """
+        values = self._wait([self._key(f"named/{n}") for n in names])
+        for name, value in zip(names, values, strict=True):
+            if "error" in value:
+                raise DrainError(f"{name}: {value['error']}")
+        return [value["value"] for value in values]
+
+    def done(self) -> None:
+        """This rank's part of the drain is done (see :meth:`wait_done`)."""
+        self.put(f"done/{self.rank}", True)
+
+    def wait_done(self, ranks: list[int]) -> None:
+        """Block until every rank in ``ranks`` called :meth:`done` (or raise its failure)."""
+        self.get([f"done/{r}" for r in ranks if r != self.rank])
+
+    def wait_all_done(self, nodes: Sequence[int]) -> None:
+        """Block until every rank called :meth:`done` (or raise the first failure seen);
+        called by each node's lowest rank (``nodes``: each rank's node).
+
+        By node, so the store serves ``R + 2N`` gets, not ``N x R`` (every node's
+        lowest rank waiting on every rank's key): each waits on its node's ranks
+        and publishes ``node-done/<rank>``; rank 0 (the lowest of its node) waits
+        on those and publishes ``all-done``, which the others wait on. A failure
+        travels the same way (:meth:`fail` publishes it under all three names).
+        """
+        if self.world_size == 1:
+            return
+        mine = nodes[self.rank]
+        self.wait_done([r for r, n in enumerate(nodes) if n == mine])
+        self.put(f"node-done/{self.rank}", True)
+        if self.rank != 0:
+            self.get(["all-done"])
+            return
+        leaders: dict[int, int] = {}
+        for r, n in enumerate(nodes):
+            leaders.setdefault(n, r)
+        self.get([f"node-done/{r}" for r in sorted(leaders.values()) if r != 0])
+        self.put("all-done", True)
+
+    def fail(self, error: BaseException) -> None:
+        """Tell the other ranks this rank's part of the drain failed with ``error``."""
+        if self.world_size > 1:
+            why = f"{type(error).__name__}: {error}"
+            _dist.store_set(self._key("commit" if self.rank == 0 else self.rank), {"error": why})
+            done = {"error": f"rank {self.rank} failed: {why}"}
+            _dist.store_set(self._key(f"named/done/{self.rank}"), done)
+            # (Only a node's lowest rank's is waited on; rank 0's all-done, by all of those.)
+            _dist.store_set(self._key(f"named/node-done/{self.rank}"), done)
+            if self.rank == 0:
+                _dist.store_set(self._key("named/all-done"), done)
+
+
+@dataclass(frozen=True)
+class RebuildChoice:
+    """Rebuild ``members`` of ``group`` from ``sources`` (``(block, rank)`` pairs);
+    ``brings``: the files the rebuilt members hold."""
+
+    group: str
+    members: tuple[int, ...]
+    sources: tuple[tuple[int, int], ...]
+    brings: tuple[str, ...]
+
+
+class Rebuilder(Protocol):
+    """A level kind's rebuilds (see the module docstring for the call order)."""
+
+    def plan(
+        self,
+        level: int,
+        file: str,
+        wanted: set[str],
+        groups: dict[str, dict[str, Any]],
+        inventories: Sequence[Any],
+        copyable: Callable[[str], bool],
+        block_damaged: Callable[[str, int, int], bool],
+    ) -> RebuildChoice | str | None:
+        """How to rebuild ``file`` on a node that needs ``wanted`` (files the node
+        lacks), or why it cannot be (a reason naming the group), or None (no group
+        holds it). ``level``: this level's index (inventories key by it);
+        ``groups``: every group's description any node reported there;
+        ``inventories``: every rank's (``.rank``, ``.files[level]``, the kind's
+        blocks in ``.parity[level]``); ``copyable(f)``: another node holds ``f``;
+        ``block_damaged(group, block, rank)``: that source was found damaged."""
+        ...
+
+    def receive(
+        self,
+        desc: dict[str, Any],
+        members: Sequence[int],
+        sources: Sequence[tuple[int, int]],
+        local: dict[int, StoredCheckpoint],
+        into: StoredCheckpoint,
+        store: Store,
+        group: Any,
+    ) -> list[tuple[int, int]]:
+        """Rebuild ``members`` into ``store`` (``into``'s), reading the blocks this
+        rank holds from ``local`` and receiving the others; the ``(block, rank)``
+        sources found damaged."""
+        ...
+
+    def send(
+        self, desc: dict[str, Any], block: int, source: StoredCheckpoint, dst: int, group: Any
+    ) -> None:
+        """Stream block ``block`` of ``desc``'s group from ``source`` to rank ``dst``."""
+        ...
+
+
+#: kind name -> LevelDriver subclass (constructed as ``cls(level)``).
+LEVEL_KINDS: Registry[type[LevelDriver]] = Registry("dcp_multilevel.levels", "level kind")

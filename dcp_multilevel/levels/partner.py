@@ -20,17 +20,16 @@ from __future__ import annotations
 from ..checkpoint import StoredCheckpoint
 from ..errors import ConfigError, DrainError
 from ..format import Manifest, rank_files
-from .base import DrainJob
-from .link import DrainLink
-from .node_local import NodeLocalLevel
-from .options import Level
+from .base import DrainChannel, DrainJob
+from .config import Level
+from .node_level import NodeLevel
 from .topology import Topology
 from .wire import recv_file, send_file
 
 __all__ = ["PartnerLevel"]
 
 
-class PartnerLevel(NodeLocalLevel):
+class PartnerLevel(NodeLevel):
     """Copies of each rank's files on other nodes (see the module docstring)."""
 
     kind = "partner"
@@ -63,7 +62,7 @@ class PartnerLevel(NodeLocalLevel):
         ]
 
     def exchange(
-        self, job: DrainJob, manifest: Manifest, target: StoredCheckpoint, link: DrainLink
+        self, job: DrainJob, manifest: Manifest, target: StoredCheckpoint, link: DrainChannel
     ) -> dict[str, int]:
         """Send this rank's files to its partners; receive the files it holds for others."""
         rank = link.rank

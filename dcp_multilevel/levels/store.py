@@ -37,8 +37,7 @@ from ..checkpoint.stored import sibling_location
 from ..codecs import Compression
 from ..errors import DcpMultilevelError, DrainError
 from ..format import Manifest, Reference, locations_from_json, locations_to_json, step_dir
-from .base import DrainJob, DrainResult, LevelDriver
-from .link import DrainLink
+from .base import DrainChannel, DrainJob, DrainResult, LevelDriver
 
 __all__ = ["StoreLevel"]
 
@@ -48,7 +47,7 @@ logger = logging.getLogger(__name__)
 class StoreLevel(LevelDriver):
     """A level at a store URL (a path, ``s3://...``, any fsspec URL)."""
 
-    def drain(self, job: DrainJob, manifest: Manifest, link: DrainLink) -> DrainResult:
+    def drain(self, job: DrainJob, manifest: Manifest, link: DrainChannel) -> DrainResult:
         """Copy this rank's files of ``job.source`` here; rank 0 also commits."""
         self.refuse_replacing(job, manifest, link)  # before any byte is written here
         target = self.checkpoint(job.step)

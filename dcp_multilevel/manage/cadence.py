@@ -56,7 +56,7 @@ from typing import Any
 
 from .. import _dist
 from ..errors import ConfigError
-from ..levels.options import Level
+from ..levels.config import Level
 from ..schedule import Decision, LevelState, Observation, SavePolicy
 
 __all__ = ["Cadence", "Costs", "Tick"]

@@ -27,8 +27,8 @@ The manager is the step and schedule layer on top of the plugin: each save
 is a ``dcp.save`` (or ``dcp.async_save``) with a
 :class:`~dcp_multilevel.MultiLevelWriter` given its levels, each load a
 ``dcp.load`` with a :class:`~dcp_multilevel.MultiLevelReader` given them, and
-the drains, retention and restores are the process's ladder for those levels
-(``ladder/``), shared with any writer or reader given the same levels. What
+the drains, retention and restores are the process's runtime for those levels
+(``runtime/``), shared with any writer or reader given the same levels. What
 the manager adds: when to save (``cadence.py``, the schedule), ``step()``,
 SIGTERM, metrics (``metrics.py``).
 
@@ -47,30 +47,30 @@ import signal
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from .. import _dist
+from .. import levels as levels_pkg
 from ..errors import ConfigError
 from ..format import step_dir
 from ..health import Checks
-from ..ladder import LATEST, ladder_for, newest_step, release
-from ..levels import DrainResult
-from ..levels.options import Level
-from ..levels.topology import Topology
+from ..levels.config import LATEST, PART_SHARE, Level
 from ..plugin import BalancedSavePlanner, MultiLevelReader, MultiLevelWriter
-from ..restore.agreement import Restore, Views
-from ..restore.execute import RestoreReport
-from ..restore.inventory import needed_ranges
-from ..restore.plan import PART_SHARE
 from ..schedule import FixedInterval, SavePolicy
 from ..staging import StagingConfig
 from .cadence import Cadence
 from .metrics import MetricsSink, SaveMetrics
 from .saving import FirstLevelSaves
+
+if TYPE_CHECKING:  # the levels machinery loads with the first manager
+    from ..levels.base import DrainResult
+    from ..levels.restore import Restore, Views
+    from ..levels.restore_execute import RestoreReport
+    from ..levels.topology import Topology
 
 __all__ = ["CheckpointManager", "SaveMetrics"]
 
@@ -153,9 +153,9 @@ class CheckpointManager:
                 dataclasses.replace(lv, overwrite=True) if isinstance(lv, Level) else lv
                 for lv in levels
             ]
-        # Collective: the process's ladder for these levels (shared with any writer or
+        # Collective: the process's runtime for these levels (shared with any writer or
         # reader given them), made the first time.
-        ladder = ladder_for(
+        runtime = levels_pkg.runtime_for(
             levels,
             topology=topology,
             who="CheckpointManager",
@@ -163,36 +163,36 @@ class CheckpointManager:
             timeout_s=drain_timeout_s,
             part_share=0.0 if restore_whole_files else PART_SHARE,
         )
-        ladder.holders += 1
-        # A manager dropped without close() lets go of its ladder too (its drains
-        # waited for); at interpreter exit the ladders' own hook does that.
-        self._release = weakref.finalize(self, release, ladder, quiet=True)
+        runtime.holders += 1
+        # A manager dropped without close() lets go of its runtime too (its drains
+        # waited for); at interpreter exit the runtimes' own hook does that.
+        self._release = weakref.finalize(self, levels_pkg.release, runtime, quiet=True)
         self._release.atexit = False
-        self._ladder = ladder
-        self._given = list(ladder.given)
+        self._runtime = runtime
+        self._given = list(runtime.given)
         self._topology = topology
-        self.levels, self.drivers, self.topology = ladder.levels, ladder.drivers, ladder.topology
+        self.levels, self.drivers, self.topology = runtime.levels, runtime.drivers, runtime.topology
         self.schedule = schedule if schedule is not None else FixedInterval()
-        if ladder.holdings.schedule is None:  # steps no save recorded: this schedule's
-            ladder.holdings.schedule = self.schedule
+        if runtime.books.schedule is None:  # steps no save recorded: this schedule's
+            runtime.books.schedule = self.schedule
         self._cadence = Cadence(
             self.schedule,
             self.levels,
-            ladder.binding.survives(),
+            runtime.binding.survives(),
             check_seconds=check_seconds,
             save_on_sigterm=save_on_sigterm,
         )
         self._sink = MetricsSink(metrics_path, on_metrics, _dist.rank())
         self._drain_results: list[DrainResult] = []
-        self._unlisten = ladder.listen(self._drain_ended)
+        self._unlisten = runtime.listen(self._drain_ended)
         self._saves = FirstLevelSaves(
-            ladder,
+            runtime,
             self._given,
             topology,
             planner or BalancedSavePlanner(),
             async_save=async_save,
             staging=staging,
-            timeout_s=ladder.timeout_s,
+            timeout_s=runtime.timeout_s,
         )
         if checks is not None and not isinstance(checks, Checks):
             raise ConfigError(f"CheckpointManager(checks=...) takes a Checks, got {checks!r}")
@@ -202,7 +202,7 @@ class CheckpointManager:
         self.async_save = async_save
         self.metrics: list[SaveMetrics] = []
         if sweep_older_than_s is not None:
-            ladder.binding.sweep(sweep_older_than_s)
+            runtime.binding.sweep(sweep_older_than_s)
 
     # ------------------------------------------------------------------ save
 
@@ -220,7 +220,7 @@ class CheckpointManager:
         for its commit, and raises ``SystemExit(143)`` on every rank.
         """
         _check_step(step)
-        tick = self._cadence.tick(step, loss, self._ladder.costs)
+        tick = self._cadence.tick(step, loss, self._runtime.costs)
         self._saves.loss = loss  # judged by the save, if one is made
         try:
             if tick.stop:
@@ -237,7 +237,7 @@ class CheckpointManager:
                 if loss is not None and self.checks.loss is not None:
                     self.checks.loss.observe(loss)
                 return None
-            self._ladder.holdings.decided(step, tick.decision.levels)
+            self._runtime.books.decided(step, tick.decision.levels)
             self._sink.emit(
                 {**tick.decision.record(), "step": step, "rank": _dist.rank(), "unix": time.time()}
             )
@@ -262,7 +262,7 @@ class CheckpointManager:
         same step). ``loss``: the step's loss, for the health checks' loss rule.
         """
         _check_step(step)
-        holdings = self._ladder.holdings
+        holdings = self._runtime.books
         due = [i for i in range(1, len(self.levels)) if holdings.due(i, step, again=True)]
         self._saves.loss = loss
         try:
@@ -317,13 +317,13 @@ class CheckpointManager:
         return p.metrics
 
     def _committed(self, writer: MultiLevelWriter, metrics: SaveMetrics) -> None:
-        """After the first level committed a save: wait until the ladder followed it up
+        """After the first level committed a save: wait until the runtime followed it up
         (rank 0's decisions for every rank: which drains run, what first-level retention
         removed), and record where the step went."""
         t0 = time.perf_counter()
         ticket = writer.ticket
         assert ticket is not None  # a writer given levels, whose save began
-        self._ladder.commits.settle(ticket)
+        self._runtime.follower.settle(ticket)
         metrics.drains_started = list(ticket.sent.started)
         metrics.drains_skipped = list(ticket.sent.skipped)
         metrics.drains_queued = list(ticket.sent.queued)
@@ -341,7 +341,7 @@ class CheckpointManager:
         self._sink.emit(metrics.record(_dist.rank()))
 
     def _drain_ended(self, result: DrainResult) -> None:
-        """Every drain of the ladder: kept for :attr:`drain_results`, and a metrics record."""
+        """Every drain of the runtime: kept for :attr:`drain_results`, and a metrics record."""
         self._drain_results.append(result)
         self._sink.emit(result.record(_dist.rank()))
 
@@ -350,12 +350,12 @@ class CheckpointManager:
     @property
     def last_load_sources(self) -> dict[str, int]:
         """After a load: how many items each copy served on this rank."""
-        return self._ladder.loader.last_load_sources
+        return self._runtime.restorer.last_load_sources
 
     @property
     def last_restore(self) -> RestoreReport | None:
         """The last load's restore: files brought onto this rank's node, by source."""
-        return self._ladder.loader.last_restore
+        return self._runtime.restorer.last_restore
 
     def steps(self, level_index: int) -> list[int]:
         """Steps with a complete checkpoint on level ``level_index``, ascending."""
@@ -378,7 +378,7 @@ class CheckpointManager:
         (a drain killed with the previous run) is drained again.
         """
         self.finish_save()
-        if newest_step(self._given, topology=self._topology) is None:
+        if levels_pkg.newest_step(self._given, topology=self._topology) is None:
             return None
         return self._load(state_dict, LATEST, planner, allow_quarantined)
 
@@ -408,7 +408,7 @@ class CheckpointManager:
         # What each rank reads, from a dry run of the load planner: the restore brings
         # exactly that, in one round, and damage found while copying it makes the load
         # go on to an older step.
-        loads.reads = lambda manifest: needed_ranges(state_dict, manifest, planner)
+        loads.reads = lambda manifest: levels_pkg.needed_ranges(state_dict, manifest, planner)
         try:
             dcp.load(state_dict, storage_reader=reader, planner=planner)
         except CheckpointException as e:  # the ranks could not agree on the step, or bring it
@@ -416,7 +416,7 @@ class CheckpointManager:
                 raise loads.failure from e
             raise
         assert loads.restore is not None and loads.views is not None
-        self._sink.emit(self._ladder.loader.record(loads.restore.step))
+        self._sink.emit(self._runtime.restorer.record(loads.restore.step))
         self._resume_schedule(loads.restore, loads.views)
         return loads.restore.step
 
@@ -428,7 +428,7 @@ class CheckpointManager:
             for i in range(len(self.levels))
             if any(s <= plan.step for view in views.everyone for s in view[i])
         }
-        self._cadence.resume(self._ladder.loader.kept(plan, SCHEDULE_KEY), plan.step, held)
+        self._cadence.resume(self._runtime.restorer.kept(plan, SCHEDULE_KEY), plan.step, held)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -442,7 +442,7 @@ class CheckpointManager:
         newest step due on each level is there (or its drain failed); DrainError if
         any drain failed since the last call."""
         self.finish_save()
-        self._ladder.wait()
+        self._runtime.wait()
         return self.drain_results
 
     def close(self) -> None:
@@ -456,7 +456,7 @@ class CheckpointManager:
             self._saves.close()
             self._unlisten()
             if self._release.detach() is not None:  # once, however often close() is called
-                release(self._ladder)
+                levels_pkg.release(self._runtime)
 
 
 def _check_step(step: object) -> None:

@@ -3,14 +3,14 @@
 Each save is ``dcp.save(state, storage_writer=MultiLevelWriter("step-<N>",
 levels=...))``, the manager's levels and the schedule's decision of where
 the step goes (``due``): the writer commits it on the first level, and the
-process's ladder for the levels (``ladder/``) sends it on in the background.
+process's runtime for the levels (``runtime/``) sends it on in the background.
 A first-level delta whose reference fails while the save reads it is saved
-again whole (every rank sees the same failure; the ladder then drops that
+again whole (every rank sees the same failure; the runtime then drops that
 reference).
 
 Call order (main thread, every rank, collective)::
 
-    saves = FirstLevelSaves(ladder, levels, topology, planner)
+    saves = FirstLevelSaves(runtime, levels, topology, planner)
     writer = saves.save(state_dict, step, extra, due)   returns once the first level committed
 
 With ``async_save=True`` (``CheckpointManager(async_save=True)``), instead::
@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -43,12 +43,14 @@ from .. import _dist
 from ..errors import BrokenChainError, ConfigError, CorruptCheckpointError
 from ..format import step_dir
 from ..health import Checks
-from ..ladder import Ladder
-from ..levels import Topology
-from ..levels.options import Level
+from ..levels.config import Level
 from ..plugin import MultiLevelWriter
 from ..staging import StagingConfig
 from .metrics import SaveMetrics
+
+if TYPE_CHECKING:
+    from ..levels.runtime import Runtime
+    from ..levels.topology import Topology
 
 __all__ = ["FirstLevelSaves", "PendingSave"]
 
@@ -73,7 +75,7 @@ class FirstLevelSaves:
     """The manager's saves (see the module docstring).
 
     Args:
-        ladder: the manager's ladder (``ladder_for(levels)``).
+        runtime: the manager's runtime (``runtime_for(levels)``).
         levels, topology: as the manager was given them (its writers get the same).
         planner: the save planner, reused so that DCP's plan cache works.
         async_save: saves go through :meth:`save_async`; makes the gloo group DCP's
@@ -87,7 +89,7 @@ class FirstLevelSaves:
 
     def __init__(
         self,
-        ladder: Ladder,
+        runtime: Runtime,
         levels: Sequence[Level],
         topology: Topology | None,
         planner: SavePlanner,
@@ -96,13 +98,13 @@ class FirstLevelSaves:
         staging: StagingConfig | None = None,
         timeout_s: float = 3600.0,
     ) -> None:
-        if async_save and ladder.first.deltas:
+        if async_save and runtime.first.deltas:
             raise ConfigError(
-                f"CheckpointManager(async_save=True): the first level {ladder.first.url} stores "
+                f"CheckpointManager(async_save=True): the first level {runtime.first.url} stores "
                 "deltas, which async saves do not code; keep deltas on a higher level, or "
                 "save synchronously"
             )
-        self.ladder = ladder
+        self.runtime = runtime
         self.levels = list(levels)
         self.topology = topology
         self.planner = planner
@@ -151,7 +153,7 @@ class FirstLevelSaves:
         fence = None
         if isinstance(future, AsyncSaveResponse):  # overlap: the copies run behind a fence
             fence, future = future.staging_completion, future.upload_completion
-        metrics = SaveMetrics(step, self.ladder.first.url, 0, time.perf_counter() - t0)
+        metrics = SaveMetrics(step, self.runtime.first.url, 0, time.perf_counter() - t0)
         pool = writer.staging_pool
         if pool is not None:
             metrics.staging_bytes, metrics.staging_peak_bytes = pool.held_bytes, pool.peak_bytes

@@ -201,7 +201,7 @@ def _unwritable(writer: MultiLevelWriter, path: str, error: OSError) -> Checkpoi
             "checkpoint, or save elsewhere"
         )
     else:
-        level = saves.ladder.first.url
+        level = saves.runtime.first.url
         where = f"step {saves.step} on the first level {level} ({checkpoint})"
         todo = (
             "Make the first level's root a directory every rank can write on its node, "

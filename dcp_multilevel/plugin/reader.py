@@ -33,28 +33,30 @@ import os
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from .. import levels as levels_pkg
 from ..checkpoint import StoredCheckpoint, new_save_id
 from ..checkpoint.fallback import Failure, Trail, item_name, unusable_copy
 from ..checkpoint.pinned import release_pinned
 from ..checkpoint.streams import StreamMarks
 from ..errors import ConfigError, DcpMultilevelError, ManifestError
 from ..format import MANIFEST_NAME, ItemLocation, Manifest
-from ..ladder import ladder_for
-from ..levels import Topology
-from ..levels.options import Level
+from ..levels.config import Level
 from ..stores import Store
 from .arguments import check_arguments
 from .dcp_logs import one_line_in_dcp_log
-from .level_reads import LevelLoads
 from .read_files import read_file, split_runs
 from .read_options import checked_fallbacks, warn_if_quarantined
+
+if TYPE_CHECKING:  # the levels machinery loads only for a reader given levels
+    from ..levels.loads import LevelLoads
+    from ..levels.topology import Topology
 
 __all__ = ["MultiLevelReader"]
 
@@ -149,9 +151,9 @@ class MultiLevelReader(StorageReader):
         #: agreed; ``loads.last_restore``: what was brought onto this rank's node).
         self.loads: LevelLoads | None = None
         if levels is not None:
-            LevelLoads.refuse(fallbacks, primary_manifest)
-            ladder = ladder_for(levels, topology=topology, who="MultiLevelReader")
-            self.loads = LevelLoads(ladder, path)
+            levels_pkg.LevelLoads.refuse(fallbacks, primary_manifest)
+            runtime = levels_pkg.runtime_for(levels, topology=topology, who="MultiLevelReader")
+            self.loads = levels_pkg.LevelLoads(runtime, path)
             self.loads.allow_quarantined = allow_quarantined
             self.path = self.loads.location
             self._new_load()
@@ -256,7 +258,7 @@ class MultiLevelReader(StorageReader):
                 continue
             self._base = i
             self.metadata_source = copy.url
-            if self.loads is None:  # (with levels, the ladder chose the step knowingly)
+            if self.loads is None:  # (with levels, the runtime chose the step knowingly)
                 warn_if_quarantined(manifest, copy.url)
             md = manifest.metadata
             md.storage_meta = StorageMeta(
@@ -311,7 +313,7 @@ class MultiLevelReader(StorageReader):
             if self._primary_manifest is not None:  # the step is on the first level
                 indices = [req.storage_index for req in plan.items]
                 self._copies = levels.checkpoints(levels.complete(indices), self._copies)
-            with levels.ladder.loader.phase("read"):
+            with levels.runtime.restorer.phase("read"):
                 failed = self._try_read(plan, planner)
                 if levels.repaired(failed is not None) and failed is not None:
                     failed = self._try_read(plan, planner)

@@ -19,18 +19,19 @@ DCP calls ``finish`` only when ``write_data`` succeeded on every rank, so a
 failure anywhere leaves no new manifest, and the old one (if any) untouched.
 
 With ``levels``, the path names a step (``step-<N>``): the writer writes and
-commits it on the first level, and the process's ladder for those levels
+commits it on the first level, and the process's runtime for those levels
 sends it on to the others in the background (``level_saves.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -43,6 +44,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from .. import levels as levels_pkg
 from .._phases import reached
 from ..checkpoint import StoredCheckpoint, new_save_id
 from ..checkpoint.pinned import release_pinned
@@ -55,16 +57,18 @@ from ..errors import (
 )
 from ..format import ItemLocation, dtype_name
 from ..health import Checks, Health, Tally
-from ..ladder.commits import SaveTicket
-from ..levels import Topology
-from ..levels.options import Level
+from ..levels.config import Level
 from ..staging import BackgroundSave, Stager, StagingConfig
 from ..staging.buffers import HostBufferPool
 from ..stores import Store, store_for
 from .arguments import check_arguments
 from .data_files import write_rank
-from .level_saves import LevelSaves, reporting
 from .save_health import rank_report, replaces_quarantined, take_reports
+
+if TYPE_CHECKING:  # the levels machinery loads only for a writer given levels
+    from ..levels.follower import SaveTicket
+    from ..levels.saves import LevelSaves
+    from ..levels.topology import Topology
 
 __all__ = ["MultiLevelWriter"]
 
@@ -174,17 +178,22 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         self.loss = loss
         #: What the last committed save's checks found (the coordinator's; None before).
         self.health: Health | None = None
-        self._levels = LevelSaves.of(
-            levels,
-            topology,
-            due,
-            path,
-            codec=codec,
-            storage_options=storage_options,
-            reference=reference,
-        )
+        self._levels: LevelSaves | None = None
+        if levels is not None:
+            self._levels = levels_pkg.LevelSaves.of(
+                levels,
+                topology,
+                due,
+                codec=codec,
+                storage_options=storage_options,
+                reference=reference,
+            )
+        elif topology is not None or due is not None:
+            raise ConfigError("MultiLevelWriter: topology and due go with levels=[...]")
+        elif path is None:
+            raise ConfigError("MultiLevelWriter needs a path (or levels=[...])")
         if self._levels is not None:  # the first level's options are the writer's
-            first = self._levels.ladder.first
+            first = self._levels.runtime.first
             codec, storage_options = first.codec, first.storage_options
             overwrite = overwrite or first.overwrite
         self.extra = dict(extra or {})
@@ -306,8 +315,14 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
 
     @property
     def ticket(self) -> SaveTicket | None:
-        """With ``levels``: the last save's ticket (``ladder/commits.py``)."""
+        """With ``levels``: the last save's ticket (``levels/follower.py``)."""
         return self._levels.ticket if self._levels is not None else None
+
+    def _reporting(self, outcome: str | None) -> contextlib.AbstractContextManager:
+        """:meth:`LevelSaves.reporting` with levels; nothing without."""
+        if self._levels is None:
+            return contextlib.nullcontext()
+        return self._levels.reporting(outcome)
 
     @property
     def store(self) -> Store:
@@ -360,7 +375,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """The plan unchanged, once every tensor's dtype is known to be storable."""
         # Fail before any byte is written if a tensor cannot be stored.
-        with reporting(self._levels, None):
+        with self._reporting(None):
             for item in plan.items:
                 if item.tensor_data is not None:
                     dtype_name(item.tensor_data.properties.dtype, fqn=item.index.fqn)
@@ -374,7 +389,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         restorable (a timeline that no longer exists; ``docs/levels.md``, "After a
         crash"). With ``levels``, every rank hears of a refusal (no drain waits for it).
         """
-        with reporting(self._levels, None):
+        with self._reporting(None):
             self._refuse_overwrite()
             self._check_reference()  # a reference that is no sibling fails before any write
         return plans
@@ -411,7 +426,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         """Write this rank's items to its own data files; the future is complete."""
         # An async save's thread writes at background priority; failures are recorded.
         with (
-            reporting(self._levels, "written"),
+            self._reporting("written"),
             self._stager.background("write_data", rank=self.rank) as save,
         ):
             return self._write_data(plan, planner, save)
@@ -435,7 +450,7 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit (coordinator): the manifest written last, then stale files swept."""
         with (
-            reporting(self._levels, "committed"),
+            self._reporting("committed"),
             self._stager.background("finish", rank=self.rank),
         ):
             self._finish(metadata, results)

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..levels.options import Level
+from ..levels.config import Level
 
 __all__ = ["Decision", "LevelState", "Observation", "SavePolicy"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..levels.options import Level
+from ..levels.config import Level
 from .base import Decision, Observation, SavePolicy
 
 __all__ = ["FixedInterval"]

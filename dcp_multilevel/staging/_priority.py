@@ -10,7 +10,7 @@ inherit it.
 
 Called by ``Stager.background`` on the thread running an async save's
 ``write_data`` / ``finish`` (DCP starts that thread for the one save), and by
-each drain lane's thread (``levels/drainer.py``), never on the training thread.
+each drain lane's thread (``levels/lanes.py``), never on the training thread.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .. import _dist
-from ..levels.options import Level
+from ..levels.config import Level
 from ..manage.manager import CheckpointManager
 from .ranks import run_ranks
 

@@ -1,11 +1,11 @@
 """Drain coordination: which drains a save starts, after a restart, and after a restore.
 
-:class:`Drains` builds the drain jobs a ladder's saves need (a first-level
+:class:`Dispatcher` builds the drain jobs a runtime's saves need (a first-level
 step onto each higher level due, after the references a level between nodes
 lacks), names them alike on every rank, takes rank 0's decisions where the
-policy needs one, and hands them to the lanes (``levels/drainer.py``). It
-also drains again what a crash left undone (:meth:`Drains.resume`) and what
-a restore onto a replaced node left unprotected (:meth:`Drains.reprotect`).
+policy needs one, and hands them to the lanes (``levels/lanes.py``). It
+also drains again what a crash left undone (:meth:`Dispatcher.resume`) and what
+a restore onto a replaced node left unprotected (:meth:`Dispatcher.reprotect`).
 
 Call order (main thread, every rank, the same arguments everywhere)::
 
@@ -30,12 +30,14 @@ from .. import _dist
 from ..checkpoint import decoded_manifest
 from ..errors import DcpMultilevelError
 from ..format import is_rank_file, rank_files
-from ..levels import Drainer, DrainJob, DrainResult, LevelDriver, Topology
-from ..levels.options import Level
-from .chains import DeltaChains
-from .holdings import Holdings
+from .base import DrainJob, DrainResult, LevelDriver
+from .books import Books
+from .config import Level
+from .deltas import DeltaHistory
+from .lanes import Lanes
+from .topology import Topology
 
-__all__ = ["DrainDecision", "Drains", "Sent"]
+__all__ = ["Dispatcher", "DrainDecision", "Sent"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,15 +71,15 @@ class Sent:
     queued: list[str] = field(default_factory=list)
 
 
-class Drains:
+class Dispatcher:
     """Builds and submits the manager's drains (see the module docstring)."""
 
     def __init__(
         self,
         levels: Sequence[Level],
         drivers: Sequence[LevelDriver],
-        chains: DeltaChains,
-        holdings: Holdings,
+        chains: DeltaHistory,
+        holdings: Books,
         topology: Topology | None,
         *,
         policy: str,
@@ -87,15 +89,15 @@ class Drains:
     ) -> None:
         self.levels = list(levels)
         self.drivers = list(drivers)
-        self.chains = chains
-        self.holdings = holdings
+        self.deltas = chains
+        self.books = holdings
         self.topology = topology
         self._on_result = on_result
-        # Drain ids key values in the c10d store, shared by every ladder of the
+        # Drain ids key values in the c10d store, shared by every runtime of the
         # process group: ``instance`` numbers this one, the same on every rank.
         self._instance = instance
         self._generation = 0
-        self.drainer = Drainer(
+        self.lanes = Lanes(
             policy=policy,
             timeout_s=timeout_s,
             on_committed=holdings.committed,
@@ -107,14 +109,14 @@ class Drains:
 
     def decide(self, step: int, due: Sequence[int]) -> DrainDecision:
         """Rank 0: which due levels to skip, and which references to send first."""
-        policy = self.drainer.policy
-        skip = tuple(i for i in due if policy == "skip" and self.drainer.busy(self.drivers[i]))
+        policy = self.lanes.policy
+        skip = tuple(i for i in due if policy == "skip" and self.lanes.busy(self.drivers[i]))
         before: dict[int, list[int]] = {}
         for i in due:
             if i in skip:
                 continue
             if policy == "wait":  # then retention knows the outcome
-                self.drainer.finish(self.drivers[i])
+                self.lanes.finish(self.drivers[i])
             before[i] = self._missing_references(i, step)
         return DrainDecision(skip, before)
 
@@ -132,7 +134,7 @@ class Drains:
         self._generation += 1
         for i in due:
             skip = i in decision.skip
-            ref = None if skip else self.chains.reference(i)
+            ref = None if skip else self.deltas.reference(i)
             job = self._job(
                 i,
                 step,
@@ -143,12 +145,12 @@ class Drains:
                 supersedes,
             )
             url = self.levels[i].url
-            queued = self.drainer.busy(self.drivers[i])
-            if self.drainer.submit(job, skip=skip) is None:
-                self.holdings.dropped(i, step)
+            queued = self.lanes.busy(self.drivers[i])
+            if self.lanes.submit(job, skip=skip) is None:
+                self.books.dropped(i, step)
                 sent.skipped.append(url)
                 continue
-            self.chains.stored(i, step, ref)
+            self.deltas.stored(i, step, ref)
             sent.started.append(url)
             if queued:
                 sent.queued.append(url)
@@ -160,14 +162,14 @@ class Drains:
         level's deltas as they are, of use there only beside their references. Steps
         on rank 0's node's part of the level are not sent again; one a running drain
         is bringing there is dropped when this job starts, if it arrived."""
-        if not self.chains.holds_first_level_deltas(index):
+        if not self.deltas.holds_first_level_deltas(index):
             return []
         chain: list[int] = []
         driver = self.drivers[index]
-        ref = self.chains.refs(0, [step]).get(step)
+        ref = self.deltas.refs(0, [step]).get(step)
         while ref is not None and not driver.checkpoint(ref).is_committed() and ref not in chain:
             chain.append(ref)
-            ref = self.chains.refs(0, [ref]).get(ref)
+            ref = self.deltas.refs(0, [ref]).get(ref)
         return chain[::-1]
 
     def _drain_id(self, index: int, step: int, why: str = "") -> str:
@@ -207,7 +209,7 @@ class Drains:
         superseded step needs no protection on the first level any more."""
         if result.superseded:
             index = next(i for i, d in enumerate(self.drivers) if d.url == result.level)
-            self.holdings.dropped(index, result.step)
+            self.books.dropped(index, result.step)
         if self._on_result is not None:
             self._on_result(result)
 
@@ -220,7 +222,7 @@ class Drains:
         resumed: dict[int, int] = {}
         for i in range(1, len(self.levels)):
             newest_there = max(view[i], default=-1)
-            pending = [s for s in first if self.holdings.due(i, s) and s > newest_there]
+            pending = [s for s in first if self.books.due(i, s) and s > newest_there]
             if pending:
                 resumed[i] = pending[-1]
         if not resumed:
@@ -237,7 +239,7 @@ class Drains:
                 "dcp_multilevel: resuming the drain of step %d to %s", step, self.levels[i].url
             )
             job = self._job(i, step, self._drain_id(i, step, "resume"), time.time(), before[i])
-            self.drainer.submit(job, skip=False)  # every rank alike: never skipped
+            self.lanes.submit(job, skip=False)  # every rank alike: never skipped
 
     def _whole_on_first_level(self, resumed: dict[int, int]) -> dict[int, int]:
         """The drains of :meth:`resume` (level -> step) whose step every rank holds its own
@@ -338,7 +340,7 @@ class Drains:
                 )
             drain_id = self._drain_id(i, steps[-1], "reprotect")
             job = self._job(i, steps[-1], drain_id, time.time(), steps[:-1])
-            self.drainer.submit(job, skip=False)
+            self.lanes.submit(job, skip=False)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -347,11 +349,11 @@ class Drains:
         levels whose lane is busy (for the schedule)."""
         drains: dict[int, float] = {}
         index_of = {d.url: i for i, d in enumerate(self.drivers)}
-        for result in reversed(self.drainer.results):  # the newest first
+        for result in reversed(self.lanes.results):  # the newest first
             index = index_of.get(result.level)
             if result.committed and index is not None and index not in drains:
                 drains[index] = result.seconds
                 if len(drains) == len(self.drivers) - 1:
                     break
-        busy = {i for i, d in enumerate(self.drivers) if i > 0 and self.drainer.busy(d)}
+        busy = {i for i, d in enumerate(self.drivers) if i > 0 and self.lanes.busy(d)}
         return drains, busy

@@ -1,6 +1,6 @@
-"""What each level holds, as the ladder knows it, and the retention that follows.
+"""What each level holds, as the runtime knows it, and the retention that follows.
 
-:class:`Holdings` is the one owner of the ladder's books: the levels each
+:class:`Books` is the one owner of the runtime's books: the levels each
 step was decided for, the steps known committed on each higher level (from
 drains and from listings at load time), and the steps a level will not get
 (skipped, or superseded by a newer due step). First-level retention reads
@@ -8,8 +8,8 @@ them, never the remote itself, so a slow or unreachable remote cannot stall
 ``save``.
 
 Threads: the main thread saves, decides and applies first-level retention;
-each higher level's drain lane reports its commits (:meth:`Holdings.committed`,
-the drainer's ``on_committed``) and applies that level's retention in its own
+each higher level's drain lane reports its commits (:meth:`Books.committed`,
+the lanes's ``on_committed``) and applies that level's retention in its own
 thread. The books are under one lock, held only to read or change them, never
 during I/O or while waiting for a drain (a lane's callback would wait for it,
 and the next ``save`` behind the lane). Each level's retention runs in one
@@ -18,9 +18,9 @@ thread only, so its listing and its deletions never race.
 The books keep no state per save beyond the steps still on the first level:
 what retention removes there is forgotten (a long run's books stay flat).
 
-Call order (the ladder makes every call)::
+Call order (the runtime makes every call)::
 
-    holdings.spare(drainer, saving)    construction: what retention must not delete
+    holdings.spare(lanes, saving)    construction: what retention must not delete
     holdings.decided(step, levels)     main thread, when the schedule sent a step
     holdings.due(index, step)          any thread
     holdings.retain(0) -> removed      rank 0, after a first-level save (holdings.oldest: the
@@ -41,22 +41,24 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 
 from .. import _dist
-from ..levels import Drainer, DrainJob, LevelDriver, Topology
-from ..levels.options import Level
 from ..schedule import SavePolicy
-from .chains import DeltaChains
+from .base import DrainJob, LevelDriver
+from .config import Level
+from .deltas import DeltaHistory
+from .lanes import Lanes
 from .retention import RetentionRules, not_yet_above
+from .topology import Topology
 
-__all__ = ["Holdings"]
+__all__ = ["Books"]
 
 logger = logging.getLogger(__name__)
 
 
-class Holdings:
+class Books:
     """The manager's books and its retention (see the module docstring).
 
     Args:
-        levels: the ladder's levels; ``drivers`` their drivers.
+        levels: the runtime's levels; ``drivers`` their drivers.
         schedule: decides the steps no decision was recorded for (fixed policies;
             None: only recorded decisions count, see :meth:`due`).
         chains: the levels' delta histories (references retention keeps).
@@ -68,15 +70,15 @@ class Holdings:
         levels: Sequence[Level],
         drivers: Sequence[LevelDriver],
         schedule: SavePolicy | None,
-        chains: DeltaChains,
+        chains: DeltaHistory,
         topology: Topology | None,
     ) -> None:
         self.levels = list(levels)
         self.drivers = list(drivers)
         self.schedule = schedule
-        self.chains = chains
+        self.deltas = chains
         self.topology = topology
-        self._drainer: Drainer | None = None
+        self._lanes: Lanes | None = None
         self._saving: Callable[[], set[int]] | None = None
         self._rules = [RetentionRules(level.keep) for level in self.levels]
         #: Rank 0, after :meth:`retain` of the first level: the oldest step left there.
@@ -93,13 +95,13 @@ class Holdings:
         # Steps committed quarantined (``format/health.py``): retention counts them last.
         self._quarantined: set[int] = set()
 
-    def spare(self, drainer: Drainer, saving: Callable[[], set[int]] | None = None) -> None:
-        """Retention spares what ``drainer``'s running and waiting drains read (the
-        drainer reports its commits to :meth:`committed`: it is built after this), and
+    def spare(self, lanes: Lanes, saving: Callable[[], set[int]] | None = None) -> None:
+        """Retention spares what ``lanes``'s running and waiting drains read (the
+        lanes reports its commits to :meth:`committed`: it is built after this), and
         on the first level the steps ``saving()`` names: saves in progress, whose
         directories have no manifest yet (retention runs beside the next save, and
         would take an older step's for one a crash abandoned)."""
-        self._drainer = drainer
+        self._lanes = lanes
         self._saving = saving
 
     # ------------------------------------------------------------------ books
@@ -176,13 +178,13 @@ class Holdings:
         found = driver.scan()  # one look at the level: both lists from the same moment
         complete = list(found.committed)
         protected = set()
-        if self._drainer is not None:  # the first level: every lane's; else the level's own
-            protected = self._drainer.inflight_steps(None if index == 0 else driver)
+        if self._lanes is not None:  # the first level: every lane's; else the level's own
+            protected = self._lanes.inflight_steps(None if index == 0 else driver)
         if index == 0:
             protected |= self._first_level_protected(complete)
             if self._saving is not None:
                 protected |= self._saving()
-        refs = self.chains.refs(index, complete)
+        refs = self.deltas.refs(index, complete)
         with self._lock:
             quarantined = set(self._quarantined)
         doomed = self._rules[index].doomed(
@@ -192,7 +194,7 @@ class Holdings:
             driver.delete(step)
             logger.info("dcp_multilevel: retention removed step %d from %s", step, level.url)
         kept = [s for s in complete if s not in doomed]
-        self.chains.retained(index, kept)
+        self.deltas.retained(index, kept)
         if index == 0:
             self.oldest = min(kept, default=None)
             self._forget_below(self.oldest)
@@ -222,7 +224,7 @@ class Holdings:
             with self._lock:
                 known, dropped = set(self._known[j]), set(self._dropped[j])
             protected |= not_yet_above(complete, lambda s, j=j: self.due(j, s), known, dropped)
-            ref = self.chains.reference(j)
+            ref = self.deltas.reference(j)
             if ref is not None:
                 protected.add(ref)
         return protected
@@ -234,7 +236,7 @@ class Holdings:
         if _dist.world_size() > 1 and self._deletes_for_node():
             for step in removed:
                 self.drivers[0].delete(step)
-        self.chains.removed(0, removed)
+        self.deltas.removed(0, removed)
         self._forget_below(oldest)
 
     def _deletes_for_node(self) -> bool:

@@ -1,36 +1,52 @@
-"""A ladder's delta chains: per level, what it stored there and what the next
-save there is coded against (``keyframes.py`` holds the rules).
+"""Delta levels: per level, the delta history (what the runtime stored there) and what
+the next save there is coded against.
 
 Every rank keeps the same history: it records the decisions every rank took
 alike (the first level's save, each drain submitted), never an outcome only
 one rank saw. A reference that turns out to be unusable (missing, damaged,
 another save) makes that save whole where it is read, so a history that is
-wrong about it costs bytes, never data. Retention asks :meth:`DeltaChains.refs`
+wrong about it costs bytes, never data. Retention asks :meth:`DeltaHistory.refs`
 for the references of the steps a level holds: the history where it knows,
 else the checkpoint's manifest (steps saved before a restart).
 
 Thread-safety: drains record and retention reads from the drain worker while
 the main thread saves, so every method takes the lock.
+
+**The rules** (pure, no I/O: :func:`next_reference`, :func:`needed`): which checkpoint
+the next save is coded against, and which checkpoints the kept ones need.
+
+A level with ``keyframe_every=N`` (``docs/delta.md``) stores every N-th
+checkpoint whole (a keyframe) and the others as deltas against an earlier
+checkpoint on the same level: the last keyframe (``delta_against="keyframe"``)
+or the level's previous checkpoint (``"previous"``). The manager keeps, per
+level, the history of what it stored there in save order, ``(step,
+reference step or None)``, the same on every rank; these rules turn it into
+the next save's reference. A reference that turns out to be missing or
+damaged when the save reads it makes that save whole (the writer and the
+drain check), so the history only steers, it never has to be right.
+
+Retention keeps every checkpoint a kept one needs: :func:`needed` closes a
+set of steps under "is the reference of".
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from .. import _dist
 from ..errors import DcpMultilevelError
-from ..levels import LevelDriver
-from ..levels.options import Level
-from .keyframes import next_reference
+from .base import LevelDriver
+from .config import Level
 
-__all__ = ["DeltaChains"]
+__all__ = ["DeltaHistory", "needed", "next_reference"]
+
 
 logger = logging.getLogger(__name__)
 
 
-class DeltaChains:
+class DeltaHistory:
     """The delta history of every level with ``keyframe_every > 1``."""
 
     def __init__(self, levels: Sequence[Level], drivers: Sequence[LevelDriver]) -> None:
@@ -162,3 +178,54 @@ class DeltaChains:
                 self._read[index][step] = ref
             out[step] = ref
         return out
+
+
+def next_reference(
+    history: Sequence[tuple[int, int | None]],
+    keyframe_every: int | None,
+    against: str = "keyframe",
+    present: Iterable[int] | None = None,
+) -> int | None:
+    """The step the next save on the level is coded against, or None (a keyframe).
+
+    ``history``: ``(step, reference)`` of the level's checkpoints in save order
+    (reference None: a keyframe). ``present``: the steps still on the level
+    (None: all of the history); a chain through a missing step starts over.
+    """
+    if keyframe_every is None or keyframe_every <= 1 or not history:
+        return None
+    alive = {s for s, _ in history} if present is None else set(present)
+    keyframes = [i for i, (s, ref) in enumerate(history) if ref is None]
+    if not keyframes or history[keyframes[-1]][0] not in alive:
+        return None
+    last = keyframes[-1]
+    if len(history) - last >= keyframe_every:  # the keyframe and N - 1 deltas: a new one
+        return None
+    if against == "keyframe":
+        return history[last][0]
+    # "previous": the newest, if its whole chain back to the keyframe is still there.
+    refs = dict(history)
+    step: int | None = history[-1][0]
+    while step is not None:
+        if step not in alive:
+            return None
+        step = refs.get(step)
+    return history[-1][0]
+
+
+def needed(keep: Iterable[int], refs: Mapping[int, int | None]) -> set[int]:
+    """``keep`` and every step one of them needs: its reference, that one's, and so on.
+
+    ``refs``: each step's reference (None or absent: stored whole).
+    """
+    out: set[int] = set()
+    todo = list(keep)
+    while todo:
+        step = todo.pop()
+        if step in out:
+            continue
+        out.add(step)
+        ref = refs.get(step)
+        if ref is not None:
+            todo.append(ref)
+    return out

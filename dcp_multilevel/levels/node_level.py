@@ -32,7 +32,7 @@ placement, which this job cannot reproduce.
 
 A step some node holds committed as another save is never replaced unasked:
 each node's lowest rank looks at its own part before anything moves
-(:meth:`NodeLocalLevel.held_save`), and the drain fails on every rank
+(:meth:`NodeLevel.held_save`), and the drain fails on every rank
 (``LevelDriver.refuse_replacing``). With ``Level(overwrite=True)`` it is
 replaced: the new save's data files have names of their own, and its
 manifest is written last, so a node's old step stays loadable until then;
@@ -55,17 +55,16 @@ from ..errors import ConfigError, DrainError
 from ..format import PLACEMENT_NAME, TMP_MARKER, Manifest, rank_files
 from ..stores import Store
 from ..stores.location import parse_location
-from .base import DrainJob, DrainResult, LevelContext, LevelDriver
-from .link import DrainLink
-from .options import Level
+from .base import DrainChannel, DrainJob, DrainResult, LevelContext, LevelDriver
+from .config import Level
 from .topology import NODE_ENV, Topology
 
-__all__ = ["NodeLocalLevel", "link_or_copy"]
+__all__ = ["NodeLevel", "hard_link_or_copy"]
 
 logger = logging.getLogger(__name__)
 
 
-class NodeLocalLevel(LevelDriver):
+class NodeLevel(LevelDriver):
     """A level whose copies live on the nodes' own disks (see the module docstring).
 
     Subclasses set :attr:`kind` and implement :meth:`exchange` (and may check
@@ -132,7 +131,7 @@ class NodeLocalLevel(LevelDriver):
                 "this level."
             )
 
-    def held_save(self, step: int, link: DrainLink, incoming: str) -> str | None:
+    def held_save(self, step: int, link: DrainChannel, incoming: str) -> str | None:
         """The ``save_id`` of ``step`` where some node holds it committed (None: no node
         does), the same on every rank: each node's lowest rank looks at its own part,
         rank 0 takes a save other than ``incoming`` if any node holds one (else the
@@ -163,7 +162,7 @@ class NodeLocalLevel(LevelDriver):
 
     @abc.abstractmethod
     def exchange(
-        self, job: DrainJob, manifest: Manifest, target: StoredCheckpoint, link: DrainLink
+        self, job: DrainJob, manifest: Manifest, target: StoredCheckpoint, link: DrainChannel
     ) -> dict[str, int]:
         """This rank's transfers of one drain; returns byte counts for the metrics
         (``bytes_stored``: new bytes on this node's disk, ``bytes_sent``)."""
@@ -173,12 +172,12 @@ class NodeLocalLevel(LevelDriver):
         left that the commit's own sweep does not (default: nothing). Never raises."""
         return None
 
-    def sidecars(self, job: DrainJob, manifest: Manifest, link: DrainLink) -> dict[str, bytes]:
+    def sidecars(self, job: DrainJob, manifest: Manifest, link: DrainChannel) -> dict[str, bytes]:
         """Files the node's lowest rank writes before the manifest (default: the placement)."""
         assert self.topology is not None
         return {PLACEMENT_NAME: json.dumps({"nodes": list(self.topology.nodes)}).encode()}
 
-    def drain(self, job: DrainJob, manifest: Manifest, link: DrainLink) -> DrainResult:
+    def drain(self, job: DrainJob, manifest: Manifest, link: DrainChannel) -> DrainResult:
         """Bring ``job.source`` onto every node's part of this level (see the module docstring)."""
         topology = self.topology
         if topology is None:
@@ -195,7 +194,7 @@ class NodeLocalLevel(LevelDriver):
             )
             result.skipped = True
             return result
-        # Before anything moves. Drains of one level run one at a time (one lane).
+        # Before anything moves. Dispatcher of one level run one at a time (one lane).
         self.replacing = self.refuse_replacing(job, manifest, link)
         rank = _dist.rank()
         target = self.checkpoint(job.step)
@@ -238,11 +237,11 @@ class NodeLocalLevel(LevelDriver):
         total = 0
         for file in rank_files(manifest.files, rank):
             total += manifest.files[file]
-            link_or_copy(source.store, target.store, file)
+            hard_link_or_copy(source.store, target.store, file)
         return total
 
 
-def link_or_copy(source: Store, target: Store, file: str) -> None:
+def hard_link_or_copy(source: Store, target: Store, file: str) -> None:
     """Make ``file`` of ``source`` appear in ``target``: a hard link when both are local
     directories on one file system (no bytes move), else a copy."""
     src = source.local_path(file)

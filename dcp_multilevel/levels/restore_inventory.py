@@ -1,6 +1,6 @@
 """What each rank needs of a step and what its node holds: the restore's inventories.
 
-Before a load, every rank takes an :class:`~dcp_multilevel.restore.plan.Inventory`
+Before a load, every rank takes an :class:`~dcp_multilevel.levels.restore_plan.Inventory`
 (:func:`take_inventory`): the files (or the items' byte ranges) its ranks need
 (a dry run of DCP's load planner on its state_dict, :func:`needed_ranges`),
 and what its node holds of the step on every level, parity blocks and group
@@ -30,14 +30,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .. import _dist
 from ..checkpoint import StoredCheckpoint
 from ..format import PLACEMENT_NAME, Manifest
-from ..levels.base import LevelDriver
-from . import plan as restore_plan
-from .execute import parts_copy
-from .plan import (
-    Inventory,
-    merge_node_needs,
-    merge_ranges,
-)
+from . import restore_plan
+from .base import LevelDriver
+from .restore_actions import Inventory
+from .restore_execute import parts_copy
+from .restore_plan import merge_node_needs, merge_ranges
 
 __all__ = [
     "ExchangeBytes",

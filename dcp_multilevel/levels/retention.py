@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .keyframes import needed
+from .deltas import needed
 
 __all__ = ["RetentionRules", "abandoned", "deletion_order", "expired", "not_yet_above"]
 

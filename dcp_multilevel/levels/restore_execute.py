@@ -52,12 +52,12 @@ from .. import _dist
 from ..checkpoint import StoredCheckpoint
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, DcpMultilevelError
 from ..format import DATA_DIR, Manifest
-from ..levels.base import LevelDriver
-from ..levels.node_local import link_or_copy
-from ..levels.wire import SOURCE_ERRORS, file_blocks, recv_file, recv_ranges, send_file, send_ranges
-from .actions import BlockFault, Copy, CopyFault, Fault, Inventory, Link, Rebuild, Ring
-from .plan import RestorePlan, group_descriptions
-from .ring import my_hops, received_around
+from .base import LevelDriver
+from .node_level import hard_link_or_copy
+from .restore_actions import BlockFault, Copy, CopyFault, Fault, Inventory, Link, Rebuild, Ring
+from .restore_plan import RestorePlan, group_descriptions
+from .restore_ring import my_hops, received_around
+from .wire import SOURCE_ERRORS, file_blocks, recv_file, recv_ranges, send_file, send_ranges
 
 __all__ = [
     "PARTS_DIR",
@@ -204,7 +204,9 @@ def execute(
             continue
         if isinstance(action, Link):
             if me == action.dst:
-                link_or_copy(drivers[action.level].checkpoint(step).store, into.store, action.file)
+                hard_link_or_copy(
+                    drivers[action.level].checkpoint(step).store, into.store, action.file
+                )
             continue
         if isinstance(action, Copy) and action.ranges is not None:
             if me == action.src:
@@ -225,7 +227,7 @@ def execute(
             ):
                 bad.append(CopyFault(nodes[action.src], action.file))
             continue
-        # A rebuild: the level kind's own (levels/rebuild.py).
+        # A rebuild: the level kind's own (levels/base.py).
         desc = descs[action.level][action.group]
         rebuilder = drivers[action.level].rebuilder
         assert rebuilder is not None  # the plan asked this level's kind for the rebuild

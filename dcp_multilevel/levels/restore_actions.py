@@ -1,14 +1,14 @@
 """What a restore does, as values: the inventories it plans from and its actions.
 
 Every rank plans the same restore from every rank's :class:`Inventory`
-(``inventory.py`` takes and exchanges them); a plan is a list of actions
-(``plan.py`` chooses them, ``order.py`` orders them, ``execute.py`` carries
+(``restore_inventory.py`` takes and exchanges them); a plan is a list of actions
+(``restore_plan.py`` chooses and orders them, ``restore_execute.py`` carries
 them out): a :class:`Link` (a file another level of the node holds), a
 :class:`Copy` (from another node), a :class:`Rebuild` (erasure members from
 their group's intact blocks). A source found damaged while a plan is
 carried out is a *fault* (:class:`CopyFault`, :class:`BlockFault`): the next
 plan leaves it out. Files that every node of many needs travel around a
-:class:`Ring` (``ring.py``): one action for all of them, not one copy per node
+:class:`Ring` (``restore_ring.py``): one action for all of them, not one copy per node
 and file. Pure: no I/O, no torch.distributed.
 """
 

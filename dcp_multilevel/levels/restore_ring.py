@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .actions import Ring, RingFile
+from .restore_actions import Ring, RingFile
 
 __all__ = [
     "Hop",

@@ -2,9 +2,9 @@
 
 DCP calls the writer's ``finish`` (the commit) on its coordinator only: the
 other ranks never hear from DCP that a save committed, yet each must send
-its own files on to the higher levels. :class:`Commits` tells them, and runs
+its own files on to the higher levels. :class:`Follower` tells them, and runs
 what follows a commit on every rank alike, in save order, in one background
-thread per ladder (the follower):
+thread per runtime (the follower):
 
 - each save has a :class:`SaveTicket`, begun when DCP starts the save (the
   writer's ``storage_meta``, every rank) and numbered in the order saves
@@ -12,7 +12,7 @@ thread per ladder (the follower):
   one level list one at a time (an async save is finished before the next
   one starts, as DCP's ``async_save`` expects);
 - its outcome is published once through the c10d store under
-  ``dcp_multilevel/ladder/<ladder>/<n>/end``: ``committed`` by rank 0 right after
+  ``dcp_multilevel/runtime/<runtime>/<n>/end``: ``committed`` by rank 0 right after
   its commit (inside ``finish``: before any rank's ``dcp.save`` returns), or
   ``failed`` by a rank whose part failed (its ``write_data``, rank 0's
   ``finish``) before it raises;
@@ -32,12 +32,12 @@ coordinator's ``prepare_global_plan`` refusing to overwrite) is published as
 (a planner or a peer failed outside the writer) is dropped once its DCP call
 is known to be over: when the next save begins, when the thread that began
 it has ended (DCP runs each ``async_save`` on a thread of its own, which
-ends with the save), or at :meth:`Commits.abandon` for the saves of the
+ends with the save), or at :meth:`Follower.abandon` for the saves of the
 calling thread (``wait`` after a synchronous ``dcp.save``). The follower
 never uses the trainer's process group (see ``_dist.py``); without one, or
 with one rank, nothing goes through the store.
 
-No wait here is without a bound: :meth:`Commits.settle` and the follower's
+No wait here is without a bound: :meth:`Follower.settle` and the follower's
 wait for rank 0's decision give up after ``timeout_s`` with a
 :class:`~dcp_multilevel.errors.WaitTimeoutError` naming the steps and the
 rank, and a follower that cannot join in ``timeout_s`` at close is logged.
@@ -71,9 +71,9 @@ from ..errors import (
     DcpMultilevelError,
     WaitTimeoutError,
 )
-from .drains import Sent
+from .dispatch import Sent
 
-__all__ = ["Commits", "SaveTicket"]
+__all__ = ["Follower", "SaveTicket"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,13 +88,13 @@ _THREAD_POLL_S = 0.05
 
 @dataclass(eq=False)
 class SaveTicket:
-    """One save of a ladder, as this rank follows it (see the module docstring).
+    """One save of a runtime, as this rank follows it (see the module docstring).
 
     The follower and the saving threads share it: ``state``, ``over``,
     ``outcome`` and ``done`` change under the follower's condition only.
     """
 
-    seq: int  # the ladder's n-th save in this process: the same n on every rank
+    seq: int  # the runtime's n-th save in this process: the same n on every rank
     step: int
     due: tuple[int, ...]  # the higher levels the step is due on
     reference: int | None  # the first-level step its deltas are coded against
@@ -121,11 +121,11 @@ class SaveTicket:
         return f"step {self.step} (save {self.seq} of the levels, {self.state})"
 
 
-class Commits:
-    """The follower of one ladder (see the module docstring).
+class Follower:
+    """The follower of one runtime (see the module docstring).
 
     Args:
-        key: names the ladder's values in the c10d store (the same on every rank).
+        key: names the runtime's values in the c10d store (the same on every rank).
         timeout_s: how long a rank waits for rank 0's decision.
         decide: rank 0, the follower's thread: ``decide(ticket)`` for a committed save,
             a JSON value every rank applies.
@@ -163,7 +163,7 @@ class Commits:
         return _dist.world_size() > 1
 
     def _path(self, ticket: SaveTicket, what: str) -> str:
-        return f"dcp_multilevel/ladder/{self.key}/{ticket.seq}/{what}"
+        return f"dcp_multilevel/runtime/{self.key}/{ticket.seq}/{what}"
 
     # ------------------------------------------------------------------ saving threads
 

@@ -2,10 +2,10 @@
 
 The writer writes the first level itself (``<first level>/step-<N>``, the
 commit in ``finish``); :class:`LevelSaves` ties each save to the process's
-ladder for the levels (``ladder/``), which sends it on to the higher levels
+runtime for the levels (``runtime/``), which sends it on to the higher levels
 in the background once it committed::
 
-    all ranks     MultiLevelWriter(path, levels=...)  ladder_for (collective); the step
+    all ranks     MultiLevelWriter(path, levels=...)  runtime_for (collective); the step
                                    the path names; the first level's delta reference
                                    (policy "wait": the saves before followed up first)
     all ranks     reset(checkpoint_id)     the step it names
@@ -16,7 +16,7 @@ in the background once it committed::
     all ranks     write_data               within reporting(saves, "written"): its outcome
     coordinator   finish                   within reporting(saves, "committed"): the commit's
                                            (or its failure's): every rank's follower takes
-                                           it from there (``ladder/commits.py``)
+                                           it from there (``levels/follower.py``)
 """
 
 from __future__ import annotations
@@ -29,26 +29,26 @@ from typing import Any
 
 from ..checkpoint import StoredCheckpoint
 from ..errors import ConfigError, DcpMultilevelError
-from ..ladder import LEVELS_KEY, Ladder, ladder_for, step_of
-from ..ladder.commits import SaveTicket
-from ..levels import Topology
-from ..levels.options import Level
+from .config import Level, step_of
+from .follower import SaveTicket
+from .runtime import LEVELS_KEY, Runtime, runtime_for
+from .topology import Topology
 
-__all__ = ["LevelSaves", "reporting"]
+__all__ = ["LevelSaves"]
 
 # The logger users configure, named as documented (the writer's).
 logger = logging.getLogger("dcp_multilevel.writer")
 
 
 class LevelSaves:
-    """One writer's saves onto a ladder (see the module docstring).
+    """One writer's saves onto a runtime (see the module docstring).
 
     Args:
-        ladder: the process's ladder for the writer's levels.
+        runtime: the process's runtime for the writer's levels.
     """
 
-    def __init__(self, ladder: Ladder) -> None:
-        self.ladder = ladder
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
         self.step: int | None = None
         #: The first-level step this writer's saves code deltas against (None: whole).
         self.reference_step: int | None = None
@@ -57,24 +57,17 @@ class LevelSaves:
     @classmethod
     def of(
         cls,
-        levels: Sequence[Level] | None,
+        levels: Sequence[Level],
         topology: Topology | None,
         due: Sequence[int] | None,
-        path: str | os.PathLike[str] | None,
         **first_level: Any,
-    ) -> LevelSaves | None:
-        """A writer's ``levels`` (None: none), checked against its other arguments
-        (``first_level``: those the first level sets instead). Collective with levels.
+    ) -> LevelSaves:
+        """A writer's ``levels``, checked against its other arguments (``first_level``:
+        those the first level sets instead). Collective.
 
         Raises:
             ConfigError: what is wrong, and what to pass instead.
         """
-        if levels is None:
-            if topology is not None or due is not None:
-                raise ConfigError("MultiLevelWriter: topology and due go with levels=[...]")
-            if path is None:
-                raise ConfigError("MultiLevelWriter needs a path (or levels=[...])")
-            return None
         named = [k for k, v in first_level.items() if v is not None]
         if named:
             raise ConfigError(
@@ -82,9 +75,9 @@ class LevelSaves:
                 "set them on it (Level(..., codec=..., storage_options=...); deltas: "
                 "keyframe_every)"
             )
-        saves = cls(ladder_for(levels, topology=topology, who="MultiLevelWriter"))
+        saves = cls(runtime_for(levels, topology=topology, who="MultiLevelWriter"))
         if due is not None:
-            saves.ladder.check_due(due)
+            saves.runtime.check_due(due)
         return saves
 
     def staging(self, deltas: bool) -> None:
@@ -92,30 +85,30 @@ class LevelSaves:
         if deltas:
             raise ConfigError(
                 f"dcp.async_save with MultiLevelWriter(levels=...): the first level "
-                f"{self.ladder.first.url} stores deltas, which async saves do not code; keep "
+                f"{self.runtime.first.url} stores deltas, which async saves do not code; keep "
                 "deltas on a higher level, or save with dcp.save"
             )
 
     def location(self, path: str | os.PathLike[str]) -> str:
         """Where the first level holds the step ``path`` names (ConfigError otherwise)."""
-        self.step = step_of(path, self.ladder.first, self.ladder.given[0])
-        return self.ladder.first.checkpoint_url(self.step)
+        self.step = step_of(path, self.runtime.first, self.runtime.given[0])
+        return self.runtime.first.checkpoint_url(self.step)
 
     def reference(self) -> StoredCheckpoint | None:
         """The first level's delta reference for this writer's saves (collective).
 
         Under ``drain_policy="wait"`` the saves before are followed up first: their
         drains have started, so this save waits for a level still busy with one."""
-        if self.ladder.policy == "wait":
-            self.ladder.follow_up()
-        if not self.ladder.first.deltas:
+        if self.runtime.policy == "wait":
+            self.runtime.follow_up()
+        if not self.runtime.first.deltas:
             return None
-        found = self.ladder.first_reference()
+        found = self.runtime.first_reference()
         self.reference_step = None if found is None else found[0]
         return None if found is None else found[1]
 
     def begin(self, extra: dict[str, Any], due: Sequence[int] | None, overwrite: bool) -> None:
-        """DCP starts a save (every rank): its ticket; ``extra`` gets the ladder's record.
+        """DCP starts a save (every rank): its ticket; ``extra`` gets the runtime's record.
         ``due``: the higher levels it goes to (None: their ``every``); ``overwrite``:
         it replaces the step on every level that holds it."""
         if self.step is None:
@@ -124,15 +117,15 @@ class LevelSaves:
                 "or as dcp.save(..., checkpoint_id='step-<N>')"
             )
         if overwrite:
-            self.ladder.supersede(self.step)
-        self.ticket = self.ladder.begin(self.step, due, self.reference_step)
-        extra[LEVELS_KEY] = self.ladder.record(self.ticket)
+            self.runtime.supersede(self.step)
+        self.ticket = self.runtime.begin(self.step, due, self.reference_step)
+        extra[LEVELS_KEY] = self.runtime.record(self.ticket)
 
     def replacing(self, checkpoint: StoredCheckpoint, save_id: str) -> bool:
         """The coordinator, before a save of this writer's step over the committed
         ``checkpoint``: whether it replaces the copy of a timeline that the last load
-        passed over (logged with both save ids; ``Ladder.superseded``)."""
-        if self.step is None or not self.ladder.replaces(self.step):
+        passed over (logged with both save ids; ``Runtime.superseded``)."""
+        if self.step is None or not self.runtime.replaces(self.step):
             return False
         try:
             held = checkpoint.held_save_id()
@@ -142,9 +135,9 @@ class LevelSaves:
             "dcp_multilevel: replacing step %d on %s (save %s, passed over by the load of step "
             "%s) with save %s of the resumed run",
             self.step,
-            self.ladder.first.url,
+            self.runtime.first.url,
             held,
-            self.ladder.resumed_from,
+            self.runtime.resumed_from,
             save_id,
         )
         return True
@@ -152,7 +145,7 @@ class LevelSaves:
     def refusal(self) -> str | None:
         """Why this writer's step must not be saved unasked, when a level held it as the
         run resumed from an older step chosen by its number (None: not so)."""
-        resumed = None if self.step is None else self.ladder.newer_than_resumed(self.step)
+        resumed = None if self.step is None else self.runtime.newer_than_resumed(self.step)
         if resumed is None:
             return None
         return (
@@ -163,14 +156,14 @@ class LevelSaves:
 
     def quarantined(self, reason: str) -> None:
         """The coordinator, before its commit is reported: the save's checks found
-        ``reason``; the ladder keeps the step on the first level (``docs/health.md``)."""
+        ``reason``; the runtime keeps the step on the first level (``docs/health.md``)."""
         if self.ticket is not None:
             self.ticket.quarantine = reason
 
     @contextlib.contextmanager
     def reporting(self, outcome: str | None) -> Iterator[None]:
         """Around each of the writer's calls in a save (its plans, ``write_data``, the
-        coordinator's ``finish``): tell the ladder it failed (before it raises), so
+        coordinator's ``finish``): tell the runtime it failed (before it raises), so
         every rank hears of it; else its ``outcome``: ``"written"``, ``"committed"``,
         or None (a plan: nothing to tell yet)."""
         ticket = self.ticket
@@ -178,13 +171,8 @@ class LevelSaves:
             yield
         except BaseException as e:
             if ticket is not None and not ticket.done:
-                self.ladder.commits.failed(ticket, e)
+                self.runtime.follower.failed(ticket, e)
             raise
         if ticket is not None and outcome is not None:
-            commits = self.ladder.commits
+            commits = self.runtime.follower
             (commits.written if outcome == "written" else commits.committed)(ticket)
-
-
-def reporting(saves: LevelSaves | None, outcome: str | None) -> contextlib.AbstractContextManager:
-    """:meth:`LevelSaves.reporting` of a writer's levels (nothing without levels)."""
-    return saves.reporting(outcome) if saves is not None else contextlib.nullcontext()

@@ -1,4 +1,4 @@
-"""Drains in the background: one lane per target level, and what happens to a due
+"""Dispatcher in the background: one lane per target level, and what happens to a due
 step while that level is busy.
 
 A drain brings one committed checkpoint of the first level onto a higher
@@ -7,12 +7,12 @@ runs drains, one at a time per level, and keeps their outcomes.
 
 Call order (driven by :class:`~dcp_multilevel.CheckpointManager`)::
 
-    every rank, main thread   drainer.submit(job)       after the first level's commit,
+    every rank, main thread   lanes.submit(job)       after the first level's commit,
                                                          in the same order on every rank
-    every rank, lane thread   run_drain(job)             the source manifest shared
+    every rank, lane thread   run_one(job)             the source manifest shared
                               through the link (rank 0 reads it), then
                               job.target.drain(job, manifest, link)
-    any thread                drainer.wait(timeout_s)    every lane idle; raises DrainError
+    any thread                lanes.wait(timeout_s)    every lane idle; raises DrainError
                                                          (WaitTimeoutError past the bound)
 
 One lane (one thread) per target level: at most one drain per level runs.
@@ -24,12 +24,12 @@ When a save is due on a level whose lane is busy, ``policy`` decides:
   the newest due step always reaches the level, and ``save`` never blocks on
   a drain.
 - ``"skip"``: the step is not sent there at all (the caller decides, see
-  :meth:`Drainer.submit`); the result says so.
+  :meth:`Lanes.submit`); the result says so.
 - ``"wait"``: ``submit`` blocks until the lane is idle.
 
 Which waiting step a lane runs next is one decision for every rank (a drain
 needs every rank's share): rank 0's lane picks it and publishes its drain id
-through the c10d store under ``dcp_multilevel/lane/<drainer key>/<lane>/<n>``
+through the c10d store under ``dcp_multilevel/lane/<lanes key>/<lane>/<n>``
 (the n-th drain that lane starts); the other ranks' lanes run exactly that
 one, dropping the waiting jobs older than it. Lanes never use the trainer's
 process group (see ``link.py``).
@@ -49,27 +49,26 @@ from .. import _dist
 from ..checkpoint import StoredCheckpoint
 from ..errors import ConfigError, DcpMultilevelError, DrainError, WaitTimeoutError
 from ..staging._priority import lower_thread_priority
-from .base import DrainJob, DrainResult, LevelDriver
-from .link import DrainLink
+from .base import DrainChannel, DrainJob, DrainResult, LevelDriver
 
-__all__ = ["DRAIN_POLICIES", "Drainer", "run_drain"]
+__all__ = ["DRAIN_POLICIES", "Lanes", "run_one"]
 
 logger = logging.getLogger(__name__)
 
 #: What a save does when its level's previous drain is still running.
 DRAIN_POLICIES = ("latest", "skip", "wait")
 
-#: How many of the newest outcomes :attr:`Drainer.results` keeps.
+#: How many of the newest outcomes :attr:`Lanes.results` keeps.
 RESULTS_KEPT = 64
 
 
-def run_drain(job: DrainJob, *, timeout_s: float) -> DrainResult:
+def run_one(job: DrainJob, *, timeout_s: float) -> DrainResult:
     """Run this rank's part of ``job`` (every rank calls it for the same job).
 
     Every failure is told to the other ranks through the link, so no rank
     waits out ``timeout_s`` for a peer that already failed.
     """
-    link = DrainLink(job.drain_id, timeout_s)
+    link = DrainChannel(job.drain_id, timeout_s)
     try:
         raw = link.share_manifest(job.source.manifest_bytes, job.source.url)
         source = StoredCheckpoint(
@@ -99,7 +98,7 @@ class _Waiting:
 
 @dataclass
 class _Lane:
-    """One target level's drains. Guarded by the drainer's condition, except ``started``,
+    """One target level's drains. Guarded by the lanes's condition, except ``started``,
     which only the lane's own thread reads and writes."""
 
     name: str
@@ -118,7 +117,7 @@ class _Lane:
         return ", ".join(sorted({e.job.target.url for e in entries})) or self.name
 
 
-class Drainer:
+class Lanes:
     """Runs drains in the background, one lane per target level (see the module docstring).
 
     Args:
@@ -127,8 +126,8 @@ class Drainer:
         on_committed: ``on_committed(job)`` runs in the lane's thread after a commit.
         on_result: ``on_result(result)`` after every drain (also failed, skipped and
             superseded ones), in the thread that decided it. Neither is called with
-            the drainer's lock held.
-        key: names this drainer's lanes in the c10d store: the same on every rank,
+            the lanes's lock held.
+        key: names this lanes's lanes in the c10d store: the same on every rank,
             unique among the drainers of one process group.
         nice: the lanes' threads run at this nice value (Linux; threads they start
             inherit it), so that on a node whose cores are busy the training loop
@@ -143,7 +142,7 @@ class Drainer:
         timeout_s: float = 3600.0,
         on_committed: Callable[[DrainJob], None] | None = None,
         on_result: Callable[[DrainResult], None] | None = None,
-        key: str = "drainer",
+        key: str = "lanes",
         nice: int = 0,
     ) -> None:
         if policy not in DRAIN_POLICIES:
@@ -191,7 +190,7 @@ class Drainer:
     def submit(self, job: DrainJob, *, skip: bool | None = None) -> Future[DrainResult] | None:
         """Queue ``job`` on its level's lane; None when it is skipped.
 
-        ``skip``: None lets this Drainer's policy decide (``"skip"`` skips when
+        ``skip``: None lets this Lanes's policy decide (``"skip"`` skips when
         the lane is busy). With several ranks the decision must be the same
         everywhere (a drain needs every rank's share), so the manager takes
         rank 0's and passes it: True skips; False queues the job. Under
@@ -216,7 +215,7 @@ class Drainer:
         with self._cond:
             if self._closed:
                 raise DrainError(
-                    f"the drainer is closed: step {job.step} cannot drain to {job.target.url}"
+                    f"the lanes is closed: step {job.step} cannot drain to {job.target.url}"
                 )
             lane = self._lanes.get(job.target)
             if lane is None:
@@ -261,7 +260,7 @@ class Drainer:
 
         Raises:
             WaitTimeoutError: a lane still busy after ``timeout_s`` (None: the
-                drainer's ``timeout_s``), naming its steps and level.
+                lanes's ``timeout_s``), naming its steps and level.
         """
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         with self._cond:
@@ -434,7 +433,7 @@ class Drainer:
             return result
         t0 = time.perf_counter()
         try:
-            result = run_drain(job, timeout_s=self.timeout_s)
+            result = run_one(job, timeout_s=self.timeout_s)
         except Exception as e:  # noqa: BLE001 - every failure must reach wait() and metrics
             result = DrainResult(job.step, job.target.url, error=f"{type(e).__name__}: {e}")
             logger.error(

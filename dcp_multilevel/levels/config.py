@@ -1,21 +1,41 @@
-"""A level's configuration: :class:`Level`.
+"""A level list as the user writes it: :class:`Level`, its checks, its words.
 
-Re-exported by the package; defined here so
-that levels, schedules and the manager depend down on it.
+Imported by the package root: everything here is plain data and checks, no
+threads, no torch.distributed, so a writer or reader without levels loads
+nothing more of ``levels/``. Levels, schedules and the manager depend down on it.
+
+**Which step a path names** (:func:`step_of`): a writer's path (or DCP's
+``checkpoint_id``) with levels.
+
+With levels, a checkpoint is a step: ``<level root>/step-<N>/`` on every level
+(``format/layout.py``). A writer or reader names it by the last part of its
+path, and the rest must say where:
+
+- ``"step-100"`` (a name alone): the step below each level's root;
+- a path or URL whose folder is the first level's root (``/nvme/run/step-100``
+  for ``Level("/nvme/run")``; relative paths are taken from the working
+  directory, ``{node}`` as each node expands it or as written);
+
+anything else is a :class:`~dcp_multilevel.ConfigError` naming the levels.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+import posixpath
+import re
+from collections.abc import Sequence
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from ..codecs import CODECS
 from ..codecs.options import CODEC_ALIASES, Compression
 from ..errors import ConfigError, RegistryError
+from ..format import parse_step_dir
 from ..format.layout import checkpoint_url
 from ..stores.location import parse_location
 
-__all__ = ["Level", "check_codec"]
+__all__ = ["LATEST", "Level", "check_codec", "describe", "step_of"]
 
 
 @dataclass(frozen=True)
@@ -162,3 +182,88 @@ def check_codec(level: Level) -> None:
             f"{type(level).__name__}({level.url!r}).codec={compression.codec!r} is not a codec "
             f"this process can use (built-ins: {aliases}): {e}"
         ) from e
+
+
+#: What a reader's path says to load the newest step every rank can read.
+LATEST = "latest"
+
+
+def step_of(path: str | os.PathLike[str], placed: Level, written: Level) -> int:
+    """The step ``path`` names on the runtime whose first level is ``placed`` (``{node}``
+    filled in for this rank) and was ``written`` (as the user wrote it).
+
+    Raises:
+        ConfigError: ``path`` names no step, or lies outside the first level.
+    """
+    text = os.fspath(path)
+    trimmed = text.rstrip("/")
+    name = trimmed.rsplit("/", 1)[-1]
+    step = parse_step_dir(name)
+    if step is None:
+        raise ConfigError(
+            f"{text!r} names no step: with levels, a checkpoint is 'step-<N>' below each "
+            f"level's root (the first: {written.url!r}); pass 'step-<N>' (the same name on "
+            "every level), or that name below the first level's root"
+        )
+    folder = trimmed[: -len(name)].rstrip("/")
+    if not folder:  # the name alone: below each level's root
+        return step
+    roots = {root_of(level.url, level_kind(level)) for level in (placed, written)}
+    if root_of(folder, None) not in roots:
+        raise ConfigError(
+            f"{text!r} is not below the first level's root {placed.url!r}: with levels, "
+            f"pass the step's name alone ({name!r}: the same name below every level's root), "
+            f"or a path or URL whose folder is {placed.url!r}"
+        )
+    return step
+
+
+def describe(levels: Sequence[Level]) -> str:
+    """The levels as a short list for messages, each with the fields it sets:
+    ``[Level('/nvme/run'), Level('s3://b/run', every=4)]`` (not its storage options)."""
+    defaults = {f.name: f.default for f in fields(Level) if f.default is not MISSING}
+    out = []
+    for level in levels:
+        args = [repr(level.url)] + [
+            f"{name}={getattr(level, name)!r}"
+            for name, default in defaults.items()
+            if getattr(level, name) != default
+        ]
+        out.append(f"Level({', '.join(args)})")
+    return "[" + ", ".join(out) + "]"
+
+
+#: fsspec's other spellings of one protocol (the same bucket either way).
+_SCHEME_ALIASES = {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az"}
+
+
+def root_of(url: str, kind: str | None) -> tuple[str, str] | None:
+    """``(scheme, normalized path)`` of the root a level's url names (its kind stripped).
+
+    Plain paths and ``file://`` URLs are made absolute and normalized; other
+    URLs lose repeated, leading and trailing slashes (``s3://b/run/`` is
+    ``s3://b/run``), as fsspec reads them.
+    """
+    where = url[len(kind) + 1 :] if kind is not None else url
+    if not where.strip():  # "partner:": the kind's driver says what is missing
+        return None
+    location = parse_location(where)
+    if location.scheme == "file":
+        return "file", os.path.normpath(os.path.abspath(location.path))
+    rest = location.url.split("://", 1)[1]
+    path = posixpath.normpath("/" + rest.strip("/")) if rest.strip("/") else "/"
+    return _SCHEME_ALIASES.get(location.scheme, location.scheme), path
+
+
+# "<kind>:" not followed by "//": a kind of level, not a store URL ("s3://...").
+_KIND = re.compile(r"^([a-zA-Z][a-zA-Z0-9_\-]*):(?!//)")
+
+
+def level_kind(level: Level) -> str | None:
+    """The kind a level names (``"partner"`` for ``"partner:"``), None for a store level."""
+    m = _KIND.match(level.url)
+    return m.group(1).lower() if m else None
+
+
+#: A node that needs at most this share of a file's bytes gets only those byte ranges.
+PART_SHARE = 0.5
