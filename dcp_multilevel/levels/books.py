@@ -75,7 +75,7 @@ class Books:
     ) -> None:
         self.levels = list(levels)
         self.drivers = list(drivers)
-        self.schedule = schedule
+        self._schedule = schedule
         self.deltas = chains
         self.topology = topology
         self._lanes: Lanes | None = None
@@ -106,6 +106,14 @@ class Books:
 
     # ------------------------------------------------------------------ books
 
+    def adopt_schedule(self, schedule: SavePolicy) -> None:
+        """Steps no decision was recorded for are due as ``schedule`` says, unless a
+        schedule was given already (the first manager's). Under the lock: the
+        follower's retention asks :meth:`due` while the main thread builds a manager."""
+        with self._lock:
+            if self._schedule is None:
+                self._schedule = schedule
+
     def decided(self, step: int, levels: frozenset[int]) -> None:
         """The schedule sent ``step`` to ``levels``."""
         with self._lock:
@@ -119,12 +127,13 @@ class Books:
             decided = self._decided.get(step)
             if again and step in self._quarantined:
                 decided = None
+            schedule = self._schedule
         if decided is not None:
             return index in decided
-        if self.schedule is None:
+        if schedule is None:
             return False
         try:
-            return self.schedule.due(index, self.levels[index], step)
+            return schedule.due(index, self.levels[index], step)
         except NotImplementedError:  # an adaptive policy: only its recorded decisions count
             return False
 

@@ -162,10 +162,20 @@ class Lanes:
         self._cond = threading.Condition()
         self._lanes: dict[LevelDriver, _Lane] = {}
         self._closed = False
-        #: The newest outcomes (bounded: a long run keeps no state per drain; a
-        #: caller that wants them all collects them through ``on_result``).
-        self.results: deque[DrainResult] = deque(maxlen=RESULTS_KEPT)
+        # The newest outcomes (bounded: a long run keeps no state per drain; a
+        # caller that wants them all collects them through ``on_result``).
+        self._results: deque[DrainResult] = deque(maxlen=RESULTS_KEPT)
         self._unreported: list[DrainResult] = []  # failures wait() has not raised yet
+
+    @property
+    def results(self) -> list[DrainResult]:
+        """The newest outcomes, oldest first (at most :data:`RESULTS_KEPT`).
+
+        A copy taken under the condition: lane threads append while the main thread
+        reads (iterating the deque itself could raise "deque mutated during
+        iteration")."""
+        with self._cond:
+            return list(self._results)
 
     def busy(self, target: LevelDriver) -> bool:
         """True while a drain to ``target`` runs or waits to run."""
@@ -215,7 +225,7 @@ class Lanes:
         with self._cond:
             if self._closed:
                 raise DrainError(
-                    f"the lanes is closed: step {job.step} cannot drain to {job.target.url}"
+                    f"the lanes are closed: step {job.step} cannot drain to {job.target.url}"
                 )
             lane = self._lanes.get(job.target)
             if lane is None:
@@ -267,7 +277,7 @@ class Lanes:
             while any(lane.busy for lane in self._lanes.values()):
                 self._wait_until(deadline, [lane for lane in self._lanes.values() if lane.busy])
             failed, self._unreported = self._unreported, []
-            results = list(self.results)
+            results = list(self._results)
         if failed:
             raise DrainError(
                 "; ".join(f"step {r.step} to {r.level}: {r.error}" for r in failed)
@@ -451,7 +461,7 @@ class Lanes:
 
     def _record(self, result: DrainResult) -> None:
         with self._cond:
-            self.results.append(result)
+            self._results.append(result)
             if result.error:
                 self._unreported.append(result)
         if self._on_result is not None:

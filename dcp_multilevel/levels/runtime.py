@@ -182,9 +182,16 @@ class Runtime:
         # Steps newer than `resumed_from` some level holds that its load did not pass
         # over (the run chose an older step by its number): never replaced unasked.
         self._newer: frozenset[int] = frozenset()
-        #: Managers using the runtime (``registry.release`` closes it after the last).
-        self.holders = 0
+        # Managers using the runtime (:func:`release` closes it after the last). Only
+        # under the table's `_LOCK`: a manager dropped without close() releases from
+        # its finalizer, on whatever thread collects it, while another manager holds.
+        self._holders = 0
         self.closed = False
+
+    def hold(self) -> None:
+        """A manager uses this runtime until it calls :func:`release`."""
+        with _LOCK:
+            self._holders += 1
 
     def __repr__(self) -> str:
         return f"Runtime({[level.url for level in self.given]})"
@@ -793,8 +800,8 @@ def release(runtime: Runtime, *, quiet: bool = False) -> None:
             for a manager collected without ``close()``).
     """
     with _LOCK:
-        runtime.holders -= 1
-        if runtime.holders > 0 or runtime.closed:
+        runtime._holders -= 1
+        if runtime._holders > 0 or runtime.closed:
             return
         for root, known in list(_RUNTIMES.items()):
             if known is runtime:

@@ -163,7 +163,7 @@ class CheckpointManager:
             timeout_s=drain_timeout_s,
             part_share=0.0 if restore_whole_files else PART_SHARE,
         )
-        runtime.holders += 1
+        runtime.hold()
         # A manager dropped without close() lets go of its runtime too (its drains
         # waited for); at interpreter exit the runtimes' own hook does that.
         self._release = weakref.finalize(self, levels_pkg.release, runtime, quiet=True)
@@ -173,8 +173,7 @@ class CheckpointManager:
         self._topology = topology
         self.levels, self.drivers, self.topology = runtime.levels, runtime.drivers, runtime.topology
         self.schedule = schedule if schedule is not None else FixedInterval()
-        if runtime.books.schedule is None:  # steps no save recorded: this schedule's
-            runtime.books.schedule = self.schedule
+        runtime.books.adopt_schedule(self.schedule)  # for steps no save recorded
         self._cadence = Cadence(
             self.schedule,
             self.levels,
