@@ -108,7 +108,7 @@ bench-setup: setup
 # <!-- figures:begin/end --> markers) from benchmarks/results/*.json. `make tables-check`
 # fails if a table differs from its files or a figure is stale (dcp_multilevel/ changed
 # since it was measured): run it before committing a change under a figure. CI runs
-# the generator itself on a small run (tests/test_tables.py), not this check.
+# the generator itself on a small run (tests/unit/test_tables.py), not this check.
 # The standard library is enough: no virtual environment needed.
 tables:
 	$(PYTHON) benchmarks/tables.py
@@ -127,8 +127,8 @@ gpu-check: setup
 	$(VENV)/bin/python benchmarks/bench_blocked.py --rounds 3 --saves 6
 	# The GPU-only tests (pinned scratch given back, side-stream staging, saves and loads
 	# from a training stream of its own, Lightning's FSDP1 strategy); they skip without CUDA.
-	$(VENV)/bin/python -m pytest -q -rs tests/test_cuda.py tests/test_cuda_streams.py \
-		tests/test_integration_lightning.py -k "cuda or fsdp1"
+	$(VENV)/bin/python -m pytest -q -rs tests/unit/test_cuda.py tests/unit/test_cuda_streams.py \
+		tests/stacks/test_integration_lightning.py -k "cuda or fsdp1"
 
 # The summary's plots (docs/img/*.png) from the benchmarks' JSON in benchmarks/results/
 # (each file holds the command that wrote it; a missing one skips its plot).

@@ -360,20 +360,20 @@ DESIGN: list[tuple[str, str, str, str]] = [
         "a flipped byte",
         "loaded silently",
         "**checksum per item**, next copy used",
-        "`tests/test_corruption.py`",
+        "`tests/unit/test_corruption.py`",
     ),
     (
         "a diverged run (NaN from step 3 on)",
         "saved like any other step; the newest is resumed, NaN and all",
         "**quarantined** on the first level; clean steps kept on every level; the resume "
         "takes the newest clean one",
-        "`tests/test_health.py`",
+        "`tests/multiprocess/test_health.py`",
     ),
     (
         "metadata",
         "pickled `.metadata`",
         "versioned JSON, validated; no pickle for tensors",
-        "`tests/test_roundtrip.py`",
+        "`tests/unit/test_roundtrip.py`",
     ),
 ]
 

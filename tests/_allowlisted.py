@@ -1,4 +1,5 @@
-"""A user type that a test allowlists for weights_only loading (tests/test_dcp_contract.py).
+"""A user type that a test allowlists for weights_only loading
+(tests/multiprocess/test_dcp_contract.py).
 
 In a module of its own so DCP's PROCESS daemon can import it by name.
 """

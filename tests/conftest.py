@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from dcp_multilevel.format.dtypes import DTYPE_BY_NAME
+
+HERE = Path(__file__).parent
+#: The folders of tests, by what they test (``tests/README.md``).
+KINDS = ("unit", "multiprocess", "stacks")
+# The helpers (``tests/_*.py``, this file) and the test modules of every folder
+# import by their names, here and in every process a test starts (ranks, children).
+_PATHS = [str(HERE), *(str(HERE / kind) for kind in KINDS)]
+sys.path[:0] = [p for p in _PATHS if p not in sys.path]
+os.environ["PYTHONPATH"] = os.pathsep.join([*_PATHS, os.environ.get("PYTHONPATH", "")])
 
 
 def random_tensor(shape, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:

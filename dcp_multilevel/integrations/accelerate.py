@@ -59,7 +59,7 @@ marker naming N. Choices, and why:
 - A folder without the marker (a single-level checkpoint of ours, a stock
   one) loads as without levels.
 
-Tested with ``accelerate==1.15.0`` (``tests/test_integration_accelerate.py``).
+Tested with ``accelerate==1.15.0`` (``tests/stacks/test_integration_accelerate.py``).
 """
 
 from __future__ import annotations

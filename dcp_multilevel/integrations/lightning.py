@@ -62,7 +62,7 @@ checkpoint path cannot carry)::
 
 Lightning has no asynchronous save for sharded checkpoints; neither have these.
 
-Tested with ``lightning==2.6.6`` (``tests/test_integration_lightning.py``).
+Tested with ``lightning==2.6.6`` (``tests/stacks/test_integration_lightning.py``).
 Besides its public classes this module uses two Lightning internals, pinned
 by that version: ``lightning.fabric.utilities.load._METADATA_FILENAME``
 (``"meta.pt"``) and, for FSDP1,

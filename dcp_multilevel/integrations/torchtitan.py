@@ -63,7 +63,7 @@ needs ``dcp_multilevel.CheckpointManager.step()``; here torchtitan decides
 when, so ``schedule`` must decide from the step alone (``FixedInterval``).
 
 Tested with ``torchtitan==0.3.0`` on torch 2.13 CPU
-(``tests/test_integration_torchtitan.py``: its checkpointer, optimizers, lr
+(``tests/stacks/test_integration_torchtitan.py``: its checkpointer, optimizers, lr
 schedulers and dataloader driven as ``Trainer.train`` drives them, 2 gloo
 ranks). Its ``Trainer`` does not run on a CPU-only torch:
 ``torchtitan/tools/utils.py:55`` sets ``device_type =

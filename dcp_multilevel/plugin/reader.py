@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -136,6 +137,14 @@ class MultiLevelReader(StorageReader):
         )
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ConfigError(f"thread_count must be an integer >= 1, got {thread_count!r}")
+        if fallbacks:
+            warnings.warn(
+                "MultiLevelReader(fallbacks=...) is deprecated: give the copies as levels "
+                "(MultiLevelReader('step-<N>', levels=[Level(fast), Level(slow), ...]), "
+                "docs/levels.md); fallbacks go in the next major release",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         fallbacks, fallback_storage_options = checked_fallbacks(fallbacks, fallback_storage_options)
         self.thread_count = thread_count
         self.storage_options = dict(storage_options or {})

@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -214,6 +215,14 @@ class MultiLevelWriter(StorageWriter, AsyncStager):
         self.compression = Compression.of(codec)
         # Resolve now: an unknown codec is a configuration error, not a failed save.
         self._codec = codec_for(self.compression) if self.compression else None
+        if reference is not None:
+            warnings.warn(
+                "MultiLevelWriter(reference=...) is deprecated: deltas are a level's "
+                "(levels=[Level(root, codec='bytegroup', keyframe_every=N)], docs/delta.md); "
+                "reference goes in the next major release",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         if reference is not None and self._codec is None:
             raise ConfigError(
                 f"MultiLevelWriter({os.fspath(path)!r}, reference=...) stores deltas, which "

@@ -1,5 +1,5 @@
 """Real manifests of tiny checkpoints, written without saving one (roots of many steps
-in tests and benchmarks: ``tests/test_many_files.py``, ``bench_many_files.py``)."""
+in tests and benchmarks: ``tests/unit/test_many_files.py``, ``bench_many_files.py``)."""
 
 from __future__ import annotations
 

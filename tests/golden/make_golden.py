@@ -15,7 +15,7 @@ with that release's package first on the path (``PYTHONPATH=<a checkout of the
 release tag>``): ``0.1.0-*`` were written so, by the 0.1.0 release's code.
 0.1.0's bytegroup checkpoint is ``manifest-digest`` (not ``0.1.0-bytegroup``).
 Existing folders are never rewritten: they are what a release wrote, and
-tests/test_golden.py must keep loading them bit-exactly.
+tests/unit/test_golden.py must keep loading them bit-exactly.
 """
 
 from __future__ import annotations

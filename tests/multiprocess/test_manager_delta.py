@@ -21,7 +21,7 @@ from dcp_multilevel import CheckpointManager, ConfigError, Level
 from dcp_multilevel.checkpoint import CheckpointRoot, StoredCheckpoint
 from dcp_multilevel.checkpoint.verify import verify_checkpoint
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/
 
 
 def trained(step: int) -> dict:

@@ -24,7 +24,7 @@ from dcp_multilevel import (
     MultiLevelWriter,
 )
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/
 
 
 def _state(value: float) -> dict:

@@ -18,6 +18,7 @@ from pathlib import Path
 import _faulty_fs
 import pytest
 import torch
+import torch.distributed as dist
 import xxhash
 from _dist import run_ranks
 from conftest import assert_bit_equal
@@ -31,7 +32,7 @@ from dcp_multilevel import (
 )
 from dcp_multilevel.checkpoint import CheckpointRoot
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/
 
 
 def state(v: int) -> dict:
@@ -371,7 +372,13 @@ def _skip_together(rank: int, world: int, root: str) -> list[list[str]]:
         [Level(_node_dir(root, rank)), remote], drain_timeout_s=30, drain_policy="skip"
     )
     first = mgr.save(_replicated(1), step=1)
-    time.sleep(1.0)  # rank 1's drain has ended, rank 0's is listing the remote
+    # The gate: rank 1's drain has ended (polling its outcome, bounded), while rank
+    # 0's is still listing the remote (2 s); then both save again.
+    deadline = time.monotonic() + 30
+    while rank == 1 and not mgr.drain_results:
+        assert time.monotonic() < deadline, "rank 1's drain of step 1 never ended"
+        time.sleep(0.01)
+    dist.barrier()
     second = mgr.save(_replicated(2), step=2)
     mgr.wait()
     mgr.close()

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 pytest_plugins = ["_s3"]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_state(seed: int) -> dict:

@@ -37,7 +37,7 @@ from tests._dist import run_ranks
 
 pytest_plugins = ["_s3"]
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/
 
 
 def _levels(root: str, kind: str, options: dict, remote: str, remote_options: dict) -> list:

@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # Fewer steps than `make demo`, and a job that "fails" every 2 s, so that the schedule
 # saves within the first seconds even on a fast machine.

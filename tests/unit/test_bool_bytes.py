@@ -2,7 +2,7 @@
 
 A bool tensor viewed from raw bytes may hold bytes other than 0 and 1; torch's
 bool copy kernels (``contiguous()``, ``copy_`` between strided bools) rewrite
-them as 1, and a save keeps bits. (CUDA: ``tests/test_cuda.py``.)
+them as 1, and a save keeps bits. (CUDA: ``tests/unit/test_cuda.py``.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Streaming an item through a reading thread's two blocks (``destinations.Bounce``).
 
 The reader streams a raw item into a whole CUDA tensor of its dtype this way
-(``tests/test_cuda.py`` runs that end to end where a GPU is lent). Here the
+(``tests/unit/test_cuda.py`` runs that end to end where a GPU is lent). Here the
 same blocks, offsets and checks run into CPU tensors, read from a real
 checkpoint: the bytes land whole for any size against the block size, and a
 flipped byte fails the item after its last block.

@@ -16,16 +16,16 @@ import shutil
 
 import pytest
 import torch
-
-from dcp_multilevel import CheckpointManager, Level
-from dcp_multilevel.testing.levels import bit_equal
-from tests._dist import RankError, run_ranks
-from tests.test_node_loss import (
+from test_node_loss import (
     _blank,
     _flip_byte,
     load_latest_report,
     save_then_die_in_last_copy,
 )
+
+from dcp_multilevel import CheckpointManager, Level
+from dcp_multilevel.testing.levels import bit_equal
+from tests._dist import RankError, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 

@@ -7,7 +7,7 @@ save (a full state dict gathered from shards, a ``Stateful``'s fresh
 is the only thing keeping its tensors alive until they are copied. Here both
 buffer sets are taken by earlier saves held at their write (a gated planner),
 so the third save's copies cannot start until the gate opens; weak references
-show who keeps its tensors. (CUDA: ``tests/test_cuda.py``.)
+show who keeps its tensors. (CUDA: ``tests/unit/test_cuda.py``.)
 """
 
 from __future__ import annotations

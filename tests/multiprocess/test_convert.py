@@ -282,7 +282,7 @@ def test_two_rank_sharded_checkpoint_converts_to_whole_tensors(tmp_path):
 # ---------------------------------------------------------------- memory
 
 _COUNT, _MIB = 12, 16
-_CHILD = Path(__file__).with_name("_convert_memory_child.py")
+_CHILD = Path(__file__).parents[1] / "_convert_memory_child.py"
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from dcp_multilevel.schedule import (
 )
 
 # The simulator is a benchmark tool: it lives beside the benchmarks that use it.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from sim import (
     Estimate,

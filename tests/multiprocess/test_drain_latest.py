@@ -32,7 +32,7 @@ from dcp_multilevel.checkpoint import CheckpointRoot
 from dcp_multilevel.levels import LEVEL_KINDS, DrainJob, DrainResult, Lanes, LevelDriver
 from dcp_multilevel.levels.partner import PartnerLevel
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/
 
 
 def state(v: int) -> dict:
@@ -274,8 +274,11 @@ def _lanes_agree(rank: int, world: int, root: str) -> list[tuple[int, bool, int 
     if rank == 0:
         lanes.submit(job(3))
         Path(root, "target", "gate").touch()  # rank 0 picks 3 while rank 1 holds only 2
-    else:
-        time.sleep(1.0)
+    else:  # the gate: rank 0's lane has picked 3 and started its drain
+        deadline = time.monotonic() + 30
+        while not Path(root, "target", "started-0-3").exists():
+            assert time.monotonic() < deadline, "rank 0 never started the drain of step 3"
+            time.sleep(0.01)
         lanes.submit(job(3))
     lanes.wait()
     lanes.close()

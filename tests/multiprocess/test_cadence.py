@@ -178,7 +178,7 @@ def test_the_manager_tells_the_overhead_bound_the_runs_blocked_time(tmp_path):
     assert len(decisions) >= 3
     assert told[0] == 0 and told[1] >= 1.0 and told == sorted(told), told
     # One measure of a save's cost: exactly what the save records before it say
-    # (the bound the policy keeps from these inputs: tests/test_schedule.py).
+    # (the bound the policy keeps from these inputs: tests/unit/test_schedule.py).
     assert told == pytest.approx(saved), (told, saved)
 
 

@@ -72,7 +72,7 @@ _HOST_NAME_RULE = re.compile(r"DCP_ML_NODE[^.|]{0,120}host name")
 def _documented_topology(where: str) -> str:
     """The text of ``where``: a file below the repository, or a class's docstring."""
     if where.endswith(".md"):
-        return (Path(__file__).resolve().parent.parent / where).read_text()
+        return (Path(__file__).resolve().parents[2] / where).read_text()
     if where == "MultiLevelAccelerator":
         accelerate = require("dcp_multilevel.integrations.accelerate")
         return accelerate.MultiLevelAccelerator.__doc__ or ""

@@ -19,7 +19,7 @@ from dcp_multilevel.codecs import CODECS
 from dcp_multilevel.errors import ManifestDigestError, ManifestError
 from dcp_multilevel.format import decode_manifest, frames, seal_manifest
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 #: Every golden checkpoint holding :func:`golden_state`: ``<release>-<kind>``
 #: (``make_golden.py``) and ``manifest-digest``, 0.1.0's bytegroup checkpoint.
 CHECKPOINTS = sorted(p.name for p in GOLDEN.iterdir() if (p / "manifest.json").exists())
