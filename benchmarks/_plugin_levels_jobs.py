@@ -92,6 +92,18 @@ def runtime_of(levels: list) -> Any:
     return found[-1] if found else None
 
 
+def disk_read_bytes() -> int | None:
+    """What this process read from storage so far (``/proc/self/io`` ``read_bytes``: the
+    disk, never the page cache; every thread, the drains' included). None where the
+    kernel does not say."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["read_bytes"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def busy_levels(levels: list) -> list[str]:
     """The higher levels a drain still runs or waits on (``Runtime.costs``)."""
     runtime = runtime_of(levels)
@@ -122,6 +134,7 @@ def run_config(rank: int, config: str, rep: int, state: dict, args: dict) -> dic
     stop = None
     blocked: list[float] = []
     busy: list[list[str]] = []  # per save: the levels a drain of an earlier save was still on
+    read_before = disk_read_bytes()
     for step in range(1, args["saves"] + 1):
         training_step(state, args["step_seconds"], args["step_kind"])
         busy.append(busy_levels(levels) if levels else [])
@@ -161,6 +174,7 @@ def run_config(rank: int, config: str, rep: int, state: dict, args: dict) -> dic
     elif config != "stock":
         dcp_multilevel.wait()
     wait_s = time.perf_counter() - t0
+    read_after = disk_read_bytes()
     if mgr is not None:
         mgr.close()
     if stop is not None:
@@ -177,6 +191,12 @@ def run_config(rank: int, config: str, rep: int, state: dict, args: dict) -> dic
         "busy": busy,
         "wait_s": wait_s,
         "drains": drains,
+        # Storage reads of this rank over the round (saves and drains; the state's own
+        # bytes, each drain reads from the first level, for comparison).
+        "disk_read": None
+        if read_before is None or read_after is None
+        else read_after - read_before,
+        "state_bytes": sum(t.numel() * t.element_size() for t in state.values()),
     }
 
 

@@ -297,6 +297,15 @@ def plugin_levels(s: Source) -> tuple[list[Row], list[Row]]:
         f"{wp:.2f} s; `CheckpointManager.wait()` {wm:.2f} s ({x(wp, wm, 2)})",
     )
     docs = [blocked, wait]
+    if s.has("drains.disk_read_share"):
+        share = s.doc["figures"]["drains.disk_read_share"]
+        docs.append(
+            (
+                "disk reads while the drains read the first level (`/proc/self/io`)",
+                "no drains",
+                f"{share['max'] * 100:.1f} % of the bytes drained at most (the page cache)",
+            )
+        )
     if s.has("memory.traced_per_save"):
         n = int(s.med("memory.saves"))
         flat = s.doc["figures"]["memory.books_flat"]["min"] == 1.0
