@@ -79,10 +79,10 @@ logger = logging.getLogger(__name__)
 
 #: Raw bytes of a source file's first output file when re-encoding; each next
 #: output holds twice the previous one's, up to :data:`PART_BYTES`. Nothing
-#: is uploaded before the first output is encoded: with outputs of 64 MiB from
-#: the start, a drain of one step of MiniLM fine-tuning (90 MB, coded as deltas,
-#: to a 200 MB/s remote) took 0.25-0.29 s, with outputs growing from 8 MiB
-#: 0.20-0.23 s (``benchmarks/bench_delta_io.py``).
+#: is uploaded before the first output is encoded: a small first output starts
+#: the upload sooner, so a drain of a small (delta-coded) step ends sooner than
+#: with outputs of :data:`PART_BYTES` from the start
+#: (``benchmarks/bench_delta_io.py`` measures drains).
 PART_FIRST = 8 << 20
 
 #: Raw bytes per output file at most (an item bigger than that is one output):
@@ -383,7 +383,7 @@ Output = tuple[str, dict[MetadataIndex, ItemLocation], int]
 
 def buffer(size: int) -> memoryview:
     """A buffer of ``size`` bytes that a read fills whole (uninitialized: a
-    bytearray zero-fills first, 30 ms of CPU for a 47 MB item, measured)."""
+    bytearray zero-fills it first, CPU time spent on bytes the read replaces)."""
     return memoryview(np.empty(size, dtype=np.uint8))
 
 

@@ -4,8 +4,9 @@ A copy between the host and a device runs at full speed, and without waiting,
 only from page-locked memory. The reader's CUDA destinations
 (``destinations.py``) and the writer's synchronous copies from a device
 (``sources.tensor_of``) take it from torch's caching host allocator, which
-reuses a block item after item and save after save (page-locking 4 GB took
-seconds on the lent H100), but keeps every block it ever made. So the bytes
+reuses a block item after item and save after save (page-locking costs far
+more than a copy into memory already locked), but keeps every block it ever
+made. So the bytes
 taken are counted, and :func:`release_pinned` hands the cached blocks back
 to the driver: the reader after each load, a writer when it is closed.
 """

@@ -190,8 +190,8 @@ class ItemStream:
         with self._failures():
             # Fetched no further than the item's end (or the planned items'): on
             # an object store a handle fetches blocks of up to 32 MiB, and one
-            # past the item is read for nothing (it made a delta's restore
-            # from a remote read 7x its bytes).
+            # past the item is read for nothing (a delta's restore from a remote
+            # read several times its bytes).
             end = self.loc.offset + self.loc.length
             if self._files is not None:
                 self._handle = self._files.open(self.ckpt, self.loc.file, self.index.fqn, end)

@@ -256,8 +256,8 @@ def gc(
     lines += [f"{verb} {p} (temporary)" for p in plan["temporaries"]]
     if not (plan["expired"] or plan["abandoned"] or plan["temporaries"]):
         lines.append("nothing to delete")
-    # One print: rich costs tens of microseconds per call, and a gc of 10,000 steps
-    # prints a line for each.
+    # One print: rich has a fixed cost per call, and a gc of 10,000 steps prints a
+    # line for each.
     console.print("\n".join(lines), highlight=False)
 
 

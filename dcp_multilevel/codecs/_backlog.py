@@ -41,9 +41,11 @@ class Backlog:
     Whenever the consumer would wait for a chunk, it codes the oldest chunk
     no thread has started instead. With a pool of ``threads`` workers and a
     consumer that only waited and wrote, one thread more than the coding
-    threads was runnable; on 2 cores, a pool of 1 plus a consumer that codes
-    saved BERT and MiniLM checkpoints 7-10 % faster than a pool of 2 (and
-    2 plus a coding consumer, no faster than before).
+    threads was runnable. With as many cores as coders, a pool of one thread
+    fewer plus a consumer that codes keeps every core coding and none waiting
+    for one: it saves checkpoints somewhat faster than a full pool beside a
+    consumer that waits, and a full pool beside a coding consumer is no
+    faster than that (``benchmarks/bench_codecs.py`` times the saves).
     """
 
     def __init__(self, pool: Executor) -> None:

@@ -36,8 +36,8 @@ def compress(data: bytes | memoryview, level: int) -> bytes:
 # Byte planes of floats have almost no repeated strings to find, only a skewed
 # byte distribution: a minimal match search (tiny hash/chain tables, long
 # minimum match) leaves zstd as little more than its entropy coder, which is
-# ~2.5x faster than level 1 and compresses exponent planes better (measured on
-# MiniLM and BERT+AdamW planes: 0.330 at ~660 MB/s vs 0.362 at ~250 MB/s).
+# several times faster than level 1 and compresses exponent planes better
+# (benchmarks/bench_chunk_coding.py measures the coder).
 _PLANE_PARAMS = zstandard.ZstdCompressionParameters(
     window_log=17,
     hash_log=6,
@@ -61,8 +61,8 @@ def compress_plane_into(data: bytes | memoryview, out: memoryview) -> int | None
 
     Streams through the thread's plane context straight into the caller's
     buffer: ``compress`` returns a new bytes object per call, and allocating
-    (and page-faulting) a fresh ~plane-sized buffer per plane cost more than
-    a third of the coding time. Entropy-coding settings: ``_PLANE_PARAMS``.
+    (and page-faulting) a fresh ~plane-sized buffer per plane takes a large
+    share of the coding time. Entropy-coding settings: ``_PLANE_PARAMS``.
     """
     cctx = getattr(_local, "plane_cctx", None)
     if cctx is None:

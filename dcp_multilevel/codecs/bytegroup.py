@@ -13,12 +13,11 @@ and the two top exponent bits, which barely vary in weights and optimizer
 states (values well inside (2**-63, 2)), join the sign at the bottom of the
 lowest plane. That plane then compresses instead of being stored raw, and the
 top mantissa bits, skewed within each binade, are coded together with the
-exponent. Measured (plane-wise zstd, 1 MiB chunks) on MiniLM and 1-layer
-BERT-large + AdamW, against a one-bit rotation (the top plane exactly the
-exponent, the sign joining the mantissa): fp32 0.8198 -> 0.8172 and 0.8201 ->
-0.8175, bf16 0.6656 -> 0.6617 and 0.6403 -> 0.6350; 2 and 4 bits were worse
-than 3. The other floats rotate by one bit (fp16, with 5 exponent bits, does
-best with 1).
+exponent. Against a one-bit rotation (the top plane exactly the exponent, the
+sign joining the mantissa), three bits code fp32 and bf16 weights and
+optimizer states slightly smaller, and two or four bits code them larger
+than three (``benchmarks/bench_chunk_coding.py`` reports the ratios). The
+other floats rotate by one bit (fp16, with 5 exponent bits, does best with 1).
 
 Split planes: with rotate 3, the lowest plane of fp32 and bf16 holds five
 near-random mantissa bits above the sign and the two top exponent bits. zstd
@@ -27,10 +26,8 @@ stores the plane's high ``8 - k`` bits packed raw and codes only its low
 ``k`` bits with zstd: method 2 (k = 2, for a random sign) or method 3
 (k = 3, for a sign that never changes, as in Adam's ``exp_avg_sq``). The
 split comes out as small as zstd on the whole plane, or smaller, and coding
-it costs a fraction of the time. Measured per 1 MiB chunk on MiniLM and
-1-layer BERT-large + AdamW: plane 0 at 0.7500 / 0.7084 of its bytes against
-zstd's 0.7504 / 0.7086; whole chunks code 1.3-1.9x faster on one thread
-(``benchmarks/bench_chunk_coding.py``). Where the
+it costs a fraction of the time, so whole chunks code faster on one thread
+(``benchmarks/bench_chunk_coding.py`` measures both). Where the
 mantissa's low bits carry structure (values that came from a narrower
 float, e.g. MiniLM's untrained embedding rows), zstd stays the better choice;
 the judge picks per chunk. The packing (``_planes.c``: split_plane) cuts the
@@ -45,19 +42,16 @@ the zeros alone cost an eighth of the plane whatever their entropy. Method
 4 stores a bitmap of the non-zero bytes (one bit per byte) and the non-zero
 bytes in order, each as one zstd frame where that is smaller, else raw. zstd
 then sees an eighth of the plane for the bitmap and only the bytes that
-changed. Measured on the XOR deltas of MiniLM fine-tuned for real (one step,
-1 MiB fp32 chunks, 153 planes the judge makes sparse): those planes' bytes
-0.79x of zstd's; on a 92 %-zero plane of 256 KiB 0.63x, coded in 0.17
-instead of 0.56 ms (0.05 to build bitmap and values, 0.12 in zstd) and
-decoded in 0.09 instead of 0.16 ms.
-Raw values after a coded bitmap (0.128 of the plane against 0.083) and a raw
-bitmap (0.158) lose where the plane is sparsest: each stream is coded, kept raw
-(told by its length) only where zstd does not shrink it. The judge
-weighs method 4 against zstd (both as Huffman codes with the one-bit floor)
-only on a sample plane over 3/4 zero (under it, joining the plane back costs
-more than zstd's decoding: 1.8x at 54 % zeros). Float
-checkpoints rarely have such a plane: of MiniLM + AdamW-like states' 88 fp32
-chunks, 3 take one, and their ratio moves by under 0.00001.
+changed. On the XOR deltas of a real fine-tuning step, the planes the judge
+makes sparse come out smaller than zstd codes them, and a plane of mostly
+zeros also codes and decodes faster, zstd seeing a fraction of its bytes.
+Raw values after a coded bitmap, or a raw bitmap, come out larger where the
+plane is sparsest: each stream is coded, kept raw (told by its length) only
+where zstd does not shrink it. The judge weighs method 4 against zstd (both
+as Huffman codes with the one-bit floor) only on a sample plane over 3/4
+zero: under it, joining the plane back takes longer than zstd's decoding
+(``_planes.c``: judge). Checkpoints of floats rarely have such a plane, and
+where one does, its ratio barely moves.
 
 Payload layout: ``width`` u8, then per plane ``method u8 | length u32``, then
 the planes' bytes in order. Method 0 is raw and 1 is one zstd frame. Methods
@@ -76,8 +70,8 @@ sample does not compress are stored raw without compressing the rest
 rejected outright, so random data costs almost nothing. For floats the
 judge is the sample's byte entropy: zstd finds almost no matches in float
 planes, so it codes them close to their entropy (the same ratios as
-compressing the sample with zstd on MiniLM and 1-layer BERT+AdamW, fp32 and
-bf16, for ~40 instead of ~150 us per 1 MiB chunk). The same byte counts
+compressing the sample with zstd on float weights and optimizer states,
+fp32 and bf16, at a fraction of the time). The same byte counts
 estimate a split (raw high bits plus the low bits' entropy), and the
 cheapest method whose estimate is within ``SPLIT_SLACK`` of the smallest
 is chosen. Integer planes can hold repeats (``arange``, padding) that only a

@@ -3,13 +3,12 @@
 A delta checkpoint stores, per chunk, whichever is smallest: the raw bytes,
 their coding, or the coding of ``chunk XOR reference`` (frame method
 :data:`~dcp_multilevel.format.frames.METHOD_DELTA`). XOR, not subtraction:
-measured on MiniLM and the demo model's weights under AdamW, XOR deltas coded
-0.05-0.09 of the full size smaller than integer subtraction of the bit
-patterns (``benchmarks/bench_delta.py``): between
-nearby checkpoints the sign, exponent and top mantissa bits mostly agree, so
-the XOR's top byte planes are nearly all zeros, which the byte-plane coder
-shrinks to almost nothing. XOR is its own inverse, so decoding is the same
-operation.
+XOR deltas code smaller than integer subtraction of the bit patterns
+(``benchmarks/bench_delta.py`` compares them on weights trained with AdamW):
+between nearby checkpoints the sign, exponent and top mantissa bits mostly
+agree, so the XOR's top byte planes are nearly all zeros, which the
+byte-plane coder shrinks to almost nothing. XOR is its own inverse, so
+decoding is the same operation.
 """
 
 from __future__ import annotations
@@ -19,12 +18,14 @@ import numpy as np
 __all__ = ["DELTA_SURE", "xor_into"]
 
 #: A delta chunk coded to at most this share of its raw size is kept without
-#: also coding the chunk whole: no float chunk has coded whole below ~0.55
-#: in our measurements (bf16 weights ~0.66, fp32 ~0.82), so coding it too
-#: would only cost time. Above it, both are coded and the smaller is kept.
+#: also coding the chunk whole: float weights and optimizer states coded whole
+#: stay well above half their size (their mantissas are near-random), so coding
+#: it too would only cost time. Above it, both are coded and the smaller is kept.
 #: When the reference's item was coded whole, its ratio raises this bound
-#: (the same tensor a few steps earlier codes about as well): coding both
-#: doubled the coding time of Adam moments, whose deltas are 0.6-0.75.
+#: (the same tensor a few steps earlier codes about as well): Adam's moments
+#: change too much between saves for their deltas to code under half, and coding
+#: them both ways would double their coding time (``benchmarks/bench_codecs.py``
+#: and ``benchmarks/bench_delta.py`` measure the ratios).
 DELTA_SURE = 0.5
 
 

@@ -22,7 +22,7 @@ class Compression:
         level: zstd level (1 is fast; higher levels gain little on floats).
         chunk_size: bytes per independently coded chunk (1-64 MiB). The 1 MiB
             default splits even small tensors across threads and keeps each
-            chunk's planes in cache; 4 MiB chunks changed the ratio by ~0.01 %.
+            chunk's planes in cache; larger chunks barely change the ratio.
         threads: chunks coded in parallel per writer (from the tensor being
             written and the next ones, while it is written): ``threads - 1``
             pool threads and the writing thread, which codes while it would

@@ -50,7 +50,7 @@ class BufferPool:
 
     Every chunk needs a payload buffer about its size; a fresh one per chunk
     (0.25-1 MiB) is mapped, page-faulted and unmapped by the allocator each
-    time, which cost more than a third of the coding time and serialized the
+    time, which takes a large share of the coding time and serializes the
     coding threads. Keeps at most ``keep_bytes`` of idle buffers.
     """
 

@@ -14,7 +14,8 @@ import torch
 __all__ = ["PIECE_BYTES", "byte_view", "pieces", "value_tensor"]
 
 #: One ctypes array type longer than any tensor; each view of it is cut to its
-#: tensor's size (a type per size costs ctypes 9-50 us to find or make).
+#: tensor's size (a type per size would cost a ctypes lookup, or a new class, per
+#: tensor).
 _SPAN = ctypes.c_char * (1 << 48)
 
 #: Granularity of hashing and I/O calls: big enough to amortize syscalls, small
@@ -34,9 +35,9 @@ def byte_view(t: torch.Tensor) -> memoryview:
     if not n:
         return memoryview(bytearray())
     # From the address, not reshape/view/numpy: each torch call gives the GIL away
-    # and takes it back, and a save's threads calling torch per item slowed a
-    # training thread that calls torch too by 1-4 us per call (on the VM,
-    # benchmarks/bench_gil_calls.py).
+    # and takes it back, and a save's threads calling torch per item slow a
+    # training thread that calls torch too, by more than the calls take
+    # (benchmarks/bench_gil_calls.py measures it).
     span = _SPAN.from_address(t.data_ptr())
     span.tensor = t  # the memory's owner lives as long as a view of it
     return memoryview(span).cast("B")[:n]

@@ -9,15 +9,15 @@ from memory once, not twice. On a CUDA tensor the count runs on the device
 A value is non-finite when every bit of its exponent field is set, so one
 mask per dtype says it (:func:`rule_for`), for every float width.
 
-Measured (the 2-core VM, 256 MiB of float32 hashed with xxh3 in 1 MiB
-slices, best of 3): hashing alone 10.1 to 11.9 GB/s; counted before each
-slice's hash, with numpy (``count_nonzero`` of a masked compare: two
-temporaries) 3.1 GB/s, with the native kernel (``_finite.c``: one vectorized
-pass, no temporary, the GIL released) 6.4 GB/s built for SSE2 and 8.9 GB/s
-for AVX2, which the loader picks where the CPU has it. In cache the kernel
-counts 38 GB/s, numpy's ``isfinite(a).all()`` 18 GB/s, torch's ``isfinite``
-1.7 GB/s. numpy stays as the fallback where no C compiler built it
-(:data:`NATIVE` says which).
+The count is a native kernel (``_finite.c``: one vectorized pass, no
+temporary, the GIL released; built for AVX2 too, which the loader picks
+where the CPU has it). numpy's count (``count_nonzero`` of a masked compare)
+makes two temporaries and two passes: counted before each slice's hash, it
+slows hashing several times over, where the kernel costs a fraction of that.
+In cache the kernel also counts faster than numpy's ``isfinite(a).all()``
+and much faster than torch's ``isfinite`` (``benchmarks/bench_health.py``
+measures what the checks cost a save). numpy stays as the fallback where no
+C compiler built it (:data:`NATIVE` says which).
 """
 
 from __future__ import annotations

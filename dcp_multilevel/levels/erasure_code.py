@@ -15,12 +15,13 @@ stays at ``data + parity`` chunks whatever the members' sizes, and every
 parity chunk carries its own xxh3 checksum, so a damaged parity chunk is
 named and not used.
 
-Which coder (:attr:`ErasureCode.coder`, measured in
-``benchmarks/bench_erasure.py``): with one parity block the code is plain
-XOR (numpy, about 7x faster than zfec's general code on the same bytes; the
-parity a ``ReduceOp.BXOR`` would compute); with two or more, zfec, a
-maintained C implementation of Rizzo's Reed-Solomon (Vandermonde over
-GF(2^8)), about 2x faster than GF(2^8) arithmetic written with numpy.
+Which coder (:attr:`ErasureCode.coder`; ``benchmarks/bench_erasure.py``
+measures them): with one parity block the code is plain XOR (numpy, whole
+words at a time: several times faster than zfec's general code on the same
+bytes; the parity a ``ReduceOp.BXOR`` would compute); with two or more,
+zfec, a maintained C implementation of Rizzo's Reed-Solomon (Vandermonde
+over GF(2^8)), faster than GF(2^8) arithmetic written with numpy (a table
+lookup per coefficient and byte).
 """
 
 from __future__ import annotations
@@ -128,8 +129,8 @@ class ErasureCode:
                 given[lost[0]] = _xor(pieces)
             return [given[i] for i in range(self.data)]
         # No copy: zfec hands back the surviving members' own buffers (views the
-        # caller owns) and new bytes for the rebuilt ones; copying them measured
-        # as costly as the decode itself.
+        # caller owns) and new bytes for the rebuilt ones; copying them would
+        # touch every byte again, about what the decode itself costs.
         return list(self._decoder.decode(tuple(pieces), tuple(blocks)))
 
     def rebuild(
@@ -200,7 +201,8 @@ def _xor(pieces: Sequence[memoryview | bytes]) -> bytearray:
     """The XOR of equal-length pieces (8 bytes at a time where the length allows).
 
     The result is a ``bytearray`` filled in place: a fresh ``bytes`` per chunk
-    (``ndarray.tobytes``) measured 20x slower here, in page faults.
+    (``ndarray.tobytes``) is new memory to page-fault every time, which costs
+    many times what the XOR does.
     """
     out = bytearray(pieces[0])
     width = np.uint64 if len(out) % 8 == 0 else np.uint8

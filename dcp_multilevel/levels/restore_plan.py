@@ -101,8 +101,8 @@ __all__ = [
 
 
 #: At least this many nodes that need every file may receive them around a ring
-#: (``ring.py``); from ``RING_SURE`` nodes on, they do (measured: its simulated time is
-#: lower than the copies' from 32 nodes of 8 ranks on, ``bench_restore_plan.py``).
+#: (``ring.py``); from ``RING_SURE`` nodes on, they do (the ring's simulated time is
+#: lower than the copies' from 32 nodes of 8 ranks on: ``bench_restore_plan.py``).
 RING_NODES = 3
 RING_SURE = 32
 

@@ -4,8 +4,9 @@ The checks DCP's ``_validate_global_plan`` makes on every save plan, with the
 same verdicts, in one pure function. DCP sweeps along the tensor's longest
 dimension; a row-sharded ``(1024, 4096)`` weight then keeps every chunk in the
 sweep's active set and compares all pairs: half a million box tests per tensor
-at 1,024 chunks, 38M for BERT-large + AdamW at 1,024 FSDP ranks or more (12 of
-stock's 40 s of planning at 1,024 ranks). Here the sweep runs along the
+at 1,024 chunks, 38M for BERT-large + AdamW at 1,024 FSDP ranks or more (a
+large share of stock's planning time there: ``benchmarks/bench_plan_scale.py``
+times it). Here the sweep runs along the
 dimension with the most distinct chunk offsets, the one the tensor is cut
 along, where the active set holds only the chunks that really straddle the
 sweep line; any sweep dimension finds the same overlapping pairs. Chunks that

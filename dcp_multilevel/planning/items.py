@@ -4,9 +4,9 @@ Deliberately free of torch and DCP types so the algorithm can be tested (and
 fuzzed) in isolation; ``planner.py`` translates DCP ``WriteItem``s to these.
 
 Both are immutable ``NamedTuple``s rather than frozen dataclasses: the planner
-makes one per stored item on every save, and a frozen dataclass costs ~5x as
-much to build (one ``object.__setattr__`` per field), which showed up as a
-third of planning time at small world sizes.
+makes one per stored item on every save, and a frozen dataclass costs
+several times as much to build (one ``object.__setattr__`` per field), a
+large share of planning time at small world sizes.
 """
 
 from __future__ import annotations

@@ -355,9 +355,10 @@ def _collector_paused() -> Iterator[None]:
     Planning allocates millions of small containers (a row per gathered item,
     holders, pieces, final items), and each allocation burst triggers
     collections; a full one traverses every live object, the gathered local
-    plans included (tens of millions of objects at 16k ranks). Measured at
-    1,024 FSDP ranks with those plans frozen out of the collector's reach, the
-    collections still more than doubled planning time. Nothing here builds
+    plans included (tens of millions of objects at 16k ranks). Even with those
+    plans frozen out of the collector's reach, the collections would take longer
+    than the planning itself at a thousand FSDP ranks
+    (``benchmarks/bench_plan_scale.py`` times planning). Nothing here builds
     reference cycles, so reference counting frees all of it as usual; only other
     threads' cyclic garbage waits until planning ends. ``gc.disable`` is
     process-wide: a collector turned off by someone else stays off, and one

@@ -62,9 +62,9 @@ class KeptLocalPlan:
     chunk and properties, about 10,500 objects for GPT-2-medium's 1,168
     tensors with AdamW. They live until the next save, so Python's cyclic
     collector moves them to its oldest generation, and every so many of them
-    start a full collection of the whole heap (with the manifest's, about one
-    every four saves on the VM, 170 ms each), on the save's thread, holding
-    the GIL the training thread needs.
+    start a full collection of the whole heap (with the manifest's, one every
+    few saves, each a pause that grows with the heap), on the save's thread,
+    holding the GIL the training thread needs.
     A state laid out as the last one (the same keys in the same order, from
     the same nesting; per tensor the shape, dtype, layout, ``requires_grad``
     and pinning DCP's items record; per DTensor also its spec) gets the last
@@ -180,7 +180,8 @@ def collect(all_plans: list[SavePlan]) -> tuple[list[WriteItem], list[tuple[int,
     for rank, plan in enumerate(all_plans):
         items = plan.items
         # One row per item: its key (fqn, offset), then what replicas must agree
-        # on. Built inline (a function call per item costs ~1 s at 1024 ranks).
+        # on. Built inline: a function call per item of every rank is a visible share of
+        # planning at a thousand ranks (benchmarks/bench_plan_scale.py).
         rows = [
             (i.fqn, i.offset, w.type)
             if (td := w.tensor_data) is None

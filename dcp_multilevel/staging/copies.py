@@ -88,9 +88,10 @@ def plan_copies(
     todo = Copies(device=DeviceCopies(marks or StreamMarks(), pinned, snapshot))
     typed: dict[torch.dtype, torch.Tensor] = {}  # flat viewed as each dtype, once
     # Torch calls are what a background thread must keep few: each gives the GIL
-    # away and takes it back from a training thread that calls torch too (6,000
-    # as_strided calls, 7 ms alone, slowed such a thread by 23 ms on the VM);
-    # a save of the same state into the same buffer set finds its views here.
+    # away and takes it back from a training thread that calls torch too, which
+    # slows that thread by several times what the calls take alone
+    # (benchmarks/bench_gil_calls.py); a save of the same state into the same
+    # buffer set finds its views here.
     kept = views if views is not None else KeptViews()
     kept.begin()
 
@@ -98,8 +99,8 @@ def plan_copies(
         return kept.get((start, like.dtype, like.shape), lambda: _new_view(start, like))
 
     def _new_view(start: int, like: torch.Tensor) -> torch.Tensor:
-        # One as_strided of flat seen as the dtype: a slice and two views cost
-        # async_save 3 us more per tensor (1,168 tensors: 3.5 ms on the VM).
+        # One as_strided of flat seen as the dtype: a slice and two views are three
+        # torch calls per tensor, each one more for async_save to block on.
         size = like.dtype.itemsize
         as_dtype = typed.get(like.dtype)
         if as_dtype is None:
@@ -196,8 +197,8 @@ def run_copies(
     for dst, src, _ in todo.whole:
         dst.copy_(src)
     # copy_ into memory touched by an earlier save: no page faults. One job per
-    # COPY_PIECE bytes, not per tensor: a future per tensor cost 50 ms for the
-    # 1,168 small tensors of a 24-layer model and its optimizer on the VM.
+    # COPY_PIECE bytes, not per tensor: a future per tensor costs more than the
+    # copy of a small tensor, and a model and its optimizer have many small ones.
     jobs = _jobs(todo.pieces)
     if pool is not None and len(jobs) > 1:
         for _ in pool.map(_copy_pieces, jobs):

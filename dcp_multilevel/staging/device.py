@@ -2,8 +2,9 @@
 
 With ``StagingConfig(overlap=True)`` the fence (``staging_completion``) waits
 until every tensor of the state has been read. Read over the bus into host
-memory, 4.26 GB take about 80 ms on an H100 and race forward and backward;
-copied within the device, a few milliseconds. With
+memory, a few GB take long enough to race the next forward and backward;
+copied within the device, whose memory is many times faster than the bus,
+they are read far sooner. With
 ``StagingConfig(device_snapshot_bytes=N)`` the CUDA tensors are first copied
 into a buffer of at most N bytes on their own device, the fence completes
 once those copies (and the others) are done, and the copies from that buffer

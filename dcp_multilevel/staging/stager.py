@@ -158,7 +158,7 @@ class Stager:
             else:
                 # Overlap: async_save only marks where the GPU work that wrote the
                 # state ends; the walk, the wait for buffers and the snapshot's layout
-                # (a view per tensor: 30 ms for 1,600 tensors on the H100) run on the
+                # (a view per tensor: a cost that grows with the tensors) run on the
                 # overlap thread, while training goes on.
                 fence = self._behind_the_fence(
                     lambda: self._lay_out(state_dict, ticket, deadline, ticket.marks),
@@ -260,8 +260,8 @@ class Stager:
 
         def copy_then_watch() -> None:
             # Python here takes the GIL from the training thread, which still has to
-            # finish async_save (it blocked 2.6 ms instead of 0.8 for 1,168 tensors on
-            # the VM): begin once async_save made the fence its staging_completion.
+            # finish async_save (starting at once blocked it several times longer):
+            # begin once async_save made the fence its staging_completion.
             fence.armed.wait(_ARMED_WAIT_S)
             try:
                 copied, todo = plan()

@@ -3,11 +3,10 @@
 Why: an ordinary write copies every byte into the page cache, allocates and
 later reclaims those pages, and the kernel's writeback walks them again. For
 a checkpoint that is CPU time taken from training while an async save runs.
-Measured on this project's 2-core VM (``benchmarks/bench_direct_io.py``: a
-synchronous ``dcp.save`` of 1.48 GB, fsynced, 5 alternating rounds, medians):
-0.27 s of CPU and 0.71 s of wall time with ``O_DIRECT``, against 1.33 s of
-CPU and 1.31 s through the page cache (stock ``FileSystemWriter``: 1.12 s,
-1.50 s). Nearly all of the difference is kernel time.
+Written with ``O_DIRECT``, a save costs several times less CPU than through
+the page cache (ours or stock ``FileSystemWriter``), and less wall time too;
+nearly all of the difference is kernel time (``benchmarks/bench_direct_io.py``
+measures it).
 
 How: :class:`DirectWriteHandle` gathers the caller's bytes in a page-aligned
 bounce buffer (reused across files) and writes each full buffer with one
@@ -18,9 +17,9 @@ boundary (``pad_for`` puts the file there): the few bytes before the piece's
 first whole page complete the gathered block, then its whole pages are
 written from the caller's memory. So a synchronous save, or an async save
 written from the live state, copies none of its big tensors, and an async
-save's staged tensors are copied once, into staging. Measured for 1.49 GB on
-the 2-core VM: an ``O_DIRECT`` write costs 0.04 s of CPU, the bounce copy
-0.19-0.24 s, the checksum 0.05-0.09 s.
+save's staged tensors are copied once, into staging. Of the CPU a save
+written this way costs, the bounce copy is the largest part, several times
+the ``O_DIRECT`` writes themselves and more than the checksum.
 The end of the file that is not a whole block goes through the ordinary
 descriptor, and the caller's ``fsync`` on that descriptor covers both (the
 file's data and the device's cache): ``O_DIRECT`` alone is not durable.
@@ -30,9 +29,8 @@ write: some network and FUSE file systems), the handle writes the rest of
 the file the ordinary way; the file's bytes are the same either way.
 
 On a file system in memory (tmpfs, ramfs: ``/dev/shm``) there is no page
-cache to skip, only the bounce copy to add: measured there, 0.67 s against
-0.58 s for the same save: leave it off there (:func:`memory_backed` tells
-where that is).
+cache to skip, only the bounce copy to add, and the same save is slower with
+it: leave it off there (:func:`memory_backed` tells where that is).
 
 The local store writes through the page cache unless its storage option
 ``direct_io=True`` asks for this: a checkpoint is usually read back soon (a

@@ -88,8 +88,8 @@ _FOREIGN_TRANSIENT = {
 
 #: URL schemes whose client retries on its own (s3fs over botocore), turned off so that
 #: :func:`retry` makes the only attempts: botocore's default (five attempts, with a
-#: backoff between them) inside each of ours took about 8 s before a refused
-#: connection's first error, and minutes before a store gave up.
+#: backoff between them) inside each of ours delays a refused connection's first
+#: error by its whole backoff, and multiplies the attempts before a store gives up.
 _SELF_RETRYING = ("s3", "s3a")
 
 

@@ -110,8 +110,8 @@ class CoalescingReader:
                 pass
 
     def _fetch(self, offset: int, size: int) -> memoryview:
-        # Uninitialized: the read overwrites it (a bytearray zero-fills a
-        # 32 MiB block first, ~20 ms of CPU).
+        # Uninitialized: the read overwrites it (a bytearray zero-fills the
+        # whole block first, CPU time spent on bytes the read replaces).
         buf = memoryview(np.empty(size, dtype=np.uint8))
         self.requests += 1
         got = self._handle.read_into(offset, buf)

@@ -3,7 +3,7 @@
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` new processes,
 forked from a fork server that has imported torch and dcp_multilevel once
 (``forkserver`` start method with a preload): a new interpreter per rank
-would import them again, about 2 s of CPU per rank on the 2-core CI machine.
+would import them again, most of a short test's CPU time per rank.
 Each rank still is a process of its own, with the parent's current
 environment (sent along, since the fork server keeps the one it started
 with), and has never run a collective or opened a process group before
