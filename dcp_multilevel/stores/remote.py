@@ -7,8 +7,9 @@ store therefore publishes every file with a single upload of complete content:
 
 * ``open_write`` spools the caller's bytes to a local temporary file (under
   ``spool_dir``; see ``_spool.py``) and uploads it on clean exit with
-  ``fs.put_file`` (s3fs sends files under 100 MiB as one PUT, larger ones as
-  a parallel multipart upload that it aborts on failure). An error inside the
+  ``fs.put_file`` (s3fs sends a file under two parts as one PUT, a larger one
+  as a multipart upload of :data:`S3_PART_BYTES` parts, :data:`S3_PARTS_IN_FLIGHT`
+  at a time, that it aborts on failure). An error inside the
   block uploads nothing. Spooling is what makes retries possible: the caller
   hands its bytes over incrementally and cannot replay them, but a spool file
   can be uploaded again, as a whole, as often as needed.
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import importlib
 import logging
 import os
 import posixpath
@@ -71,6 +73,15 @@ T = TypeVar("T")
 #: connection pool may allow fewer (s3fs: botocore's 10, unless the storage option
 #: ``config_kwargs={"max_pool_connections": 64}`` raises it).
 _LOOKUPS_IN_FLIGHT = 64
+
+#: S3 uploads (s3fs ``put_file``): parts of this size, this many in flight. s3fs sends
+#: 50 MiB parts one at a time by default; smaller parts side by side keep the
+#: connection busy while the server stores the previous ones (``bench_s3.py``
+#: measures the save). Storage options ``upload_part_bytes`` and
+#: ``upload_parts_in_flight`` set them.
+S3_PART_BYTES = 8 << 20
+S3_PARTS_IN_FLIGHT = 4
+_S3 = ("s3", "s3a")
 
 #: Largest ranged GET issued by ``read_into``: bounds the transient copy held
 #: in memory per read while keeping requests large enough to run at full speed.
@@ -172,6 +183,13 @@ class RemoteStore(Store):
         url = os.fspath(url)
         self._url = url.rstrip("/") if not url.endswith("://") else url
         scheme = url.split("://", 1)[0] if "://" in url else url
+        part = storage_options.pop("upload_part_bytes", S3_PART_BYTES)
+        parts = storage_options.pop("upload_parts_in_flight", S3_PARTS_IN_FLIGHT)
+        #: Extra arguments of every ``fs.put_file`` (S3: its parts, sent side by side).
+        self._put_options: dict[str, Any] = {}
+        if scheme in _S3:
+            self._put_options = {"chunksize": part, "max_concurrency": parts}
+            storage_options = _without_upload_checksums(storage_options)
         storage_options = one_attempt_options(scheme, storage_options)
         try:
             # fsspec hands out one filesystem per set of options (and process):
@@ -227,7 +245,7 @@ class RemoteStore(Store):
         rpath = self._path(path)
 
         def attempt() -> None:
-            self.fs.put_file(local_path, rpath)
+            self.fs.put_file(local_path, rpath, **self._put_options)
             self._check_size(path, rpath, size)
 
         self._upload(path, rpath, attempt)
@@ -431,6 +449,20 @@ class RemoteStore(Store):
             delay=self._retry_delay,
             logger=logger,
         )
+
+
+def _without_upload_checksums(options: dict[str, Any]) -> dict[str, Any]:
+    """S3 ``options`` with botocore computing a checksum of each uploaded part only
+    where S3 requires one (``request_checksum_calculation="when_required"``, botocore's
+    behavior before 1.36), unless ``config_kwargs`` says otherwise. The store checks
+    every upload's size, and every item carries its own checksum that a load verifies;
+    a CRC32 of every part besides costs the uploading rank's CPU."""
+    config = importlib.import_module("botocore.config").Config
+    if "request_checksum_calculation" not in getattr(config, "OPTION_DEFAULTS", {}):
+        return options  # an older botocore: it computes none
+    kwargs = dict(options.get("config_kwargs") or {})
+    kwargs.setdefault("request_checksum_calculation", "when_required")
+    return {**options, "config_kwargs": kwargs}
 
 
 async def _info_each(fs: AsyncFileSystem, rpaths: list[str], limit: int) -> list[Any]:

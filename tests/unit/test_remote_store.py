@@ -113,6 +113,18 @@ class TestS3Store(RemoteStoreTests):
             f.write(b"22")
         assert s3_server.keys(s3_bucket) == ["root/a/x.bin", "root/a/y.bin"]
 
+    @pytest.mark.parametrize(("options", "parts"), [({}, 3), ({"upload_part_bytes": 5 << 20}, 4)])
+    def test_a_large_file_goes_up_in_parts(self, s3_server, s3_bucket, options, parts):
+        # 20 MiB in 8 MiB parts (the default) is 3 parts, in 5 MiB parts 4: S3 names a
+        # multipart upload's object by its ETag's "-<parts>".
+        store = RemoteStore(f"s3://{s3_bucket}/p", **s3_server.storage_options, **options)
+        data = bytes(range(256)) * (80 << 10)
+        with store.open_write("big.bin") as f:
+            f.write(data)
+        head = s3_server.client().head_object(Bucket=s3_bucket, Key="p/big.bin")
+        assert head["ETag"].strip('"').endswith(f"-{parts}")
+        assert store.read_bytes("big.bin") == data
+
     def test_credentials_and_endpoint_from_the_environment(self, s3_env, s3_bucket):
         store = store_for(f"s3://{s3_bucket}/env", sync=False)
         assert type(store) is RemoteStore

@@ -153,7 +153,7 @@ def test_sharded_state_makes_no_ring():
 
 
 def test_erasure_members_rebuilt_once_enter_the_ring_on_the_rebuilding_rank():
-    from tests.test_restore_plan import _erasure_inventories
+    from test_restore_plan import _erasure_inventories
 
     files, invs = _erasure_inventories(6, 2, 1, lost={1})
     plan = plan_restore(7, files, invs, URLS, rebuilders={2: ErasureRebuilder()}, ring_nodes=2)
