@@ -96,6 +96,7 @@ figures: bench-setup
 	$(BENCH)/bench_nodeloss.py --repeat 3 --saves 2 --step-seconds 1 --code-repeat 5
 	$(BENCH)/bench_plugin_levels.py
 	$(BENCH)/bench_health.py
+	$(BENCH)/bench_s3.py --repeat 3
 	$(MAKE) tables plots
 
 bench: figures

@@ -35,7 +35,7 @@ FORMAT = 1  # _report.RESULTS_VERSION
 FILES = ("save_load", "planner", "codecs", "async", "manager", "nodeloss")
 #: Results files whose rows (docs/benchmarks.md only) follow when the file is there,
 #: and are left out, with a note, while it is not.
-OPTIONAL = ("plugin_levels", "health")
+OPTIONAL = ("plugin_levels", "health", "s3")
 
 
 class TablesError(Exception):
@@ -352,6 +352,35 @@ def health(s: Source) -> tuple[list[Row], list[Row]]:
     return [], [sync, asynchronous, coded]
 
 
+def s3(s: Source) -> tuple[list[Row], list[Row]]:
+    gb = s.med("state_bytes") / 1e9
+    ours, stock = s.med("ours.save_s"), s.med("stock.save_s")
+    tc = s.med("s3torchconnector.save_s") if s.has("s3torchconnector.save_s") else None
+    theirs = f"`FsspecWriter` {stock:.2f} s" + (
+        f"; `s3torchconnector` {tc:.2f} s" if tc is not None else ""
+    )
+    best = min(stock, tc) if tc is not None else stock
+    save = (
+        f"a {gb:.1f} GB save straight to S3 (moto on loopback)",
+        theirs,
+        f"{ours:.2f} s ({x(ours, best, 2)} the faster of theirs)",
+    )
+    drain = s.med("drain.save_s")
+    drained = (
+        "the same bytes drained to S3 from a local first level",
+        "-",
+        f"the drain {drain:.2f} s ({x(drain, ours, 2)} our direct save); "
+        f"`dcp.save` blocked {s.med('drain.blocked_s'):.2f} s",
+    )
+    load_theirs = f"`FsspecReader` {s.med('stock.load_s'):.2f} s" + (
+        f"; `s3torchconnector` {s.med('s3torchconnector.load_s'):.2f} s"
+        if s.has("s3torchconnector.load_s")
+        else ""
+    )
+    load = ("a load of it from S3", load_theirs, f"{s.med('ours.load_s'):.2f} s")
+    return [], [save, drained, load]
+
+
 BUILDERS: dict[str, Callable[[Source], tuple[list[Row], list[Row]]]] = {
     "save_load": save_load,
     "planner": planner,
@@ -361,6 +390,7 @@ BUILDERS: dict[str, Callable[[Source], tuple[list[Row], list[Row]]]] = {
     "nodeloss": nodeloss,
     "plugin_levels": plugin_levels,
     "health": health,
+    "s3": s3,
 }
 
 #: Rows no benchmark measures: what the format does, and the test that shows it.
