@@ -65,6 +65,10 @@ class DeltaHistory:
         self._read: dict[int, dict[int, int | None]] = {
             i: {} for i in (*self._history, *self._mirrors)
         }
+        # Per level, how many saves :meth:`stored` recorded: `refs` reads a manifest
+        # outside the lock, and a save of the same step recorded meanwhile (saved
+        # again) makes what it read stale; it caches only if the count did not move.
+        self._stores: dict[int, int] = dict.fromkeys(self._read, 0)
 
     def enabled(self, index: int) -> bool:
         """Whether level ``index`` stores deltas."""
@@ -89,6 +93,7 @@ class DeltaHistory:
                 history.append((step, reference))
                 self._gone[index].discard(step)
                 self._read[index].pop(step, None)  # a manifest read before is stale now
+                self._stores[index] += 1
 
     def removed(self, index: int, steps: Iterable[int]) -> None:
         """Record that retention removed ``steps`` from level ``index`` (every rank must
@@ -166,6 +171,7 @@ class DeltaHistory:
                 if step in self._read[index]:
                     out[step] = self._read[index][step]
                     continue
+                stores = self._stores[index]
             try:
                 ref = self._drivers[index].checkpoint(step).manifest().reference_step
             except (DcpMultilevelError, OSError) as e:
@@ -175,7 +181,8 @@ class DeltaHistory:
                 out[step] = ref
                 continue
             with self._lock:
-                self._read[index][step] = ref
+                if self._stores[index] == stores:  # else stale: read again next time
+                    self._read[index][step] = ref
             out[step] = ref
         return out
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_multilevel.levels.deltas import needed, next_reference
+from dcp_multilevel import Level
+from dcp_multilevel.levels.deltas import DeltaHistory, needed, next_reference
 from dcp_multilevel.levels.retention import deletion_order, expired
 
 
@@ -85,3 +88,35 @@ def test_a_crash_in_the_middle_of_retention_leaves_no_delta_without_its_referenc
     doomed = deletion_order(expired(steps, keep, set(), refs))
     left = set(steps) - set(doomed[:crash_after])  # the process died after that many
     assert needed(left, refs) == left
+
+
+class _SavedAgainWhileRead:
+    """A level's driver whose manifest read of a step races a new save of that step:
+    the read returns the old reference while the history records the new one."""
+
+    node_local = False
+
+    def __init__(self) -> None:
+        self.history: DeltaHistory | None = None
+        self.reads = 0
+
+    def checkpoint(self, step: int) -> SimpleNamespace:
+        def manifest() -> SimpleNamespace:
+            self.reads += 1
+            if self.reads == 1:  # step saved again, now a keyframe, while this read ran
+                assert self.history is not None
+                self.history.stored(1, step, None)
+            return SimpleNamespace(reference_step=2)  # what the old save said
+
+        return SimpleNamespace(manifest=manifest)
+
+
+def test_a_reference_read_while_the_step_was_saved_again_is_not_kept():
+    levels = [Level("/l1"), Level("/l2", codec="bytegroup", keyframe_every=4)]
+    driver = _SavedAgainWhileRead()
+    history = DeltaHistory(levels, [SimpleNamespace(node_local=False), driver])
+    driver.history = history
+    assert history.refs(1, [3]) == {3: 2}  # the read that raced the new save
+    assert history.refs(1, [3]) == {3: 2}  # read again: the stale answer was not cached
+    assert driver.reads == 2
+    assert history.refs(1, [3]) == {3: 2} and driver.reads == 2  # now cached
