@@ -143,7 +143,7 @@ class _Run:
         return tuple(out)
 
     def _settle(self, now: float) -> None:
-        """Dispatcher that ended by ``now`` hold their checkpoint."""
+        """Drains that ended by ``now`` hold their checkpoint."""
         for i, drain in enumerate(self.running):
             if drain is not None and drain[2] <= now:
                 self.done[i] = (drain[0], drain[1])

@@ -6,7 +6,8 @@
   bytes (``_finite.c``, its native kernel).
 
 The record a save keeps is ``format/health.py``'s; what a quarantined step is
-spared and denied is the runtime's (``runtime/``) and the loader's (``restore/``).
+spared and denied is the levels' (``levels/dispatch.py``, ``levels/books.py``)
+and the restore's (``levels/restore.py``).
 See ``docs/health.md``.
 """
 

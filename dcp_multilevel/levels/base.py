@@ -153,7 +153,7 @@ class DrainJob:
     #: (None: store it whole). The drain stores it whole when that step is
     #: not there, or is not what a delta can use.
     reference: int | None = None
-    #: Dispatcher to run first, in order, in the same worker (the first level's
+    #: Drains to run first, in order, in the same worker (the first level's
     #: references of a delta step, for a level that copies files as they are and
     #: does not hold them yet). This one fails when one of them does.
     before: tuple[DrainJob, ...] = ()
@@ -366,7 +366,7 @@ class LevelDriver(abc.ABC):
         that, so a finished drain means "on this level" everywhere.
 
         Raises:
-            Exception: any failure; the lanes records it and tells the other ranks.
+            Exception: any failure; its lane records it and tells the other ranks.
         """
 
 

@@ -9,7 +9,7 @@ them, never the remote itself, so a slow or unreachable remote cannot stall
 
 Threads: the main thread saves, decides and applies first-level retention;
 each higher level's drain lane reports its commits (:meth:`Books.committed`,
-the lanes's ``on_committed``) and applies that level's retention in its own
+the lanes' ``on_committed``) and applies that level's retention in its own
 thread. The books are under one lock, held only to read or change them, never
 during I/O or while waiting for a drain (a lane's callback would wait for it,
 and the next ``save`` behind the lane). Each level's retention runs in one

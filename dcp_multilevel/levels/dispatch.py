@@ -289,7 +289,7 @@ class Dispatcher:
         nodes hold it on and others lack, so the copies or parity the lost node held
         for the others are made again now, not at the next save on that level.
 
-        Decided from the restore's inventories (``plan``: the loader's restore of
+        Decided from the restore's inventories (``plan``: the restorer's restore of
         the step), the same on every rank (a restore that needed nothing keeps only
         this rank's: nothing to do). Collective.
         """

@@ -1,4 +1,4 @@
-"""Dispatcher in the background: one lane per target level, and what happens to a due
+"""Drains in the background: one lane per target level, and what happens to a due
 step while that level is busy.
 
 A drain brings one committed checkpoint of the first level onto a higher
@@ -98,7 +98,7 @@ class _Waiting:
 
 @dataclass
 class _Lane:
-    """One target level's drains. Guarded by the lanes's condition, except ``started``,
+    """One target level's drains. Guarded by the lanes' condition, except ``started``,
     which only the lane's own thread reads and writes."""
 
     name: str
@@ -126,8 +126,8 @@ class Lanes:
         on_committed: ``on_committed(job)`` runs in the lane's thread after a commit.
         on_result: ``on_result(result)`` after every drain (also failed, skipped and
             superseded ones), in the thread that decided it. Neither is called with
-            the lanes's lock held.
-        key: names this lanes's lanes in the c10d store: the same on every rank,
+            the lanes' lock held.
+        key: names these lanes in the c10d store: the same on every rank,
             unique among the drainers of one process group.
         nice: the lanes' threads run at this nice value (Linux; threads they start
             inherit it), so that on a node whose cores are busy the training loop
@@ -270,7 +270,7 @@ class Lanes:
 
         Raises:
             WaitTimeoutError: a lane still busy after ``timeout_s`` (None: the
-                lanes's ``timeout_s``), naming its steps and level.
+                lanes' ``timeout_s``), naming its steps and level.
         """
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         with self._cond:

@@ -194,7 +194,8 @@ class NodeLevel(LevelDriver):
             )
             result.skipped = True
             return result
-        # Before anything moves. Dispatcher of one level run one at a time (one lane).
+        # Before anything moves. The drains of one level run one at a time (one lane), so
+        # this per-drain flag on the shared driver is never another drain's.
         self.replacing = self.refuse_replacing(job, manifest, link)
         rank = _dist.rank()
         target = self.checkpoint(job.step)

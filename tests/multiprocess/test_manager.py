@@ -635,7 +635,7 @@ def _two_managers_job(rank: int, world: int, root: str) -> list[bool]:
 
 @pytest.mark.multiprocess
 def test_two_managers_in_one_process_group_drain_apart(tmp_path):
-    # Dispatcher agree through the c10d store, which every manager of the group shares:
+    # Drains agree through the c10d store, which every manager of the group shares:
     # manager b's ranks must not take manager a's values (its commit, its manifest).
     assert run_ranks(_two_managers_job, 2, str(tmp_path), timeout=180) == [[True, True]] * 2
 
