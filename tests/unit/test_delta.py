@@ -22,7 +22,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _damage import flip_byte
 from conftest import assert_bit_equal
-from fsspec.core import url_to_fs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -40,7 +39,7 @@ from dcp_multilevel.codecs.decode import decode_frames
 from dcp_multilevel.codecs.pipeline import encode_chunk
 from dcp_multilevel.errors import BrokenChainError, ManifestError
 from dcp_multilevel.format import decode_manifest, frames, seal_manifest
-from dcp_multilevel.stores._retry import one_attempt_options
+from dcp_multilevel.stores.remote import RemoteStore
 
 if TYPE_CHECKING:
     from _s3 import S3Server
@@ -251,7 +250,7 @@ def test_a_delta_loads_from_an_object_store_reading_each_byte_once(
         )
         dcp.save(state, storage_writer=writer, no_dist=True)
     # The very filesystem the reader's store uses (fsspec caches one per options).
-    fs, _ = url_to_fs(url, **one_attempt_options("s3", opts))
+    fs = RemoteStore(url, **opts).fs
     stored = sum(fs.size(k) for k in fs.find(url) if k.endswith(".bin"))
     fetched = []
     cat_file = fs.cat_file
