@@ -350,7 +350,7 @@ def measure(
 
 def decode_seconds(files: int) -> tuple[int, float]:
     """Size and median decode time of a manifest naming ``files`` files (one item each)."""
-    from dcp_multilevel.format.manifest_decode import decode_manifest
+    from dcp_multilevel.format.manifest import decode_manifest
 
     raw = manifest_bytes(0, [f"data/{n}-0.0123456789abcdef.bin" for n in range(files)])
     times = []

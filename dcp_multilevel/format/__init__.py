@@ -25,11 +25,12 @@ from .manifest import (
     ItemLocation,
     Manifest,
     Reference,
+    decode_manifest,
     encode_manifest,
+    locations_from_json,
     locations_to_json,
     seal_manifest,
 )
-from .manifest_decode import decode_manifest, locations_from_json
 from .paths import validate_relpath
 
 __all__ = [

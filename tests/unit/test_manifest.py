@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from dcp_multilevel import CheckpointNotFoundError, ConfigError, MultiLevelReader, MultiLevelWriter
 from dcp_multilevel.errors import ManifestError, UnsupportedFormatVersionError
 from dcp_multilevel.format import decode_manifest, encode_manifest
-from dcp_multilevel.format.manifest_digest import seal
+from dcp_multilevel.format.manifest import seal
 
 SUFFIX = (
     ". The checkpoint is damaged or was not written by dcp_multilevel; load it from another "
