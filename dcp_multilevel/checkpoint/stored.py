@@ -56,8 +56,7 @@ from ..format.stock_hint import STOCK_METADATA_NAME, stock_hint_bytes
 from ..stores import ReadHandle, Store, store_for
 from ..stores.coalescing import CoalescingReader
 from .items import ItemRef, read_item, read_stored
-from .reference import open_reference
-from .reference_files import ReferenceFiles
+from .reference import ReferenceFiles, open_reference
 
 __all__ = ["StoredCheckpoint", "decoded_manifest", "new_save_id", "sibling_location"]
 

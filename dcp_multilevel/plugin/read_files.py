@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 from ..checkpoint import StoredCheckpoint
 from ..checkpoint.destinations import Bounce, destination
 from ..checkpoint.fallback import Failure
-from ..checkpoint.reference_files import ReferenceFiles
+from ..checkpoint.reference import ReferenceFiles
 from ..checkpoint.streams import StreamMarks
 from ..errors import CorruptCheckpointError, ManifestError
 from ..format import ItemLocation
