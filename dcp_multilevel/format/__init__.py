@@ -18,6 +18,7 @@ from .layout import (
     rank_files,
     rank_of_file,
     step_dir,
+    validate_relpath,
 )
 from .manifest import (
     DELTA_FORMAT_VERSION,
@@ -31,7 +32,6 @@ from .manifest import (
     locations_to_json,
     seal_manifest,
 )
-from .paths import validate_relpath
 
 __all__ = [
     "DATA_DIR",

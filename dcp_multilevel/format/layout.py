@@ -14,12 +14,18 @@ checkpoint therefore never touches the files the old manifest describes: the
 new manifest replaces the old one in one atomic rename, and only then is
 every data file it does not name deleted. At every instant the manifest on
 disk describes exactly the data files it names.
+
+The paths a manifest names are checked here too (:func:`validate_relpath`): a
+manifest is untrusted input, and a path in it must never reach outside the
+checkpoint (``..``, absolute paths, drive letters, backslashes, NUL bytes).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+
+from ..errors import ManifestError
 
 __all__ = [
     "DATA_DIR",
@@ -33,7 +39,9 @@ __all__ = [
     "rank_files",
     "rank_of_file",
     "step_dir",
+    "validate_relpath",
 ]
+
 
 #: The manifest's name inside a checkpoint (the commit: it is written last).
 MANIFEST_NAME = "manifest.json"
@@ -84,3 +92,36 @@ def rank_of_file(path: str) -> int | None:
 def rank_files(files: Iterable[str], rank: int) -> list[str]:
     """The data files among ``files`` (a manifest's) that ``rank`` wrote, sorted."""
     return sorted(f for f in files if is_rank_file(f, rank))
+
+
+# Conservative on purpose: every path we write matches this, and anything else
+# in a manifest is either a bug or an attack.
+_COMPONENT = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_MAX_PATH = 1024
+
+
+def validate_relpath(path: object, *, what: str = "path", checkpoint: str | None = None) -> str:
+    """Return ``path`` if it is a safe relative POSIX path, else raise ManifestError.
+
+    Safe means: a non-empty ``str`` of at most 1024 characters, components
+    separated by ``/``, each component made of ``[A-Za-z0-9_.-]`` and neither
+    ``.`` nor ``..``.
+    """
+    where = f" in checkpoint {checkpoint!r}" if checkpoint else ""
+    if not isinstance(path, str) or not path:
+        raise ManifestError(
+            f"{what} must be a non-empty string{where}, got {path!r}", checkpoint=checkpoint
+        )
+    if len(path) > _MAX_PATH:
+        raise ManifestError(
+            f"{what} is longer than {_MAX_PATH} characters{where}: {path[:64]!r}...",
+            checkpoint=checkpoint,
+        )
+    for part in path.split("/"):
+        if part in ("", ".", "..") or not _COMPONENT.match(part):
+            raise ManifestError(
+                f"{what} {path!r}{where} is not a safe relative path (component {part!r}); "
+                "a checkpoint may only name files inside itself",
+                checkpoint=checkpoint,
+            )
+    return path

@@ -103,8 +103,7 @@ from ..errors import (
 from .checksum import checksum_of, is_valid_checksum
 from .dtypes import dtype_from_name, dtype_name
 from .health import Health, health_from_json
-from .layout import MANIFEST_NAME, parse_step_dir
-from .paths import validate_relpath
+from .layout import MANIFEST_NAME, parse_step_dir, validate_relpath
 
 __all__ = [
     "DELTA_FORMAT_VERSION",

@@ -100,7 +100,7 @@ class Store(abc.ABC):
     """Bytes stored below one root location (a directory, a bucket prefix, ...).
 
     Paths given to methods are relative POSIX paths below the root, already
-    validated by the caller (see ``format.paths.validate_relpath``).
+    validated by the caller (see ``format.layout.validate_relpath``).
 
     Construction (how :func:`~dcp_multilevel.stores.store_for` builds every
     store, built-in or registered)::

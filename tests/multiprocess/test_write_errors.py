@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dcp_multilevel import DcpMultilevelError, Level, MultiLevelWriter
 from dcp_multilevel.errors import CheckpointWriteError
 
-#: What a rank's data file is called (``format/paths.py``): rank, file index, token.
+#: What a rank's data file is called (``format/layout.py``): rank, file index, token.
 _DATA_FILE = re.compile(r"data/(\d+)-0\.[0-9a-f]{16}\.bin")
 
 
