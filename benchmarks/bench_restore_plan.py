@@ -12,7 +12,7 @@ inventories every rank would send, for ``NODES x RANKS`` (one file per rank,
 - ``lost``: the nodes replaced by empty ones: one, or 1 % of them.
 
 Planners, alternating in one run: ``ring`` (today's: files every node of
-many needs travel around a ring, ``levels/restore_ring.py``) and ``copies`` (the
+many needs travel around a ring, ``levels/restore_plan.py``) and ``copies`` (the
 point-to-point planner the rings replaced, ``ring_nodes`` above the node count;
 kept as the reference, run up to ``--copies-max-nodes``). Per row: planning
 seconds (median of ``--repeat``, spread), actions listed, and up to

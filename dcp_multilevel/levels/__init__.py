@@ -21,7 +21,7 @@ the save and load paths through it):
   ``loads.py`` tie a writer and a reader to it.
 - The restore before a load after a loss: ``restore.py`` (the step agreed, rounds
   that re-plan around faults), ``restore_inventory.py``, ``restore_plan.py``,
-  ``restore_order.py``, ``restore_ring.py``, ``restore_execute.py``.
+  ``restore_actions.py``, ``restore_execute.py``.
 
 A level whose ``url`` is a path or store URL is a store level. A level
 ``Level("<kind>:...")`` uses the driver registered under ``<kind>`` in the

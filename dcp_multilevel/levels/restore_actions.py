@@ -8,7 +8,7 @@ them out): a :class:`Link` (a file another level of the node holds), a
 their group's intact blocks). A source found damaged while a plan is
 carried out is a *fault* (:class:`CopyFault`, :class:`BlockFault`): the next
 plan leaves it out. Files that every node of many needs travel around a
-:class:`Ring` (``restore_ring.py``): one action for all of them, not one copy per node
+:class:`Ring` (``restore_plan.py``): one action for all of them, not one copy per node
 and file. Pure: no I/O, no torch.distributed.
 """
 

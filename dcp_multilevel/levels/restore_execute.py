@@ -55,8 +55,7 @@ from ..format import DATA_DIR, Manifest
 from .base import LevelDriver
 from .node_level import hard_link_or_copy
 from .restore_actions import BlockFault, Copy, CopyFault, Fault, Inventory, Link, Rebuild, Ring
-from .restore_plan import RestorePlan, group_descriptions
-from .restore_ring import my_hops, received_around
+from .restore_plan import RestorePlan, group_descriptions, my_hops, received_around
 from .wire import SOURCE_ERRORS, file_blocks, recv_file, recv_ranges, send_file, send_ranges
 
 __all__ = [

@@ -162,7 +162,7 @@ def _ring_load_job(rank: int, world: int, root: str, per_node: int, kind: str, o
 )
 def test_replicated_state_goes_around_a_ring_onto_every_node(tmp_path, kind, opts, nodes, per_node):
     # Replicated state spread over every rank: every node needs every node's files.
-    # Node 1 replaced; the files go around a ring (levels/restore_ring.py), node to node, the
+    # Node 1 replaced; the files go around a ring (levels/restore_plan.py), node to node, the
     # replaced node's own ones entering it first (copied from its partner, or rebuilt).
     root, world = str(tmp_path), nodes * per_node
     run_ranks(_save_job, world, root, per_node, kind, opts, [1, 2], timeout=240)

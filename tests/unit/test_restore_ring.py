@@ -19,10 +19,12 @@ from dcp_multilevel.levels.restore_actions import Copy, Inventory, Link, Rebuild
 from dcp_multilevel.levels.restore_plan import (
     RING_NODES,
     expand_rings,
+    hops,
+    my_hops,
     plan_restore,
+    received_around,
     simulated_time,
 )
-from dcp_multilevel.levels.restore_ring import hops, my_hops, received_around
 
 URLS = ["/l1", "partner:/p", "erasure:/e"]
 COPIES = 10_000  # ring_nodes above any node count here: today's point-to-point plan
