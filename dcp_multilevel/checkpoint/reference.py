@@ -14,7 +14,7 @@ delta to the checkpoint that failed, so a reader goes on to another copy.
 :class:`ItemStream` gives one item's raw bytes in order, a chunk at a time,
 reading only what it is asked for plus one chunk: writers XOR a new chunk
 with it before coding (``codecs/pipeline.py``), readers after decoding
-(``codecs/decode.py``). A reference that is itself a delta streams its own
+(``codecs/pipeline.py``). A reference that is itself a delta streams its own
 reference the same way, so a chain of any length needs one chunk of memory
 per link. The streams of a load or a drain read their references' data files
 through one :class:`ReferenceFiles` per thread: one open handle per file,

@@ -22,12 +22,12 @@ from ..format import frames
 from ..format.tensor_bytes import byte_view, pieces
 from ._scratch import scratch
 from .base import MIN_CODED_BYTES, Codec, element_layout
-from .decode import decode_frames
 from .options import Compression
 from .pipeline import (
     BufferPool,
     EncodeJob,
     ReferenceSource,
+    decode_frames,
     encode_chunk,
     encode_frames,
     encode_items,

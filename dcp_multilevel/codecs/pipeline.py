@@ -1,16 +1,22 @@
-"""Chunked, multi-threaded coding into frames (``format/frames.py``).
+"""Chunked, multi-threaded coding into frames (``format/frames.py``), and decoding them.
 
 Encoding reads the source memory chunk by chunk (no copy of the tensor).
 :func:`encode_items` codes a *stream* of items: it keeps up to ``window``
 chunks in flight in the pool, taken from the item being written and the items
 after it, so small tensors (most are one chunk or less) are coded in parallel
 and ahead of the writer, and yields each item's framed bytes in order. The
-consuming thread codes too, whenever it would otherwise wait.
-Memory is bounded by the window, never by an item's size. Codecs write each
-payload into a buffer the pipeline hands them (``Codec.encode_into``); with a
-:class:`BufferPool` those buffers are reused instead of allocated per chunk.
+consuming thread codes too, whenever it would otherwise wait: the pool and the
+consumer share a :class:`Backlog` of chunk codings, and whoever is free runs
+the oldest one not yet started. Memory is bounded by the window, never by an
+item's size. Codecs write each payload into a buffer the pipeline hands them
+(``Codec.encode_into``); with a :class:`BufferPool` those buffers are reused
+instead of allocated per chunk.
 
-Decoding is in ``decode.py`` (:func:`decode_frames`, re-exported here).
+Decoding (:func:`decode_frames`) reads chunk records through a callback, checks
+each chunk's checksum and bounds against the trusted sizes from the manifest,
+and writes each chunk straight into its slice of the destination, chunk by
+chunk on a thread pool. zstd and numpy release the GIL, so threads really
+overlap.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,9 +33,7 @@ import xxhash
 
 from ..format import frames
 from ..format.tensor_bytes import pieces
-from ._backlog import Backlog, Task
 from .base import MIN_CODED_BYTES, Codec
-from .decode import decode_frames
 from .delta import DELTA_SURE, xor_into
 
 __all__ = [
@@ -41,6 +45,7 @@ __all__ = [
     "encode_frames",
     "encode_items",
 ]
+
 
 Part = bytes | memoryview
 
@@ -429,3 +434,203 @@ def encode_frames(
     )
     for _, parts in coded:
         yield from parts
+
+
+class Task:
+    """One call to run, by a pool thread or by the consumer, whichever comes first."""
+
+    __slots__ = ("args", "done", "error", "fn", "result")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
+        self.fn = fn
+        self.args = args
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        # Everything, as concurrent.futures does: the consumer raises it where it surfaces.
+        except BaseException as e:  # noqa: BLE001
+            self.error = e
+        finally:
+            self.done.set()
+
+
+class Backlog:
+    """Chunks submitted and not yet started, taken oldest first by pool threads and the consumer.
+
+    Whenever the consumer would wait for a chunk, it codes the oldest chunk
+    no thread has started instead. With a pool of ``threads`` workers and a
+    consumer that only waited and wrote, one thread more than the coding
+    threads was runnable. With as many cores as coders, a pool of one thread
+    fewer plus a consumer that codes keeps every core coding and none waiting
+    for one: it saves checkpoints somewhat faster than a full pool beside a
+    consumer that waits, and a full pool beside a coding consumer is no
+    faster than that (``benchmarks/bench_codecs.py`` times the saves).
+    """
+
+    def __init__(self, pool: Executor) -> None:
+        self._pool = pool
+        self._tasks: deque[Task] = deque()
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Task:
+        """Queue ``fn(*args)``; a pool thread or :meth:`result` runs it."""
+        task = Task(fn, args)
+        with self._lock:
+            self._tasks.append(task)
+        self._pool.submit(self._run_oldest)
+        return task
+
+    def _take_oldest(self) -> Task | None:
+        with self._lock:
+            return self._tasks.popleft() if self._tasks else None
+
+    def _run_oldest(self) -> None:
+        task = self._take_oldest()
+        if task is not None:  # else the consumer took it, or the coding was cancelled
+            task.run()
+
+    def result(self, task: Task) -> Any:
+        """``task``'s result (or error); runs it here when no thread has started it."""
+        # Code the oldest chunks not yet started (``task`` first, if it is one)
+        # rather than wait for ``task``.
+        while not task.done.is_set():
+            other = self._take_oldest()
+            if other is None:
+                task.done.wait()
+                break
+            other.run()
+        if task.error is not None:
+            raise task.error
+        return task.result
+
+    def cancel(self) -> None:
+        """Drop every chunk not yet started (the pool's calls then return at once)."""
+        with self._lock:
+            self._tasks.clear()
+
+
+def _decode_chunk(
+    codec: Codec,
+    rec: frames.ChunkRecord,
+    payload: memoryview,
+    out: memoryview,
+    header,
+    ref: Callable[[memoryview], None] | None,
+    pool: Executor | None = None,
+) -> None:
+    if rec.method == frames.METHOD_RAW:
+        out[:] = payload
+    elif ref is None:
+        codec.decode(payload, out, header.width, header.rotate)
+    elif pool is None:  # a delta chunk: the reference's bytes, then the XOR undone onto them
+        ref(out)
+        codec.decode_xor(payload, out, header.width, header.rotate)
+    else:  # the same, the reference decoding on the pool while this thread decodes the delta
+        writing = pool.submit(ref, out)
+        try:
+            codec.decode_xor(payload, out, header.width, header.rotate, ready=writing.result)
+        finally:
+            wait([writing])  # never leave a task writing into out
+
+
+def decode_frames(
+    read: Callable[[int], memoryview],
+    out: memoryview,
+    codec: Codec,
+    *,
+    stored_length: int,
+    pool: Executor | None,
+    window: int,
+    on_chunk_error: Callable[[int, str], Exception],
+    reference: ReferenceSource | None = None,
+) -> None:
+    """Decode one item's frames, ``stored_length`` bytes pulled with ``read(n)``, into ``out``.
+
+    ``read(n)`` returns the next ``n`` stored bytes (exactly ``n``; it is never
+    asked for bytes past ``stored_length``), in a buffer that stays valid
+    while decoding runs. ``len(out)`` and ``stored_length`` are the trusted
+    sizes (from the manifest): the frames must decode to exactly ``len(out)``
+    bytes and end exactly at ``stored_length``. ``on_chunk_error(index, why)``
+    builds the exception to raise for a corrupt chunk (index -1: the header,
+    -2: the framing as a whole), so messages can name checkpoint, file and item.
+    ``reference``: the item's bytes in the checkpoint its delta chunks were
+    coded against (None: a delta chunk is corrupt framing); it is read or
+    skipped chunk by chunk on this thread (decoded by the thread that decodes
+    the chunk) and finished (checked) last.
+    """
+    consumed = 0
+    pull = read
+
+    def read(n: int) -> memoryview:
+        nonlocal consumed
+        if consumed + n > stored_length:
+            raise on_chunk_error(-2, f"frames run past the item's {stored_length} stored bytes")
+        consumed += n
+        return pull(n)
+
+    try:
+        header = frames.read_header(read, len(out))
+    except frames.FrameError as e:
+        raise on_chunk_error(-1, str(e)) from None
+    pending: deque[Future] = deque()
+    pos = 0
+    index = 0
+    try:
+        while True:
+            try:
+                rec, payload = frames.read_chunk(read, header, len(out) - pos)
+            except frames.FrameError as e:
+                raise on_chunk_error(index, str(e)) from None
+            if payload is None:
+                break
+            target = out[pos : pos + rec.raw_len]
+            ref = None
+            if rec.method == frames.METHOD_DELTA:
+                if reference is None:
+                    raise on_chunk_error(index, "a delta chunk in an item stored without one")
+                ref = reference.take_into(rec.raw_len)  # decoded where the chunk is
+            elif reference is not None:
+                reference.skip(rec.raw_len)
+            # The last chunk (the only one, for most tensors) is decoded here:
+            # this thread would only wait for it, and a hand-off adds a wake-up.
+            # A delta's reference then decodes on the pool meanwhile.
+            if pool is None or pos + rec.raw_len == len(out):
+                _decode_checked(
+                    codec, rec, payload, target, header, ref, index, on_chunk_error, pool
+                )
+            else:
+                # The payload buffer must outlive the task: read() returns a fresh one.
+                pending.append(
+                    pool.submit(
+                        _decode_checked,
+                        *(codec, rec, payload, target, header, ref, index, on_chunk_error),
+                    )
+                )
+                if len(pending) >= window:
+                    pending.popleft().result()
+            pos += rec.raw_len
+            index += 1
+        while pending:
+            pending.popleft().result()
+    finally:
+        for f in pending:
+            f.cancel()
+    if pos != len(out):
+        raise on_chunk_error(index, f"frames end after {pos} of {len(out)} bytes")
+    if consumed != stored_length:
+        raise on_chunk_error(-2, f"{stored_length - consumed} stored bytes follow the last frame")
+    if reference is not None:
+        reference.finish()
+
+
+def _decode_checked(
+    codec, rec, payload, target, header, ref, index, on_chunk_error, pool=None
+) -> None:
+    try:
+        _decode_chunk(codec, rec, payload, target, header, ref, pool)
+    except ValueError as e:
+        raise on_chunk_error(index, str(e)) from None

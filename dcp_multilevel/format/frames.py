@@ -194,7 +194,7 @@ def read_chunk(
     None for the terminator. The record is checked (:func:`check_chunk`, with
     ``raw_left`` raw bytes still expected) before its payload is read, and the
     payload against its checksum. The one reader of the chunk loop: decoding
-    (``codecs/decode.py``) and a delta's reference stream
+    (``codecs/pipeline.py``) and a delta's reference stream
     (``checkpoint/reference.py``) both walk frames with it."""
     rec = unpack_chunk(read(CHUNK.size))
     if rec.is_terminator:

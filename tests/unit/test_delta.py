@@ -35,8 +35,7 @@ from dcp_multilevel import (
 from dcp_multilevel.checkpoint import StoredCheckpoint
 from dcp_multilevel.checkpoint.verify import verify_checkpoint
 from dcp_multilevel.codecs import codec_for
-from dcp_multilevel.codecs.decode import decode_frames
-from dcp_multilevel.codecs.pipeline import encode_chunk
+from dcp_multilevel.codecs.pipeline import decode_frames, encode_chunk
 from dcp_multilevel.errors import BrokenChainError, ManifestError
 from dcp_multilevel.format import decode_manifest, frames, seal_manifest
 from dcp_multilevel.stores.remote import RemoteStore
