@@ -20,7 +20,7 @@ from conftest import assert_bit_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_multilevel.codecs import _bytegroup_np, _zstd, bytegroup
+from dcp_multilevel.codecs import _zstd, bytegroup
 from dcp_multilevel.codecs.bytegroup import ByteGroupCodec
 
 native = bytegroup._native
@@ -168,7 +168,7 @@ def test_split_and_join_match_numpy_for_every_rotation(width, data, n):
     planes = np.empty((width, n), np.uint8)
     assert native.split(raw, planes, width, rotate) == sum(1 << 4 * p for p in range(width))
     if width > 1:
-        want = _bytegroup_np.planes_np(raw, width, rotate, "test_planes")
+        want = bytegroup.planes_np(raw, width, rotate, "test_planes")
         assert planes.tobytes() == want.tobytes()
     back = np.empty(n * width, np.uint8)
     native.join(list(planes), back, width, rotate)
@@ -177,7 +177,7 @@ def test_split_and_join_match_numpy_for_every_rotation(width, data, n):
     # onto its reference), in C and numpy alike.
     held = np.frombuffer(data.draw(st.binary(min_size=n * width, max_size=n * width)), np.uint8)
     want = (held ^ raw).tobytes()
-    for join in (native.join, _bytegroup_np.join_np):
+    for join in (native.join, bytegroup.join_np):
         onto = held.copy()
         join(list(planes), onto, width, rotate, True)
         assert onto.tobytes() == want
@@ -394,13 +394,13 @@ def test_sparse_planes_match_numpy_and_join_back(data, n, zeros):
     bitmap, values = np.empty(blen, np.uint8), np.empty(n, np.uint8)
     count = native.sparse_plane(plane, bitmap, values)
     want_bitmap, want_values = np.empty(blen, np.uint8), np.empty(n, np.uint8)
-    assert _bytegroup_np.sparse_plane_np(plane, want_bitmap, want_values) == count
+    assert bytegroup.sparse_plane_np(plane, want_bitmap, want_values) == count
     assert bitmap.tobytes() == want_bitmap.tobytes()
     assert values[:count].tobytes() == want_values[:count].tobytes() == plane[plane != 0].tobytes()
-    assert native.sparse_count(bitmap, n) == _bytegroup_np.sparse_count_np(bitmap, n) == count
+    assert native.sparse_count(bitmap, n) == bytegroup.sparse_count_np(bitmap, n) == count
     back, back_np = np.full(n, 7, np.uint8), np.full(n, 7, np.uint8)
     native.join_sparse(bitmap, values[:count], back)
-    _bytegroup_np.join_sparse_np(bitmap, values[:count], back_np)
+    bytegroup.join_sparse_np(bitmap, values[:count], back_np)
     assert back.tobytes() == back_np.tobytes() == plane.tobytes()
 
 
@@ -409,8 +409,8 @@ def test_sparse_kernels_refuse_a_bitmap_that_disagrees_with_the_values(kernels, 
     if kernels == "C" and native is None:
         pytest.skip("built without the C kernels")
     k = native if kernels == "C" else None
-    count = k.sparse_count if k else _bytegroup_np.sparse_count_np
-    join = k.join_sparse if k else _bytegroup_np.join_sparse_np
+    count = k.sparse_count if k else bytegroup.sparse_count_np
+    join = k.join_sparse if k else bytegroup.join_sparse_np
     bitmap = np.array([0b101, 0b1], np.uint8)  # 3 bytes of a 9-byte plane
     plane = np.empty(9, np.uint8)
     with pytest.raises(
