@@ -728,7 +728,7 @@ static zstd_is_error_fn zstd_is_error;
 static unsigned zstd_version;
 static pthread_key_t cctx_key;
 
-/* The settings of _zstd.py's _PLANE_PARAMS (zstd as an entropy coder):
+/* The settings of zstd.py's _PLANE_PARAMS (zstd as an entropy coder):
  * windowLog, hashLog, chainLog, searchLog, minMatch, targetLength,
  * strategy (1 = fast), contentSizeFlag, checksumFlag. */
 static const int PLANE_PARAMS[][2] = {
@@ -787,7 +787,7 @@ static void *thread_cctx(void) {
     return cctx;
 }
 
-/* Room that always holds a plane's frame: _zstd.plane_bound. */
+/* Room that always holds a plane's frame: zstd.plane_bound. */
 static Py_ssize_t plane_bound(Py_ssize_t n) { return n + (n >> 8) + 1024; }
 
 /* Scratch past the planes: a split's low stream (4 * ceil(n / 8) <= n / 2 + 4
@@ -963,7 +963,7 @@ PyMODINIT_FUNC PyInit__planes(void) {
     load_zstd();
     version = zstd_version;
     /* PLANE_PARAMS: ((zstd parameter, value), ...), for tests to hold them
-     * equal to _zstd._PLANE_PARAMS, their Python twin. */
+     * equal to zstd._PLANE_PARAMS, their Python twin. */
     size_t count = sizeof PLANE_PARAMS / sizeof *PLANE_PARAMS;
     PyObject *params = PyTuple_New((Py_ssize_t)count);
     for (size_t i = 0; params && i < count; i++) {

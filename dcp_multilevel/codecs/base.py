@@ -4,7 +4,7 @@ Call order: the writer asks ``layout(dtype)`` once per item, then its threads
 call ``payload_bound`` and ``encode_into`` (which defaults to ``encode``) once
 per chunk, in any order; the reader's threads call ``decode`` once per coded
 chunk. A codec keeps no state between calls
-(per-thread zstd contexts live in ``_zstd.py``), so one instance serves every
+(per-thread zstd contexts live in ``zstd.py``), so one instance serves every
 thread.
 
 A chunk is described by ``width`` (bytes per value plane: the element size,

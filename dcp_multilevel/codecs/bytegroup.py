@@ -61,7 +61,7 @@ the packed low bits. Method 4 stores ``bitmap length u32``, the bitmap
 ``i`` is not 0, bits past ``n`` clear; or a zstd frame of them), then the
 non-zero bytes (as many raw as the bitmap counts, or a zstd frame of them).
 
-Planes are coded with zstd tuned as an entropy coder (``_zstd._PLANE_PARAMS``;
+Planes are coded with zstd tuned as an entropy coder (``zstd._PLANE_PARAMS``;
 ``level`` does not apply; the all-in-C coder adds a faster match search,
 ``_planes.c`` PLANE_FAST). Which planes are worth it is judged on a sample of
 the chunk (a few spread slices) before the chunk is split: planes whose
@@ -102,7 +102,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from . import _zstd
+from . import zstd
 from ._scratch import scratch
 from .base import MIN_SAVING, Codec, element_layout
 
@@ -226,7 +226,7 @@ def _code_sparse(plane: np.ndarray, out: memoryview) -> int | None:
     if at + blen >= n:
         return None
     bitmap, values = _sparse_plane(plane)
-    k = _zstd.compress_plane_into(bitmap, out[at : at + blen])
+    k = zstd.compress_plane_into(bitmap, out[at : at + blen])
     if k is None:
         out[at : at + blen] = bitmap
         k = blen
@@ -238,7 +238,7 @@ def _code_sparse(plane: np.ndarray, out: memoryview) -> int | None:
     room = min(n - at, count)
     if room <= 0:
         return None
-    k = _zstd.compress_plane_into(values, out[at : at + room])
+    k = zstd.compress_plane_into(values, out[at : at + room])
     if k is not None:
         return at + k
     if count > n - at:
@@ -270,7 +270,7 @@ def _decode_sparse(data: memoryview, plane: np.ndarray, p: int) -> None:
         bitmap = np.frombuffer(data[_SPARSE.size : at], np.uint8)
     else:
         bitmap = scratch("dec_bitmap", blen)
-        _zstd.decompress_into(data[_SPARSE.size : at], memoryview(bitmap))
+        zstd.decompress_into(data[_SPARSE.size : at], memoryview(bitmap))
     count = (sparse_count_np if _native is None else _native.sparse_count)(bitmap, n)
     rest = data[at:]
     if len(rest) > count:
@@ -281,7 +281,7 @@ def _decode_sparse(data: memoryview, plane: np.ndarray, p: int) -> None:
         values = np.frombuffer(rest, np.uint8)
     else:
         values = scratch("dec_values", count)
-        _zstd.decompress_into(rest, memoryview(values))
+        zstd.decompress_into(rest, memoryview(values))
     (join_sparse_np if _native is None else _native.join_sparse)(bitmap, values, plane)
 
 
@@ -305,7 +305,7 @@ class ByteGroupCodec(Codec):
         # The table, then every plane but the last at most raw (a coded plane
         # that does not pay is overwritten by the raw one), the last at most
         # its zstd bound while it is being compressed.
-        return 1 + width * _PLANE.size + raw_len + _zstd.plane_bound(raw_len // max(width, 1))
+        return 1 + width * _PLANE.size + raw_len + zstd.plane_bound(raw_len // max(width, 1))
 
     def encode(self, chunk: memoryview, width: int, rotate: int) -> bytes | None:
         """The payload of ``chunk`` (None when no plane pays), through :meth:`encode_into`."""
@@ -356,7 +356,7 @@ class ByteGroupCodec(Codec):
             plane = planes[p]
             method, length = methods[p], n
             if method == 1:
-                k = _zstd.compress_plane_into(plane, out[pos : pos + _zstd.plane_bound(n)])
+                k = zstd.compress_plane_into(plane, out[pos : pos + zstd.plane_bound(n)])
                 length = n if k is None else k
             elif method == SPARSE:
                 k = _code_sparse(plane, out[pos : pos + n])
@@ -365,7 +365,7 @@ class ByteGroupCodec(Codec):
                 high, low = _split_plane(plane, method)
                 at = pos + len(high)
                 out[pos:at] = high
-                k = _zstd.compress_plane_into(low, out[at : at + _zstd.plane_bound(len(low))])
+                k = zstd.compress_plane_into(low, out[at : at + zstd.plane_bound(len(low))])
                 length = n if k is None else len(high) + k
             if not _pays(length, n):
                 method, length = 0, n
@@ -385,7 +385,7 @@ class ByteGroupCodec(Codec):
         # Only the size matters: a buffer that holds what pays (no bytes object per plane).
         room = memoryview(scratch("sample_out", SAMPLE_VALUES))
         room = room[: int(SAMPLE_VALUES * (1 - SAMPLE_SAVING))]
-        return [_zstd.compress_plane_into(planes[p], room) is not None for p in range(width)]
+        return [zstd.compress_plane_into(planes[p], room) is not None for p in range(width)]
 
     def decode(self, payload: memoryview, out: memoryview, width: int, rotate: int) -> None:
         """Decode a payload into ``out``.
@@ -435,7 +435,7 @@ class ByteGroupCodec(Codec):
                     raise ValueError(f"raw plane {p} has {length} bytes, expected {n}")
                 planes.append(np.frombuffer(data, dtype=np.uint8))
             elif method == 1:
-                _zstd.decompress_into(data, memoryview(decoded[p]))
+                zstd.decompress_into(data, memoryview(decoded[p]))
                 planes.append(decoded[p])
             elif method in (2, 3):
                 high_len, low_len = split_sizes(n, method)
@@ -444,7 +444,7 @@ class ByteGroupCodec(Codec):
                         f"split plane {p} has {length} bytes, under its {high_len} raw"
                     )
                 low = scratch("dec_low", low_len)
-                _zstd.decompress_into(data[high_len:], memoryview(low))
+                zstd.decompress_into(data[high_len:], memoryview(low))
                 _join_plane(np.frombuffer(data[:high_len], np.uint8), low, decoded[p], method)
                 planes.append(decoded[p])
             elif method == SPARSE:

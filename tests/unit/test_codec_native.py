@@ -20,7 +20,7 @@ from conftest import assert_bit_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_multilevel.codecs import _zstd, bytegroup
+from dcp_multilevel.codecs import bytegroup, zstd
 from dcp_multilevel.codecs.bytegroup import ByteGroupCodec
 
 native = bytegroup._native
@@ -40,7 +40,7 @@ def test_the_c_kernels_are_built_and_found_libzstd():
 
 @pytest.mark.skipif(not bytegroup.NATIVE_ZSTD, reason="no libzstd found")
 def test_c_plane_settings_are_the_python_ones():
-    # _planes.c repeats _zstd._PLANE_PARAMS with zstd's parameter numbers: a
+    # _planes.c repeats zstd._PLANE_PARAMS with zstd's parameter numbers: a
     # change to one must reach the other, or the two paths code differently.
     names = {
         101: "window_log",
@@ -54,7 +54,7 @@ def test_c_plane_settings_are_the_python_ones():
         201: "write_checksum",
     }
     c_params = {names[key]: value for key, value in native.PLANE_PARAMS}
-    assert c_params == {name: getattr(_zstd._PLANE_PARAMS, name) for name in names.values()}
+    assert c_params == {name: getattr(zstd._PLANE_PARAMS, name) for name in names.values()}
 
 
 @pytest.fixture

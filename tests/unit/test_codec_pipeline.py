@@ -23,13 +23,13 @@ from dcp_multilevel.codecs import (
     MIN_SPLIT_CHUNK,
     BufferPool,
     EncodeJob,
-    _zstd,
     balanced_chunk_size,
     codec_from_descriptor,
     compress_tensor,
     decompress_tensor,
     element_layout,
     encode_items,
+    zstd,
 )
 from dcp_multilevel.codecs.bytegroup import ByteGroupCodec
 from dcp_multilevel.codecs.extension import ByteGroupExtension
@@ -377,14 +377,14 @@ def test_encode_into_writes_what_encode_returns(dtype):
 
 def test_plane_compressed_into_a_buffer_decodes_and_too_small_a_buffer_says_so():
     plane = np.frombuffer(byte_view(_structured(100_000, torch.int16, 1)), np.uint8)
-    out = bytearray(_zstd.plane_bound(len(plane)))
-    n = _zstd.compress_plane_into(plane, memoryview(out))
+    out = bytearray(zstd.plane_bound(len(plane)))
+    n = zstd.compress_plane_into(plane, memoryview(out))
     assert n is not None and n < len(plane) // 2
     back = bytearray(len(plane))
-    _zstd.decompress_into(memoryview(out)[:n], memoryview(back))
+    zstd.decompress_into(memoryview(out)[:n], memoryview(back))
     assert back == plane.tobytes()
-    assert _zstd.compress_plane_into(plane, memoryview(out)[: n - 1]) is None
-    assert _zstd.compress_plane_into(plane, memoryview(out)[:n]) is None  # full: maybe cut
+    assert zstd.compress_plane_into(plane, memoryview(out)[: n - 1]) is None
+    assert zstd.compress_plane_into(plane, memoryview(out)[:n]) is None  # full: maybe cut
 
 
 @settings(max_examples=200, deadline=None)
@@ -432,9 +432,9 @@ def test_decompress_into_takes_exactly_the_frame_size_it_is_given():
     data = bytes(range(256)) * 64
     frame = zstandard.ZstdCompressor().compress(data)
     out = bytearray(len(data))
-    _zstd.decompress_into(frame, memoryview(out))
+    zstd.decompress_into(frame, memoryview(out))
     assert out == data
     with pytest.raises(ValueError, match="zstd frame declares 16384 bytes, expected 16383"):
-        _zstd.decompress_into(frame, memoryview(out)[:-1])
+        zstd.decompress_into(frame, memoryview(out)[:-1])
     with pytest.raises(ValueError, match="zstd frame ends after 0 of the 16384 bytes expected"):
-        _zstd.decompress_into(frame[:-5], memoryview(out))
+        zstd.decompress_into(frame[:-5], memoryview(out))
