@@ -6,7 +6,7 @@ name and renamed into place, and s3fs file objects have no ``fileno()``. This
 store therefore publishes every file with a single upload of complete content:
 
 * ``open_write`` spools the caller's bytes to a local temporary file (under
-  ``spool_dir``; see ``_spool.py``) and uploads it on clean exit with
+  ``spool_dir``; see *Spool files* below) and uploads it on clean exit with
   ``fs.put_file`` (s3fs sends a file under two parts as one PUT, a larger one
   as a multipart upload of :data:`S3_PART_BYTES` parts, :data:`S3_PARTS_IN_FLIGHT`
   at a time, that it aborts on failure). An error inside the
@@ -32,17 +32,28 @@ False): a crash can leave data objects without a manifest, never a manifest
 without its data. Incomplete multipart uploads of a crashed process are
 invisible but billed on S3 until aborted; give buckets an
 ``AbortIncompleteMultipartUpload`` lifecycle rule.
+
+Spool files, the local copies of files being written: an object store cannot
+take a file piece by piece and have it appear whole, and an upload that fails
+must be sent again from the start; the caller hands its bytes over once. So
+the store spools each file to local disk (:func:`spool_file`) and uploads the
+spool as a whole. A process that dies mid-write leaves its spool behind:
+:func:`sweep_spools` removes those. A spool file is named
+``dcp-ml-spool-<pid>-<random>``: the pid tells a live writer's spool from
+garbage.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import importlib
 import logging
 import os
 import posixpath
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -58,10 +69,10 @@ from ._retry import (
     one_attempt_options,
     retry,
 )
-from ._spool import SPOOL_PREFIX, spool_file, sweep_spools
 from .base import FdWriteHandle, Store
 
-__all__ = ["SPOOL_PREFIX", "RemoteStore"]
+__all__ = ["SPOOL_PREFIX", "RemoteStore", "spool_file", "sweep_spools"]
+
 
 logger = logging.getLogger(__name__)
 
@@ -474,3 +485,68 @@ async def _info_each(fs: AsyncFileSystem, rpaths: list[str], limit: int) -> list
             return await fs._info(rpath)
 
     return await asyncio.gather(*(one(r) for r in rpaths), return_exceptions=True)
+
+
+#: Prefix of spool files (in ``spool_dir``); any left after a crash are garbage.
+SPOOL_PREFIX = "dcp-ml-spool-"
+
+
+@contextmanager
+def spool_file(spool_dir: str | None) -> Iterator[tuple[int, str]]:
+    """A new, empty spool file in ``spool_dir``, as ``(fd, path)``; removed on exit.
+
+    ``spool_dir`` None means the system temporary directory; a given one is
+    created when missing. The caller closes ``fd``.
+    """
+    if spool_dir is not None:
+        os.makedirs(spool_dir, exist_ok=True)
+    # The pid in the name lets sweep_spools() tell a live writer's spool from garbage.
+    fd, spool = tempfile.mkstemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-", dir=spool_dir)
+    try:
+        yield fd, spool
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(spool)
+
+
+def sweep_spools(directory: str, older_than_s: float, *, dry_run: bool = False) -> list[str]:
+    """Remove the spool files in ``directory`` abandoned by dead processes; their paths
+    (with ``dry_run``: the paths only, nothing removed).
+
+    A spool file goes when it is older than ``older_than_s`` seconds (by
+    mtime) and the process named in it is not running here. A missing
+    ``directory`` holds nothing to remove.
+    """
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    cutoff = time.time() - older_than_s
+    removed = []
+    for name in names:
+        if not name.startswith(SPOOL_PREFIX):
+            continue
+        pid_text = name[len(SPOOL_PREFIX) :].split("-", 1)[0]
+        if pid_text.isdigit() and _process_alive(int(pid_text)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.lstat(path).st_mtime < cutoff:
+                if not dry_run:
+                    os.unlink(path)
+                removed.append(path)
+        except FileNotFoundError:
+            continue  # another process swept it first
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only checks that the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
