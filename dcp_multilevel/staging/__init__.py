@@ -10,12 +10,12 @@ explicitly (order of calls and threads: :mod:`.stager`)::
                         W.write_data, W.finish    -> with Stager.background(...) as save
 
 Modules: :mod:`.config` (:class:`StagingConfig`), :mod:`.stager` (the
-stager: tickets, in-flight policy, budget waves, failure reporting),
+stager and its state in the training process: in-flight policy, budget waves,
+failure reporting and its errors' words),
 :mod:`.background` (:class:`BackgroundSave`, what a background step sees of it),
 :mod:`.buffers` (the host buffer pool), :mod:`.copies` (the copy into it, now or
 behind the fence), :mod:`.live` (the over-budget handshake), and the private
-``_state`` (its state in the training process), ``_tickets``, ``_failures``,
-``_messages`` (its errors' words), ``_priority``, ``_steps`` (optimizer steps wait
+``_tickets``, ``_priority``, ``_steps`` (optimizer steps wait
 for the fence) and ``_pinned`` (page-locked sets of their exact size;
 :func:`registered_bytes` counts them) it uses, and :mod:`.device` (a copy of
 the state on its GPU, for the fence).

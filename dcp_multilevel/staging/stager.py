@@ -48,9 +48,22 @@ Buffers (:mod:`.buffers`): at most two sets, reused (double buffering). Budget:
 a state larger than ``budget_bytes`` is saved in two waves, the tensors left
 out written first from the live state while ``async_save`` waits (with
 ``overlap``: while training goes on, until the fence; ``budget_bytes=0``
-copies nothing). Failures
-(:mod:`._failures`): raised from DCP's future, and once more, as
-:class:`AsyncSaveError`, from the next ``async_save`` with this writer.
+copies nothing). The stager's state in the training process (its buffers,
+tickets and threads: :class:`StagingState`) is made by its first ``stage``.
+
+Failures: raised from DCP's future, and once more, as :class:`AsyncSaveError`,
+from the next ``async_save`` with this writer. The :class:`FailureRecord` keeps
+a background failure until it is reported, once, to the training thread: a
+background step of an async save fails -> ``note`` (on DCP's background thread,
+or in DCP's daemon process on its unpickled copy); the next ``Stager.stage`` on
+the training thread -> ``take``, which returns it once. The record is a
+fixed-size tensor in shared memory, so the copy that DCP's PROCESS mode pickles
+to its daemon process writes where the training process reads (torch shares a
+tensor's storage when it is pickled to a child). Layout: byte 0 set when a
+failure is recorded, bytes 4-8 the text's length (int32), then the UTF-8 text,
+cut at :data:`RECORD_BYTES`. The stager's errors (:func:`raise_failure`,
+:func:`busy_message`, :func:`never_began_message`) say the save, the policy and
+what to do.
 """
 
 from __future__ import annotations
@@ -60,24 +73,25 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from ..checkpoint.streams import StreamMarks
-from ..errors import ConfigError, SaveInFlightError
-from ._failures import FailureRecord
-from ._messages import busy_message, never_began_message, raise_failure
+from ..errors import AsyncSaveError, ConfigError, SaveInFlightError
 from ._priority import lower_thread_priority
-from ._state import StagingState
 from ._steps import StepFence
 from ._tickets import POLL_S, StagedDict, Ticket, claimed_by, mark_dropped, uncopied_storages
 from .background import BackgroundSave
 from .buffers import BufferSet, HostBufferPool, iter_tensors, select_wave, staged_nbytes
 from .config import StagingConfig
 from .copies import Copies, check_live, plan_copies, run_copies
+from .device import DeviceSnapshot
 from .live import LiveFence
 
 __all__ = ["Stager"]
+
 
 #: Longest the overlap thread waits for ``async_save`` to arm a save's fence before
 #: it copies anyway (a caller of ``stage`` other than DCP may never arm it).
@@ -426,3 +440,110 @@ class Stager:
         # A writer that never staged (DCP was given another async_stager) has no
         # record: its copy treats saves as synchronous, as the original does.
         self._in_daemon = self._failures is not None
+
+
+class StagingState:
+    """A stager's state in the training process, made by its first ``stage``."""
+
+    def __init__(self, config: StagingConfig) -> None:
+        pin = config.pin_memory if config.pin_memory is not None else torch.cuda.is_available()
+        self.pool = HostBufferPool(config.budget_bytes, pin=pin, shared=config.shared_memory)
+        # Guards tickets and the pool (stage and close, on the training thread,
+        # against claim, on background threads).
+        self.lock = threading.Lock()
+        self.tickets: list[Ticket] = []
+        self.seq = 0
+        # copy_ releases the GIL: while the training thread waits for staging anyway,
+        # more cores copy (threads exit with the process).
+        self.copier = (
+            ThreadPoolExecutor(config.copy_threads, thread_name_prefix="dcp-ml-stage")
+            if config.copy_threads > 1
+            else None
+        )
+        # overlap: one thread runs each save's copies, in order, behind its fence.
+        self.overlapper = (
+            ThreadPoolExecutor(1, thread_name_prefix="dcp-ml-overlap") if config.overlap else None
+        )
+        # GPU memory for the state's copy on its device (guarded by ``lock`` for close).
+        self.device = (
+            DeviceSnapshot(config.device_snapshot_bytes) if config.device_snapshot_bytes else None
+        )
+
+
+#: Bytes of the shared record (the text is cut to fit).
+RECORD_BYTES = 4096
+_HEADER = 8
+
+
+class FailureRecord:
+    """The last background failure of a stager's async saves (see module docs)."""
+
+    def __init__(self) -> None:
+        self._shared = torch.zeros(RECORD_BYTES, dtype=torch.uint8).share_memory_()
+        # Serializes note/take in this process; a daemon copy writes while no
+        # other save of this writer runs (saves run one at a time).
+        self._lock = threading.Lock()
+
+    def note(self, text: str) -> None:
+        """Record ``text`` (replacing any earlier failure not taken yet)."""
+        raw = text.encode("utf-8", "replace")[: RECORD_BYTES - _HEADER]
+        with self._lock:
+            if raw:
+                body = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                self._shared[_HEADER : _HEADER + len(raw)] = body
+            self._shared[4:8] = torch.tensor([len(raw)], dtype=torch.int32).view(torch.uint8)
+            self._shared[0] = 1  # last: a reader sees the flag after the text
+
+    def take(self) -> str | None:
+        """The recorded failure, once; None if none was recorded since the last take."""
+        with self._lock:
+            if not self._shared[0].item():
+                return None
+            n = int(self._shared[4:8].view(torch.int32).item())
+            text = bytes(self._shared[_HEADER : _HEADER + n].tolist()).decode("utf-8", "replace")
+            self._shared[0] = 0
+        return text
+
+    def __getstate__(self) -> dict[str, torch.Tensor]:
+        return {"shared": self._shared}
+
+    def __setstate__(self, state: dict[str, torch.Tensor]) -> None:
+        self._shared = state["shared"]
+        self._lock = threading.Lock()
+
+
+def raise_failure(failures: FailureRecord | None, checkpoint_id: str) -> None:
+    """Raise the recorded background failure, once, as :class:`AsyncSaveError`.
+
+    Raises:
+        AsyncSaveError: a background step of an earlier async save failed.
+    """
+    text = failures.take() if failures is not None else None
+    if text is not None:
+        raise AsyncSaveError(
+            f"the previous async save with this writer failed in the background ({text}); "
+            "nothing of it was committed. Fix the cause and save again; this error is "
+            "raised once.",
+            checkpoint=checkpoint_id,
+        )
+
+
+def busy_message(checkpoint_id: str, what: str, cfg: StagingConfig) -> str:
+    """An earlier save holds the buffers: ``what`` it did (or did not do) in time."""
+    return (
+        f"async save to {checkpoint_id}: an earlier save with this writer {what} (policy "
+        f"in_flight={cfg.in_flight!r}, wait_timeout_s={cfg.wait_timeout_s}); at most one "
+        "save is written and one queued per writer. Wait for the returned future before "
+        'saving again, or use StagingConfig(in_flight="wait").'
+    )
+
+
+def never_began_message(checkpoint_id: str, cfg: StagingConfig) -> str:
+    """An earlier save's background part never made its first writer call."""
+    return (
+        f"async save to {checkpoint_id}: an earlier async save with this writer did not "
+        f"begin writing within wait_timeout_s={cfg.wait_timeout_s}: DCP's "
+        "background thread failed before its first call to the writer (in PROCESS mode: "
+        "DCP's daemon process did not start). That save's future holds the error; drop "
+        "the future to free its buffers, then save again."
+    )
