@@ -115,7 +115,7 @@ def peak_rss() -> int:
 
 def pinned_bytes() -> int | None:
     """Pinned bytes: the CUDA caching host allocator's and our staging sets' (page-locked
-    outside it, ``staging/_pinned.py``); None without CUDA."""
+    outside it, ``staging/buffers.py``); None without CUDA."""
     if not torch.cuda.is_available():
         return None
     stats = torch.cuda.host_memory_stats()

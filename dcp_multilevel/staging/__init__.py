@@ -13,16 +13,16 @@ Modules: :mod:`.config` (:class:`StagingConfig`), :mod:`.stager` (the
 stager and its state in the training process: in-flight policy, budget waves,
 failure reporting and its errors' words),
 :mod:`.background` (:class:`BackgroundSave`, what a background step sees of it),
-:mod:`.buffers` (the host buffer pool), :mod:`.copies` (the copy into it, now or
+:mod:`.buffers` (the host buffer pool, its sets page-locked at their exact size;
+:func:`registered_bytes` counts them), :mod:`.copies` (the copy into it, now or
 behind the fence), :mod:`.live` (the over-budget handshake), and the private
-``_tickets``, ``_priority``, ``_steps`` (optimizer steps wait
-for the fence) and ``_pinned`` (page-locked sets of their exact size;
-:func:`registered_bytes` counts them) it uses, and :mod:`.device` (a copy of
+``_tickets``, ``_priority`` and ``_steps`` (optimizer steps wait
+for the fence) it uses, and :mod:`.device` (a copy of
 the state on its GPU, for the fence).
 """
 
-from ._pinned import registered_bytes
 from .background import BackgroundSave
+from .buffers import registered_bytes
 from .config import StagingConfig
 from .stager import Stager
 

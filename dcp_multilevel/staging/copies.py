@@ -109,7 +109,7 @@ def plan_copies(
         shape = like.shape
         strides = like.stride() if like.is_contiguous() else _contiguous_strides(shape)
         # as_strided's offset counts from the storage's start, not the view's: a
-        # pinned set is a page-aligned slice of a bigger allocation (_pinned.py).
+        # pinned set is a page-aligned slice of a bigger allocation (buffers.py).
         return as_dtype.as_strided(shape, strides, as_dtype.storage_offset() + start // size)
 
     def snap(v: Any, name: str) -> Any:

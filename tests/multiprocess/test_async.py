@@ -297,7 +297,7 @@ def test_over_budget_wave_stages_the_largest_tensors_that_fit():
     assert select_wave(iter_tensors(sd), ALIGN) == (set(), 0)  # nothing fits: all live
 
 
-# The buffer alone, or a slice of a bigger allocation, as a pinned set is (_pinned.py:
+# The buffer alone, or a slice of a bigger allocation, as a pinned set is (buffers.py:
 # page-aligned); its neighbours' bytes must stay as they were.
 @pytest.mark.parametrize("lead", [0, 4096], ids=["own", "slice"])
 def test_every_layout_is_staged_contiguous_in_the_buffer_with_its_bytes(lead):
