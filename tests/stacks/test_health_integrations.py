@@ -141,7 +141,7 @@ def _lightning_resume(rank: int, world: int, root: str, levels: list, ckpt_path:
     import test_integration_lightning as lt
     from test_integration_accelerate import _local_bytes
 
-    from dcp_multilevel.integrations._lightning_levels import level_target, past_quarantine
+    from dcp_multilevel.integrations.lightning import level_target, past_quarantine
 
     lt._as_node(rank)
     # What each kind of path resolves to: a marker of a quarantined step, "step-<N>".

@@ -36,9 +36,10 @@ from conftest import as_bytes
 
 import dcp_multilevel
 from dcp_multilevel import ConfigError, Level, MultiLevelReader, MultiLevelWriter
-from dcp_multilevel.integrations._accelerate_levels import MARKER_NAME, StepMarker
 from dcp_multilevel.integrations.accelerate import (
+    MARKER_NAME,
     MultiLevelAccelerator,
+    StepMarker,
     multilevel_fsdp_checkpoints,
 )
 from dcp_multilevel.levels.config import describe

@@ -347,7 +347,7 @@ def test_levels_resume_after_a_lost_node_is_bit_exact(
 
 
 def test_level_targets_of_lightning_paths(tmp_path):
-    from dcp_multilevel.integrations._lightning_levels import (
+    from dcp_multilevel.integrations.lightning import (
         LevelStep,
         level_target,
         write_marker,
