@@ -13,7 +13,7 @@ records it in the manifest; ``docs/health.md`` says what follows). The checks:
   (:class:`LossSpike`);
 - custom checks: callables given the state as staged.
 
-Call order (the writer, every rank; ``plugin/data_files.py``, ``plugin/writer.py``)::
+Call order (the writer, every rank; ``plugin/writer.py``)::
 
     tally = Tally()                                  write_data
     tally.add(fqn, count)                            per item, any writing thread

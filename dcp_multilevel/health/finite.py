@@ -1,7 +1,7 @@
 """Counting non-finite values (NaN, infinity) in the bytes a save writes.
 
 The writer counts each floating-point item's values as it hashes or codes
-them (``plugin/data_files.py``): the count runs on a slice of at most a MiB
+them (``plugin/writer.py``): the count runs on a slice of at most a MiB
 just before the hash or the coder reads the same slice, so the bytes come
 from memory once, not twice. On a CUDA tensor the count runs on the device
 (:func:`count_on_device`), before the copy to the host.

@@ -1,12 +1,13 @@
 """The DCP storage plugin: what ``dcp.save`` and ``dcp.load`` are handed.
 
 - ``writer.py``: :class:`MultiLevelWriter`, DCP's ``StorageWriter`` (and
-  ``AsyncStager``); ``data_files.py``: how it codes and writes one data file.
+  ``AsyncStager``), and how it codes and writes each data file.
 - ``reader.py``: :class:`MultiLevelReader`, DCP's ``StorageReader``, falling
-  back from copy to copy; ``read_files.py``: how it reads one data file.
+  back from copy to copy, and how it reads each data file.
 - ``planner.py``: :class:`BalancedSavePlanner`, DCP's ``SavePlanner`` that
-  spreads replicated items over the ranks holding them; ``plans.py``: its
-  bookkeeping with DCP's plan types.
+  spreads replicated items over the ranks holding them, with its bookkeeping
+  of DCP's plan types and the replica check's digests.
+- ``arguments.py``: the writer's and reader's argument types, checked.
 """
 
 from .planner import BalancedSavePlanner

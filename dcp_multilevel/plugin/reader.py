@@ -24,18 +24,47 @@ brought back before it is read, and the copies are the levels' (collective:
 ``level_reads.py``).
 Non-tensor objects are vetted with ``torch.load(weights_only=True)`` before
 DCP's planner sees them (its ``load_bytes`` unpickles with ``weights_only=False``).
+
+Before any byte is read, the reader checks its options and the checkpoint it
+is about to read (:func:`checked_fallbacks`, :func:`warn_if_quarantined`).
+
+Each data file is read in runs: :func:`split_runs` cuts a copy's reads, per
+file in offset order, into as many runs as there are threads; :func:`read_file`
+reads one run from one copy, each item into its destination
+(``checkpoint/destinations.py``) and verified before it is committed. What
+failed is returned, not raised: the reader reads it from the next copy.
+
+DCP's log of a failed metadata read is kept to one line. ``dcp.load``
+(torch's ``state_dict_loader.py``) catches whatever
+``StorageReader.read_metadata`` raises, logs "Global metadata is not found.
+Falling back to rank local metadata." with the whole traceback (a warning on
+that module's logger, the root logger in torch 2.13), and then raises a
+``CheckpointException`` that carries the error's message. For
+:class:`~dcp_multilevel.MultiLevelReader` the fallback does not exist (its
+``read_metadata`` takes no ``rank``) and the traceback repeats what the
+exception says. Its ``read_metadata`` is therefore wrapped in
+:func:`one_line_in_dcp_log`: when it raises, :class:`FailedMetadataLine` is put
+on that logger (once), and turns a record whose exception came out of the
+wrapper into one line naming the error. Every other record passes unchanged,
+other readers' failures included.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
+import traceback
 import warnings
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from contextlib import ExitStack, closing
+from types import CodeType
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from torch.distributed.checkpoint import state_dict_loader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -43,17 +72,16 @@ from torch.futures import Future
 
 from .. import levels as levels_pkg
 from ..checkpoint import StoredCheckpoint, new_save_id
+from ..checkpoint.destinations import Bounce, destination
 from ..checkpoint.fallback import Failure, Trail, item_name, unusable_copy
 from ..checkpoint.pinned import release_pinned
+from ..checkpoint.reference import ReferenceFiles
 from ..checkpoint.streams import StreamMarks
-from ..errors import ConfigError, DcpMultilevelError, ManifestError
+from ..errors import ConfigError, CorruptCheckpointError, DcpMultilevelError, ManifestError
 from ..format import MANIFEST_NAME, ItemLocation, Manifest
 from ..levels.config import Level
 from ..stores import Store
 from .arguments import check_arguments
-from .dcp_logs import one_line_in_dcp_log
-from .read_files import read_file, split_runs
-from .read_options import checked_fallbacks, warn_if_quarantined
 
 if TYPE_CHECKING:  # the levels machinery loads only for a reader given levels
     from ..levels.loads import LevelLoads
@@ -61,8 +89,198 @@ if TYPE_CHECKING:  # the levels machinery loads only for a reader given levels
 
 __all__ = ["MultiLevelReader"]
 
-# The logger users configure, named as documented (not after this module).
 logger = logging.getLogger("dcp_multilevel.reader")
+
+
+# The logger users configure, named as documented (the reader's).
+
+
+def checked_fallbacks(
+    fallbacks: Sequence[str | os.PathLike[str]],
+    options: Sequence[dict[str, Any] | None] | None,
+) -> tuple[list[str | os.PathLike[str]], list[dict[str, Any] | None]]:
+    """The fallbacks as a list, and one storage options entry per fallback.
+
+    Raises:
+        ConfigError: a single location given as ``fallbacks``, or not one options
+            entry per fallback.
+    """
+    if isinstance(fallbacks, (str, bytes, os.PathLike)):
+        raise ConfigError(
+            f"fallbacks must be a sequence of locations, got the single location "
+            f"{fallbacks!r}; pass fallbacks=[{fallbacks!r}]"
+        )
+    fallbacks = list(fallbacks)
+    options = [None] * len(fallbacks) if options is None else list(options)
+    if len(options) != len(fallbacks):
+        raise ConfigError(
+            f"fallback_storage_options has {len(options)} entries for "
+            f"{len(fallbacks)} fallbacks; give one (a dict or None) per fallback"
+        )
+    return fallbacks, options
+
+
+def warn_if_quarantined(manifest: Manifest, url: str) -> None:
+    """Warn that the checkpoint at ``url`` is quarantined (``docs/health.md``): its
+    checks found poisoned state; it is read all the same, as asked."""
+    if manifest.quarantined:
+        logger.warning(
+            "dcp_multilevel: loading %s, which is QUARANTINED: %s", url, manifest.health.reason()
+        )  # type: ignore[union-attr]
+
+
+T = TypeVar("T")
+
+
+class FailedMetadataLine(logging.Filter):
+    """Turns a record about an exception raised through ``code`` into one line.
+
+    Args:
+        code: the code object whose frame marks the exceptions to shorten (the
+            wrapper of :func:`one_line_in_dcp_log`).
+    """
+
+    def __init__(self, code: CodeType) -> None:
+        super().__init__()
+        self.code = code
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None or not any(
+            frame.f_code is self.code for frame, _ in traceback.walk_tb(exc.__traceback__)
+        ):
+            return True
+        text = str(exc)
+        # The first line: with fallbacks the message goes on listing every copy tried.
+        record.msg = "dcp.load could not read the checkpoint's metadata: %s: %s"
+        record.args = (type(exc).__name__, text.splitlines()[0] if text else "")
+        record.exc_info = None
+        record.exc_text = None
+        record.stack_info = None
+        return True
+
+
+_lock = threading.Lock()  # two readers failing at once put one filter on the logger
+
+
+def one_line_in_dcp_log(read_metadata: Callable[[Any], T]) -> Callable[[Any], T]:
+    """``read_metadata``, whose failures ``dcp.load`` logs in one line (module docstring)."""
+
+    # Only ``self``: DCP passes ``rank=`` to a read_metadata that takes keywords.
+    @functools.wraps(read_metadata)
+    def wrapper(self: Any) -> T:
+        try:
+            return read_metadata(self)
+        except Exception:
+            _install(wrapper.__code__)
+            raise
+
+    return wrapper
+
+
+def _install(code: CodeType) -> None:
+    """Put a :class:`FailedMetadataLine` for ``code`` on the logger ``dcp.load`` logs a
+    failed metadata read on, unless one is there (nothing if torch has no such logger)."""
+    target = getattr(state_dict_loader, "logger", None)
+    if not isinstance(target, logging.Logger):
+        return
+    with _lock:
+        if not any(isinstance(f, FailedMetadataLine) and f.code is code for f in target.filters):
+            target.addFilter(FailedMetadataLine(code))
+
+
+#: Errors that condemn one copy of an item (or of a whole file) but not the
+#: load: the item is read from the next copy. Corruption and missing files are
+#: OSErrors, and so are I/O failures (EIO, a remote that stays down); a
+#: ManifestError here means the copy's item needs a codec that is not installed.
+COPY_ERRORS = (OSError, ManifestError)
+
+
+def read_file(
+    copy: StoredCheckpoint,
+    file: str,
+    reqs: list[tuple[int, ReadItem, ItemLocation]],
+    planner: LoadPlanner,
+    codec_pool: Callable[[], ThreadPoolExecutor | None],
+    window: int,
+    marks: StreamMarks | None = None,
+) -> tuple[int, list[Failure]]:
+    """Read ``reqs`` (sorted by offset) from one data file; (served, failures).
+
+    ``codec_pool`` gives the pool coded items are decoded in (None: inline) when
+    the first one comes; ``window``: chunks in flight while decoding. Copies
+    into device tensors are queued after ``marks`` (none: after this thread's
+    current stream); the caller waits for them (``StreamMarks.finish``).
+    """
+    served = 0
+    failures: list[Failure] = []
+    limit = max(loc.offset + loc.length for _, _, loc in reqs)
+    with ExitStack() as stack:
+        stack.enter_context((marks or StreamMarks()).following())
+        try:
+            handle = stack.enter_context(copy.open_data(file, reqs[0][1].storage_index.fqn, limit))
+        except COPY_ERRORS as e:
+            return 0, [Failure(i, req, file, e, whole_file=True) for i, req, _ in reqs]
+        references = stack.enter_context(closing(ReferenceFiles()))
+        references.plan(copy, [(req.storage_index, loc) for _, req, loc in reqs])
+        bounce = Bounce()  # blocks allocated at its first CUDA item
+        stack.callback(bounce.drain)  # the load ends once its copies are done
+        for n, (i, req, loc) in enumerate(reqs):
+            # Outside the try: a destination of the wrong shape is wrong for
+            # every copy, and so is an object refused by weights_only loading.
+            landing = destination(copy, req, loc, planner, bounce)
+            try:
+                if landing.out is None:
+                    copy.read_stored(
+                        handle, req.storage_index.fqn, loc, landing.blocks, landing.on_block
+                    )
+                else:
+                    copy.read_item(
+                        handle,
+                        req.storage_index,
+                        loc,
+                        landing.out,
+                        pool=codec_pool(),
+                        window=window,
+                        references=references,
+                    )
+            except COPY_ERRORS as e:
+                if isinstance(e, (CorruptCheckpointError, ManifestError)):
+                    failures.append(Failure(i, req, file, e, whole_file=False))
+                    continue
+                # An I/O error (EIO, a remote that stays down): do not wait out
+                # the retries of every further item of this file on this copy.
+                failures += [Failure(j, r, file, e, whole_file=True) for j, r, _ in reqs[n:]]
+                break
+            landing.commit()
+            served += 1
+    return served, failures
+
+
+def split_runs(
+    jobs: list[tuple[str, list[tuple[int, ReadItem, ItemLocation]]]], threads: int
+) -> list[tuple[str, list[tuple[int, ReadItem, ItemLocation]]]]:
+    """``jobs`` (per file, items in offset order) cut into more runs of adjacent items
+    while there are fewer than ``threads``: the largest run is halved by bytes. A
+    checkpoint written as one file per rank is then read by several threads."""
+    jobs = list(jobs)
+    while len(jobs) < threads:
+        splittable = [j for j in range(len(jobs)) if len(jobs[j][1]) > 1]
+        if not splittable:
+            break
+        k = max(splittable, key=lambda j: sum(loc.length for _, _, loc in jobs[j][1]))
+        file, reqs = jobs.pop(k)
+        half, seen, cut = sum(loc.length for _, _, loc in reqs) / 2, 0, 1
+        for n, (_, _, loc) in enumerate(reqs[:-1], start=1):
+            seen += loc.length
+            cut = n
+            if seen >= half:
+                break
+        jobs += [(file, reqs[:cut]), (file, reqs[cut:])]
+    return jobs
+
+
+# The logger users configure, named as documented (not after this module).
 
 
 class MultiLevelReader(StorageReader):
@@ -251,7 +469,7 @@ class MultiLevelReader(StorageReader):
             CheckpointNotFoundError: no copy has a manifest.
             ManifestError: a copy's manifest is invalid (and no copy is usable).
             OSError: a copy's storage could not be read (and no copy is usable);
-                ``dcp.load`` logs it in one line (``dcp_logs.py``).
+                ``dcp.load`` logs it in one line (module docstring).
         """
         if self.loads is not None:  # collective: the step agreed, what a node lacks back
             copies, self._primary_manifest = self.loads.prepare()
