@@ -6,12 +6,19 @@ Nothing here touches torch.distributed, files or DCP plans; ``planner.py``
 translates between DCP and these types.
 """
 
-from .balance import balance
 from .chunks import Chunk, chunk_errors
 from .cost import CostModel
-from .items import Item, Piece
-from .partition import DEFAULT_MIN_CHUNK_BYTES, Partition, PartitionOptions, partition
-from .split import choose_split_dim, slab_bytes
+from .partition import (
+    DEFAULT_MIN_CHUNK_BYTES,
+    Item,
+    Partition,
+    PartitionOptions,
+    Piece,
+    balance,
+    choose_split_dim,
+    partition,
+    slab_bytes,
+)
 
 __all__ = [
     "DEFAULT_MIN_CHUNK_BYTES",

@@ -18,7 +18,7 @@ The algorithm, in cost units (byte-equivalents, see ``cost.py``):
    * whole, if ``L_r + cost <= T + s``;
    * a group that does not fit is dissolved into its items (re-queued);
    * a splittable item that does not fit is cut: a slab of ``k`` indices along
-     one dimension (``split.py``) sized to fill ``r`` up to ``T``, but at least
+     one dimension (the geometry below) sized to fill ``r`` up to ``T``, but at least
      ``m`` bytes and leaving at least ``m`` bytes; the remainder is re-queued.
      The dimension is one whose slabs are at most ``g = s - m - h`` bytes, or,
      if none is that fine, the finest one (a *coarse* cut: at least one slab);
@@ -58,6 +58,26 @@ placement. ∎
 Complexity: ``O((I + P) log(I + n))`` for ``I`` items, ``P`` pieces and ``n``
 ranks, using a heap of loads (lazy deletion) for units held by all ranks;
 units held by a subset of ranks scan that subset.
+
+What the partitioner works on: items to place and the pieces it places.
+Deliberately free of torch and DCP types so the algorithm can be tested (and
+fuzzed) in isolation; ``planner.py`` translates DCP ``WriteItem``s to these.
+
+Both are immutable ``NamedTuple``s rather than frozen dataclasses: the planner
+makes one per stored item on every save, and a frozen dataclass costs
+several times as much to build (one ``object.__setattr__`` per field), a
+large share of planning time at small world sizes.
+
+Geometry of splitting a tensor into boxes along one dimension. A tensor is cut
+along a single dimension ``d`` into slabs of whole indices of ``d`` (full extent
+in every other dimension), so every piece is an ordinary DCP chunk (offsets +
+sizes). Dimension 0 is preferred: its pieces are contiguous in memory and need
+no copy. A later dimension is used only when one row (one index of dim 0) is too
+coarse for the balance slack, e.g. a ``(2, 10**9)`` tensor, and has finer slabs.
+
+Balancing sizes into bins, :func:`balance`: :func:`partition` without splits.
+The writer spreads one rank's items over its data files (one per writing
+thread) this way: largest first, each to the least-loaded bin (LPT).
 """
 
 from __future__ import annotations
@@ -67,13 +87,91 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import PlanningError
 from .cost import CostModel
-from .items import Item, Piece
-from .split import choose_split_dim, slab_bytes
 
-__all__ = ["DEFAULT_MIN_CHUNK_BYTES", "Partition", "PartitionOptions", "partition"]
+__all__ = [
+    "DEFAULT_MIN_CHUNK_BYTES",
+    "Item",
+    "Partition",
+    "PartitionOptions",
+    "Piece",
+    "balance",
+    "choose_split_dim",
+    "partition",
+    "slab_bytes",
+]
+
+
+class Item(NamedTuple):
+    """One stored object (a tensor chunk or a bytes blob) as the partitioner sees it.
+
+    Attributes:
+        key: the caller's identifier (returned in every ``Piece`` of this item).
+        nbytes: bytes to store.
+        owners: ranks that hold this item, sorted. One owner: it stays there.
+            Several: any of them may write it (replicated data).
+        sort_key: total order for deterministic tie-breaking (e.g. "fqn@offsets")
+            among replicated items; never read for an item with one owner.
+        group: sub-collection name; items of one group stay on one rank when
+            balance allows. ``""`` means no group. Replicated items only.
+        shape: element shape if the item may be split into sub-boxes (plain
+            replicated tensors); ``None`` if it must be written whole.
+        itemsize: bytes per element (with ``shape``).
+    """
+
+    key: int
+    nbytes: int
+    owners: tuple[int, ...]
+    sort_key: str
+    group: str = ""
+    shape: tuple[int, ...] | None = None
+    itemsize: int = 1
+
+
+class Piece(NamedTuple):
+    """An item, or a box of it, assigned to one rank.
+
+    ``offsets``/``sizes`` are ``None`` for a whole item; otherwise the box
+    (in elements) relative to the item, with ``sizes`` covering all dims.
+    """
+
+    key: int
+    rank: int
+    nbytes: int
+    offsets: tuple[int, ...] | None = None
+    sizes: tuple[int, ...] | None = None
+
+    @property
+    def is_split(self) -> bool:
+        """Whether this piece is a box of its item rather than the whole item."""
+        return self.offsets is not None
+
+
+def slab_bytes(shape: tuple[int, ...], itemsize: int, dim: int) -> int:
+    """Bytes of one index along ``dim`` (the split granularity)."""
+    return math.prod(s for i, s in enumerate(shape) if i != dim) * itemsize
+
+
+def choose_split_dim(shape: tuple[int, ...], itemsize: int, granularity: int) -> int | None:
+    """The dimension to split along, preferably with slabs of at most ``granularity`` bytes.
+
+    Returns 0 when rows are fine enough; otherwise the dimension with the
+    smallest slab (ties: the lowest), even when that slab is coarser than
+    ``granularity``: cutting one slab too many costs at most a slab of balance,
+    writing the tensor whole costs all of it (at 8k ranks, whole 125 MB
+    embeddings made one rank write 230x the mean). ``None`` only when no
+    dimension has extent >= 2 (nothing to cut).
+    """
+    candidates = [d for d, s in enumerate(shape) if s >= 2]
+    if not candidates:
+        return None
+    if candidates[0] == 0 and slab_bytes(shape, itemsize, 0) <= granularity:
+        return 0
+    return min(candidates, key=lambda d: (slab_bytes(shape, itemsize, d), d))
+
 
 #: The minimum chunk when none is given, unless the ranks' share is too small for it.
 DEFAULT_MIN_CHUNK_BYTES = 16 << 10
@@ -301,3 +399,24 @@ def partition(
             heapq.heappush(queue, (-rest, sort_key, next(seq), unit, lo + k, hi, dim))
 
     return Partition(tuple(pieces), tuple(state.loads), target, slack, m)
+
+
+#: Whole items only, no grouping: plain LPT over the bins.
+_WHOLE = PartitionOptions(split=False, group=False)
+
+
+def balance(sizes: Sequence[int], bins: int) -> list[list[int]]:
+    """Indexes into ``sizes``, split into at most ``bins`` non-empty groups of similar total.
+
+    Deterministic: ties go to the earlier index and the lower bin. Each
+    group lists its indexes in placement order (largest first).
+    """
+    if bins <= 1 or len(sizes) <= 1:
+        return [list(range(len(sizes)))] if sizes else []
+    everyone = tuple(range(bins))
+    items = [Item(i, n, everyone, f"{i:012d}") for i, n in enumerate(sizes)]
+    placed = partition(items, bins, CostModel(per_item_overhead=0.0), _WHOLE, check=False)
+    groups: list[list[int]] = [[] for _ in range(bins)]
+    for piece in placed.pieces:
+        groups[piece.rank].append(piece.key)
+    return [g for g in groups if g]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from dcp_multilevel.errors import PlanningError
 from dcp_multilevel.planning import CostModel, Item, PartitionOptions, partition
-from dcp_multilevel.planning.split import choose_split_dim, slab_bytes
+from dcp_multilevel.planning.partition import choose_split_dim, slab_bytes
 
 
 @st.composite
