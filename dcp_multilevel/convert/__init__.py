@@ -10,13 +10,13 @@
     convert("/stock/step-100", "/ckpt/step-100", to="ours", codec="bytegroup")
     convert("model.pt", "/ckpt/step-0", to="ours")
 
-Modules: ``api.py`` (:func:`convert`, :class:`ConvertReport`), ``detect.py``
-(what a source is), ``sources.py`` (reading one into file-backed tensors),
-``scratch.py`` (those tensors), ``to_file.py`` (torch.save, safetensors),
-``to_dcp.py`` (stock DCP, ours), ``progress.py``. See ``docs/interop.md``.
+Modules: ``api.py`` (:func:`convert`, :class:`ConvertReport`), ``sources.py``
+(what a source is, and reading one into file-backed tensors), ``scratch.py``
+(those tensors), ``to_file.py`` (torch.save, safetensors), ``to_dcp.py`` (stock
+DCP, ours), ``progress.py``. See ``docs/interop.md``.
 """
 
 from .api import TARGET_KINDS, ConvertReport, convert
-from .detect import SOURCE_KINDS, detect_source
+from .sources import SOURCE_KINDS, detect_source
 
 __all__ = ["SOURCE_KINDS", "TARGET_KINDS", "ConvertReport", "convert", "detect_source"]

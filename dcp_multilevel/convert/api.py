@@ -15,10 +15,9 @@ from ..checkpoint import StoredCheckpoint
 from ..codecs import codec_for
 from ..codecs.options import Compression
 from ..errors import CheckpointExistsError, ConfigError, ConvertError
-from .detect import OURS, STOCK_DCP, TORCH_SAVE, detect_source, is_url, local_path
 from .progress import Progress, ProgressCallback
 from .scratch import Scratch
-from .sources import open_source
+from .sources import OURS, STOCK_DCP, TORCH_SAVE, detect_source, is_url, local_path, open_source
 from .to_dcp import write_ours, write_stock_dcp
 from .to_file import safetensors_problems, write_safetensors, write_torch_save
 
