@@ -28,12 +28,12 @@ def main() -> None:
         "target_protocol": "file",
         "target_options": {"auto_mkdir": True},
         "delay": {"put_file": 30.0},
+        "announce": {"put_file": str(marker)},  # the parent's gate: the upload began
         "skip_instance_cache": True,
     }
     slow = Level(fast.url, storage_options=slow_options)
     mgr = CheckpointManager([Level(l1), slow], drain_policy="wait")
     mgr.save(state(2), step=2)
-    marker.touch()
     mgr.wait()
 
 

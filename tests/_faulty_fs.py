@@ -56,6 +56,8 @@ class FaultyFileSystem(AbstractFileSystem):
         wait_for: operation -> a file path: each call first waits until that file
             exists (a link that stalls until the test lets it go; works across
             processes), at most ``WAIT_FOR_S`` seconds, then fails.
+        announce: operation -> a file path each call creates as it starts, before any
+            delay (a gate the test waits at: "the upload has begun", across processes).
         record: a name: every call appends ``(operation, thread name)`` to
             ``CALLS[record]`` as it starts (which thread touched the remote).
     """
@@ -73,6 +75,7 @@ class FaultyFileSystem(AbstractFileSystem):
         truncate_puts: int = 0,
         delay: dict[str, float] | None = None,
         wait_for: dict[str, str] | None = None,
+        announce: dict[str, str] | None = None,
         record: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -89,6 +92,7 @@ class FaultyFileSystem(AbstractFileSystem):
         self.truncate_puts = truncate_puts
         self.delay = dict(delay or {})
         self.wait_for = dict(wait_for or {})
+        self.announce = dict(announce or {})
         self.record = record
         self.calls: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()
@@ -99,6 +103,8 @@ class FaultyFileSystem(AbstractFileSystem):
         """Count a call of ``op``; raise the configured error if it is chosen to fail."""
         if self.record is not None:
             CALLS.setdefault(self.record, []).append((op, threading.current_thread().name))
+        if self.announce.get(op):
+            pathlib.Path(self.announce[op]).touch()
         if self.delay.get(op):
             time.sleep(self.delay[op])
         if self.wait_for.get(op):

@@ -219,8 +219,7 @@ def test_sigkill_during_a_drain_then_the_next_run_drains_again(tmp_path):
             assert child.poll() is None, f"child exited early with {child.returncode}"
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        time.sleep(0.3)  # inside the (slow) upload of step 2
-        child.send_signal(signal.SIGKILL)
+        child.send_signal(signal.SIGKILL)  # the upload of step 2 has begun (the gate)
     finally:
         child.kill()
         child.wait()
