@@ -17,7 +17,10 @@ manifest cannot be caught by type there; call ``MultiLevelReader(path)
 
 from __future__ import annotations
 
+import os
+
 __all__ = [
+    "TIMEOUT_ENV",
     "AsyncSaveError",
     "BrokenChainError",
     "CheckpointExistsError",
@@ -42,6 +45,7 @@ __all__ = [
     "UnsupportedFormatVersionError",
     "UnsupportedStateError",
     "WaitTimeoutError",
+    "timeout_s",
 ]
 
 
@@ -233,9 +237,37 @@ class DrainError(DcpMultilevelError, RuntimeError):
 
 
 class WaitTimeoutError(DcpMultilevelError, TimeoutError):
-    """A bounded wait of the levels expired: the message names what it waited for
-    (the step, the level, the rank) and the bound (``timeout_s``; ``docs/levels.md``,
+    """A bounded wait expired: the message names what it waited for (the step, the
+    level, the rank, the file) and the bound (:func:`timeout_s`; ``docs/levels.md``,
     "Bounded waits")."""
+
+
+#: The environment variable that bounds every wait on another thread, process or rank,
+#: in seconds (``docs/levels.md``, "Bounded waits"); 3600 when unset.
+TIMEOUT_ENV = "DCP_ML_TIMEOUT_S"
+
+
+def timeout_s() -> float:
+    """The bound of every wait on another thread, process or rank: ``DCP_ML_TIMEOUT_S``,
+    else 3600 s. Beside the error its expiry raises (:class:`WaitTimeoutError`), so that
+    every folder reads the one bound.
+
+    Raises:
+        ConfigError: the variable holds no positive number.
+    """
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return 3600.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(
+            f"environment variable {TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]!r} must be a positive "
+            "number of seconds (the bound of every wait of the levels)"
+        )
+    return value
 
 
 class AsyncSaveError(DcpMultilevelError, RuntimeError):

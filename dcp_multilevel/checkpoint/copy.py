@@ -46,6 +46,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -54,7 +55,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from ..codecs import MIN_CODED_BYTES, Codec, Compression, codec_for, encode_item
-from ..errors import TruncatedDataError
+from ..errors import TIMEOUT_ENV, TruncatedDataError, WaitTimeoutError, timeout_s
 from ..format import Hasher, ItemLocation, Manifest, data_file_path, is_rank_file
 from ..stores import ReadHandle, Store
 from . import StoredCheckpoint, blocks_of
@@ -417,16 +418,26 @@ def copy_verbatim(
 ) -> Output:
     local = source.store.local_path(file)
     if local is not None:
-        with ThreadPoolExecutor(1, thread_name_prefix="dcp-ml-upload") as up:
-            upload: Future[None] = up.submit(target.put_file, local, out)
+        bound = timeout_s()
+        up = ThreadPoolExecutor(1, thread_name_prefix="dcp-ml-upload")
+        upload: Future[None] = up.submit(target.put_file, local, out)
+        try:
             try:
                 _scan(source, file, size, items, sink=None)
             except BaseException:
                 with contextlib.suppress(Exception):
-                    upload.result()
+                    upload.result(bound)
                 _discard(target, out)
                 raise
-            upload.result()
+            try:
+                upload.result(bound)
+            except FutureTimeout:
+                raise WaitTimeoutError(
+                    f"the upload of {file} to {target.url}/{out} has not finished after "
+                    f"{bound:g} s ({TIMEOUT_ENV})"
+                ) from None
+        finally:
+            up.shutdown(wait=upload.done())  # a stuck upload is left behind, not joined
     else:
         with target.open_write(out) as dst:
             _scan(source, file, size, items, sink=dst.write)

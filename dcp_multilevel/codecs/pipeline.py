@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 import xxhash
 
+from ..errors import TIMEOUT_ENV, WaitTimeoutError, timeout_s
 from ..format import frames
 from ..format.tensor_bytes import pieces
 from .base import MIN_CODED_BYTES, Codec
@@ -475,6 +476,7 @@ class Backlog:
         self._pool = pool
         self._tasks: deque[Task] = deque()
         self._lock = threading.Lock()
+        self._bound = timeout_s()  # read once: result() runs per chunk
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Task:
         """Queue ``fn(*args)``; a pool thread or :meth:`result` runs it."""
@@ -499,8 +501,12 @@ class Backlog:
         # rather than wait for ``task``.
         while not task.done.is_set():
             other = self._take_oldest()
-            if other is None:
-                task.done.wait()
+            if other is None:  # a pool thread runs it
+                if not task.done.wait(self._bound):
+                    raise WaitTimeoutError(
+                        f"a coding thread has not finished its chunk after {self._bound:g} s "
+                        f"({TIMEOUT_ENV}); the codec's call never returned"
+                    )
                 break
             other.run()
         if task.error is not None:

@@ -68,7 +68,6 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -76,7 +75,7 @@ from typing import Any
 
 from .. import _dist
 from ..checkpoint import StoredCheckpoint, decoded_manifest
-from ..errors import ConfigError, DcpMultilevelError, DrainError
+from ..errors import TIMEOUT_ENV, ConfigError, DcpMultilevelError, DrainError, timeout_s
 from ..stores.location import parse_location
 from .base import LEVEL_KINDS, DrainResult, LevelContext, LevelDriver
 from .books import Books
@@ -661,33 +660,8 @@ _LOCK = threading.Lock()
 _RUNTIMES: dict[Any, Runtime] = {}  # first level's root -> its runtime
 _EXIT_HOOK: list[bool] = []  # [True] once the exit hook is registered
 
-#: The environment variable that bounds every wait of the levels, in seconds (see
-#: ``docs/levels.md``, "Bounded waits"); 3600 when unset.
-TIMEOUT_ENV = "DCP_ML_TIMEOUT_S"
-
 #: The options a runtime is made with when none are given (``timeout_s``: :func:`timeout_s`).
 DEFAULTS = {"drain_policy": "latest", "part_share": PART_SHARE}
-
-
-def timeout_s() -> float:
-    """The bound of every wait of the levels: ``DCP_ML_TIMEOUT_S``, else 3600 s.
-
-    Raises:
-        ConfigError: the variable holds no positive number.
-    """
-    text = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not text:
-        return 3600.0
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0 or value == float("inf"):
-        raise ConfigError(
-            f"environment variable {TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]!r} must be a positive "
-            "number of seconds (the bound of every wait of the levels)"
-        )
-    return value
 
 
 def runtime_for(

@@ -6,11 +6,20 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
+import _faulty_fs  # noqa: F401 - registers faulty://
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
-from dcp_multilevel.errors import ConfigError
-from dcp_multilevel.levels.runtime import timeout_s
+from dcp_multilevel import MultiLevelWriter
+from dcp_multilevel.checkpoint import StoredCheckpoint
+from dcp_multilevel.checkpoint.copy import copy_file_verbatim
+from dcp_multilevel.codecs.pipeline import Backlog
+from dcp_multilevel.errors import ConfigError, WaitTimeoutError, timeout_s
+from dcp_multilevel.stores.remote import RemoteStore
 
 _STUCK_SAVE = textwrap.dedent(
     """
@@ -80,3 +89,46 @@ def test_the_bound_defaults_to_an_hour_and_follows_the_environment(monkeypatch):
     assert timeout_s() == 3600.0
     monkeypatch.setenv("DCP_ML_TIMEOUT_S", "90")
     assert timeout_s() == 90.0
+
+
+def test_a_coding_thread_that_never_returns_is_a_bounded_wait(monkeypatch):
+    monkeypatch.setenv("DCP_ML_TIMEOUT_S", "0.3")
+    started, release = threading.Event(), threading.Event()
+
+    def stuck() -> None:  # a codec call that never returns
+        started.set()
+        release.wait()
+
+    with ThreadPoolExecutor(1) as pool:
+        backlog = Backlog(pool)
+        task = backlog.submit(stuck)
+        assert started.wait(10)  # the gate: the pool thread runs it, the consumer cannot
+        with pytest.raises(WaitTimeoutError) as info:
+            backlog.result(task)
+        release.set()
+    assert str(info.value) == (
+        "a coding thread has not finished its chunk after 0.3 s (DCP_ML_TIMEOUT_S); the "
+        "codec's call never returned"
+    )
+
+
+def test_an_upload_that_never_ends_is_a_bounded_wait(tmp_path, monkeypatch):
+    dcp.save({"w": torch.arange(64.0)}, storage_writer=MultiLevelWriter(tmp_path / "src"))
+    source = StoredCheckpoint.at(tmp_path / "src")
+    (file,) = source.manifest().files
+    gate = tmp_path / "gate"  # never created while the copy waits: a stuck link
+    target = RemoteStore(
+        f"faulty://{tmp_path}/dst",
+        target_protocol="file",
+        target_options={"auto_mkdir": True},
+        wait_for={"put_file": str(gate)},
+        skip_instance_cache=True,
+    )
+    monkeypatch.setenv("DCP_ML_TIMEOUT_S", "0.5")
+    with pytest.raises(WaitTimeoutError) as info:
+        copy_file_verbatim(source, file, target)
+    gate.touch()  # the upload left behind ends
+    assert str(info.value) == (
+        f"the upload of {file} to faulty://{tmp_path}/dst/{file} has not finished after "
+        "0.5 s (DCP_ML_TIMEOUT_S)"
+    )
